@@ -1,0 +1,178 @@
+"""The env-adapter contract: every simulator looks the same to the simulator worker.
+
+An adapter owns ``num_envs`` environments that the simulator worker steps together as one
+*slot* (DESIGN §3). It never auto-resets: the worker decides when an env starts a new episode,
+and with which seed / init state, so GRPO groups and evaluation can replay the same start.
+
+Observations are plain numpy, batched over the envs named in the call:
+
+    {"images": {camera: uint8 [n, H, W, 3], upright},
+     "state": float32 [n, state_dim],
+     "instruction": list[str] of length n}
+
+Adapters register themselves with ``@register_env("name")`` and are built from the job config
+by :func:`make_env`. An adapter's own options arrive as a dict (``env.options`` in YAML) and are
+validated into that adapter's options dataclass, so a mistyped key names itself.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from abc import ABC, abstractmethod
+from dataclasses import dataclass, field
+from typing import Any, Callable, Sequence
+
+import numpy as np
+
+Obs = dict[str, Any]
+
+
+@dataclass(frozen=True)
+class EnvSpec:
+    """What a policy and the wire need to know about an env's observations and actions."""
+
+    cameras: dict[str, tuple[int, int]]
+    """Camera name -> (height, width) of its uint8 RGB image."""
+    state_dim: int
+    """Length of the float32 proprio state vector."""
+    action_dim: int
+    """Length of one action (one step of a chunk)."""
+    max_episode_steps: int
+    """Env steps after which an episode is truncated."""
+    action_low: float = -1.0
+    """Lower bound of every action component."""
+    action_high: float = 1.0
+    """Upper bound of every action component."""
+
+
+@dataclass
+class StepResult:
+    """One env step for the envs named in the call, in the order named."""
+
+    obs: Obs
+    reward: np.ndarray  # float32 [n]
+    terminated: np.ndarray  # bool [n]
+    truncated: np.ndarray  # bool [n]
+    success: np.ndarray  # bool [n]
+    info: dict[str, Any] = field(default_factory=dict)
+
+
+class EnvAdapter(ABC):
+    """A batch of ``num_envs`` envs of one simulator, stepped by index."""
+
+    spec: EnvSpec
+    num_envs: int
+
+    @abstractmethod
+    def reset(self, ids: Sequence[int], seeds: Sequence[int | None] | None = None) -> Obs:
+        """Start a new episode in each env of ``ids``; ``seeds[i]`` fixes its initial state."""
+
+    @abstractmethod
+    def step(self, ids: Sequence[int], actions: np.ndarray) -> StepResult:
+        """Apply ``actions[i]`` (float32 [action_dim]) to env ``ids[i]``, one physics step each."""
+
+    def close(self) -> None:
+        """Release simulator resources (renderers, subprocesses)."""
+
+
+# ---------------------------------------------------------------------------------------------
+# Registry
+# ---------------------------------------------------------------------------------------------
+
+EnvFactory = Callable[..., EnvAdapter]
+_ENVS: dict[str, tuple[EnvFactory, type | None]] = {}
+
+
+def register_env(name: str, options: type | None = None) -> Callable[[EnvFactory], EnvFactory]:
+    """Register an adapter class (or factory) under ``name`` with its options dataclass."""
+
+    def deco(factory: EnvFactory) -> EnvFactory:
+        _ENVS[name] = (factory, options)
+        return factory
+
+    return deco
+
+
+def _import_builtin_adapters() -> None:
+    # Importing the modules registers them; heavy simulator imports stay inside the adapters.
+    import importlib
+
+    for mod in ("synthetic", "metaworld", "libero", "maniskill", "robocasa"):
+        try:
+            importlib.import_module(f"workers.envs.{mod}")
+        except ModuleNotFoundError as exc:  # only our own module missing is fatal
+            if exc.name == f"workers.envs.{mod}":
+                continue
+            raise
+
+
+def env_names() -> list[str]:
+    _import_builtin_adapters()
+    return sorted(_ENVS)
+
+
+def parse_options(cls: type | None, options: dict[str, Any] | None, where: str) -> Any:
+    """Validate a dict into an options dataclass, naming any unknown or missing key."""
+    options = dict(options or {})
+    if cls is None:
+        if options:
+            raise ValueError(f"{where}: this env takes no options, got {sorted(options)}")
+        return None
+    known = {f.name: f for f in dataclasses.fields(cls)}
+    unknown = sorted(set(options) - set(known))
+    if unknown:
+        raise ValueError(f"{where}: unknown option(s) {unknown}; known: {sorted(known)}")
+    try:
+        return cls(**options)
+    except TypeError as exc:
+        raise ValueError(f"{where}: {exc}") from None
+
+
+def make_env(name: str, num_envs: int, seed: int = 0, options: dict[str, Any] | None = None) -> EnvAdapter:
+    """Build the adapter registered as ``name`` with ``num_envs`` envs."""
+    _import_builtin_adapters()
+    if name not in _ENVS:
+        raise ValueError(f"unknown env {name!r}; registered: {sorted(_ENVS)}")
+    factory, opt_cls = _ENVS[name]
+    opts = parse_options(opt_cls, options, f"env.options for {name!r}")
+    return factory(num_envs=num_envs, seed=seed, options=opts)
+
+
+def env_spec(name: str, options: dict[str, Any] | None = None) -> EnvSpec:
+    """The spec of an env without building a simulator (adapters may override ``spec_for``)."""
+    _import_builtin_adapters()
+    factory, opt_cls = _ENVS[name]
+    opts = parse_options(opt_cls, options, f"env.options for {name!r}")
+    spec_for = getattr(factory, "spec_for", None)
+    if spec_for is not None:
+        return spec_for(opts)
+    env = factory(num_envs=1, seed=0, options=opts)
+    try:
+        return env.spec
+    finally:
+        env.close()
+
+
+def concat_obs(parts: Sequence[Obs]) -> Obs:
+    """Stack per-env observation dicts along the batch axis."""
+    if len(parts) == 1:
+        return parts[0]
+    return {
+        "images": {k: np.concatenate([p["images"][k] for p in parts]) for k in parts[0]["images"]},
+        "state": np.concatenate([p["state"] for p in parts]),
+        "instruction": [s for p in parts for s in p["instruction"]],
+    }
+
+
+def slice_obs(obs: Obs, idx: Sequence[int] | slice) -> Obs:
+    """Select envs ``idx`` of a batched observation."""
+    if isinstance(idx, slice):
+        instr = obs["instruction"][idx]
+    else:
+        instr = [obs["instruction"][i] for i in idx]
+        idx = np.asarray(idx, dtype=np.int64)
+    return {
+        "images": {k: v[idx] for k, v in obs["images"].items()},
+        "state": obs["state"][idx],
+        "instruction": instr,
+    }

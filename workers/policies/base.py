@@ -1,0 +1,137 @@
+"""The policy contract shared by generators (``act``) and trainers (``evaluate``).
+
+Every family - the small ``mlp`` policy, OpenVLA-OFT, pi0, pi0.5, GR00T N1.5 - is a
+``torch.nn.Module`` with the same two calls, so the generator worker and the PPO/GRPO code
+never know which model they drive:
+
+* ``act(obs, deterministic)`` samples an action chunk and returns its log-probability, a value
+  estimate and the *replay* data needed to score exactly that sample again (token ids for
+  autoregressive heads; the sampler's noise chain and which denoising steps were stochastic for
+  flow-matching heads). Replay travels with the trajectory to the trainer.
+* ``evaluate(obs, actions, replay)`` recomputes differentiable log-probs, entropy and values for
+  given actions. ``evaluate`` on the output of ``act`` reproduces ``act``'s log-probs (to 1e-5 in
+  float32): PPO's importance ratio depends on it.
+
+Log-probs come as ``[B, L]``: one entry per unit of ``logprob_level`` - ``token`` (L = tokens
+per chunk), ``action`` (L = chunk length, one per step) or ``chunk`` (L = 1). The trainer sums
+or keeps them per unit as the algorithm asks.
+
+Observations are the env adapters' numpy dicts (see ``workers.envs.base``): images uint8
+``[B, H, W, 3]`` per camera, ``state`` float32 ``[B, D]``, ``instruction`` list of B strings.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from abc import ABC, abstractmethod
+from dataclasses import dataclass, field
+from typing import Any, Callable, ClassVar
+
+import torch
+from torch import nn
+
+from workers.envs.base import EnvSpec, Obs, parse_options
+
+LOGPROB_LEVELS = ("token", "action", "chunk")
+
+
+@dataclass
+class ActOutput:
+    """What a generator returns for one batch."""
+
+    actions: torch.Tensor  # float32 [B, T, A]
+    logprob: torch.Tensor  # float32 [B, L]
+    value: torch.Tensor  # float32 [B] (zeros when the family has no value head)
+    replay: dict[str, torch.Tensor] = field(default_factory=dict)  # each [B, ...]
+
+
+@dataclass
+class EvalOutput:
+    """What the trainer gets back when it re-scores actions."""
+
+    logprob: torch.Tensor  # [B, L], differentiable
+    entropy: torch.Tensor  # [B, L] or [B], differentiable
+    value: torch.Tensor  # [B], differentiable
+
+
+class Policy(nn.Module, ABC):
+    """Base class of every policy family."""
+
+    family: ClassVar[str] = ""
+    logprob_level: ClassVar[str] = "chunk"
+
+    def __init__(self, spec: EnvSpec, chunk_size: int) -> None:
+        super().__init__()
+        self.spec = spec
+        self.chunk_size = int(chunk_size)
+        self.action_dim = int(spec.action_dim)
+
+    @property
+    def device(self) -> torch.device:
+        return next(self.parameters()).device
+
+    @abstractmethod
+    def act(self, obs: Obs, deterministic: bool = False) -> ActOutput:
+        """Sample (or, deterministic, take the mode of) one action chunk per env."""
+
+    @abstractmethod
+    def evaluate(self, obs: Obs, actions: torch.Tensor, replay: dict[str, torch.Tensor]) -> EvalOutput:
+        """Differentiable log-probs, entropy and values of given actions."""
+
+    @classmethod
+    def from_pretrained(cls, local_dir: str, spec: EnvSpec, **overrides: Any) -> "Policy":
+        """Load a released checkpoint from a local directory (families override)."""
+        raise NotImplementedError(f"{cls.family}: no checkpoint loader")
+
+
+# ---------------------------------------------------------------------------------------------
+# Registry
+# ---------------------------------------------------------------------------------------------
+
+PolicyBuilder = Callable[[Any, EnvSpec], Policy]
+_POLICIES: dict[str, tuple[PolicyBuilder, type]] = {}
+
+
+def register_policy(family: str, config: type) -> Callable[[PolicyBuilder], PolicyBuilder]:
+    """Register a builder ``(config, spec) -> Policy`` with its config dataclass."""
+
+    def deco(builder: PolicyBuilder) -> PolicyBuilder:
+        _POLICIES[family] = (builder, config)
+        return builder
+
+    return deco
+
+
+def _import_builtin_policies() -> None:
+    import importlib
+
+    for mod in ("mlp", "openvla_oft", "pi0", "pi05", "gr00t"):
+        try:
+            importlib.import_module(f"workers.policies.{mod}")
+        except ModuleNotFoundError as exc:
+            if exc.name == f"workers.policies.{mod}":
+                continue
+            raise
+
+
+def policy_families() -> list[str]:
+    _import_builtin_policies()
+    return sorted(_POLICIES)
+
+
+def make_policy(family: str, options: dict[str, Any] | None, spec: EnvSpec) -> Policy:
+    """Build the family's policy from its options dict (validated into its config dataclass)."""
+    _import_builtin_policies()
+    if family not in _POLICIES:
+        raise ValueError(f"unknown model family {family!r}; registered: {sorted(_POLICIES)}")
+    builder, cfg_cls = _POLICIES[family]
+    cfg = parse_options(cfg_cls, options, f"model.options for {family!r}")
+    policy = builder(cfg, spec)
+    if policy.logprob_level not in LOGPROB_LEVELS:
+        raise ValueError(f"{family}: logprob_level {policy.logprob_level!r} not in {LOGPROB_LEVELS}")
+    return policy
+
+
+def config_fields(family: str) -> list[str]:
+    _import_builtin_policies()
+    return [f.name for f in dataclasses.fields(_POLICIES[family][1])]
