@@ -1,0 +1,209 @@
+"""SubprocEnv: slots step in child processes; a crashing or hanging env is rebuilt on its own.
+
+The faulty adapters are registered here and imported by the child via ``modules=[__name__]``.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import threading
+import time
+from dataclasses import dataclass
+from typing import Sequence
+
+import numpy as np
+import pytest
+
+from workers.envs.base import EnvAdapter, EnvSpec, Obs, StepResult, register_env
+from workers.envs.subproc import EnvCrashed, GuardedEnv, SubprocEnv
+
+MOD = __name__
+
+
+@dataclass
+class FaultyOptions:
+    crash_at: int = 0
+    """Raise on this step of the child's life (0: never)."""
+    hang_at: int = 0
+    """Block forever on this step (0: never)."""
+    segv_at: int = 0
+    """Kill the child with SIGSEGV on this step (0: never)."""
+    fail_build: bool = False
+    """Raise while building the env."""
+    first_child_only: bool = True
+    """Faults fire only in the env built with seed 0; a rebuilt child is reseeded and behaves."""
+
+
+@register_env("test_faulty", options=FaultyOptions)
+class FaultyEnv(EnvAdapter):
+    """A tiny state-only env: state = [step count, seed]; succeeds at step 3."""
+
+    def __init__(self, num_envs: int, seed: int = 0, options: FaultyOptions | None = None) -> None:
+        self.opts = options or FaultyOptions()
+        if self.opts.fail_build:
+            raise RuntimeError("build failed on purpose")
+        self.num_envs = num_envs
+        self.spec = EnvSpec(cameras={"cam": (4, 4)}, state_dim=2, action_dim=1, max_episode_steps=5)
+        self.t = np.zeros(num_envs, np.int64)
+        self.s = np.zeros(num_envs, np.int64)
+        self.calls = 0
+        self.armed = seed == 0 or not self.opts.first_child_only
+        self.rng = np.random.default_rng(seed)
+
+    def _obs(self, ids: Sequence[int]) -> Obs:
+        ids = list(ids)
+        return {
+            "images": {"cam": np.zeros((len(ids), 4, 4, 3), np.uint8)},
+            "state": np.stack([self.t[ids], self.s[ids]], 1).astype(np.float32),
+            "instruction": ["count"] * len(ids),
+        }
+
+    def reset(self, ids: Sequence[int], seeds: Sequence[int | None] | None = None) -> Obs:
+        for k, i in enumerate(ids):
+            seed = None if seeds is None else seeds[k]
+            self.t[i] = 0
+            self.s[i] = seed if seed is not None else int(self.rng.integers(1000, 2000))
+        return self._obs(ids)
+
+    def step(self, ids: Sequence[int], actions: np.ndarray) -> StepResult:
+        self.calls += 1
+        if not self.armed:
+            pass
+        elif self.calls == self.opts.crash_at:
+            raise ValueError("crash on purpose")
+        elif self.calls == self.opts.hang_at:
+            threading.Event().wait()
+        elif self.calls == self.opts.segv_at:
+            os.kill(os.getpid(), signal.SIGSEGV)
+        ids = list(ids)
+        self.t[ids] += 1
+        n = len(ids)
+        t = self.t[ids]
+        return StepResult(self._obs(ids), np.ones(n, np.float32), t == 3, t >= 5, t == 3, {})
+
+
+def _step_n(env: SubprocEnv, n: int) -> list[StepResult]:
+    ids = list(range(env.num_envs))
+    return [env.step(ids, np.zeros((len(ids), 1), np.float32)) for _ in range(n)]
+
+
+def test_steps_and_reset_in_child() -> None:
+    env = SubprocEnv("test_faulty", num_envs=2, modules=[MOD])
+    try:
+        assert env.spec.state_dim == 2 and env.pid != os.getpid()
+        obs = env.reset([0, 1], [7, 8])
+        assert obs["state"][:, 1].tolist() == [7, 8]
+        res = _step_n(env, 3)[-1]
+        assert res.success.all() and res.terminated.all() and env.restarts == 0
+        assert res.obs["state"][:, 0].tolist() == [3, 3]
+    finally:
+        env.close()
+    assert env.pid is None
+
+
+@pytest.mark.parametrize("fault", ["crash_at", "segv_at"])
+def test_crash_restarts_child_and_truncates(fault: str) -> None:
+    env = SubprocEnv("test_faulty", num_envs=2, options={fault: 2}, modules=[MOD])
+    try:
+        env.reset([0, 1], [1, 2])
+        pid = env.pid
+        _step_n(env, 1)
+        res = _step_n(env, 1)[0]
+        assert env.restarts == 1 and env.pid != pid
+        assert res.truncated.all() and not res.success.any()
+        assert sorted(res.info["restarted"]) == [0, 1] and res.info["restarts"] == 1
+        assert res.obs["state"][:, 0].tolist() == [0, 0]  # fresh reset obs
+        ok = _step_n(env, 1)[0]  # the rebuilt env goes on
+        assert not ok.truncated.any() and "restarted" not in ok.info
+    finally:
+        env.close()
+
+
+def test_partial_step_reports_other_envs_when_next_stepped() -> None:
+    env = SubprocEnv("test_faulty", num_envs=3, options={"crash_at": 1}, modules=[MOD])
+    try:
+        env.reset([0, 1, 2])
+        res = env.step([0], np.zeros((1, 1), np.float32))
+        assert res.info["restarted"] == [0]
+        env.reset([2])  # a fresh episode supersedes the lost one
+        res = env.step([1, 2], np.zeros((2, 1), np.float32))
+        assert res.truncated.tolist() == [True, False]
+        assert res.info["restarted"] == [1]
+        assert res.obs["state"][:, 0].tolist() == [0, 1]
+    finally:
+        env.close()
+
+
+def test_hanging_slot_is_restarted_while_other_slot_keeps_stepping() -> None:
+    good = SubprocEnv("test_faulty", num_envs=1, modules=[MOD])
+    bad = SubprocEnv("test_faulty", num_envs=1, options={"hang_at": 1}, step_timeout_s=2.0, modules=[MOD])
+    try:
+        good.reset([0])
+        bad.reset([0])
+        out: dict[str, StepResult] = {}
+        bad.step_async([0], np.zeros((1, 1), np.float32))
+        waiter = threading.Thread(target=lambda: out.setdefault("bad", bad.step_wait()))
+        waiter.start()
+        good_steps = 0
+        deadline = time.monotonic() + 60
+        while waiter.is_alive() and time.monotonic() < deadline:
+            r = good.step([0], np.zeros((1, 1), np.float32))
+            assert "restarted" not in r.info
+            good_steps += 1
+            if r.terminated.any() or r.truncated.any():
+                good.reset([0])
+        waiter.join(timeout=max(0.0, deadline - time.monotonic()))
+        assert not waiter.is_alive(), "hung slot never came back"
+        assert good_steps > 10, "the healthy slot did not keep stepping"
+        res = out["bad"]
+        assert res.truncated.all() and res.info["restarted"] == [0] and bad.restarts == 1
+        assert "no answer" in res.info["error"]
+        assert not _step_n(bad, 1)[0].truncated.any()
+    finally:
+        good.close()
+        bad.close()
+
+
+def test_build_failure_raises_with_child_traceback() -> None:
+    with pytest.raises(EnvCrashed, match="build failed on purpose"):
+        SubprocEnv("test_faulty", num_envs=1, options={"fail_build": True}, modules=[MOD])
+
+
+def test_child_exits_when_parent_dies(tmp_path) -> None:
+    import multiprocessing as mp
+
+    ctx = mp.get_context("spawn")
+    q = ctx.Queue()
+    parent = ctx.Process(target=_make_env_and_report_pid, args=(q,))
+    parent.start()
+    child_pid = q.get(timeout=120)
+    parent.kill()
+    parent.join(10)
+    deadline = time.monotonic() + 30
+    while time.monotonic() < deadline and _alive(child_pid):
+        time.sleep(0.05)  # polling a pid with a deadline, not synchronising on sleep
+    assert not _alive(child_pid), "child outlived its parent"
+
+
+def _make_env_and_report_pid(q) -> None:  # runs in a spawned "parent"
+    env = SubprocEnv("test_faulty", num_envs=1, modules=[MOD])
+    q.put(env.pid)
+    threading.Event().wait()
+
+
+def _alive(pid: int) -> bool:
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().split(")")[-1].split()[0] != "Z"
+    except FileNotFoundError:
+        return False
+
+
+def test_guarded_env_rebuilds_in_process() -> None:
+    env = GuardedEnv("test_faulty", num_envs=2, options={"crash_at": 2})
+    env.reset([0, 1])
+    env.step([0, 1], np.zeros((2, 1), np.float32))
+    res = env.step([0, 1], np.zeros((2, 1), np.float32))
+    assert res.truncated.all() and res.info["restarted"] == [0, 1] and env.restarts == 1
+    env.close()
