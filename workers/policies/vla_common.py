@@ -1,0 +1,342 @@
+"""Pieces every VLA family shares: observation -> tensors, a tokenizer built in code, value heads,
+device/dtype choice and the local checkpoint reader.
+
+Kept free of any one family so OpenVLA-OFT, pi0, pi0.5 and GR00T read observations the same way
+and load releases with the same missing-file / missing-parameter messages.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+import re
+from dataclasses import dataclass
+from typing import Any, Iterable, Sequence
+
+import numpy as np
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from workers.envs.base import EnvSpec, Obs
+
+# ---------------------------------------------------------------------------------------------
+# Device and dtype
+# ---------------------------------------------------------------------------------------------
+
+
+def resolve_device(name: str) -> torch.device:
+    """``auto`` picks CUDA when present: the generator runs where the accelerator is."""
+    if name == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    return torch.device(name)
+
+
+def resolve_dtype(name: str, device: torch.device) -> torch.dtype:
+    """``auto`` is bf16 on CUDA (memory, tensor cores) and float32 on CPU (exact log-probs)."""
+    if name == "auto":
+        return torch.bfloat16 if device.type == "cuda" else torch.float32
+    dt = getattr(torch, name, None)
+    if not isinstance(dt, torch.dtype):
+        raise ValueError(f"unknown dtype {name!r}; use auto, float32, bfloat16 or float16")
+    return dt
+
+
+# ---------------------------------------------------------------------------------------------
+# Tokenizer
+# ---------------------------------------------------------------------------------------------
+
+SPECIAL_TOKENS = ("<pad>", "<bos>", "<eos>", "<unk>")
+
+
+def char_tokenizer() -> Any:
+    """A character-level fast tokenizer built in memory (ids 0-3 special, then printable ASCII).
+
+    Tiny configs use it so nothing downloads; it saves and loads like a released tokenizer.json.
+    """
+    from tokenizers import Regex, Tokenizer, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    vocab = {tok: i for i, tok in enumerate(SPECIAL_TOKENS)}
+    for code in range(32, 127):
+        vocab[chr(code)] = len(vocab)
+    tok = Tokenizer(models.WordLevel(vocab, unk_token="<unk>"))
+    tok.pre_tokenizer = pre_tokenizers.Split(Regex("."), behavior="isolated")
+    return PreTrainedTokenizerFast(
+        tokenizer_object=tok, pad_token="<pad>", bos_token="<bos>", eos_token="<eos>", unk_token="<unk>"
+    )
+
+
+def load_tokenizer(local_dir: str) -> Any:
+    from transformers import PreTrainedTokenizerFast
+
+    return PreTrainedTokenizerFast.from_pretrained(local_dir)
+
+
+def encode_text(tokenizer: Any, texts: Sequence[str], max_len: int, bos: bool = True) -> tuple[torch.Tensor, torch.Tensor]:
+    """Right-padded ids and mask ``[B, L]``; L is the longest prompt (capped at ``max_len``).
+
+    Right padding keeps every sample's first tokens at the same place, so position ids derived
+    from the mask make a padded sample compute what it would alone.
+    """
+    enc = tokenizer(list(texts), add_special_tokens=False)["input_ids"]
+    bos_id = [tokenizer.bos_token_id] if bos and tokenizer.bos_token_id is not None else []
+    rows = [(bos_id + ids)[:max_len] for ids in enc]
+    length = max(1, max(len(r) for r in rows))
+    pad = tokenizer.pad_token_id or 0
+    ids = torch.full((len(rows), length), pad, dtype=torch.long)
+    mask = torch.zeros((len(rows), length), dtype=torch.long)
+    for i, r in enumerate(rows):
+        ids[i, : len(r)] = torch.tensor(r, dtype=torch.long)
+        mask[i, : len(r)] = 1
+    return ids, mask
+
+
+# ---------------------------------------------------------------------------------------------
+# Observations
+# ---------------------------------------------------------------------------------------------
+
+
+def pick_cameras(spec: EnvSpec, wanted: Sequence[str] | None, max_cameras: int) -> list[str]:
+    """The cameras a model reads, in a fixed order (the env's order unless named)."""
+    names = list(wanted) if wanted else list(spec.cameras)[:max_cameras]
+    missing = [n for n in names if n not in spec.cameras]
+    if missing:
+        raise ValueError(f"cameras {missing} not in env cameras {list(spec.cameras)}")
+    return names
+
+
+def preprocess_images(
+    images: dict[str, Any],
+    cameras: Sequence[str],
+    size: int,
+    mean: Sequence[float],
+    std: Sequence[float],
+    device: torch.device,
+    dtype: torch.dtype,
+) -> torch.Tensor:
+    """uint8 ``[B, H, W, 3]`` per camera (any size) -> normalised ``[B, C, 3, size, size]``."""
+    out = []
+    m = torch.tensor(mean, device=device, dtype=torch.float32).view(1, 3, 1, 1)
+    s = torch.tensor(std, device=device, dtype=torch.float32).view(1, 3, 1, 1)
+    for cam in cameras:
+        img = torch.as_tensor(np.asarray(images[cam]), device=device)
+        x = img.permute(0, 3, 1, 2).float().div_(255.0)
+        if x.shape[-2:] != (size, size):
+            x = F.interpolate(x, size=(size, size), mode="bilinear", align_corners=False, antialias=True)
+        out.append((x - m) / s)
+    return torch.stack(out, dim=1).to(dtype)
+
+
+def state_tensor(obs: Obs, dim: int, device: torch.device) -> torch.Tensor:
+    """float32 ``[B, dim]``: the env state zero-padded or cut to the model's state width."""
+    st = torch.as_tensor(np.asarray(obs["state"], dtype=np.float32), device=device)
+    if st.shape[-1] < dim:
+        st = F.pad(st, (0, dim - st.shape[-1]))
+    return st[:, :dim]
+
+
+def discretize_state(state: torch.Tensor, bins: int = 256) -> list[str]:
+    """pi0.5-style state text: each component clipped to [-1, 1] and written as its bin index."""
+    idx = ((state.float().clamp(-1, 1) + 1) / 2 * (bins - 1)).round().long().cpu().tolist()
+    return [" ".join(str(v) for v in row) for row in idx]
+
+
+# ---------------------------------------------------------------------------------------------
+# Heads
+# ---------------------------------------------------------------------------------------------
+
+
+class ValueHead(nn.Module):
+    """Two-layer MLP critic on a pooled hidden state; float32 output whatever the trunk dtype."""
+
+    def __init__(self, hidden: int, width: int | None = None) -> None:
+        super().__init__()
+        width = width or max(32, hidden // 2)
+        self.net = nn.Sequential(nn.Linear(hidden, width), nn.GELU(), nn.Linear(width, 1))
+
+    def forward(self, h: torch.Tensor) -> torch.Tensor:
+        return self.net(h.to(self.net[0].weight.dtype)).squeeze(-1).float()
+
+
+def masked_mean(h: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+    """Mean of ``h [B, S, H]`` over positions where ``mask [B, S]`` is set."""
+    m = mask.to(h.dtype).unsqueeze(-1)
+    return (h * m).sum(1) / m.sum(1).clamp_min(1.0)
+
+
+def sinusoid(t: torch.Tensor, dim: int, min_period: float = 4e-3, max_period: float = 4.0) -> torch.Tensor:
+    """Sine-cosine embedding of a time in [0, 1] (pi0's periods), float32 ``[B, dim]``."""
+    frac = torch.linspace(0.0, 1.0, dim // 2, device=t.device, dtype=torch.float32)
+    period = min_period * (max_period / min_period) ** frac
+    ang = t.float()[:, None] * (2 * torch.pi / period)[None]
+    return torch.cat([ang.sin(), ang.cos()], dim=-1)
+
+
+# ---------------------------------------------------------------------------------------------
+# Checkpoints
+# ---------------------------------------------------------------------------------------------
+
+CONFIG_FILE = "config.json"
+WEIGHTS_FILE = "model.safetensors"
+WEIGHTS_INDEX = "model.safetensors.index.json"
+TOKENIZER_FILE = "tokenizer.json"
+
+
+def rename_keys(keys: Iterable[str], rules: Sequence[tuple[str, str]]) -> dict[str, str]:
+    """Map release names to ours with the first matching ``(release_prefix, our_prefix)`` rule."""
+    out = {}
+    for k in keys:
+        new = k
+        for src, dst in rules:
+            if k.startswith(src):
+                new = dst + k[len(src) :]
+                break
+        out[k] = new
+    return out
+
+
+def invert_rules(rules: Sequence[tuple[str, str]]) -> list[tuple[str, str]]:
+    """Our names -> release names (used to write release-shaped test checkpoints)."""
+    return sorted(((d, s) for s, d in rules), key=lambda r: -len(r[0]))
+
+
+def save_local(
+    module: nn.Module,
+    local_dir: str,
+    family: str,
+    cfg: Any,
+    tokenizer: Any,
+    rules: Sequence[tuple[str, str]] = (),
+    extra_config: dict[str, Any] | None = None,
+) -> None:
+    """Write ``config.json``, ``model.safetensors`` (names as the release spells them) and the tokenizer."""
+    from safetensors.torch import save_file
+
+    os.makedirs(local_dir, exist_ok=True)
+    sd = {k: v.detach().cpu().contiguous().clone() for k, v in module.state_dict().items()}
+    names = rename_keys(sd, invert_rules(rules)) if rules else {k: k for k in sd}
+    save_file({names[k]: v for k, v in sd.items()}, os.path.join(local_dir, WEIGHTS_FILE))
+    with open(os.path.join(local_dir, CONFIG_FILE), "w") as f:
+        config = dict(extra_config or {})
+        config.update({"rlvla3_family": family, "options": dataclasses.asdict(cfg)})
+        json.dump(config, f, indent=2)
+    tokenizer.save_pretrained(local_dir)
+
+
+@dataclass
+class LocalCheckpoint:
+    config: dict[str, Any]
+    state_dict: dict[str, torch.Tensor]
+    tokenizer: Any
+
+
+def read_local(local_dir: str, family: str) -> LocalCheckpoint:
+    """Read a release-shaped directory, failing with every missing file named at once."""
+    need = [CONFIG_FILE, TOKENIZER_FILE]
+    missing = [f for f in need if not os.path.isfile(os.path.join(local_dir, f))]
+    has_single = os.path.isfile(os.path.join(local_dir, WEIGHTS_FILE))
+    has_index = os.path.isfile(os.path.join(local_dir, WEIGHTS_INDEX))
+    shards: list[str] = []
+    if has_single:
+        shards = [WEIGHTS_FILE]
+    elif has_index:
+        with open(os.path.join(local_dir, WEIGHTS_INDEX)) as f:
+            shards = sorted(set(json.load(f)["weight_map"].values()))
+        missing += [s for s in shards if not os.path.isfile(os.path.join(local_dir, s))]
+    else:
+        missing.append(f"{WEIGHTS_FILE} (or {WEIGHTS_INDEX} with its shards)")
+    if missing:
+        raise FileNotFoundError(f"{family}: checkpoint dir {local_dir!r} is missing: {', '.join(missing)}")
+    from safetensors.torch import load_file
+
+    sd: dict[str, torch.Tensor] = {}
+    for s in shards:
+        sd.update(load_file(os.path.join(local_dir, s)))
+    with open(os.path.join(local_dir, CONFIG_FILE)) as f:
+        config = json.load(f)
+    return LocalCheckpoint(config, sd, load_tokenizer(local_dir))
+
+
+def load_mapped(
+    module: nn.Module,
+    state_dict: dict[str, torch.Tensor],
+    rules: Sequence[tuple[str, str]],
+    fresh: Sequence[str],
+    family: str,
+) -> None:
+    """Load release weights under our names; parameters outside ``fresh`` (RL heads) must all be there."""
+    names = rename_keys(state_dict, rules)
+    mapped = {names[k]: v for k, v in state_dict.items()}
+    res = module.load_state_dict(mapped, strict=False)
+    fresh_re = re.compile("|".join(re.escape(p) for p in fresh)) if fresh else None
+    missing = [k for k in res.missing_keys if not (fresh_re and fresh_re.match(k))]
+    problems = []
+    if missing:
+        problems.append(f"missing parameters ({len(missing)}): {', '.join(missing[:20])}" + (" ..." if len(missing) > 20 else ""))
+    if res.unexpected_keys:
+        u = res.unexpected_keys
+        problems.append(f"unexpected parameters ({len(u)}): {', '.join(u[:20])}" + (" ..." if len(u) > 20 else ""))
+    if problems:
+        raise ValueError(f"{family}: checkpoint does not match the model: " + "; ".join(problems))
+
+
+def options_from_config(config: dict[str, Any], cfg_cls: type, family: str, overrides: dict[str, Any]) -> Any:
+    """Our ``config.json`` carries the options dataclass; overrides (device, dtype, sampler) win."""
+    if config.get("rlvla3_family") not in (None, family):
+        raise ValueError(f"{family}: checkpoint is for family {config['rlvla3_family']!r}")
+    known = {f.name for f in dataclasses.fields(cfg_cls)}
+    opts = {k: v for k, v in config.get("options", {}).items() if k in known}
+    opts.update(overrides)
+    return cfg_cls(**opts)
+
+
+def freeze(params: Iterable[nn.Parameter]) -> None:
+    """Freeze parameters the RL path never reads, so 'trainable' means 'receives a gradient'."""
+    for p in params:
+        p.requires_grad_(False)
+
+
+# ---------------------------------------------------------------------------------------------
+# Options every family shares
+# ---------------------------------------------------------------------------------------------
+
+
+@dataclass
+class VLAOptions:
+    size: str = "tiny"
+    """Architecture preset: ``tiny`` for tests and CPU, a real size (per family) for GPUs."""
+    chunk_size: int = 4
+    """Actions per chunk (T of ``[B, T, A]``)."""
+    cameras: list[str] | None = None
+    """Cameras to read, in order; default the env's first ``max_cameras``."""
+    max_cameras: int = 2
+    """Upper bound on cameras when ``cameras`` is not given."""
+    max_text_len: int = 48
+    """Instruction tokens kept (longer prompts are cut)."""
+    device: str = "auto"
+    """``auto`` (CUDA if present), ``cpu``, ``cuda:0`` ..."""
+    dtype: str = "auto"
+    """``auto`` = bf16 on CUDA, float32 on CPU; or a torch dtype name."""
+    init_seed: int = 0
+    """Seed of the random initialisation, so two builds of one config are identical."""
+
+
+def seeded_init(seed: int):
+    """Context that seeds parameter init without disturbing the caller's RNG stream."""
+    import contextlib
+
+    @contextlib.contextmanager
+    def ctx():
+        with torch.random.fork_rng(devices=[]):
+            torch.manual_seed(seed)
+            yield
+
+    return ctx()
+
+
+def place(module: nn.Module, opts: VLAOptions) -> None:
+    """Move a freshly built policy to its configured device and dtype."""
+    dev = resolve_device(opts.device)
+    module.to(device=dev, dtype=resolve_dtype(opts.dtype, dev))
