@@ -1,0 +1,380 @@
+"""Decoupled PPO for asynchronous training, readable top to bottom.
+
+Samples arrive from generators that ran an *older* policy (the behaviour policy, version
+``v_behav``). Standard PPO would take the ratio new / behaviour and clip it around 1, which
+lets stale data pull the policy as far as the staleness already moved it. Decoupled PPO
+(Hilton et al. 2022, as used by AReaL) splits the correction in two:
+
+* ``w = min(pi_prox / pi_behav, cap)`` - an importance weight from the behaviour policy to the
+  *proximal* policy (the trainer's weights at the start of this update), detached, capped so
+  one very stale sample cannot dominate;
+* ``r = pi_new / pi_prox`` - the ratio PPO clips, so the trust region is around the policy we
+  are actually stepping from.
+
+    surrogate = w * min(r * A, clip(r, 1 - eps, 1 + eps) * A)
+    dual clip (Ye et al. 2020), only where A < 0:  max(surrogate term, c * A)
+
+When the samples are fresh (``prox == behav``), ``w = 1`` and this is exactly standard PPO.
+The proximal log-probs are *recomputed* with one forward pass of the policy before the first
+optimizer step (:func:`compute_proximal_logprobs`), never interpolated between versions.
+
+Log-prob tensors are ``[B, L]`` with L the policy's units (``token`` / ``action`` / ``chunk``,
+see ``workers.policies.base``). ``ratio_level="unit"`` clips a ratio per unit with the sample's
+advantage broadcast to every unit; ``ratio_level="chunk"`` sums the L log-probs first and clips
+one ratio per decision.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import Any, Callable, Iterable
+
+import numpy as np
+import torch
+from torch import nn
+
+RATIO_LEVELS = ("unit", "chunk")
+
+EvaluateFn = Callable[[Any, torch.Tensor, dict], Any]  # (obs, actions, replay) -> EvalOutput
+
+
+@dataclass
+class PPOConfig:
+    """Hyper-parameters of one PPO update (and of GAE, which the caller runs first)."""
+
+    clip_eps: float = 0.2
+    """Half-width of the trust region on the proximal -> current ratio: r in [1-eps, 1+eps]."""
+    dual_clip: float | None = 3.0
+    """Dual-clip constant c > 1: for A < 0 the objective is bounded below by c*A (None = off)."""
+    value_clip_eps: float | None = 0.2
+    """New values may move at most this far from the old ones before the clipped loss wins (None = plain MSE)."""
+    vf_coef: float = 0.5
+    """Weight of the value loss in the total loss (0 = no value head, as in GRPO)."""
+    ent_coef: float = 0.0
+    """Weight of the entropy bonus (subtracted from the loss)."""
+    max_grad_norm: float = 0.5
+    """Global L2 norm the gradients are clipped to before every optimizer step."""
+    epochs: int = 4
+    """Passes over the batch per update."""
+    minibatch_size: int = 64
+    """Samples (decisions) per optimizer step; the last minibatch of an epoch may be smaller."""
+    gamma: float = 0.99
+    """Discount per decision (per action chunk) used by GAE."""
+    lam: float = 0.95
+    """GAE lambda: bias/variance trade-off of the advantage estimate."""
+    ratio_level: str = "unit"
+    """"unit": one clipped ratio per token/action with the advantage broadcast; "chunk": sum log-probs over L first."""
+    behav_weight_cap: float | None = 5.0
+    """Cap (>= 1) on the detached behaviour -> proximal importance weight (None = uncapped)."""
+    normalize_advantages: bool = True
+    """Standardize advantages over the whole batch (valid samples) before the epochs."""
+    lr: float = 3e-4
+    """Learning rate of the Adam optimizer built by :func:`make_optimizer`."""
+
+    def __post_init__(self) -> None:
+        if self.ratio_level not in RATIO_LEVELS:
+            raise ValueError(f"ratio_level {self.ratio_level!r} not in {RATIO_LEVELS}")
+        if self.dual_clip is not None and self.dual_clip <= 1.0:
+            raise ValueError(f"dual_clip must be > 1 or None, got {self.dual_clip}")
+        if self.behav_weight_cap is not None and self.behav_weight_cap < 1.0:
+            # Below 1 it would down-weight even fresh samples, and PPO would no longer be PPO.
+            raise ValueError(f"behav_weight_cap must be >= 1 or None, got {self.behav_weight_cap}")
+        if self.clip_eps <= 0 or self.epochs < 1 or self.minibatch_size < 1:
+            raise ValueError("clip_eps > 0, epochs >= 1 and minibatch_size >= 1 are required")
+
+
+def make_optimizer(params: Iterable[nn.Parameter], cfg: PPOConfig) -> torch.optim.Optimizer:
+    """Adam with eps=1e-5, the usual PPO choice (CleanRL, OpenAI baselines)."""
+    return torch.optim.Adam(params, lr=cfg.lr, eps=1e-5)
+
+
+# ---------------------------------------------------------------------------------------------
+# Masked reductions
+# ---------------------------------------------------------------------------------------------
+
+
+def _masked_mean(x: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+    """Mean of ``x`` over entries where ``mask`` is true (0 when nothing is valid)."""
+    m = mask.to(x.dtype)
+    return (x * m).sum() / m.sum().clamp(min=1.0)
+
+
+def _unit_and_sample_masks(
+    mask: torch.Tensor | None, shape: torch.Size, device: torch.device
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """``mask`` may be ``None``, per sample ``[B]`` or per unit ``[B, L]``; return both views."""
+    b, l = shape
+    if mask is None:
+        unit = torch.ones(b, l, dtype=torch.bool, device=device)
+    elif mask.dim() == 1:
+        unit = mask.to(device=device, dtype=torch.bool)[:, None].expand(b, l)
+    else:
+        unit = mask.to(device=device, dtype=torch.bool)
+    return unit, unit.any(dim=-1)
+
+
+# ---------------------------------------------------------------------------------------------
+# The loss
+# ---------------------------------------------------------------------------------------------
+
+
+def ppo_loss(
+    new_logprob: torch.Tensor,
+    prox_logprob: torch.Tensor,
+    behav_logprob: torch.Tensor,
+    advantages: torch.Tensor,
+    new_value: torch.Tensor | None,
+    old_value: torch.Tensor | None,
+    returns: torch.Tensor | None,
+    entropy: torch.Tensor | None,
+    cfg: PPOConfig,
+    mask: torch.Tensor | None = None,
+) -> tuple[torch.Tensor, dict[str, float]]:
+    """Decoupled PPO loss for one minibatch and its diagnostics.
+
+    Shapes: log-probs ``[B, L]``; advantages, values, returns ``[B]``; entropy ``[B, L]`` or
+    ``[B]``; mask ``[B]`` or ``[B, L]`` (true = counts). The value term is skipped when
+    ``cfg.vf_coef == 0`` or ``returns`` is None (GRPO). Policy terms average over valid units.
+    """
+    unit_mask, sample_mask = _unit_and_sample_masks(mask, new_logprob.shape, new_logprob.device)
+    zero = torch.zeros((), dtype=new_logprob.dtype, device=new_logprob.device)
+
+    # ---- Units of the ratio: per token/action, or one per chunk ---------------------------
+    # Padded units may hold garbage (even -inf); `where` keeps it out of sums and gradients.
+    new = torch.where(unit_mask, new_logprob, zero)
+    prox = torch.where(unit_mask, prox_logprob.detach(), zero)
+    behav = torch.where(unit_mask, behav_logprob.detach(), zero)
+    if cfg.ratio_level == "chunk":
+        new, prox, behav = (x.sum(dim=-1, keepdim=True) for x in (new, prox, behav))
+        pg_mask = sample_mask[:, None]
+    else:
+        pg_mask = unit_mask
+    adv = advantages.detach().to(new.dtype)[:, None].expand_as(new)
+
+    # ---- Behaviour -> proximal importance weight (detached, capped) ------------------------
+    log_w = prox - behav
+    w_raw = torch.exp(log_w)
+    w = w_raw if cfg.behav_weight_cap is None else w_raw.clamp(max=cfg.behav_weight_cap)
+
+    # ---- Proximal -> current ratio, clipped surrogate, dual clip ---------------------------
+    # Clamp the log-ratio so exp() stays finite; beyond e^20 the sample is clipped anyway.
+    log_r = (new - prox).clamp(max=20.0)
+    r = torch.exp(log_r)
+    surr_unclipped = r * adv
+    surr_clipped = r.clamp(1.0 - cfg.clip_eps, 1.0 + cfg.clip_eps) * adv
+    objective = torch.minimum(surr_unclipped, surr_clipped)
+    dual_active = torch.zeros_like(pg_mask)
+    if cfg.dual_clip is not None:
+        lower = cfg.dual_clip * adv
+        dual_active = (adv < 0) & (objective < lower)
+        objective = torch.where(adv < 0, torch.maximum(objective, lower), objective)
+    policy_loss = _masked_mean(-(w * objective), pg_mask)
+
+    # ---- Value loss: max of unclipped and clipped squared error ----------------------------
+    use_value = cfg.vf_coef != 0 and returns is not None and new_value is not None
+    if use_value:
+        ret = returns.detach().to(new_value.dtype)
+        err_unclipped = (new_value - ret) ** 2
+        if cfg.value_clip_eps is not None and old_value is not None:
+            old = old_value.detach().to(new_value.dtype)
+            v_clipped = old + (new_value - old).clamp(-cfg.value_clip_eps, cfg.value_clip_eps)
+            err = torch.maximum(err_unclipped, (v_clipped - ret) ** 2)
+        else:
+            err = err_unclipped
+        value_loss = 0.5 * _masked_mean(err, sample_mask)
+    else:
+        value_loss = zero
+
+    # ---- Entropy bonus ---------------------------------------------------------------------
+    if entropy is None:
+        entropy_mean = zero
+    elif entropy.dim() == 2:
+        entropy_mean = _masked_mean(entropy, unit_mask)
+    else:
+        entropy_mean = _masked_mean(entropy, sample_mask)
+
+    loss = policy_loss + cfg.vf_coef * value_loss - cfg.ent_coef * entropy_mean
+
+    # ---- Diagnostics -----------------------------------------------------------------------
+    with torch.no_grad():
+        ratio_d = r.detach()
+        log_r_d = log_r.detach()
+        stats = {
+            "loss": float(loss.detach()),
+            "policy_loss": float(policy_loss.detach()),
+            "value_loss": float(value_loss.detach()),
+            "entropy": float(entropy_mean.detach()),
+            "clip_frac": float(_masked_mean(((ratio_d - 1.0).abs() > cfg.clip_eps).float(), pg_mask)),
+            "dual_clip_frac": float(_masked_mean(dual_active.float(), pg_mask)),
+            # k3 estimator of KL(prox || new): unbiased, always >= 0 (Schulman's blog note).
+            "approx_kl": float(_masked_mean((ratio_d - 1.0) - log_r_d, pg_mask)),
+            "ratio_mean": float(_masked_mean(ratio_d, pg_mask)),
+            "behav_weight_mean": float(_masked_mean(w.detach(), pg_mask)),
+            "behav_weight_capped_frac": float(
+                _masked_mean((w_raw > cfg.behav_weight_cap).float(), pg_mask)
+                if cfg.behav_weight_cap is not None
+                else zero
+            ),
+        }
+    return loss, stats
+
+
+# ---------------------------------------------------------------------------------------------
+# Batches: a dict of per-sample tensors plus the obs dict
+# ---------------------------------------------------------------------------------------------
+#
+#   batch = {
+#       "obs": {"images": {cam: uint8 [N,H,W,3]}, "state": [N,D], "instruction": [N strings]},
+#       "actions": [N,T,A], "replay": {name: [N,...]},
+#       "behav_logprob": [N,L], "prox_logprob": [N,L] (optional: recomputed when absent),
+#       "advantages": [N], "returns": [N], "values": [N] (behaviour values; returns/values
+#       optional when vf_coef == 0), "mask": [N] or [N,L] (optional),
+#   }
+
+
+def _take(x: Any, idx: torch.Tensor) -> Any:
+    """Index the leading (sample) axis of tensors, arrays and lists, recursing into dicts."""
+    if isinstance(x, dict):
+        return {k: _take(v, idx) for k, v in x.items()}
+    if isinstance(x, torch.Tensor):
+        return x[idx.to(x.device)]
+    if isinstance(x, np.ndarray):
+        return x[idx.cpu().numpy()]
+    if isinstance(x, (list, tuple)):
+        return [x[i] for i in idx.tolist()]
+    return x  # scalars and None are shared by every sample
+
+
+def index_obs(obs: dict[str, Any], idx: torch.Tensor) -> dict[str, Any]:
+    """The observations of samples ``idx`` (images per camera, state, instructions)."""
+    return _take(obs, idx)
+
+
+def index_batch(batch: dict[str, Any], idx: torch.Tensor) -> dict[str, Any]:
+    """The minibatch of samples ``idx`` (a LongTensor) out of a batch dict."""
+    return _take(batch, idx)
+
+
+def _batch_len(batch: dict[str, Any]) -> int:
+    return int(batch["behav_logprob"].shape[0])
+
+
+def _to_device(x: Any, device: torch.device) -> Any:
+    if isinstance(x, dict):
+        return {k: _to_device(v, device) for k, v in x.items()}
+    if isinstance(x, torch.Tensor):
+        return x.to(device)
+    return x
+
+
+# ---------------------------------------------------------------------------------------------
+# Proximal log-probs: the policy as it is at the start of the update
+# ---------------------------------------------------------------------------------------------
+
+
+@torch.no_grad()
+def compute_proximal_logprobs(
+    policy: nn.Module, batch: dict[str, Any], chunk: int = 256, evaluate_fn: EvaluateFn | None = None
+) -> torch.Tensor:
+    """``[N, L]`` log-probs of the batch's actions under the current weights, ``chunk`` samples a pass.
+
+    Call before the first optimizer step of the update. The policy's train/eval mode is left as
+    it is: evaluate in the same mode the loss will, or the ratio starts away from 1.
+    """
+    evaluate = evaluate_fn or policy.evaluate
+    device = next(policy.parameters()).device
+    n = _batch_len(batch)
+    parts = []
+    for start in range(0, n, chunk):
+        idx = torch.arange(start, min(start + chunk, n))
+        mb = index_batch({k: batch[k] for k in ("obs", "actions", "replay")}, idx)
+        out = evaluate(mb["obs"], _to_device(mb["actions"], device), _to_device(mb["replay"], device))
+        parts.append(out.logprob.detach().float())
+    return torch.cat(parts).to(batch["behav_logprob"].device)
+
+
+# ---------------------------------------------------------------------------------------------
+# The update: epochs x minibatches
+# ---------------------------------------------------------------------------------------------
+
+
+def ppo_update(
+    policy: nn.Module,
+    optimizer: torch.optim.Optimizer,
+    batch: dict[str, Any],
+    cfg: PPOConfig,
+    evaluate_fn: EvaluateFn | None = None,
+) -> dict[str, float]:
+    """One PPO update on ``batch``; returns stats averaged over the optimizer steps.
+
+    ``policy`` may be a DDP wrapper that exposes ``evaluate`` (see ``distributed.wrap_ddp``);
+    every rank must then run the same number of minibatches (equal local batch sizes).
+    """
+    evaluate = evaluate_fn or policy.evaluate
+    device = next(policy.parameters()).device
+    params = [p for group in optimizer.param_groups for p in group["params"]]
+    n = _batch_len(batch)
+    if n == 0:
+        raise ValueError("ppo_update got an empty batch")
+
+    # ---- Phase 1: proximal log-probs, recomputed before any weight changes ------------------
+    if batch.get("prox_logprob") is None:
+        batch = {**batch, "prox_logprob": compute_proximal_logprobs(policy, batch, cfg.minibatch_size, evaluate)}
+
+    # ---- Phase 2: advantage normalization over the valid samples of the whole batch -------
+    advantages = batch["advantages"].float()
+    sample_valid = torch.ones(n, dtype=torch.bool, device=advantages.device)
+    if batch.get("mask") is not None:
+        m = batch["mask"].to(advantages.device).bool()
+        sample_valid = m if m.dim() == 1 else m.any(dim=-1)
+    if cfg.normalize_advantages and int(sample_valid.sum()) > 1:
+        valid = advantages[sample_valid]
+        advantages = (advantages - valid.mean()) / (valid.std(unbiased=False) + 1e-8)
+    batch = {**batch, "advantages": advantages}
+
+    # ---- Phase 3: epochs x minibatches of clipped updates -----------------------------------
+    totals: dict[str, float] = {}
+    steps = 0
+    for _epoch in range(cfg.epochs):
+        perm = torch.randperm(n)
+        for start in range(0, n, cfg.minibatch_size):
+            mb = index_batch(batch, perm[start : start + cfg.minibatch_size])
+            mbd = _to_device({k: v for k, v in mb.items() if k != "obs"}, device)
+            out = evaluate(mb["obs"], mbd["actions"], mbd["replay"])
+            loss, stats = ppo_loss(
+                out.logprob,
+                mbd["prox_logprob"],
+                mbd["behav_logprob"],
+                mbd["advantages"],
+                out.value,
+                mbd.get("values"),
+                mbd.get("returns"),
+                out.entropy,
+                cfg,
+                mask=mbd.get("mask"),
+            )
+            optimizer.zero_grad(set_to_none=True)
+            loss.backward()
+            grad_norm = torch.nn.utils.clip_grad_norm_(params, cfg.max_grad_norm)
+            optimizer.step()
+
+            stats["grad_norm"] = float(grad_norm)
+            for k, v in stats.items():
+                totals[k] = totals.get(k, 0.0) + v
+            steps += 1
+
+    # ---- Phase 4: diagnostics over the whole batch ------------------------------------------
+    result = {k: v / steps for k, v in totals.items()}
+    result["optimizer_steps"] = float(steps)
+    if batch.get("returns") is not None and batch.get("values") is not None:
+        result["explained_variance"] = explained_variance(batch["values"][sample_valid], batch["returns"][sample_valid])
+    return result
+
+
+def explained_variance(values: torch.Tensor, returns: torch.Tensor) -> float:
+    """1 - Var(returns - values) / Var(returns): 1 is a perfect value head, <= 0 is useless."""
+    var_r = float(returns.float().var(unbiased=False)) if returns.numel() > 0 else 0.0
+    if var_r == 0.0 or math.isnan(var_r):
+        return float("nan")
+    return 1.0 - float((returns.float() - values.float()).var(unbiased=False)) / var_r
