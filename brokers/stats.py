@@ -1,0 +1,101 @@
+"""Live figures the broker answers STATUS with: counts, rates and latency parts."""
+
+from __future__ import annotations
+
+import time
+from collections import deque
+from dataclasses import dataclass, field
+from typing import Any
+
+from hdrh.histogram import HdrHistogram
+
+
+def _hist() -> HdrHistogram:
+    return HdrHistogram(1, 60_000_000, 3)  # 1 us .. 60 s
+
+
+def _pcts(h: HdrHistogram) -> dict[str, float]:
+    if h.get_total_count() == 0:
+        return {"count": 0}
+    return {
+        "count": h.get_total_count(),
+        "p50": h.get_value_at_percentile(50),
+        "p90": h.get_value_at_percentile(90),
+        "p99": h.get_value_at_percentile(99),
+        "max": h.get_max_value(),
+        "mean": round(h.get_mean_value(), 1),
+    }
+
+
+@dataclass
+class BrokerStats:
+    started: float = field(default_factory=time.monotonic)
+    env_steps: int = 0
+    decision_steps: int = 0
+    requests: int = 0
+    batches: int = 0
+    errors: int = 0
+    requeued: int = 0
+    traj_received: int = 0
+    traj_delivered: int = 0
+    traj_acked: int = 0
+    traj_requeued: int = 0
+    traj_dropped: int = 0
+    episodes: int = 0
+    successes: int = 0
+    dropped_stale: int = 0
+    env_restarts: int = 0
+    admission_waits: int = 0
+    batch_size: HdrHistogram = field(default_factory=_hist)
+    queue_wait_us: HdrHistogram = field(default_factory=_hist)
+    batch_form_us: HdrHistogram = field(default_factory=_hist)
+    generate_us: HdrHistogram = field(default_factory=_hist)
+    staleness: HdrHistogram = field(default_factory=_hist)
+    _recent_returns: deque = field(default_factory=lambda: deque(maxlen=200))
+    _recent_success: deque = field(default_factory=lambda: deque(maxlen=200))
+    _rate_window: deque = field(default_factory=lambda: deque(maxlen=64))
+    trainer: dict[str, Any] = field(default_factory=dict)
+
+    def add_episodes(self, returns: list[float], successes: list[bool]) -> None:
+        self.episodes += len(returns)
+        self.successes += sum(bool(s) for s in successes)
+        self._recent_returns.extend(float(r) for r in returns)
+        self._recent_success.extend(1.0 if s else 0.0 for s in successes)
+
+    def env_steps_per_s(self) -> float:
+        now = time.monotonic()
+        self._rate_window.append((now, self.env_steps))
+        while len(self._rate_window) > 2 and now - self._rate_window[0][0] > 10.0:
+            self._rate_window.popleft()
+        t0, s0 = self._rate_window[0]
+        return (self.env_steps - s0) / (now - t0) if now > t0 else 0.0
+
+    def snapshot(self) -> dict[str, Any]:
+        rr = list(self._recent_returns)
+        rs = list(self._recent_success)
+        return {
+            "uptime_s": round(time.monotonic() - self.started, 3),
+            "env_steps": self.env_steps,
+            "decision_steps": self.decision_steps,
+            "env_steps_per_s": round(self.env_steps_per_s(), 2),
+            "requests": self.requests,
+            "batches": self.batches,
+            "errors": self.errors,
+            "requeued": self.requeued,
+            "traj": {
+                "received": self.traj_received, "delivered": self.traj_delivered,
+                "acked": self.traj_acked, "requeued": self.traj_requeued, "dropped": self.traj_dropped,
+            },
+            "episodes": self.episodes,
+            "success_rate_recent": round(sum(rs) / len(rs), 4) if rs else None,
+            "return_recent": round(sum(rr) / len(rr), 4) if rr else None,
+            "dropped_stale": self.dropped_stale,
+            "env_restarts": self.env_restarts,
+            "admission_waits": self.admission_waits,
+            "batch_size": _pcts(self.batch_size),
+            "queue_wait_us": _pcts(self.queue_wait_us),
+            "batch_form_us": _pcts(self.batch_form_us),
+            "generate_us": _pcts(self.generate_us),
+            "staleness": _pcts(self.staleness),
+            "trainer": dict(self.trainer),
+        }

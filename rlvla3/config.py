@@ -1,0 +1,317 @@
+"""Job configuration: YAML validated into dataclasses, overridable with ``--set key=value``.
+
+One way to set each thing: the YAML file, then ``--set`` overrides. Unknown keys and values of
+the wrong type are errors that name the key. The broker holds the validated config and hands
+it (as a plain dict) to every worker in its reply to READY.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import types
+import typing
+from dataclasses import dataclass, field
+from importlib import resources
+from pathlib import Path
+from typing import Any
+
+import yaml
+
+MODES = ("sync", "async_rollout", "async")
+
+
+@dataclass
+class RunConfig:
+    name: str = "synthetic"
+    """Run name; the run folder is ``<run_dir>/<name>-<timestamp>``."""
+    seed: int = 0
+    """Seeds envs, policies and samplers."""
+    mode: str = "async"
+    """``sync`` (all slots step together, generation and training alternate), ``async_rollout``
+    (slots independent, training alternates) or ``async`` (everything overlaps)."""
+    total_env_steps: int = 20_000
+    """``rlvla3 run`` stops after this many env steps (one step = one env, one action)."""
+    run_dir: str = "runs"
+    """Parent folder of run folders (metrics, checkpoints, logs)."""
+    progress_every_s: float = 2.0
+    """How often ``rlvla3 run`` prints progress and writes a metrics line."""
+
+
+@dataclass
+class BrokerConfig:
+    bind: str = "tcp://127.0.0.1:5555"
+    """ROUTER address every worker connects to."""
+    pub: str = "tcp://127.0.0.1:5556"
+    """PUB address that publishes weight versions."""
+    heartbeat_s: float = 1.0
+    """Heartbeat interval; a peer silent for ``liveness`` intervals is dead."""
+    liveness: int = 3
+    """Missed heartbeats before a peer is declared dead."""
+
+
+@dataclass
+class BatchingConfig:
+    max_batch: int = 32
+    """A batch is dispatched once this many envs are queued..."""
+    max_wait_ms: float = 5.0
+    """...or once the oldest queued request has waited this long."""
+    ordering: str = "arrival"
+    """Request order: ``arrival``, ``episode_progress``, ``policy_version`` or ``module:function``."""
+    credits: int = 2
+    """Batches in flight per generator."""
+    assignment: str = "dynamic"
+    """``dynamic`` (any generator serves any slot) or ``sticky`` (a slot stays with one)."""
+
+
+@dataclass
+class EnvConfig:
+    name: str = "synthetic"
+    """Registered env adapter (``synthetic``, ``metaworld``, ``libero``, ``maniskill``, ``robocasa``)."""
+    num_envs: int = 8
+    """Envs per simulator worker."""
+    slots: int = 4
+    """Slots per simulator worker; each slot steps ``num_envs / slots`` envs on its own."""
+    parallel: str = "thread"
+    """Where slots step: ``thread`` (in the worker) or ``process`` (a child process per slot)."""
+    step_timeout_s: float = 60.0
+    """A slot step that takes longer is treated as a hung env and restarted (process mode)."""
+    fragment_len: int = 32
+    """Decision steps per shipped trajectory fragment of a long episode."""
+    group_size: int = 1
+    """Consecutive episodes per env sharing one initial state (GRPO groups)."""
+    options: dict = field(default_factory=dict)
+    """The adapter's own options, validated by the adapter."""
+
+
+@dataclass
+class ModelConfig:
+    family: str = "mlp"
+    """Registered policy family (``mlp``, ``openvla_oft``, ``pi0``, ``pi05``, ``gr00t_n15``)."""
+    chunk_size: int = 1
+    """Actions per decision (action chunk length)."""
+    dtype: str = "auto"
+    """``auto`` (float32 on CPU, bfloat16 on CUDA), ``float32`` or ``bfloat16``."""
+    checkpoint: str = ""
+    """Local directory of a released checkpoint, or a run folder to warm-start from."""
+    options: dict = field(default_factory=dict)
+    """The family's own options (validated by the family's config dataclass)."""
+
+
+@dataclass
+class AlgoConfig:
+    name: str = "ppo"
+    """``ppo`` or ``grpo``."""
+    lr: float = 3e-4
+    """Adam learning rate."""
+    batch_steps: int = 512
+    """Decision steps (env x chunk) per update."""
+    epochs: int = 4
+    """Passes over each batch."""
+    minibatch_size: int = 128
+    """Decision steps per gradient step."""
+    gamma: float = 0.99
+    """Discount per decision step."""
+    lam: float = 0.95
+    """GAE lambda."""
+    clip_eps: float = 0.2
+    """PPO ratio clip."""
+    dual_clip: float = 3.0
+    """Dual-clip bound c for negative advantages (0 disables)."""
+    value_clip_eps: float = 0.2
+    """Value-function clip (0 disables)."""
+    vf_coef: float = 0.5
+    """Value loss weight."""
+    ent_coef: float = 0.0
+    """Entropy bonus weight."""
+    max_grad_norm: float = 1.0
+    """Gradient norm clip."""
+    behav_weight_cap: float = 2.0
+    """Cap on the behaviour -> proximal importance weight (decoupled PPO)."""
+    max_staleness: int = 4
+    """Samples from policies more than this many versions old are dropped."""
+    publish_every: int = 1
+    """Publish a weight version every this many updates."""
+    group_size: int = 8
+    """GRPO: episodes per group."""
+
+
+@dataclass
+class WorkersConfig:
+    simulators: int = 2
+    """Simulator workers ``rlvla3 run`` starts."""
+    generators: int = 1
+    """Generator workers ``rlvla3 run`` starts (one per device with --gpus)."""
+    trainers: int = 1
+    """Trainer workers (one torch.distributed group)."""
+    device: str = "cpu"
+    """``cpu`` or ``cuda``; ``--gpus`` overrides per worker."""
+    torch_threads: int = 1
+    """torch intra-op threads per worker process."""
+
+
+@dataclass
+class JobConfig:
+    run: RunConfig = field(default_factory=RunConfig)
+    broker: BrokerConfig = field(default_factory=BrokerConfig)
+    batching: BatchingConfig = field(default_factory=BatchingConfig)
+    env: EnvConfig = field(default_factory=EnvConfig)
+    model: ModelConfig = field(default_factory=ModelConfig)
+    algo: AlgoConfig = field(default_factory=AlgoConfig)
+    workers: WorkersConfig = field(default_factory=WorkersConfig)
+
+    def to_dict(self) -> dict[str, Any]:
+        return dataclasses.asdict(self)
+
+    def to_yaml(self) -> str:
+        return yaml.safe_dump(self.to_dict(), sort_keys=False)
+
+
+class ConfigError(ValueError):
+    """A config that cannot run: the message names the key."""
+
+
+# ---------------------------------------------------------------------------------------------
+# Loading and validation
+# ---------------------------------------------------------------------------------------------
+
+
+def from_dict(data: dict[str, Any] | None) -> JobConfig:
+    cfg = _build(JobConfig, data or {}, "")
+    validate(cfg)
+    return cfg
+
+
+def _build(cls: type, data: Any, path: str) -> Any:
+    if not isinstance(data, dict):
+        raise ConfigError(f"{path or 'config'}: expected a mapping, got {type(data).__name__}")
+    hints = typing.get_type_hints(cls)
+    known = {f.name for f in dataclasses.fields(cls)}
+    unknown = sorted(set(data) - known)
+    if unknown:
+        where = f"{path}." if path else ""
+        raise ConfigError(f"unknown config key {where}{unknown[0]}; known in {path or 'top level'}: {sorted(known)}")
+    kwargs = {}
+    for name, value in data.items():
+        key = f"{path}.{name}" if path else name
+        typ = hints[name]
+        if dataclasses.is_dataclass(typ):
+            kwargs[name] = _build(typ, value if value is not None else {}, key)
+        else:
+            kwargs[name] = _coerce(typ, value, key)
+    return cls(**kwargs)
+
+
+def _coerce(typ: Any, value: Any, key: str) -> Any:
+    origin = typing.get_origin(typ)
+    if origin in (typing.Union, types.UnionType):
+        args = typing.get_args(typ)
+        if value is None and type(None) in args:
+            return None
+        for a in args:
+            if a is type(None):
+                continue
+            try:
+                return _coerce(a, value, key)
+            except ConfigError:
+                continue
+        raise ConfigError(f"{key}: {value!r} is not {typ}")
+    if typ is dict or origin is dict:
+        if value is None:
+            return {}
+        if not isinstance(value, dict):
+            raise ConfigError(f"{key}: expected a mapping, got {value!r}")
+        return dict(value)
+    if typ is bool:
+        if isinstance(value, bool):
+            return value
+        raise ConfigError(f"{key}: expected true/false, got {value!r}")
+    if typ is int:
+        if isinstance(value, int) and not isinstance(value, bool):
+            return value
+        raise ConfigError(f"{key}: expected an integer, got {value!r}")
+    if typ is float:
+        if isinstance(value, (int, float)) and not isinstance(value, bool):
+            return float(value)
+        raise ConfigError(f"{key}: expected a number, got {value!r}")
+    if typ is str:
+        if isinstance(value, str):
+            return value
+        if value is None:
+            return ""
+        raise ConfigError(f"{key}: expected a string, got {value!r}")
+    return value
+
+
+def validate(cfg: JobConfig) -> None:
+    """Cross-field rules, each error naming its key."""
+    if cfg.run.mode not in MODES:
+        raise ConfigError(f"run.mode: {cfg.run.mode!r} not in {MODES}")
+    if cfg.env.num_envs < 1 or cfg.env.slots < 1:
+        raise ConfigError("env.num_envs and env.slots must be >= 1")
+    if cfg.env.num_envs % cfg.env.slots:
+        raise ConfigError(f"env.num_envs ({cfg.env.num_envs}) must be a multiple of env.slots ({cfg.env.slots})")
+    if cfg.env.parallel not in ("thread", "process"):
+        raise ConfigError(f"env.parallel: {cfg.env.parallel!r} not in ('thread', 'process')")
+    if cfg.batching.assignment not in ("dynamic", "sticky"):
+        raise ConfigError(f"batching.assignment: {cfg.batching.assignment!r} not in ('dynamic', 'sticky')")
+    if cfg.batching.max_batch < 1:
+        raise ConfigError("batching.max_batch must be >= 1")
+    if cfg.batching.credits < 1:
+        raise ConfigError("batching.credits must be >= 1")
+    if cfg.algo.name not in ("ppo", "grpo"):
+        raise ConfigError(f"algo.name: {cfg.algo.name!r} not in ('ppo', 'grpo')")
+    if cfg.model.chunk_size < 1:
+        raise ConfigError("model.chunk_size must be >= 1")
+    if cfg.model.dtype not in ("auto", "float32", "bfloat16"):
+        raise ConfigError(f"model.dtype: {cfg.model.dtype!r} not in ('auto', 'float32', 'bfloat16')")
+    if cfg.algo.minibatch_size < 1 or cfg.algo.batch_steps < 1:
+        raise ConfigError("algo.batch_steps and algo.minibatch_size must be >= 1")
+
+
+def apply_overrides(data: dict[str, Any], overrides: list[str] | tuple[str, ...]) -> dict[str, Any]:
+    """Apply ``a.b.c=value`` strings (value parsed as YAML) to a nested dict."""
+    for item in overrides:
+        if "=" not in item:
+            raise ConfigError(f"override {item!r} is not key=value")
+        key, raw = item.split("=", 1)
+        parts = key.strip().split(".")
+        try:
+            value = yaml.safe_load(raw)
+        except yaml.YAMLError as exc:
+            raise ConfigError(f"override {key}: cannot parse {raw!r}: {exc}") from None
+        node = data
+        for p in parts[:-1]:
+            nxt = node.setdefault(p, {})
+            if not isinstance(nxt, dict):
+                raise ConfigError(f"override {key}: {p} is not a section")
+            node = nxt
+        node[parts[-1]] = value
+    return data
+
+
+DEFAULT_CONFIG = "synthetic.yaml"
+
+
+def read_yaml(path: str | Path | None) -> dict[str, Any]:
+    """Read a config file; ``None`` reads the embedded default config."""
+    if path is None:
+        text = resources.files("rlvla3").joinpath("configs", DEFAULT_CONFIG).read_text()
+    else:
+        p = Path(path)
+        if not p.exists():
+            packaged = resources.files("rlvla3").joinpath("configs", str(path))
+            if packaged.is_file():
+                text = packaged.read_text()
+            else:
+                raise ConfigError(f"config file {path} not found")
+        else:
+            text = p.read_text()
+    data = yaml.safe_load(text) or {}
+    if not isinstance(data, dict):
+        raise ConfigError(f"{path}: top level must be a mapping")
+    return data
+
+
+def load(path: str | Path | None = None, overrides: list[str] | tuple[str, ...] = ()) -> JobConfig:
+    """Load, override, validate."""
+    return from_dict(apply_overrides(read_yaml(path), overrides))

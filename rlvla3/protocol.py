@@ -1,0 +1,374 @@
+"""The rlvla3 wire protocol: every constant, limit and message type, then one codec.
+
+A message is a multipart ZeroMQ message ``[header, *tensor frames]`` (after the ROUTER's identity
+frame, which the socket adds and strips). The header is a msgpack map:
+
+    {"v": PROTOCOL_VERSION, "type": "OBS", ...fields..., "tensors": [desc, ...]}
+
+and each tensor descriptor is
+
+    {"name": str, "dtype": str, "shape": [int, ...], "where": "inline"}
+        -> its bytes are the next unused frame, sent zero-copy;
+    {"name": str, "dtype": str, "shape": [int, ...], "where": "shm",
+     "seg": str, "offset": int, "nbytes": int, "host": str}
+        -> its bytes live in the named shared-memory segment on ``host``.
+
+Message types and who sends them (``->B`` = to the broker, ``B->`` = from the broker):
+
+    READY       any ->B   join: role, host, pid, name; B-> reply: worker_id, config, run_id, ...
+    HEARTBEAT   both      liveness; any traffic counts as a heartbeat
+    DISCONNECT  both      orderly leave (worker) / shutdown order (broker)
+    OBS         sim ->B   one slot's observation request (n envs)
+    ACT         B-> sim   actions, log-probs, values, replay for one OBS request
+    BATCH       B-> gen   several OBS requests batched for one forward pass
+    RESULT      gen ->B   the outputs of one BATCH, per request
+    TRAJ        sim ->B, B-> trainer   a finished trajectory fragment
+    TRAJ_ACK    trainer ->B, B-> sim   trajectories taken (the sim may free their buffers)
+    WEIGHTS     trainer ->B, B-> gen (PUB and snapshot reply)   a policy version
+    SNAPSHOT    gen ->B   ask for the latest WEIGHTS (Clone pattern: subscribe first, then ask)
+    TRAIN       trainer ->B   phase of the trainer (begin/end of an update), for alternating modes
+    STATUS      any ->B   live figures; B-> reply with them
+    ERROR       B-> any   the sender's message was bad: code + reason; the message is dropped
+
+Nothing here unpickles; decoding validates before anything reads a field.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any, Iterable, Sequence
+
+import msgpack
+import numpy as np
+
+# ---------------------------------------------------------------------------------------------
+# Constants and limits
+# ---------------------------------------------------------------------------------------------
+
+PROTOCOL_VERSION = 1
+
+READY = "READY"
+HEARTBEAT = "HEARTBEAT"
+DISCONNECT = "DISCONNECT"
+OBS = "OBS"
+ACT = "ACT"
+BATCH = "BATCH"
+RESULT = "RESULT"
+TRAJ = "TRAJ"
+TRAJ_ACK = "TRAJ_ACK"
+WEIGHTS = "WEIGHTS"
+SNAPSHOT = "SNAPSHOT"
+TRAIN = "TRAIN"
+STATUS = "STATUS"
+ERROR = "ERROR"
+
+MESSAGE_TYPES = (
+    READY, HEARTBEAT, DISCONNECT, OBS, ACT, BATCH, RESULT, TRAJ, TRAJ_ACK,
+    WEIGHTS, SNAPSHOT, TRAIN, STATUS, ERROR,
+)
+
+ROLES = ("simulator", "generator", "trainer", "client")
+
+HEARTBEAT_INTERVAL_S = 1.0
+"""Send something at least this often (Paranoid Pirate)."""
+HEARTBEAT_LIVENESS = 3
+"""A peer silent for LIVENESS x INTERVAL is dead."""
+RECONNECT_MIN_S = 1.0
+RECONNECT_MAX_S = 32.0
+
+MAX_HEADER_BYTES = 4 * 1024 * 1024
+MAX_FRAMES = 8192
+MAX_MESSAGE_BYTES = 2 * 1024**3 - 1
+"""ZMQ_MAXMSGSIZE on every socket that receives from peers: one frame can never exceed it."""
+MAX_TENSOR_DIMS = 8
+MAX_NAME_LEN = 256
+SOCKET_HWM = 10_000
+LINGER_MS = 500
+
+ZERO_COPY_MIN_BYTES = 64 * 1024
+"""Below this, pyzmq's zero-copy send costs more than it saves; copy instead."""
+
+DTYPES = (
+    "bool", "uint8", "int8", "int16", "uint16", "int32", "int64",
+    "float16", "bfloat16", "float32", "float64",
+)
+"""bfloat16 travels as raw 2-byte words (numpy has no bf16); torch views it back."""
+
+SHM_PREFIX = "rlvla3_"
+
+# Error codes carried by ERROR messages.
+E_MALFORMED = "malformed"
+E_VERSION = "version"
+E_TYPE = "unknown_type"
+E_OVERSIZE = "oversize"
+E_FIELD = "bad_field"
+E_TENSOR = "bad_tensor"
+E_STATE = "out_of_order"
+E_ROLE = "wrong_role"
+
+# Required header fields per message type: name -> accepted python types. Extra fields pass.
+_INT = (int,)
+_STR = (str,)
+_LIST = (list, tuple)
+_MAP = (dict,)
+_NUM = (int, float)
+SCHEMA: dict[str, dict[str, tuple[type, ...]]] = {
+    READY: {"role": _STR, "host": _STR, "pid": _INT},
+    HEARTBEAT: {},
+    DISCONNECT: {},
+    OBS: {"slot": _INT, "req_id": _INT, "n": _INT, "instruction": _LIST, "episode_step": _LIST},
+    ACT: {"slot": _INT, "req_id": _INT, "version": _INT},
+    BATCH: {"batch_id": _INT, "requests": _LIST},
+    RESULT: {"batch_id": _INT, "version": _INT},
+    TRAJ: {"traj_id": _INT, "slot": _INT, "steps": _INT},
+    TRAJ_ACK: {"traj_ids": _LIST},
+    WEIGHTS: {"version": _INT},
+    SNAPSHOT: {},
+    TRAIN: {"phase": _STR, "version": _INT},
+    STATUS: {},
+    ERROR: {"code": _STR, "reason": _STR},
+}
+
+
+class ProtocolError(ValueError):
+    """A message that must be answered with ERROR and dropped."""
+
+    def __init__(self, code: str, reason: str) -> None:
+        super().__init__(f"{code}: {reason}")
+        self.code = code
+        self.reason = reason
+
+
+# ---------------------------------------------------------------------------------------------
+# Tensors
+# ---------------------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class ShmRef:
+    """Where a tensor's bytes live in a shared-memory segment (no bytes travel)."""
+
+    seg: str
+    offset: int
+    nbytes: int
+    dtype: str
+    shape: tuple[int, ...]
+    host: str
+
+    def descriptor(self, name: str) -> dict[str, Any]:
+        return {
+            "name": name, "dtype": self.dtype, "shape": list(self.shape), "where": "shm",
+            "seg": self.seg, "offset": self.offset, "nbytes": self.nbytes, "host": self.host,
+        }
+
+
+@dataclass
+class InlineTensor:
+    """A tensor whose bytes arrived as a frame (a zero-copy buffer of the received message)."""
+
+    dtype: str
+    shape: tuple[int, ...]
+    buffer: Any  # bytes / memoryview / zmq.Frame buffer
+
+    @property
+    def nbytes(self) -> int:
+        return int(np.prod(self.shape, dtype=np.int64)) * _itemsize(self.dtype)
+
+
+def _itemsize(dtype: str) -> int:
+    return 2 if dtype == "bfloat16" else np.dtype(dtype).itemsize
+
+
+def _np_dtype(dtype: str) -> np.dtype:
+    return np.dtype(np.uint16) if dtype == "bfloat16" else np.dtype(dtype)
+
+
+def dtype_name(arr: Any) -> str:
+    """The wire name of a numpy array's or torch tensor's dtype."""
+    d = getattr(arr, "dtype", None)
+    s = str(d)
+    if s.startswith("torch."):
+        s = s[len("torch."):]
+    if s not in DTYPES:
+        raise ProtocolError(E_TENSOR, f"dtype {s} cannot travel; allowed: {DTYPES}")
+    return s
+
+
+def as_numpy(arr: Any) -> np.ndarray:
+    """A contiguous numpy view of a numpy array or CPU torch tensor (bf16 as raw uint16)."""
+    if isinstance(arr, np.ndarray):
+        return np.ascontiguousarray(arr)
+    import torch  # local: the codec must not need torch to decode
+
+    if isinstance(arr, torch.Tensor):
+        t = arr.detach()
+        if t.device.type != "cpu":
+            t = t.cpu()
+        t = t.contiguous()
+        if t.dtype == torch.bfloat16:
+            return t.view(torch.uint16).numpy() if hasattr(torch, "uint16") else t.view(torch.int16).numpy().view(np.uint16)
+        return t.numpy()
+    return np.ascontiguousarray(np.asarray(arr))
+
+
+def inline_array(t: InlineTensor) -> np.ndarray:
+    """A read-only numpy view over an inline tensor's frame (no copy)."""
+    arr = np.frombuffer(t.buffer, dtype=_np_dtype(t.dtype), count=int(np.prod(t.shape, dtype=np.int64)))
+    return arr.reshape(t.shape)
+
+
+# ---------------------------------------------------------------------------------------------
+# Messages
+# ---------------------------------------------------------------------------------------------
+
+
+@dataclass
+class Message:
+    """A decoded, validated message. ``tensors`` maps name -> InlineTensor | ShmRef."""
+
+    type: str
+    header: dict[str, Any]
+    tensors: dict[str, InlineTensor | ShmRef] = field(default_factory=dict)
+
+    def __getitem__(self, key: str) -> Any:
+        return self.header[key]
+
+    def get(self, key: str, default: Any = None) -> Any:
+        return self.header.get(key, default)
+
+
+def encode(msg_type: str, fields: dict[str, Any] | None = None, tensors: dict[str, Any] | None = None) -> list[Any]:
+    """Frames for a message: msgpack header, then one frame per inline tensor.
+
+    ``tensors`` values are numpy arrays / torch tensors (sent inline) or ShmRef (sent as a
+    descriptor), or already-received InlineTensor (forwarded without a copy).
+    """
+    if msg_type not in MESSAGE_TYPES:
+        raise ProtocolError(E_TYPE, f"unknown message type {msg_type!r}")
+    header: dict[str, Any] = {"v": PROTOCOL_VERSION, "type": msg_type}
+    if fields:
+        header.update(fields)
+    descs: list[dict[str, Any]] = []
+    frames: list[Any] = []
+    for name, value in (tensors or {}).items():
+        if isinstance(value, ShmRef):
+            descs.append(value.descriptor(name))
+            continue
+        if isinstance(value, InlineTensor):
+            descs.append({"name": name, "dtype": value.dtype, "shape": list(value.shape), "where": "inline"})
+            frames.append(value.buffer)
+            continue
+        dt = dtype_name(value)
+        arr = as_numpy(value)
+        descs.append({"name": name, "dtype": dt, "shape": list(arr.shape), "where": "inline"})
+        frames.append(arr.data if arr.nbytes >= ZERO_COPY_MIN_BYTES else arr.tobytes())
+    header["tensors"] = descs
+    return [msgpack.packb(header, use_bin_type=True), *frames]
+
+
+def decode(frames: Sequence[Any]) -> Message:
+    """Validate and decode frames (without the ROUTER identity). Raises ProtocolError."""
+    if not frames:
+        raise ProtocolError(E_MALFORMED, "empty message")
+    if len(frames) > MAX_FRAMES:
+        raise ProtocolError(E_OVERSIZE, f"{len(frames)} frames > {MAX_FRAMES}")
+    raw = _bytes_of(frames[0])
+    if len(raw) > MAX_HEADER_BYTES:
+        raise ProtocolError(E_OVERSIZE, f"header of {len(raw)} bytes > {MAX_HEADER_BYTES}")
+    try:
+        header = msgpack.unpackb(raw, raw=False, strict_map_key=True, max_bin_len=MAX_HEADER_BYTES)
+    except Exception as exc:  # msgpack raises many types; all mean the same to us
+        raise ProtocolError(E_MALFORMED, f"header is not msgpack: {type(exc).__name__}") from None
+    if not isinstance(header, dict):
+        raise ProtocolError(E_MALFORMED, "header is not a map")
+    v = header.get("v")
+    if v != PROTOCOL_VERSION:
+        raise ProtocolError(E_VERSION, f"protocol version {v!r}, this peer speaks {PROTOCOL_VERSION}")
+    msg_type = header.get("type")
+    if msg_type not in SCHEMA:
+        raise ProtocolError(E_TYPE, f"unknown message type {msg_type!r}")
+    for name, types in SCHEMA[msg_type].items():
+        if name not in header:
+            raise ProtocolError(E_FIELD, f"{msg_type} lacks field {name!r}")
+        val = header[name]
+        if not isinstance(val, types) or (types == _INT and isinstance(val, bool)):
+            raise ProtocolError(E_FIELD, f"{msg_type}.{name} has type {type(val).__name__}")
+    tensors = _decode_tensors(header.get("tensors", []), frames[1:])
+    return Message(type=msg_type, header=header, tensors=tensors)
+
+
+def _bytes_of(frame: Any) -> bytes | memoryview:
+    if isinstance(frame, (bytes, bytearray, memoryview)):
+        return frame
+    buf = getattr(frame, "buffer", None)  # zmq.Frame
+    if buf is not None:
+        return buf
+    raise ProtocolError(E_MALFORMED, f"frame of type {type(frame).__name__}")
+
+
+def _decode_tensors(descs: Any, frames: Sequence[Any]) -> dict[str, InlineTensor | ShmRef]:
+    if not isinstance(descs, list):
+        raise ProtocolError(E_TENSOR, "tensors is not a list")
+    out: dict[str, InlineTensor | ShmRef] = {}
+    next_frame = 0
+    for d in descs:
+        if not isinstance(d, dict):
+            raise ProtocolError(E_TENSOR, "tensor descriptor is not a map")
+        name, dtype, shape, where = d.get("name"), d.get("dtype"), d.get("shape"), d.get("where")
+        if not isinstance(name, str) or not name or len(name) > MAX_NAME_LEN:
+            raise ProtocolError(E_TENSOR, "tensor name missing or too long")
+        if name in out:
+            raise ProtocolError(E_TENSOR, f"tensor {name!r} appears twice")
+        if dtype not in DTYPES:
+            raise ProtocolError(E_TENSOR, f"tensor {name!r}: dtype {dtype!r} not allowed")
+        if (
+            not isinstance(shape, list)
+            or len(shape) > MAX_TENSOR_DIMS
+            or not all(isinstance(s, int) and not isinstance(s, bool) and 0 <= s < 2**31 for s in shape)
+        ):
+            raise ProtocolError(E_TENSOR, f"tensor {name!r}: bad shape {shape!r}")
+        nbytes = int(np.prod(shape, dtype=np.int64)) * _itemsize(dtype)
+        if where == "inline":
+            if next_frame >= len(frames):
+                raise ProtocolError(E_TENSOR, f"tensor {name!r}: no frame left for it")
+            buf = _bytes_of(frames[next_frame])
+            next_frame += 1
+            if len(buf) != nbytes:
+                raise ProtocolError(E_TENSOR, f"tensor {name!r}: frame has {len(buf)} bytes, shape needs {nbytes}")
+            out[name] = InlineTensor(dtype=dtype, shape=tuple(shape), buffer=buf)
+        elif where == "shm":
+            seg, offset, nb, host = d.get("seg"), d.get("offset"), d.get("nbytes"), d.get("host")
+            if not isinstance(seg, str) or not seg.startswith(SHM_PREFIX) or len(seg) > MAX_NAME_LEN or "/" in seg:
+                raise ProtocolError(E_TENSOR, f"tensor {name!r}: bad segment name {seg!r}")
+            if not isinstance(offset, int) or isinstance(offset, bool) or offset < 0:
+                raise ProtocolError(E_TENSOR, f"tensor {name!r}: bad offset {offset!r}")
+            if nb != nbytes:
+                raise ProtocolError(E_TENSOR, f"tensor {name!r}: nbytes {nb!r} != shape's {nbytes}")
+            if not isinstance(host, str):
+                raise ProtocolError(E_TENSOR, f"tensor {name!r}: shm descriptor without host")
+            out[name] = ShmRef(seg=seg, offset=offset, nbytes=nbytes, dtype=dtype, shape=tuple(shape), host=host)
+        else:
+            raise ProtocolError(E_TENSOR, f"tensor {name!r}: where={where!r}")
+    if next_frame != len(frames):
+        raise ProtocolError(E_TENSOR, f"{len(frames) - next_frame} frame(s) not described by the header")
+    return out
+
+
+def error_frames(code: str, reason: str, ref_type: str | None = None) -> list[Any]:
+    """An ERROR message answering a bad one."""
+    return encode(ERROR, {"code": code, "reason": reason[:1000], "ref_type": ref_type})
+
+
+def prefixed(tensors: dict[str, Any], prefix: str) -> dict[str, Any]:
+    """Rename tensors ``name`` -> ``prefix + name`` (BATCH/RESULT carry several requests)."""
+    return {prefix + k: v for k, v in tensors.items()}
+
+
+def split_prefixed(tensors: dict[str, Any], prefix: str) -> dict[str, Any]:
+    """The tensors named ``prefix + name``, renamed back to ``name``."""
+    n = len(prefix)
+    return {k[n:]: v for k, v in tensors.items() if k.startswith(prefix)}
+
+
+def iter_type_names() -> Iterable[str]:
+    return iter(MESSAGE_TYPES)

@@ -1,0 +1,317 @@
+"""What every worker shares: connect, READY, heartbeats, reconnect with back-off, and a way to
+run blocking work (env steps, forward passes, updates) off the socket thread.
+
+The socket thread never blocks on compute: heartbeats keep flowing while a generator runs a
+long forward pass or a trainer runs an update. Blocking work goes to a :class:`JobRunner`
+thread; when it finishes, the runner wakes the loop through an inproc socket and the result is
+handled on the loop's thread (sockets are not thread-safe).
+"""
+
+from __future__ import annotations
+
+import os
+import queue
+import random
+import signal
+import threading
+import time
+import uuid
+from typing import Any, Callable
+
+import structlog
+import zmq
+
+from rlvla3 import protocol as P
+from rlvla3.config import ConfigError, JobConfig, apply_overrides, from_dict
+from rlvla3.shm import ShmAttachments, host_id
+
+log = structlog.get_logger()
+
+
+class JobRunner:
+    """One thread that runs submitted callables in order and wakes the owner's poll loop."""
+
+    def __init__(self, ctx: zmq.Context, wake_addr: str, name: str) -> None:
+        self.name = name
+        self._jobs: queue.Queue = queue.Queue()
+        self.results: queue.Queue = queue.Queue()
+        self._ctx = ctx
+        self._wake_addr = wake_addr
+        self._thread = threading.Thread(target=self._loop, name=name, daemon=True)
+        self._thread.start()
+
+    def submit(self, fn: Callable[[], Any], tag: Any = None) -> None:
+        self._jobs.put((fn, tag))
+
+    def stop(self) -> None:
+        self._jobs.put(None)
+
+    def join(self, timeout: float | None = None) -> None:
+        self._thread.join(timeout)
+
+    def _loop(self) -> None:
+        wake = self._ctx.socket(zmq.PUSH)
+        wake.setsockopt(zmq.LINGER, 0)
+        wake.connect(self._wake_addr)
+        try:
+            while True:
+                item = self._jobs.get()
+                if item is None:
+                    return
+                fn, tag = item
+                try:
+                    result, error = fn(), None
+                except BaseException as exc:  # reported to the loop, which decides
+                    result, error = None, exc
+                self.results.put((tag, result, error))
+                wake.send(b"", zmq.DONTWAIT)
+        finally:
+            wake.close()
+
+
+class WorkerBase:
+    """Connect / READY / heartbeat / reconnect, and a poll loop subclasses plug into."""
+
+    role: str = ""
+
+    def __init__(self, broker: str, name: str | None = None, overrides: tuple[str, ...] = (), device: str | None = None) -> None:
+        self.broker_url = broker
+        self.name = name or f"{self.role}-{os.getpid()}"
+        self.overrides = tuple(overrides)
+        self.device = device
+        self.host = host_id()
+        self.ctx = zmq.Context()
+        self.sock: zmq.Socket | None = None
+        self.poller = zmq.Poller()
+        self.wake_addr = f"inproc://wake-{uuid.uuid4().hex[:8]}"
+        self.wake = self.ctx.socket(zmq.PULL)
+        self.wake.bind(self.wake_addr)
+        self.poller.register(self.wake, zmq.POLLIN)
+        self.runners: list[JobRunner] = []
+        self.attach = ShmAttachments()
+        self.cfg: JobConfig | None = None
+        self.welcome: dict[str, Any] = {}
+        self.hb_s = P.HEARTBEAT_INTERVAL_S
+        self.liveness = P.HEARTBEAT_LIVENESS
+        self._stop = False
+        self._last_recv = 0.0
+        self._last_send = 0.0
+        self._backoff = P.RECONNECT_MIN_S
+        self._connects = 0
+
+    # -- what subclasses provide --------------------------------------------------------------
+
+    def ready_fields(self) -> dict[str, Any]:
+        """Extra READY fields (slots, credits, ...)."""
+        return {}
+
+    def setup(self) -> None:
+        """Build envs / models once the config has arrived."""
+
+    def on_message(self, msg: P.Message) -> None:
+        """A message from the broker (not HEARTBEAT/DISCONNECT/ERROR)."""
+
+    def on_job_done(self, tag: Any, result: Any, error: BaseException | None) -> None:
+        """A JobRunner finished something."""
+
+    def on_reconnected(self) -> None:
+        """Re-send whatever the broker lost (pending requests)."""
+
+    def tick(self, now: float) -> None:
+        """Called every loop iteration."""
+
+    def extra_sockets(self) -> list[zmq.Socket]:
+        return []
+
+    def on_socket(self, sock: zmq.Socket) -> None:
+        """An extra socket is readable."""
+
+    def teardown(self) -> None:
+        """Release envs, models, shared memory."""
+
+    def heartbeat_fields(self) -> dict[str, Any]:
+        return {}
+
+    # -- connection ---------------------------------------------------------------------------
+
+    def _open(self) -> None:
+        if self.sock is not None:
+            self.poller.unregister(self.sock)
+            self.sock.close(linger=0)
+        self._connects += 1
+        self.sock = self.ctx.socket(zmq.DEALER)
+        self.sock.setsockopt(zmq.IDENTITY, f"{self.role[:3]}-{os.getpid()}-{self._connects}-{uuid.uuid4().hex[:6]}".encode())
+        self.sock.setsockopt(zmq.LINGER, P.LINGER_MS)
+        self.sock.setsockopt(zmq.SNDHWM, P.SOCKET_HWM)
+        self.sock.setsockopt(zmq.RCVHWM, P.SOCKET_HWM)
+        self.sock.setsockopt(zmq.MAXMSGSIZE, P.MAX_MESSAGE_BYTES)
+        self.sock.connect(self.broker_url)
+        self.poller.register(self.sock, zmq.POLLIN)
+
+    def connect(self, timeout_s: float = 60.0) -> None:
+        """READY until the broker answers with the job config (back-off 1 s doubling to 32 s)."""
+        deadline = time.monotonic() + timeout_s
+        backoff = P.RECONNECT_MIN_S
+        while not self._stop:
+            self._open()
+            self.send(P.READY, {"role": self.role, "host": self.host, "pid": os.getpid(), "name": self.name, **self.ready_fields()})
+            wait_until = time.monotonic() + backoff
+            while time.monotonic() < wait_until:
+                if self.sock.poll(int(max(1, (wait_until - time.monotonic()) * 1000)), zmq.POLLIN):
+                    msg = self._recv()
+                    if msg is not None and msg.type == P.READY:
+                        self._welcome(msg)
+                        return
+            if time.monotonic() > deadline:
+                raise TimeoutError(f"{self.role}: no broker answered at {self.broker_url} within {timeout_s:.0f} s")
+            log.info("broker_unreachable_retrying", broker=self.broker_url, backoff_s=backoff)
+            backoff = min(backoff * 2, P.RECONNECT_MAX_S)
+
+    def _welcome(self, msg: P.Message) -> None:
+        self.welcome = dict(msg.header)
+        data = apply_overrides(dict(msg["config"]), list(self.overrides)) if self.overrides else dict(msg["config"])
+        try:
+            self.cfg = from_dict(data)
+        except ConfigError as exc:
+            raise SystemExit(f"{self.role}: bad config override: {exc}") from None
+        self.hb_s = float(msg.get("heartbeat_s", P.HEARTBEAT_INTERVAL_S))
+        self.liveness = int(msg.get("liveness", P.HEARTBEAT_LIVENESS))
+        self._last_recv = time.monotonic()
+        self._backoff = P.RECONNECT_MIN_S
+        structlog.contextvars.bind_contextvars(worker_id=msg.get("worker_id"))
+        log.info("worker_ready", role=self.role, name=self.name, broker=self.broker_url, run_id=msg.get("run_id"))
+
+    def _recv(self) -> P.Message | None:
+        frames = self.sock.recv_multipart(copy=False)
+        self._last_recv = time.monotonic()
+        try:
+            return P.decode(frames)
+        except P.ProtocolError as err:
+            log.warning("bad_message_from_broker", code=err.code, reason=err.reason)
+            return None
+
+    def send(self, msg_type: str, fields: dict[str, Any] | None = None, tensors: dict[str, Any] | None = None) -> bool:
+        try:
+            self.sock.send_multipart(P.encode(msg_type, fields, tensors), zmq.DONTWAIT, copy=False)
+        except zmq.Again:
+            log.warning("send_queue_full", type=msg_type)
+            return False
+        self._last_send = time.monotonic()
+        return True
+
+    def _reconnect(self) -> None:
+        log.warning("broker_silent_reconnecting", backoff_s=self._backoff)
+        time.sleep(self._backoff)  # back-off between attempts, not synchronisation
+        self._backoff = min(self._backoff * 2, P.RECONNECT_MAX_S)
+        self.connect(timeout_s=float("inf"))
+        self.on_reconnected()
+
+    # -- the loop -----------------------------------------------------------------------------
+
+    def new_runner(self, name: str) -> JobRunner:
+        r = JobRunner(self.ctx, self.wake_addr, name)
+        self.runners.append(r)
+        return r
+
+    def stop(self) -> None:
+        self._stop = True
+
+    def run(self) -> None:
+        """Connect, set up, then serve until DISCONNECT, SIGTERM or ``stop()``."""
+        self._install_signals()
+        try:
+            self.connect()
+            if self._stop:
+                return
+            self.setup()
+            for s in self.extra_sockets():
+                self.poller.register(s, zmq.POLLIN)
+            self.send(P.HEARTBEAT, self.heartbeat_fields())
+            while not self._stop:
+                events = dict(self.poller.poll(int(self.hb_s * 1000 / 2)))
+                if self.sock in events:
+                    for _ in range(256):
+                        if not self.sock.poll(0, zmq.POLLIN):
+                            break
+                        msg = self._recv()
+                        if msg is None:
+                            continue
+                        self._route(msg)
+                        if self._stop:
+                            break
+                if self.wake in events:
+                    while True:
+                        try:
+                            self.wake.recv(zmq.DONTWAIT)
+                        except zmq.Again:
+                            break
+                    self._drain_runners()
+                for s in self.extra_sockets():
+                    if s in events:
+                        self.on_socket(s)
+                now = time.monotonic()
+                if now - self._last_send >= self.hb_s:
+                    self.send(P.HEARTBEAT, self.heartbeat_fields())
+                if now - self._last_recv > self.hb_s * self.liveness:
+                    self._reconnect()
+                    continue
+                self.tick(now)
+        finally:
+            if self.sock is not None and self.cfg is not None:
+                try:
+                    self.send(P.DISCONNECT, {})
+                except zmq.ZMQError:
+                    pass
+            for r in self.runners:
+                r.stop()
+            try:
+                self.teardown()
+            finally:
+                self.attach.close()
+                if self.sock is not None:
+                    self.sock.close(linger=P.LINGER_MS)
+                self.wake.close(linger=0)
+                for s in self.extra_sockets():
+                    s.close(linger=0)
+                self.ctx.term()
+                log.info("worker_stopped", role=self.role, name=self.name)
+
+    def _drain_runners(self) -> None:
+        for r in self.runners:
+            while True:
+                try:
+                    tag, result, error = r.results.get_nowait()
+                except queue.Empty:
+                    break
+                self.on_job_done(tag, result, error)
+
+    def _route(self, msg: P.Message) -> None:
+        if msg.type == P.HEARTBEAT:
+            return
+        if msg.type == P.DISCONNECT:
+            log.info("broker_said_disconnect", reason=msg.get("reason"))
+            self._stop = True
+            return
+        if msg.type == P.ERROR:
+            log.warning("broker_error", code=msg["code"], reason=msg["reason"], ref_type=msg.get("ref_type"))
+            if msg["code"] == P.E_STATE and "READY" in msg["reason"]:
+                self.connect(timeout_s=float("inf"))  # the broker restarted and forgot us
+                self.on_reconnected()
+            return
+        if msg.type == P.READY:
+            return
+        self.on_message(msg)
+
+    def _install_signals(self) -> None:
+        if threading.current_thread() is not threading.main_thread():
+            return
+
+        def _term(signum: int, frame: Any) -> None:
+            self._stop = True
+
+        signal.signal(signal.SIGTERM, _term)
+        signal.signal(signal.SIGINT, _term)
+
+
+def jitter(seconds: float) -> float:
+    return seconds * (0.9 + 0.2 * random.random())

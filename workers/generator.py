@@ -1,0 +1,189 @@
+"""The generator worker: batched inference for the policy, with weight versions swapped in
+between batches, never during one.
+
+Weights follow the ZeroMQ Guide's Clone pattern: subscribe to the broker's PUB first, then ask
+the broker for its snapshot (SNAPSHOT), then apply only updates newer than what we hold. Until
+the snapshot reply arrives the generator announces no credits, so it takes no batches with
+weights older than the job's.
+"""
+
+from __future__ import annotations
+
+import time
+from collections import deque
+from typing import Any
+from urllib.parse import urlparse
+
+import numpy as np
+import structlog
+import torch
+import zmq
+
+from rlvla3 import protocol as P
+from workers.base import WorkerBase
+from workers.envs.base import concat_obs
+from workers.model import build_policy, load_state_from_message
+
+log = structlog.get_logger()
+
+
+def pub_address(pub: str, broker_url: str) -> str:
+    """Turn the broker's bound PUB endpoint into one this host can connect to."""
+    u = urlparse(pub)
+    if u.scheme == "tcp" and u.hostname in ("0.0.0.0", "*", "::"):
+        host = urlparse(broker_url).hostname or "127.0.0.1"
+        return f"tcp://{host}:{u.port}"
+    return pub
+
+
+class GeneratorWorker(WorkerBase):
+    role = "generator"
+
+    def __init__(self, broker: str, **kw: Any) -> None:
+        super().__init__(broker, **kw)
+        self.sub: zmq.Socket | None = None
+        self.policy = None
+        self.version = 0
+        self.serving = False
+        self.pending_weights: P.Message | None = None
+        self.batches: deque[P.Message] = deque()
+        self.busy = False
+        self.served = 0
+
+    def ready_fields(self) -> dict[str, Any]:
+        return {"credits": 0}
+
+    def setup(self) -> None:
+        cfg = self.cfg
+        torch.set_num_threads(max(1, cfg.workers.torch_threads))
+        self.policy = build_policy(cfg, device=self.device)
+        self.policy.eval()
+        self.runner = self.new_runner("forward")
+        self.sub = self.ctx.socket(zmq.SUB)
+        self.sub.setsockopt(zmq.SUBSCRIBE, b"W")
+        self.sub.setsockopt(zmq.RCVHWM, 4)
+        self.sub.setsockopt(zmq.MAXMSGSIZE, P.MAX_MESSAGE_BYTES)
+        self.sub.connect(pub_address(self.welcome["pub"], self.broker_url))
+        self.send(P.SNAPSHOT, {})
+        log.info("generator_ready", family=cfg.model.family, device=str(self.policy.device),
+                 params=sum(p.numel() for p in self.policy.parameters()))
+
+    def extra_sockets(self) -> list[zmq.Socket]:
+        return [self.sub] if self.sub is not None else []
+
+    def heartbeat_fields(self) -> dict[str, Any]:
+        return {"credits": self.cfg.batching.credits if (self.serving and self.cfg) else 0, "version": self.version}
+
+    # -- weights ------------------------------------------------------------------------------
+
+    def on_socket(self, sock: zmq.Socket) -> None:
+        while True:
+            try:
+                frames = sock.recv_multipart(zmq.DONTWAIT, copy=False)
+            except zmq.Again:
+                return
+            try:
+                msg = P.decode(frames[1:])
+            except P.ProtocolError as err:
+                log.warning("bad_weights_message", code=err.code, reason=err.reason)
+                continue
+            if msg.type == P.WEIGHTS:
+                self._offer_weights(msg)
+
+    def _offer_weights(self, msg: P.Message) -> None:
+        if msg["version"] > max(self.version, self.pending_weights["version"] if self.pending_weights else -1):
+            self.pending_weights = msg
+            if not self.busy:
+                self._swap_weights()
+
+    def _swap_weights(self) -> None:
+        msg, self.pending_weights = self.pending_weights, None
+        if msg is None:
+            return
+        t0 = time.perf_counter()
+        load_state_from_message(self.policy, msg, self.attach)
+        self.version = msg["version"]
+        log.info("weights_swapped", version=self.version, ms=round((time.perf_counter() - t0) * 1000, 2))
+
+    # -- batches ------------------------------------------------------------------------------
+
+    def on_message(self, msg: P.Message) -> None:
+        if msg.type == P.WEIGHTS:  # snapshot reply
+            if msg["version"] >= 0:
+                self._offer_weights(msg)
+            if not self.serving:
+                self.serving = True
+                self.send(P.HEARTBEAT, self.heartbeat_fields())
+                log.info("generator_serving", version=self.version)
+        elif msg.type == P.BATCH:
+            self.batches.append(msg)
+            self._next_batch()
+
+    def _next_batch(self) -> None:
+        if self.busy or not self.batches:
+            return
+        if self.pending_weights is not None:
+            self._swap_weights()
+        msg = self.batches.popleft()
+        try:
+            obs, sizes, det = self._gather(msg)
+        except (KeyError, ValueError) as err:
+            log.error("batch_unreadable", batch_id=msg["batch_id"], error=str(err))
+            self.send(P.RESULT, {"batch_id": msg["batch_id"], "version": self.version, "error": str(err)})
+            return
+        self.busy = True
+        version = self.version
+        self.runner.submit(lambda: self._forward(obs, det), (msg["batch_id"], sizes, version, msg.get("queue_us")))
+
+    def _gather(self, msg: P.Message) -> tuple[dict[str, Any], list[int], bool]:
+        parts, sizes = [], []
+        det = False
+        for i, req in enumerate(msg["requests"]):
+            t = P.split_prefixed(msg.tensors, f"r{i}/")
+            images = {k[len("images/"):]: self.attach.materialize(v) for k, v in t.items() if k.startswith("images/")}
+            state = self.attach.materialize(t["state"])
+            n = int(req["n"])
+            if state.shape[0] != n or any(v.shape[0] != n for v in images.values()):
+                raise ValueError(f"request {i}: tensors disagree with n={n}")
+            parts.append({"images": images, "state": state, "instruction": list(req["instruction"])})
+            sizes.append(n)
+            det = det or any(req.get("deterministic", []))
+        obs = concat_obs(parts)
+        if len(parts) == 1:  # views into shared memory: copy before the slot may rewrite them
+            obs = {"images": {k: v.copy() for k, v in obs["images"].items()}, "state": obs["state"].copy(),
+                   "instruction": obs["instruction"]}
+        return obs, sizes, det
+
+    def _forward(self, obs: dict[str, Any], deterministic: bool) -> tuple[dict[str, np.ndarray], float]:
+        t0 = time.perf_counter()
+        with torch.inference_mode():
+            out = self.policy.act(obs, deterministic=deterministic)
+        res = {
+            "actions": out.actions.float().cpu().numpy(),
+            "logprob": out.logprob.float().cpu().numpy(),
+            "value": out.value.float().cpu().numpy(),
+        }
+        for k, v in out.replay.items():
+            res[f"replay/{k}"] = v.cpu().numpy() if v.dtype != torch.bfloat16 else v.float().cpu().numpy()
+        return res, time.perf_counter() - t0
+
+    def on_job_done(self, tag: Any, result: Any, error: BaseException | None) -> None:
+        batch_id, sizes, version, queue_us = tag
+        self.busy = False
+        if error is not None:
+            log.error("forward_failed", batch_id=batch_id, error=repr(error)[:500])
+            self.send(P.RESULT, {"batch_id": batch_id, "version": version, "error": repr(error)[:500]})
+        else:
+            res, secs = result
+            tensors: dict[str, Any] = {}
+            start = 0
+            for i, n in enumerate(sizes):
+                for name, arr in res.items():
+                    tensors[f"r{i}/{name}"] = arr[start:start + n]
+                start += n
+            self.send(P.RESULT, {"batch_id": batch_id, "version": version, "forward_us": int(secs * 1e6),
+                                 "queue_us": queue_us}, tensors)
+            self.served += 1
+        if self.pending_weights is not None:
+            self._swap_weights()
+        self._next_batch()

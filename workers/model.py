@@ -1,0 +1,92 @@
+"""Building the job's policy and moving its weights over the wire."""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any
+
+import numpy as np
+import torch
+
+from rlvla3 import protocol as P
+from rlvla3.config import JobConfig
+from workers.envs.base import EnvSpec, env_spec
+from workers.policies.base import Policy, _POLICIES, _import_builtin_policies, make_policy
+
+
+def resolve_device(cfg: JobConfig, device: str | None) -> torch.device:
+    name = device or cfg.workers.device
+    if name.startswith("cuda") and not torch.cuda.is_available():
+        raise SystemExit(f"device {name!r} asked for, but CUDA is not available on this machine")
+    return torch.device(name)
+
+
+def resolve_dtype(cfg: JobConfig, device: torch.device) -> torch.dtype:
+    if cfg.model.dtype == "auto":
+        return torch.bfloat16 if device.type == "cuda" else torch.float32
+    return torch.bfloat16 if cfg.model.dtype == "bfloat16" else torch.float32
+
+
+def job_spec(cfg: JobConfig) -> EnvSpec:
+    return env_spec(cfg.env.name, cfg.env.options)
+
+
+def build_policy(cfg: JobConfig, spec: EnvSpec | None = None, device: str | None = None) -> Policy:
+    """The job's policy with seeded initial weights: every process that builds it gets the same
+    version-0 weights, so generators can serve before the first publication."""
+    spec = spec or job_spec(cfg)
+    _import_builtin_policies()
+    options = dict(cfg.model.options)
+    fam = cfg.model.family
+    if fam in _POLICIES:
+        fields = {f.name for f in dataclasses.fields(_POLICIES[fam][1])}
+        if "chunk_size" in fields:
+            options.setdefault("chunk_size", cfg.model.chunk_size)
+    torch.manual_seed(cfg.run.seed)
+    if cfg.model.checkpoint:
+        cls = type(make_policy(fam, options, spec)) if fam != "mlp" else None
+        if cls is not None and hasattr(cls, "from_pretrained"):
+            policy = cls.from_pretrained(cfg.model.checkpoint, spec, **options)
+        else:
+            policy = make_policy(fam, options, spec)
+            load_checkpoint_weights(policy, cfg.model.checkpoint)
+    else:
+        policy = make_policy(fam, options, spec)
+    dev = resolve_device(cfg, device)
+    policy.to(device=dev, dtype=resolve_dtype(cfg, dev))
+    return policy
+
+
+def load_checkpoint_weights(policy: Policy, path: str) -> None:
+    """Load ``model.safetensors`` from a run folder's checkpoint (or a direct file)."""
+    from pathlib import Path
+
+    from safetensors.torch import load_file
+
+    p = Path(path)
+    candidates = [p] if p.is_file() else [p / "model.safetensors", p / "checkpoints" / "latest" / "model.safetensors"]
+    for c in candidates:
+        if c.is_file():
+            policy.load_state_dict(load_file(str(c)))
+            return
+    raise FileNotFoundError(f"model.checkpoint {path}: no model.safetensors found (looked at {[str(c) for c in candidates]})")
+
+
+def state_tensors(policy: torch.nn.Module) -> dict[str, torch.Tensor]:
+    """The state dict as CPU tensors ready to travel (bf16 stays bf16)."""
+    return {k: v.detach().to("cpu").contiguous() for k, v in policy.state_dict().items()}
+
+
+def load_state_from_message(policy: torch.nn.Module, msg: P.Message, attach: Any) -> None:
+    """Apply a WEIGHTS message's tensors to a policy (strict: every parameter must be there)."""
+    sd = {}
+    for name, t in msg.tensors.items():
+        arr = attach.materialize(t, copy=True)
+        if t.dtype == "bfloat16":
+            sd[name] = torch.from_numpy(arr.view(np.int16)).view(torch.bfloat16)
+        else:
+            sd[name] = torch.from_numpy(arr)
+    missing = set(policy.state_dict()) - set(sd)
+    if missing:
+        raise ValueError(f"WEIGHTS lacks {len(missing)} tensors, e.g. {sorted(missing)[:3]}")
+    policy.load_state_dict(sd, strict=True)

@@ -1,0 +1,343 @@
+"""The simulator worker: one batch of envs split into slots that never wait for each other.
+
+Each slot cycles on its own: send OBS -> receive ACT -> execute the action chunk (in the slot's
+own thread, or in a child process with ``env.parallel: process``) -> record the decision step
+-> send the next OBS at once. Finished episodes and long-episode fragments go out as TRAJ; their
+buffers are freed when the broker forwards the trainer's TRAJ_ACK.
+
+On the same host as the broker, observations and trajectories travel through shared memory
+(each slot owns a fixed observation block, rewritten only after its ACT arrived); elsewhere
+they travel as inline frames. The slot code does not know which.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+import structlog
+
+from rlvla3 import protocol as P
+from rlvla3.shm import ShmPool, sweep_leftovers
+from workers.base import JobRunner, WorkerBase
+from workers.envs.base import EnvAdapter, Obs, make_env
+from workers.trajectory import EnvTrajectory, StepRecord, obs_row
+
+log = structlog.get_logger()
+
+
+@dataclass
+class ChunkOutcome:
+    """What executing one action chunk did to a slot's envs."""
+
+    step_reward: np.ndarray  # [k, T]
+    steps: np.ndarray  # [k]
+    terminated: np.ndarray  # [k]
+    truncated: np.ndarray  # [k]
+    success: np.ndarray  # [k]
+    final_obs: Obs  # obs after each env's last executed step
+    reset_obs: Obs | None  # obs of the new episodes of done envs (rows in done order)
+    done_ids: list[int]
+    restarts: int = 0
+
+
+@dataclass
+class Slot:
+    index: int
+    envs: list[int]  # worker-global env indices
+    adapter: EnvAdapter
+    runner: JobRunner
+    trajs: list[EnvTrajectory]
+    obs: Obs | None = None
+    req_id: int = 0
+    waiting: bool = False  # an OBS is out, waiting for ACT
+    out: dict[str, np.ndarray] | None = None  # the policy outputs being executed
+    version: int = -1
+    obs_block: dict[str, int] = field(default_factory=dict)
+    pending_obs: list[Any] | None = None  # last OBS frames, re-sent after a reconnect
+
+
+class SimulatorWorker(WorkerBase):
+    role = "simulator"
+
+    def __init__(self, broker: str, num_envs: int | None = None, slots: int | None = None, index: int = 0, **kw: Any) -> None:
+        super().__init__(broker, **kw)
+        self.num_envs_override = num_envs
+        self.slots_override = slots
+        self.index = index
+        self.slots: list[Slot] = []
+        self.obs_pool: ShmPool | None = None
+        self.traj_pool: ShmPool | None = None
+        self.next_traj = 0
+        self.unacked: dict[int, tuple[dict[str, Any], dict[str, Any], list[int]]] = {}
+        self.env_steps = 0
+        self.restarts_unreported = 0
+
+    # -- set-up -------------------------------------------------------------------------------
+
+    def _layout(self) -> tuple[int, int]:
+        num_envs = self.num_envs_override or self.cfg.env.num_envs
+        slots = self.slots_override or self.cfg.env.slots
+        if num_envs % slots:
+            raise SystemExit(f"simulator: num_envs {num_envs} is not a multiple of slots {slots}")
+        return num_envs, slots
+
+    def ready_fields(self) -> dict[str, Any]:
+        if self.cfg is None:  # first READY: announce what we will have (overrides or defaults later)
+            return {"slots": self.slots_override or 0, "num_envs": self.num_envs_override or 0}
+        n, s = self._layout()
+        return {"slots": s, "num_envs": n}
+
+    def setup(self) -> None:
+        cfg = self.cfg
+        num_envs, n_slots = self._layout()
+        k = num_envs // n_slots
+        self.use_shm = self.welcome.get("broker_host") == self.host
+        run_id = self.welcome.get("run_id", "run")
+        seed0 = cfg.run.seed * 1_000_003 + self.index * 10_007
+        for s in range(n_slots):
+            envs = list(range(s * k, (s + 1) * k))
+            adapter = self._make_adapter(k, seed0 + s)
+            slot = Slot(index=s, envs=envs, adapter=adapter, runner=self.new_runner(f"slot{s}"),
+                        trajs=[EnvTrajectory(env=self.index * 100_000 + e) for e in envs])
+            self.slots.append(slot)
+        if self.use_shm:
+            sweep_leftovers()
+            spec = self.slots[0].adapter.spec
+            per_env = sum(h * w * 3 for h, w in spec.cameras.values()) + spec.state_dim * 4 + 64 * (len(spec.cameras) + 1)
+            self.obs_pool = ShmPool(run_id, per_env * num_envs + 4096)
+            steps = cfg.env.fragment_len + 1
+            self.traj_pool = ShmPool(run_id, max(per_env * steps * num_envs * 4, 1 << 20))
+            for slot in self.slots:
+                for cam, (h, w) in spec.cameras.items():
+                    slot.obs_block[f"images/{cam}"] = self.obs_pool.alloc(k * h * w * 3)
+                slot.obs_block["state"] = self.obs_pool.alloc(k * spec.state_dim * 4)
+        log.info("simulator_ready", env=cfg.env.name, num_envs=num_envs, slots=n_slots, shm=self.use_shm, parallel=cfg.env.parallel)
+        for slot in self.slots:
+            slot.runner.submit(lambda slot=slot: self._reset_all(slot), ("reset", slot.index))
+
+    def _make_adapter(self, k: int, seed: int) -> EnvAdapter:
+        env = self.cfg.env
+        if env.parallel == "process":
+            from workers.envs.subproc import SubprocEnv
+
+            return SubprocEnv(env.name, num_envs=k, seed=seed, options=env.options, step_timeout_s=env.step_timeout_s)
+        return make_env(env.name, num_envs=k, seed=seed, options=env.options)
+
+    def _seed_for(self, env: int, episode: int) -> int:
+        """Initial-state seed of an env's ``episode``-th episode; a GRPO group shares one."""
+        group = max(1, self.cfg.env.group_size)
+        return (self.cfg.run.seed * 1_000_003 + env * 10_007 + (episode - 1) // group) % (2**31)
+
+    # -- slot work (runs on the slot's thread) ------------------------------------------------
+
+    def _reset_all(self, slot: Slot) -> Obs:
+        ids = list(range(len(slot.envs)))
+        seeds = [self._seed_for(slot.trajs[i].env, slot.trajs[i].episode + 1) for i in ids]
+        return slot.adapter.reset(ids, seeds)
+
+    def _run_chunk(self, slot: Slot, actions: np.ndarray) -> ChunkOutcome:
+        k, T = actions.shape[0], actions.shape[1]
+        step_reward = np.zeros((k, T), np.float32)
+        steps = np.zeros(k, np.int32)
+        term = np.zeros(k, bool)
+        trunc = np.zeros(k, bool)
+        success = np.zeros(k, bool)
+        active = np.ones(k, bool)
+        cur = {"images": {c: v.copy() for c, v in slot.obs["images"].items()}, "state": slot.obs["state"].copy(),
+               "instruction": list(slot.obs["instruction"])}
+        restarts = 0
+        for t in range(T):
+            ids = np.flatnonzero(active)
+            if not len(ids):
+                break
+            try:
+                res = slot.adapter.step(ids.tolist(), actions[ids, t])
+            except Exception as exc:  # an env that raises is rebuilt; its episodes end truncated
+                log.warning("env_failed_restarting", slot=slot.index, error=repr(exc)[:300])
+                try:
+                    slot.adapter.close()
+                except Exception:
+                    pass
+                slot.adapter = self._make_adapter(k, int(np.random.randint(2**31)))
+                trunc[active] = True
+                restarts += 1
+                break
+            step_reward[ids, t] = res.reward
+            steps[ids] += 1
+            for c in cur["images"]:
+                cur["images"][c][ids] = res.obs["images"][c]
+            cur["state"][ids] = res.obs["state"]
+            term[ids] |= res.terminated
+            trunc[ids] |= res.truncated & ~res.terminated
+            success[ids] |= res.success
+            restarted = res.info.get("restarted") if isinstance(res.info, dict) else None
+            if restarted:
+                restarts += len(restarted)
+                trunc[np.asarray(restarted, dtype=np.int64)] = True
+            active[ids] = ~(term[ids] | trunc[ids])
+        done_ids = np.flatnonzero(term | trunc).tolist()
+        reset_obs = None
+        if done_ids:
+            seeds = [self._seed_for(slot.trajs[i].env, slot.trajs[i].episode + 1) for i in done_ids]
+            reset_obs = slot.adapter.reset(done_ids, seeds)
+        return ChunkOutcome(step_reward, steps, term, trunc, success, cur, reset_obs, done_ids, restarts)
+
+    # -- loop-side handling -------------------------------------------------------------------
+
+    def on_job_done(self, tag: Any, result: Any, error: BaseException | None) -> None:
+        kind, s = tag
+        slot = self.slots[s]
+        if error is not None:
+            log.error("slot_failed", slot=s, kind=kind, error=repr(error)[:500])
+            raise error
+        if kind == "reset":
+            slot.obs = result
+            for i, tr in enumerate(slot.trajs):
+                tr.begin_episode(result["instruction"][i], self._seed_for(tr.env, tr.episode + 1))
+            self._send_obs(slot, env_steps=0)
+        elif kind == "chunk":
+            self._finish_chunk(slot, result)
+
+    def on_message(self, msg: P.Message) -> None:
+        if msg.type == P.ACT:
+            self._on_act(msg)
+        elif msg.type == P.TRAJ_ACK:
+            for tid in msg["traj_ids"]:
+                entry = self.unacked.pop(tid, None)
+                if entry is not None and self.traj_pool is not None:
+                    for off in entry[2]:
+                        self.traj_pool.free(off)
+
+    def _on_act(self, msg: P.Message) -> None:
+        s = msg["slot"]
+        if not (0 <= s < len(self.slots)):
+            log.warning("act_bad_slot", slot=s)
+            return
+        slot = self.slots[s]
+        if not slot.waiting or msg["req_id"] != slot.req_id:
+            log.warning("act_unexpected", slot=s, req_id=msg["req_id"], expected=slot.req_id)
+            return
+        k = len(slot.envs)
+        if msg.get("error"):  # the policy could not serve this request: restart the slot's episodes
+            log.error("act_failed_resetting_slot", slot=s, error=msg["error"])
+            slot.waiting = False
+            for tr in slot.trajs:
+                tr.records = []
+            slot.runner.submit(lambda: self._reset_all(slot), ("reset", s))
+            return
+        out = {name: self.attach.materialize(t, copy=True) for name, t in msg.tensors.items()}
+        actions = out.get("actions")
+        if actions is None or actions.ndim != 3 or actions.shape[0] != k:
+            log.error("act_bad_shape", slot=s, shape=None if actions is None else actions.shape)
+            return
+        slot.waiting = False
+        slot.pending_obs = None
+        slot.out = out
+        slot.version = msg["version"]
+        slot.runner.submit(lambda: self._run_chunk(slot, actions.astype(np.float32)), ("chunk", s))
+
+    def _finish_chunk(self, slot: Slot, oc: ChunkOutcome) -> None:
+        out = slot.out
+        replay = {k[len("replay/"):]: v for k, v in out.items() if k.startswith("replay/")}
+        frag_len = self.cfg.env.fragment_len
+        self.env_steps += int(oc.steps.sum())
+        self.restarts_unreported += oc.restarts
+        reset_row = {i: j for j, i in enumerate(oc.done_ids)}
+        for i, tr in enumerate(slot.trajs):
+            images, state = obs_row(slot.obs, i)
+            tr.add(StepRecord(
+                obs_images=images, obs_state=state, actions=out["actions"][i], logprob=out["logprob"][i],
+                value=float(out["value"][i]), replay={k: v[i] for k, v in replay.items()}, version=slot.version,
+                reward=float(oc.step_reward[i].sum()), step_reward=oc.step_reward[i], steps=int(oc.steps[i]),
+                terminated=bool(oc.terminated[i]), truncated=bool(oc.truncated[i]),
+            ))
+            done = i in reset_row
+            if done or len(tr.records) >= frag_len:
+                nxt_images, nxt_state = obs_row(oc.final_obs, i)
+                header, tensors = tr.fragment(nxt_images, nxt_state, bool(oc.success[i]))
+                tr.records = []
+                self._ship(slot, header, tensors)
+            if done:
+                tr.begin_episode(oc.reset_obs["instruction"][reset_row[i]], self._seed_for(tr.env, tr.episode + 1))
+        # next observation: post-chunk obs, with new episodes' first obs for done envs
+        nxt = oc.final_obs
+        if oc.done_ids:
+            idx = np.asarray(oc.done_ids)
+            for c in nxt["images"]:
+                nxt["images"][c][idx] = oc.reset_obs["images"][c]
+            nxt["state"][idx] = oc.reset_obs["state"]
+            for j, i in enumerate(oc.done_ids):
+                nxt["instruction"][i] = oc.reset_obs["instruction"][j]
+        slot.obs = nxt
+        self._send_obs(slot, env_steps=int(oc.steps.sum()))
+
+    # -- sending ------------------------------------------------------------------------------
+
+    def _send_obs(self, slot: Slot, env_steps: int) -> None:
+        slot.req_id += 1
+        k = len(slot.envs)
+        if self.use_shm:
+            tensors: dict[str, Any] = {}
+            for cam, img in slot.obs["images"].items():
+                off = slot.obs_block[f"images/{cam}"]
+                self.obs_pool.view(off, "uint8", img.shape)[...] = img
+                tensors[f"images/{cam}"] = self.obs_pool.ref(off, "uint8", img.shape)
+            st = slot.obs["state"].astype(np.float32)
+            self.obs_pool.view(slot.obs_block["state"], "float32", st.shape)[...] = st
+            tensors["state"] = self.obs_pool.ref(slot.obs_block["state"], "float32", st.shape)
+        else:
+            tensors = {f"images/{c}": v for c, v in slot.obs["images"].items()}
+            tensors["state"] = slot.obs["state"].astype(np.float32)
+        fields = {
+            "slot": slot.index, "req_id": slot.req_id, "n": k, "instruction": list(slot.obs["instruction"]),
+            "episode_step": [tr.episode_step for tr in slot.trajs],
+            "version": min((tr.oldest_version() for tr in slot.trajs), default=-1),
+            "env_steps": env_steps, "decision_steps": k if env_steps else 0,
+            "env_restarts": self.restarts_unreported,
+        }
+        self.restarts_unreported = 0
+        slot.waiting = True
+        slot.pending_obs = [fields, tensors]
+        self.send(P.OBS, fields, tensors)
+
+    def _ship(self, slot: Slot, header: dict[str, Any], tensors: dict[str, np.ndarray]) -> None:
+        self.next_traj += 1
+        tid = self.next_traj
+        fields = dict(header, traj_id=tid, slot=slot.index)
+        if header.get("done"):
+            fields["episode_returns"] = [header["episode_return"]]
+            fields["episode_successes"] = [header["episode_success"]]
+        offsets: list[int] = []
+        send_tensors: dict[str, Any] = tensors
+        if self.traj_pool is not None:
+            placed = self.traj_pool.put_many(tensors)
+            if placed is not None:
+                send_tensors, offsets = placed
+            else:
+                log.warning("traj_pool_full_sending_inline", traj_id=tid)
+        self.unacked[tid] = (fields, send_tensors, offsets)
+        self.send(P.TRAJ, fields, send_tensors)
+
+    def on_reconnected(self) -> None:
+        """The broker restarted: re-send what it may have lost (requests and unacked TRAJ)."""
+        for slot in self.slots:
+            if slot.waiting and slot.pending_obs is not None:
+                self.send(P.OBS, *slot.pending_obs)
+        for fields, tensors, _ in self.unacked.values():
+            self.send(P.TRAJ, fields, tensors)
+
+    def heartbeat_fields(self) -> dict[str, Any]:
+        return {"env_steps": self.env_steps}
+
+    def teardown(self) -> None:
+        for slot in self.slots:
+            slot.runner.join(timeout=5)
+            try:
+                slot.adapter.close()
+            except Exception as exc:
+                log.warning("env_close_failed", error=repr(exc))
+        for pool in (self.obs_pool, self.traj_pool):
+            if pool is not None:
+                pool.close()
