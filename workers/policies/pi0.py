@@ -210,7 +210,7 @@ class Pi0Policy(Policy):
     def evaluate(self, obs: Obs, actions: torch.Tensor, replay: dict[str, torch.Tensor]) -> EvalOutput:
         ctx = self._context(obs)
         value = self._value(ctx)
-        chain = replay["chain"].to(self.device)
+        chain = replay["chain"].to(self.device).clone()  # clone: may come from inference_mode
         lp, ent = self.sampler.score(self._velocity_fn(ctx), chain, replay["stochastic"].to(self.device))
         return EvalOutput(logprob=lp, entropy=ent, value=value)
 

@@ -1,0 +1,170 @@
+"""The policy contract for every VLA family, on its tiny config, CPU float32.
+
+PPO's importance ratio needs ``evaluate`` to reproduce ``act``'s log-probs; training needs
+gradients everywhere; serving needs batching that does not change a sample's result.
+"""
+
+from __future__ import annotations
+
+import importlib
+import os
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+import yaml
+
+from workers.envs.base import EnvSpec, slice_obs
+from workers.policies.base import make_policy
+
+ROOT = Path(__file__).resolve().parents[1]
+SPEC = EnvSpec(cameras={"front": (48, 64), "wrist": (40, 40)}, state_dim=8, action_dim=7, max_episode_steps=50)
+INSTRUCTIONS = ["pick up the cup", "open", "push the red block to the left", "close drawer"]
+
+# (test id, family, config file, extra options)
+CASES = [
+    ("openvla_oft", "openvla_oft", "openvla_oft_tiny.yaml", {}),
+    ("pi0", "pi0", "pi0_tiny.yaml", {}),
+    ("pi0-noise", "pi0", "pi0_tiny.yaml", {"sampler": "noise"}),
+    ("pi0-sde-one", "pi0", "pi0_tiny.yaml", {"stochastic_steps": "one"}),
+    ("pi05", "pi05", "pi05_tiny.yaml", {}),
+    ("gr00t_n15", "gr00t_n15", "gr00t_n15_tiny.yaml", {}),
+    ("gr00t_n15-noise", "gr00t_n15", "gr00t_n15_tiny.yaml", {"sampler": "noise"}),
+]
+MODULES = {"openvla_oft": "openvla_oft", "pi0": "pi0", "pi05": "pi05", "gr00t_n15": "gr00t"}
+
+
+def build(family: str, cfg_file: str, extra: dict, **more):
+    pytest.importorskip(f"workers.policies.{MODULES[family]}")
+    model = yaml.safe_load((ROOT / "configs" / "models" / cfg_file).read_text())["model"]
+    assert model["family"] == family
+    opts = {**model.get("options", {}), "chunk_size": model["chunk_size"], "device": "cpu", "dtype": "float32"}
+    return make_policy(family, {**opts, **extra, **more}, SPEC)
+
+
+def make_obs(batch: int, seed: int = 0) -> dict:
+    rng = np.random.default_rng(seed)
+    return {
+        "images": {cam: rng.integers(0, 256, (batch, h, w, 3), dtype=np.uint8) for cam, (h, w) in SPEC.cameras.items()},
+        "state": rng.uniform(-1, 1, (batch, SPEC.state_dim)).astype(np.float32),
+        "instruction": [INSTRUCTIONS[i % len(INSTRUCTIONS)] for i in range(batch)],
+    }
+
+
+@pytest.fixture(scope="module", params=CASES, ids=[c[0] for c in CASES])
+def case(request):
+    _, family, cfg_file, extra = request.param
+    torch.manual_seed(0)
+    return family, cfg_file, extra, build(family, cfg_file, extra)
+
+
+def level_len(policy) -> int:
+    return {"token": policy.chunk_size * policy.action_dim, "action": policy.chunk_size, "chunk": 1}[policy.logprob_level]
+
+
+def act(policy, obs, deterministic=False):
+    with torch.inference_mode():
+        return policy.act(obs, deterministic)
+
+
+def test_act_shapes_and_dtypes(case):
+    _, _, _, policy = case
+    out = act(policy, make_obs(3))
+    assert out.actions.shape == (3, policy.chunk_size, SPEC.action_dim) and out.actions.dtype == torch.float32
+    assert out.logprob.shape == (3, level_len(policy)) and out.logprob.dtype == torch.float32
+    assert out.value.shape == (3,) and out.value.dtype == torch.float32
+    assert all(v.shape[0] == 3 for v in out.replay.values())
+    assert torch.isfinite(out.actions).all() and torch.isfinite(out.logprob).all()
+
+
+def test_evaluate_reproduces_act_logprobs(case):
+    _, _, _, policy = case
+    obs = make_obs(4, seed=1)
+    out = act(policy, obs)
+    ev = policy.evaluate(obs, out.actions, out.replay)
+    assert ev.logprob.shape == out.logprob.shape
+    torch.testing.assert_close(ev.logprob.detach(), out.logprob, atol=1e-5, rtol=0)
+    torch.testing.assert_close(ev.value.detach(), out.value, atol=1e-5, rtol=0)
+    assert torch.isfinite(ev.entropy).all()
+
+
+def test_gradients_reach_every_trainable_parameter(case):
+    _, _, _, policy = case
+    obs = make_obs(2, seed=2)
+    out = act(policy, obs)
+    policy.zero_grad(set_to_none=True)
+    ev = policy.evaluate(obs, out.actions, out.replay)
+    (ev.logprob.sum() + ev.value.sum() + ev.entropy.sum()).backward()
+    dead = [n for n, p in policy.named_parameters() if p.requires_grad and (p.grad is None or not p.grad.abs().sum() > 0)]
+    assert not dead, f"no gradient reaches: {dead}"
+    policy.zero_grad(set_to_none=True)
+
+
+def test_deterministic_repeats_exactly(case):
+    _, _, _, policy = case
+    obs = make_obs(3, seed=3)
+    a, b = act(policy, obs, True), act(policy, obs, True)
+    assert torch.equal(a.actions, b.actions) and torch.equal(a.logprob, b.logprob) and torch.equal(a.value, b.value)
+
+
+def test_batched_matches_one_by_one(case):
+    _, _, _, policy = case
+    obs = make_obs(4, seed=4)  # instructions of different lengths: padding must not leak
+    batched = act(policy, obs, True)
+    sampled = act(policy, obs)
+    ev = policy.evaluate(obs, sampled.actions, sampled.replay)
+    for i in range(4):
+        one_obs = slice_obs(obs, [i])
+        one = act(policy, one_obs, True)
+        torch.testing.assert_close(one.actions[0], batched.actions[i], atol=1e-4, rtol=0)
+        torch.testing.assert_close(one.value[0], batched.value[i], atol=1e-4, rtol=0)
+        replay = {k: v[i : i + 1] for k, v in sampled.replay.items()}
+        one_ev = policy.evaluate(one_obs, sampled.actions[i : i + 1], replay)
+        torch.testing.assert_close(one_ev.logprob[0], ev.logprob[i], atol=1e-4, rtol=1e-5)
+
+
+def test_state_dict_round_trip(case):
+    family, cfg_file, extra, policy = case
+    other = build(family, cfg_file, extra, init_seed=123)
+    obs = make_obs(2, seed=5)
+    assert not torch.allclose(act(other, obs, True).actions, act(policy, obs, True).actions)
+    other.load_state_dict(policy.state_dict())
+    assert torch.equal(act(other, obs, True).actions, act(policy, obs, True).actions)
+
+
+def test_from_pretrained_round_trip_and_missing(case, tmp_path):
+    family, _, _, policy = case
+    cls = type(policy)
+    policy.save_pretrained(str(tmp_path / "ck"))
+    loaded = cls.from_pretrained(str(tmp_path / "ck"), SPEC, device="cpu", dtype="float32")
+    obs = make_obs(2, seed=6)
+    assert torch.equal(act(loaded, obs, True).actions, act(policy, obs, True).actions)
+
+    # A directory missing files names all of them.
+    os.remove(tmp_path / "ck" / "tokenizer.json")
+    os.remove(tmp_path / "ck" / "model.safetensors")
+    with pytest.raises(FileNotFoundError) as err:
+        cls.from_pretrained(str(tmp_path / "ck"), SPEC, device="cpu")
+    assert "tokenizer.json" in str(err.value) and "model.safetensors" in str(err.value)
+
+
+def test_from_pretrained_names_missing_parameters(case, tmp_path):
+    from safetensors.torch import load_file, save_file
+
+    _, _, _, policy = case
+    ck = tmp_path / "ck"
+    policy.save_pretrained(str(ck))
+    sd = load_file(ck / "model.safetensors")
+    victim = sorted(k for k in sd if "value_head" not in k and "noise_head" not in k and "action_queries" not in k)[0]
+    del sd[victim]
+    save_file(sd, ck / "model.safetensors")
+    with pytest.raises(ValueError, match="missing parameters"):
+        type(policy).from_pretrained(str(ck), SPEC, device="cpu")
+
+
+def test_every_family_registered():
+    from workers.policies.base import policy_families
+
+    present = [f for f, m in MODULES.items() if importlib.util.find_spec(f"workers.policies.{m}")]
+    assert set(present) <= set(policy_families())
