@@ -1,0 +1,151 @@
+"""Several trainer processes as one torch.distributed group with DDP.
+
+The broker hands every trainer its ``rank``, the ``world_size`` and a rendezvous address; the
+trainers call :func:`init_trainer_group`, wrap their policy with :func:`wrap_ddp`, and from
+then on every optimizer step all-reduces gradients, so the replicas stay identical. gloo is
+used on CPU, NCCL on CUDA.
+
+DDP only synchronizes gradients of computations that went through its ``forward``. A policy's
+trainer-side call is ``evaluate``, not ``forward``, so :class:`EvaluateForward` turns
+``evaluate`` into a ``forward`` and :class:`DDPPolicy` exposes it again as ``evaluate`` - the
+PPO/GRPO code calls ``policy.evaluate`` either way.
+"""
+
+from __future__ import annotations
+
+from datetime import timedelta
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch.nn.parallel import DistributedDataParallel
+
+from workers.policies.base import EvalOutput
+
+
+def default_backend(device: torch.device | str | None = None) -> str:
+    """NCCL for CUDA devices, gloo otherwise."""
+    device = torch.device(device) if device is not None else torch.device("cpu")
+    return "nccl" if device.type == "cuda" else "gloo"
+
+
+def init_trainer_group(
+    rank: int,
+    world_size: int,
+    master_addr: str,
+    master_port: int,
+    device: torch.device | str | None = None,
+    backend: str | None = None,
+    timeout_s: float = 300.0,
+) -> str:
+    """Join the trainers' process group over ``tcp://master_addr:master_port``; returns the backend.
+
+    Everything is passed explicitly (no MASTER_ADDR / RANK environment variables) because the
+    broker, not a launcher, decides who the trainers are.
+    """
+    if dist.is_initialized():
+        raise RuntimeError("a torch.distributed process group is already initialized in this process")
+    backend = backend or default_backend(device)
+    if backend == "nccl":
+        torch.cuda.set_device(torch.device(device))
+    dist.init_process_group(
+        backend=backend,
+        init_method=f"tcp://{master_addr}:{int(master_port)}",
+        rank=int(rank),
+        world_size=int(world_size),
+        timeout=timedelta(seconds=timeout_s),
+    )
+    return backend
+
+
+def destroy_trainer_group() -> None:
+    if dist.is_initialized():
+        dist.destroy_process_group()
+
+
+# ---------------------------------------------------------------------------------------------
+# DDP around `evaluate`
+# ---------------------------------------------------------------------------------------------
+
+
+class EvaluateForward(nn.Module):
+    """``forward(obs, actions, replay)`` = ``policy.evaluate`` as a tuple DDP can trace."""
+
+    def __init__(self, policy: nn.Module) -> None:
+        super().__init__()
+        self.module = policy
+
+    def forward(
+        self, obs: Any, actions: torch.Tensor, replay: dict[str, torch.Tensor]
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        out = self.module.evaluate(obs, actions, replay)
+        return out.logprob, out.entropy, out.value
+
+
+class DDPPolicy(DistributedDataParallel):
+    """DDP whose ``evaluate`` goes through DDP's forward (so gradients are all-reduced)."""
+
+    @property
+    def policy(self) -> nn.Module:
+        return self.module.module
+
+    def evaluate(self, obs: Any, actions: torch.Tensor, replay: dict[str, torch.Tensor]) -> EvalOutput:
+        logprob, entropy, value = self(obs, actions, replay)
+        return EvalOutput(logprob=logprob, entropy=entropy, value=value)
+
+    def act(self, obs: Any, deterministic: bool = False) -> Any:
+        return self.policy.act(obs, deterministic)
+
+
+def wrap_ddp(policy: nn.Module, find_unused_parameters: bool = True) -> DDPPolicy:
+    """Wrap ``policy`` (already on its device) for data-parallel training.
+
+    DDP broadcasts rank 0's parameters and buffers at construction, so replicas start equal.
+    ``find_unused_parameters`` defaults to True because GRPO leaves a value head out of the
+    loss; turn it off for speed when every parameter gets a gradient every step.
+    """
+    return DDPPolicy(EvaluateForward(policy), device_ids=None, find_unused_parameters=find_unused_parameters)
+
+
+# ---------------------------------------------------------------------------------------------
+# Keeping replicas identical
+# ---------------------------------------------------------------------------------------------
+
+
+@torch.no_grad()
+def broadcast_parameters(model: nn.Module, src: int = 0) -> None:
+    """Overwrite every rank's parameters and buffers with rank ``src``'s (e.g. after a resume)."""
+    for t in list(model.parameters()) + list(model.buffers()):
+        dist.broadcast(t.data, src=src)
+
+
+@torch.no_grad()
+def parameter_checksum(model: nn.Module) -> torch.Tensor:
+    """A float64 scalar that changes when any parameter value changes or two values swap places."""
+    device = next(model.parameters()).device
+    total = torch.zeros((), dtype=torch.float64, device=device)
+    for i, p in enumerate(model.parameters()):
+        flat = p.detach().flatten().to(torch.float64)
+        # Position weights make the sum order-sensitive; the index separates equal tensors.
+        weights = torch.linspace(1.0, 2.0, flat.numel(), dtype=torch.float64, device=device)
+        total += (i + 1) * (flat * weights).sum()
+    return total
+
+
+@torch.no_grad()
+def assert_replicas_identical(model: nn.Module) -> float:
+    """Raise on every rank unless all ranks hold bit-identical parameters; returns the checksum.
+
+    All-reduces the checksum with MAX and MIN: equal iff every rank computed the same value
+    (same values in the same places; the checksum is deterministic for identical weights).
+    """
+    local = parameter_checksum(model)
+    hi, lo = local.clone(), local.clone()
+    dist.all_reduce(hi, op=dist.ReduceOp.MAX)
+    dist.all_reduce(lo, op=dist.ReduceOp.MIN)
+    if float(hi) != float(lo):
+        raise AssertionError(
+            f"rank {dist.get_rank()}: replicas differ (checksum {float(local)!r}, range [{float(lo)!r}, {float(hi)!r}])"
+        )
+    return float(local)
