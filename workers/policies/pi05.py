@@ -1,0 +1,224 @@
+"""pi0.5 composed from transformers' PaliGemma and Gemma, with the pi0.5 differences from pi0.
+
+* the proprio state enters the prefix as text (each dimension discretised into 256 bins), so the
+  action expert sees only noisy actions - no state token;
+* time conditions the action expert through adaptive RMSNorm (every norm's scale and shift come
+  from a time MLP) instead of being concatenated into the action tokens;
+* the critic reads the VLM output (masked mean over the prefix), as in piRL for pi0.5.
+
+Each expert layer attends to its VLM layer's cached keys/values (joint attention, pi0's layout):
+the prefix is bidirectional, the action tokens see the prefix and each other.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from workers.envs.base import EnvSpec, Obs
+from workers.policies.base import ActOutput, EvalOutput, Policy, register_policy
+from workers.policies.flow_sampler import FlowOptions, FlowSampler
+from workers.policies.pi0 import IMAGE_MEAN, IMAGE_STD
+from workers.policies.pi0 import SIZES as PI0_SIZES
+from workers.policies.vla_common import (
+    VLAOptions,
+    ValueHead,
+    char_tokenizer,
+    discretize_state,
+    encode_text,
+    freeze,
+    load_mapped,
+    masked_mean,
+    options_from_config,
+    pick_cameras,
+    place,
+    preprocess_images,
+    read_local,
+    save_local,
+    seeded_init,
+    sinusoid,
+    state_tensor,
+)
+
+SIZES = PI0_SIZES  # same backbone and expert dimensions as pi0
+
+# openpi / lerobot PyTorch pi0.5 names -> ours.
+RELEASE_RULES = [
+    ("paligemma_with_expert.paligemma.model.vision_tower.vision_model.", "vlm.vision_tower."),
+    ("paligemma_with_expert.paligemma.model.", "vlm."),
+    ("paligemma_with_expert.gemma_expert.model.", "expert."),
+]
+FRESH = ("value_head.", "sampler.noise_head.")
+
+
+@dataclass
+class Pi05Options(VLAOptions, FlowOptions):
+    """Options of the pi0.5 family."""
+
+    max_text_len: int = 96
+    """Prompt tokens kept; the prompt carries the discretised state, hence longer than pi0's."""
+    state_bins: int = 256
+    """Bins per state dimension in the text prefix."""
+
+
+class _Cond:
+    """The time conditioning the adaptive norms read during one expert pass."""
+
+    value: torch.Tensor | None = None
+
+
+class AdaRMSNorm(nn.Module):
+    """RMSNorm whose scale and shift come from the time embedding (zero-mean start: 1 + scale)."""
+
+    def __init__(self, hidden: int, cond_dim: int, cond: _Cond, eps: float = 1e-6) -> None:
+        super().__init__()
+        self.eps = eps
+        self.cond = cond
+        self.dense = nn.Linear(cond_dim, 2 * hidden)
+        nn.init.normal_(self.dense.weight, std=0.02)
+        nn.init.zeros_(self.dense.bias)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        c = self.cond.value
+        assert c is not None, "AdaRMSNorm used outside a conditioned expert pass"
+        xf = x.float()
+        normed = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)
+        scale, shift = self.dense(c.to(self.dense.weight.dtype)).float().chunk(2, dim=-1)
+        return (normed * (1 + scale[:, None]) + shift[:, None]).to(x.dtype)
+
+
+def _configs(size: str) -> tuple[Any, Any]:
+    from transformers import GemmaConfig, PaliGemmaConfig
+
+    if size not in SIZES:
+        raise ValueError(f"pi05: unknown size {size!r}; known: {sorted(SIZES)}")
+    a = SIZES[size]
+    vlm = PaliGemmaConfig(
+        text_config=dict(model_type="gemma", **a["text"]),
+        vision_config=dict(model_type="siglip_vision_model", image_size=a["image_size"], patch_size=a["patch_size"],
+                           vision_use_head=False, **a["vision"]),
+        projection_dim=a["text"]["hidden_size"],
+        image_token_id=a["image_token_id"],
+    )
+    vlm.text_config.use_bidirectional_attention = True  # the prefix attends both ways
+    expert = GemmaConfig(vocab_size=8, **a["expert"])  # token table unused: expert reads embeddings
+    expert.is_causal = True
+    expert.use_bidirectional_attention = True
+    return vlm, expert
+
+
+class Pi05Policy(Policy):
+    family = "pi05"
+    logprob_level = "action"
+
+    def __init__(self, opts: Pi05Options, spec: EnvSpec, tokenizer: Any = None) -> None:
+        from transformers import AutoModel
+
+        super().__init__(spec, opts.chunk_size)
+        self.opts = opts
+        self.cameras = pick_cameras(spec, opts.cameras, opts.max_cameras)
+        vcfg, ecfg = _configs(opts.size)
+        a = SIZES[opts.size]
+        self.image_size = a["image_size"]
+        self.model_action_dim = 32 if a["pad_dims"] else spec.action_dim
+        self.state_dim = spec.state_dim
+        width = ecfg.hidden_size
+        self._cond = _Cond()
+        with seeded_init(opts.init_seed):
+            self.vlm = AutoModel.from_config(vcfg)
+            self.expert = AutoModel.from_config(ecfg)
+            for layer in self.expert.layers:
+                layer.input_layernorm = AdaRMSNorm(width, width, self._cond)
+                layer.post_attention_layernorm = AdaRMSNorm(width, width, self._cond)
+            self.expert.norm = AdaRMSNorm(width, width, self._cond)
+            self.action_in_proj = nn.Linear(self.model_action_dim, width)
+            self.time_mlp_in = nn.Linear(width, width)
+            self.time_mlp_out = nn.Linear(width, width)
+            self.action_out_proj = nn.Linear(width, self.model_action_dim)
+            self.value_head = ValueHead(vcfg.text_config.hidden_size)
+            self.sampler = FlowSampler(opts.sampler_config(), width, self.model_action_dim, spec.action_dim)
+        freeze(self.expert.embed_tokens.parameters())
+        self.tokenizer = tokenizer or char_tokenizer()
+        place(self, opts)
+        self.eval()
+
+    @property
+    def _dtype(self) -> torch.dtype:
+        return self.action_in_proj.weight.dtype
+
+    def _context(self, obs: Obs) -> dict[str, Any]:
+        """VLM pass over [images, "Task: ..., State: ...;\\nAction: "]; keeps cache and value."""
+        dev, dt = self.device, self._dtype
+        pixels = preprocess_images(obs["images"], self.cameras, self.image_size, IMAGE_MEAN, IMAGE_STD, dev, dt)
+        b, ncam = pixels.shape[:2]
+        img = self.vlm.get_image_features(pixel_values=pixels.flatten(0, 1)).pooler_output
+        img = img.reshape(b, ncam * img.shape[1], -1)
+        state_txt = discretize_state(state_tensor(obs, self.state_dim, dev), self.opts.state_bins)
+        prompts = [f"Task: {s.strip().lower()}, State: {st};\nAction: " for s, st in zip(obs["instruction"], state_txt)]
+        ids, tmask = encode_text(self.tokenizer, prompts, self.opts.max_text_len)
+        ids, tmask = ids.to(dev), tmask.to(dev)
+        embeds = torch.cat([img, self.vlm.get_input_embeddings()(ids).to(img.dtype)], dim=1)
+        mask = torch.cat([torch.ones(b, img.shape[1], dtype=torch.long, device=dev), tmask], dim=1)
+        out = self.vlm(inputs_embeds=embeds, attention_mask=mask, position_ids=mask.cumsum(-1) - 1,
+                       token_type_ids=torch.zeros_like(mask), use_cache=True)
+        value = self.value_head(masked_mean(out.last_hidden_state, mask))
+        return {"cache": out.cache, "mask": mask, "prefix_len": out.cache.get_seq_length(), "value": value}
+
+    def _velocity_fn(self, ctx: dict[str, Any]):
+        from transformers.masking_utils import create_causal_mask
+
+        def velocity(x: torch.Tensor, t: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+            h = self.action_in_proj(x.to(self._dtype))
+            b, n = h.shape[:2]
+            temb = sinusoid(t, h.shape[-1]).to(h.dtype)
+            self._cond.value = F.silu(self.time_mlp_out(F.silu(self.time_mlp_in(temb))))
+            cache, pmask = ctx["cache"], ctx["mask"]
+            full = torch.cat([pmask, torch.ones(b, n, dtype=pmask.dtype, device=pmask.device)], dim=1)
+            blocks = torch.cat([torch.zeros(ctx["prefix_len"], dtype=torch.long), torch.ones(n, dtype=torch.long)])
+            attn = create_causal_mask(config=self.expert.config, inputs_embeds=h, attention_mask=full, cache=cache,
+                                      block_sequence_ids=blocks[None].repeat(b, 1).to(h.device))
+            try:
+                out = self.expert(inputs_embeds=h, attention_mask=attn, position_ids=(full.cumsum(-1) - 1)[:, -n:],
+                                  cache=cache).last_hidden_state
+            finally:
+                self._cond.value = None
+                cache.crop(ctx["prefix_len"] - cache.get_seq_length())
+            return self.action_out_proj(out).float(), out
+
+        return velocity
+
+    def act(self, obs: Obs, deterministic: bool = False) -> ActOutput:
+        with torch.no_grad():
+            ctx = self._context(obs)
+            b = ctx["value"].shape[0]
+            shape = (b, self.chunk_size, self.model_action_dim)
+            x0 = torch.zeros(shape, device=self.device) if deterministic else torch.randn(shape, device=self.device)
+            res = self.sampler.sample(self._velocity_fn(ctx), x0, deterministic)
+        return ActOutput(actions=res.actions[..., : self.action_dim].contiguous(), logprob=res.logprob,
+                         value=ctx["value"], replay={"chain": res.chain, "stochastic": res.mask})
+
+    def evaluate(self, obs: Obs, actions: torch.Tensor, replay: dict[str, torch.Tensor]) -> EvalOutput:
+        ctx = self._context(obs)
+        chain = replay["chain"].to(self.device).clone()  # clone: may come from inference_mode
+        lp, ent = self.sampler.score(self._velocity_fn(ctx), chain, replay["stochastic"].to(self.device))
+        return EvalOutput(logprob=lp, entropy=ent, value=ctx["value"])
+
+    def save_pretrained(self, local_dir: str) -> None:
+        save_local(self, local_dir, self.family, self.opts, self.tokenizer, RELEASE_RULES)
+
+    @classmethod
+    def from_pretrained(cls, local_dir: str, spec: EnvSpec, **overrides: Any) -> "Pi05Policy":
+        ck = read_local(local_dir, cls.family)
+        opts = options_from_config(ck.config, Pi05Options, cls.family, overrides)
+        policy = cls(opts, spec, tokenizer=ck.tokenizer)
+        load_mapped(policy, ck.state_dict, RELEASE_RULES, FRESH, cls.family)
+        return policy
+
+
+@register_policy("pi05", config=Pi05Options)
+def build_pi05(opts: Pi05Options, spec: EnvSpec) -> Policy:
+    return Pi05Policy(opts, spec)
