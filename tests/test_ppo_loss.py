@@ -245,3 +245,15 @@ def test_config_rejects_bad_values():
         PPOConfig(dual_clip=0.9)
     with pytest.raises(ValueError):
         PPOConfig(behav_weight_cap=0.5)
+
+
+def test_bf16_logprobs_are_scored_in_float32():
+    t = {k: v.detach().float() for k, v in _hand_tensors().items()}
+    for k in ("new_logprob", "prox_logprob", "behav_logprob", "new_value"):
+        t[k] = t[k].to(torch.bfloat16)
+    t["new_logprob"].requires_grad_(True)
+    loss, stats = ppo_loss(**t, cfg=CFG)
+    assert loss.dtype == torch.float32
+    assert stats["policy_loss"] == pytest.approx(-0.05, abs=0.05)  # bf16 inputs, float32 arithmetic
+    loss.backward()
+    assert t["new_logprob"].grad.dtype == torch.bfloat16

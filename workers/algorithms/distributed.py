@@ -48,6 +48,8 @@ def init_trainer_group(
         raise RuntimeError("a torch.distributed process group is already initialized in this process")
     backend = backend or default_backend(device)
     if backend == "nccl":
+        if device is None:
+            raise ValueError("NCCL needs the rank's CUDA device (the broker assigns it, e.g. cuda:2)")
         torch.cuda.set_device(torch.device(device))
     dist.init_process_group(
         backend=backend,

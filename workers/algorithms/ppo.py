@@ -138,7 +138,12 @@ def ppo_loss(
     ``cfg.vf_coef == 0`` or ``returns`` is None (GRPO). Policy terms average over valid units.
     """
     unit_mask, sample_mask = _unit_and_sample_masks(mask, new_logprob.shape, new_logprob.device)
-    zero = torch.zeros((), dtype=new_logprob.dtype, device=new_logprob.device)
+    # Ratios of bf16 log-probs are too coarse to clip at 1 +- 0.2: compute in at least float32.
+    dtype = torch.promote_types(new_logprob.dtype, torch.float32)
+    new_logprob, prox_logprob, behav_logprob = (x.to(dtype) for x in (new_logprob, prox_logprob, behav_logprob))
+    if new_value is not None:
+        new_value = new_value.to(dtype)
+    zero = torch.zeros((), dtype=dtype, device=new_logprob.device)
 
     # ---- Units of the ratio: per token/action, or one per chunk ---------------------------
     # Padded units may hold garbage (even -inf); `where` keeps it out of sums and gradients.
