@@ -1,0 +1,240 @@
+"""ManiSkill 3 (SAPIEN) tasks as a batch of envs: one GPU-vectorised batch, or CPU envs.
+
+With CUDA, all ``num_envs`` envs are one ``physx_cuda`` batch (slots are sub-batches of it;
+partial resets go through ManiSkill's ``env_idx``). Without CUDA, ManiSkill's CPU backend allows
+one env per scene, so the adapter holds ``num_envs`` single envs (put each slot in its own
+SubprocEnv to use several cores) and renders with ``sapien_cpu``, which needs Mesa >= 25's
+lavapipe Vulkan driver (see .ci/install_sims.sh).
+
+Only asset-free tasks are supported out of the box; a task whose assets are not on disk fails
+at build with a message naming them, instead of ManiSkill's interactive download prompt.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any, Sequence
+
+import numpy as np
+import structlog
+
+from workers.envs.base import EnvAdapter, EnvSpec, Obs, StepResult, register_env
+
+log = structlog.get_logger()
+
+ASSET_FREE_TASKS = ("PickCube-v1", "PushCube-v1", "StackCube-v1", "PegInsertionSide-v1", "PushT-v1",
+                    "PullCube-v1", "LiftPegUpright-v1", "PokeCube-v1", "PlaceSphere-v1", "RollBall-v1")
+
+INSTRUCTIONS = {
+    "PickCube-v1": "pick up the red cube and move it to the goal",
+    "PushCube-v1": "push the cube to the goal region",
+    "StackCube-v1": "stack the red cube on the green cube",
+    "PegInsertionSide-v1": "insert the peg into the hole from the side",
+    "PushT-v1": "push the T-shaped block onto the target",
+    "PullCube-v1": "pull the cube to the goal region",
+    "LiftPegUpright-v1": "lift the peg upright",
+    "PokeCube-v1": "use the peg to poke the cube to the goal",
+    "PlaceSphere-v1": "place the sphere into the bin",
+    "RollBall-v1": "roll the ball to the goal region",
+}
+
+
+@dataclass
+class ManiSkillOptions:
+    task: str = "PickCube-v1"
+    """ManiSkill env id; asset-free ones (PickCube, PushCube, StackCube, PegInsertionSide, PushT, ...)
+    need no download."""
+    obs_mode: str = "rgb"
+    """'rgb': camera images + proprio/task state (agent qpos, qvel, extras); 'state': privileged
+    flat state only (no images)."""
+    cameras: list[str] = field(default_factory=lambda: ["base_camera"])
+    """Sensor cameras to return in rgb mode (the task's sensor names, e.g. base_camera)."""
+    image_size: list[int] = field(default_factory=lambda: [128, 128])
+    """[height, width] of every camera image."""
+    control_mode: str = "pd_ee_delta_pose"
+    """ManiSkill controller; the delta controllers take actions in [-1, 1]."""
+    robot_uids: str | None = None
+    """Robot override (e.g. 'panda_wristcam' for a hand camera); None: the task's default."""
+    max_episode_steps: int | None = None
+    """Truncate after this many steps; None: the task's registered limit."""
+    terminate_on_success: bool = True
+    """End the episode (terminated) on the first successful step."""
+    sim_backend: str = "auto"
+    """'auto' (physx_cuda when CUDA is present, else physx_cpu), or a ManiSkill backend name."""
+    render_backend: str = "auto"
+    """'auto' (GPU renderer with CUDA, sapien_cpu otherwise), or a ManiSkill render backend."""
+
+
+def _cuda() -> bool:
+    try:
+        import torch
+
+        return bool(torch.cuda.is_available())
+    except Exception:  # noqa: BLE001 - no torch / broken CUDA: CPU it is
+        return False
+
+
+def _check_assets(task: str) -> None:
+    """Raise (instead of ManiSkill's stdin prompt) when a task's assets are not downloaded."""
+    from mani_skill.utils import assets
+    from mani_skill.utils.registration import REGISTERED_ENVS
+
+    if task not in REGISTERED_ENVS:
+        raise ValueError(f"maniskill: unknown task {task!r}; asset-free tasks: {list(ASSET_FREE_TASKS)}")
+    missing = []
+    for asset_id in REGISTERED_ENVS[task].asset_download_ids or []:
+        ids = (assets.expand_data_group_into_individual_data_source_ids(asset_id)
+               if asset_id in assets.DATA_GROUPS else [asset_id])
+        missing += [a for a in ids if not assets.is_data_source_downloaded(a)]
+    if missing:
+        shown = ", ".join(missing[:5]) + (f" (+{len(missing) - 5} more)" if len(missing) > 5 else "")
+        raise RuntimeError(
+            f"maniskill: task {task!r} needs downloaded assets ({shown}); fetch them once with "
+            f"`python -m mani_skill.utils.download_asset {task}` or pick an asset-free task: {list(ASSET_FREE_TASKS)}"
+        )
+
+
+def _np(x: Any) -> np.ndarray:
+    if hasattr(x, "detach"):
+        x = x.detach().cpu().numpy()
+    return np.asarray(x)
+
+
+@register_env("maniskill", options=ManiSkillOptions)
+class ManiSkillEnv(EnvAdapter):
+    """ManiSkill task envs; a GPU batch when CUDA is present, else one CPU env per index."""
+
+    def __init__(self, num_envs: int, seed: int = 0, options: ManiSkillOptions | None = None) -> None:
+        self.opts = o = options or ManiSkillOptions()
+        self.num_envs = num_envs
+        if o.obs_mode not in ("rgb", "state"):
+            raise ValueError(f"maniskill: obs_mode must be 'rgb' or 'state', got {o.obs_mode!r}")
+        try:
+            import gymnasium as gym
+            import mani_skill.envs  # noqa: F401 - registers the tasks
+        except ModuleNotFoundError as exc:
+            raise ModuleNotFoundError(
+                "mani_skill is not installed: pip install 'rlvla3[maniskill]' and, on CPU, Mesa >= 25 "
+                "(.ci/install_sims.sh)", name=exc.name) from exc
+        _check_assets(o.task)
+        cuda = _cuda()
+        sim = o.sim_backend if o.sim_backend != "auto" else ("physx_cuda" if cuda else "physx_cpu")
+        render = o.render_backend if o.render_backend != "auto" else ("gpu" if cuda else "sapien_cpu")
+        self.gpu = sim in ("physx_cuda", "gpu", "cuda")
+        h, w = o.image_size
+        kwargs: dict[str, Any] = dict(
+            obs_mode="state" if o.obs_mode == "state" else "rgb",
+            control_mode=o.control_mode,
+            sim_backend=sim,
+            render_backend=render,
+            sensor_configs=dict(width=int(w), height=int(h)),
+        )
+        if o.robot_uids:
+            kwargs["robot_uids"] = o.robot_uids
+        if o.max_episode_steps:
+            kwargs["max_episode_steps"] = o.max_episode_steps + 1  # our own counter truncates
+        n_sims = 1 if self.gpu else num_envs
+        per_sim = num_envs if self.gpu else 1
+        self._envs = [gym.make(o.task, num_envs=per_sim, **kwargs) for _ in range(n_sims)]
+        self._seeds = np.random.default_rng(seed).integers(2**31 - 1, size=num_envs)
+        self._rng = np.random.default_rng(seed + 1)
+        self._t = np.zeros(num_envs, np.int64)
+        from mani_skill.utils.registration import REGISTERED_ENVS
+
+        limit = o.max_episode_steps or REGISTERED_ENVS[o.task].max_episode_steps or 100
+        first = self._envs[0].reset(seed=[int(s) for s in self._seeds[:per_sim]])[0]
+        self._last_obs: list[Any] = [first] + [None] * (n_sims - 1)
+        state_dim = self._state(first).shape[-1]
+        act = self._envs[0].unwrapped.single_action_space
+        self._act_low, self._act_high = act.low.astype(np.float32), act.high.astype(np.float32)
+        self._scale = not (np.allclose(self._act_low, -1) and np.allclose(self._act_high, 1))
+        cams = list(o.cameras) if o.obs_mode == "rgb" else []
+        if cams:
+            have = list(first["sensor_data"])
+            unknown = [c for c in cams if c not in have]
+            if unknown:
+                raise ValueError(f"maniskill: camera(s) {unknown} not in {o.task}; it has {have}")
+        self.spec = EnvSpec(cameras={c: (int(h), int(w)) for c in cams}, state_dim=int(state_dim),
+                            action_dim=int(act.shape[0]), max_episode_steps=int(limit))
+        log.info("maniskill_ready", task=o.task, sim=sim, render=render, num_envs=num_envs,
+                 state_dim=state_dim, action_dim=act.shape[0])
+
+    # -- contract ----------------------------------------------------------------------------
+
+    def reset(self, ids: Sequence[int], seeds: Sequence[int | None] | None = None) -> Obs:
+        ids = [int(i) for i in ids]
+        for k, i in enumerate(ids):
+            s = seeds[k] if seeds is not None else None
+            self._seeds[i] = s if s is not None else int(self._rng.integers(2**31 - 1))
+            self._t[i] = 0
+        if self.gpu:
+            import torch
+
+            env = self._envs[0]
+            obs = env.reset(seed=[int(s) for s in self._seeds],
+                            options={"env_idx": torch.tensor(ids, device=env.unwrapped.device)})[0]
+            self._last_obs[0] = obs
+            return self._obs_rows([(obs, i) for i in ids], ids)
+        rows = []
+        for i in ids:
+            obs = self._envs[i].reset(seed=int(self._seeds[i]))[0]
+            rows.append((obs, 0))
+        return self._obs_rows(rows, ids)
+
+    def step(self, ids: Sequence[int], actions: np.ndarray) -> StepResult:
+        ids = [int(i) for i in ids]
+        a = np.clip(np.asarray(actions, np.float32), -1.0, 1.0)
+        if self._scale:
+            a = self._act_low + (a + 1.0) * 0.5 * (self._act_high - self._act_low)
+        n = len(ids)
+        reward = np.zeros(n, np.float32)
+        success = np.zeros(n, bool)
+        if self.gpu:
+            import torch
+
+            env = self._envs[0]
+            full = np.zeros((self.num_envs, a.shape[1]), np.float32)
+            if self._scale:  # hold still where not stepped is not expressible: zero action
+                full[:] = (self._act_low + self._act_high) / 2
+            full[ids] = a
+            obs, r, _, _, info = env.step(torch.from_numpy(full).to(env.unwrapped.device))
+            # ManiSkill steps the whole GPU batch: unnamed envs advance too (documented limit).
+            reward[:] = _np(r)[ids]
+            success[:] = _np(info.get("success", np.zeros(self.num_envs, bool)))[ids].astype(bool)
+            rows = [(obs, i) for i in ids]
+        else:
+            rows = []
+            for k, i in enumerate(ids):
+                obs, r, _, _, info = self._envs[i].step(a[k : k + 1])
+                reward[k] = float(_np(r).reshape(-1)[0])
+                success[k] = bool(_np(info.get("success", False)).reshape(-1)[0])
+                rows.append((obs, 0))
+        self._t[ids] += 1
+        terminated = success.copy() if self.opts.terminate_on_success else np.zeros(n, bool)
+        truncated = (self._t[ids] >= self.spec.max_episode_steps) & ~terminated
+        return StepResult(self._obs_rows(rows, ids), reward, terminated, truncated, success)
+
+    def close(self) -> None:
+        for env in self._envs:
+            env.close()
+        self._envs = []
+
+    # -- helpers -----------------------------------------------------------------------------
+
+    def _state(self, obs: Any) -> np.ndarray:
+        """Flat float32 state [n, D]: the flat state obs, or agent + extra entries in rgb mode."""
+        if self.opts.obs_mode == "state":
+            return _np(obs).astype(np.float32).reshape(_np(obs).shape[0], -1)
+        parts = []
+        for group in ("agent", "extra"):
+            for _, v in sorted(obs.get(group, {}).items()):
+                x = _np(v).astype(np.float32)
+                parts.append(x.reshape(x.shape[0], -1))
+        return np.concatenate(parts, axis=1)
+
+    def _obs_rows(self, rows: list[tuple[Any, int]], ids: list[int]) -> Obs:
+        state = np.stack([self._state(obs)[j] for obs, j in rows])
+        images = {c: np.stack([_np(obs["sensor_data"][c]["rgb"][j]) for obs, j in rows]).astype(np.uint8)
+                  for c in self.spec.cameras} if hasattr(self, "spec") else {}
+        instr = INSTRUCTIONS.get(self.opts.task, self.opts.task.split("-v")[0])
+        return {"images": images, "state": state.astype(np.float32), "instruction": [instr] * len(ids)}
