@@ -8,6 +8,7 @@ heartbeat. Every send is non-blocking: one slow or dead peer never stalls the re
 
 from __future__ import annotations
 
+import os
 import time
 import uuid
 from collections import deque
@@ -202,6 +203,7 @@ class Broker:
             worker_id=self.next_worker, last_seen=now, info=dict(msg.get("info") or {}),
         )
         reply: dict[str, Any] = {
+            "role": "broker", "host": self.host, "pid": os.getpid(),
             "worker_id": w.worker_id, "run_id": self.run_id, "config": self.cfg.to_dict(),
             "broker_host": self.host, "pub": self.pub_bound, "heartbeat_s": self.hb_s,
             "liveness": self.cfg.broker.liveness, "version": self.version,

@@ -106,7 +106,11 @@ class WorkerBase:
         return {}
 
     def setup(self) -> None:
-        """Build envs / models once the config has arrived."""
+        """Build envs / models once the config has arrived. Runs off the socket thread (so
+        heartbeats continue during a long model load): it must not touch sockets."""
+
+    def start(self) -> None:
+        """On the socket thread, after ``setup``: open extra sockets, send first requests."""
 
     def on_message(self, msg: P.Message) -> None:
         """A message from the broker (not HEARTBEAT/DISCONNECT/ERROR)."""
@@ -223,10 +227,10 @@ class WorkerBase:
             self.connect()
             if self._stop:
                 return
-            self.setup()
-            for s in self.extra_sockets():
-                self.poller.register(s, zmq.POLLIN)
-            self.send(P.HEARTBEAT, self.heartbeat_fields())
+            self._setup_runner = self.new_runner("setup")
+            self._setup_runner.submit(self.setup, "__setup__")
+            self._started = False
+            self._early: list[P.Message] = []
             while not self._stop:
                 events = dict(self.poller.poll(int(self.hb_s * 1000 / 2)))
                 if self.sock in events:
@@ -235,6 +239,9 @@ class WorkerBase:
                             break
                         msg = self._recv()
                         if msg is None:
+                            continue
+                        if not self._started and msg.type not in (P.HEARTBEAT, P.DISCONNECT, P.ERROR):
+                            self._early.append(msg)  # routed once set-up is done
                             continue
                         self._route(msg)
                         if self._stop:
@@ -255,7 +262,8 @@ class WorkerBase:
                 if now - self._last_recv > self.hb_s * self.liveness:
                     self._reconnect()
                     continue
-                self.tick(now)
+                if self._started:
+                    self.tick(now)
         finally:
             if self.sock is not None and self.cfg is not None:
                 try:
@@ -283,6 +291,19 @@ class WorkerBase:
                     tag, result, error = r.results.get_nowait()
                 except queue.Empty:
                     break
+                if tag == "__setup__":
+                    if error is not None:
+                        log.error("setup_failed", role=self.role, error=repr(error)[:1000])
+                        raise error
+                    self.start()
+                    for s in self.extra_sockets():
+                        self.poller.register(s, zmq.POLLIN)
+                    self._started = True
+                    self.send(P.HEARTBEAT, self.heartbeat_fields())
+                    for msg in self._early:
+                        self._route(msg)
+                    self._early = []
+                    continue
                 self.on_job_done(tag, result, error)
 
     def _route(self, msg: P.Message) -> None:

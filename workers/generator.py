@@ -58,6 +58,9 @@ class GeneratorWorker(WorkerBase):
         torch.set_num_threads(max(1, cfg.workers.torch_threads))
         self.policy = build_policy(cfg, device=self.device)
         self.policy.eval()
+
+    def start(self) -> None:
+        cfg = self.cfg
         self.runner = self.new_runner("forward")
         self.sub = self.ctx.socket(zmq.SUB)
         self.sub.setsockopt(zmq.SUBSCRIBE, b"W")

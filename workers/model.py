@@ -35,7 +35,7 @@ def build_policy(cfg: JobConfig, spec: EnvSpec | None = None, device: str | None
     """The job's policy with seeded initial weights: every process that builds it gets the same
     version-0 weights, so generators can serve before the first publication."""
     spec = spec or job_spec(cfg)
-    _import_builtin_policies()
+    _import_builtin_policies(cfg.model.family)
     options = dict(cfg.model.options)
     fam = cfg.model.family
     if fam in _POLICIES:

@@ -114,6 +114,8 @@ class SimulatorWorker(WorkerBase):
                     slot.obs_block[f"images/{cam}"] = self.obs_pool.alloc(k * h * w * 3)
                 slot.obs_block["state"] = self.obs_pool.alloc(k * spec.state_dim * 4)
         log.info("simulator_ready", env=cfg.env.name, num_envs=num_envs, slots=n_slots, shm=self.use_shm, parallel=cfg.env.parallel)
+
+    def start(self) -> None:
         for slot in self.slots:
             slot.runner.submit(lambda slot=slot: self._reset_all(slot), ("reset", slot.index))
 

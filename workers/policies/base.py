@@ -102,10 +102,16 @@ def register_policy(family: str, config: type) -> Callable[[PolicyBuilder], Poli
     return deco
 
 
-def _import_builtin_policies() -> None:
+_FAMILY_MODULES = {"mlp": "mlp", "openvla_oft": "openvla_oft", "pi0": "pi0", "pi05": "pi05", "gr00t_n15": "gr00t"}
+
+
+def _import_builtin_policies(family: str | None = None) -> None:
+    """Import the family's module (all of them when ``family`` is None): VLA modules pull in
+    transformers, which takes seconds, so a job imports only what it runs."""
     import importlib
 
-    for mod in ("mlp", "openvla_oft", "pi0", "pi05", "gr00t"):
+    mods = [_FAMILY_MODULES[family]] if family in _FAMILY_MODULES else list(_FAMILY_MODULES.values())
+    for mod in mods:
         try:
             importlib.import_module(f"workers.policies.{mod}")
         except ModuleNotFoundError as exc:
@@ -121,7 +127,7 @@ def policy_families() -> list[str]:
 
 def make_policy(family: str, options: dict[str, Any] | None, spec: EnvSpec) -> Policy:
     """Build the family's policy from its options dict (validated into its config dataclass)."""
-    _import_builtin_policies()
+    _import_builtin_policies(family)
     if family not in _POLICIES:
         raise ValueError(f"unknown model family {family!r}; registered: {sorted(_POLICIES)}")
     builder, cfg_cls = _POLICIES[family]
@@ -133,5 +139,5 @@ def make_policy(family: str, options: dict[str, Any] | None, spec: EnvSpec) -> P
 
 
 def config_fields(family: str) -> list[str]:
-    _import_builtin_policies()
+    _import_builtin_policies(family)
     return [f.name for f in dataclasses.fields(_POLICIES[family][1])]

@@ -1,0 +1,3 @@
+from rlvla3.cli import main
+
+main()

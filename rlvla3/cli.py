@@ -1,0 +1,271 @@
+"""The ``rlvla3`` command line: broker, worker, run, status."""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import signal
+import sys
+import time
+from datetime import datetime
+from pathlib import Path
+from typing import Any
+
+import click
+import structlog
+
+from rlvla3 import logging as rlog
+from rlvla3.config import ConfigError, load
+
+log = structlog.get_logger()
+
+
+@click.group()
+@click.option("--log-json", is_flag=True, help="One JSON object per log line (default: key=value).")
+@click.option("--log-level", default="info", show_default=True, help="debug, info, warning, error.")
+def main(log_json: bool, log_level: str) -> None:
+    """rlvla3: fully asynchronous RL for Vision-Language-Action policies."""
+    rlog.configure(json=log_json, level=log_level)
+
+
+def _load(config: str | None, overrides: tuple[str, ...]):
+    try:
+        return load(config, overrides)
+    except ConfigError as exc:
+        raise click.ClickException(str(exc)) from None
+
+
+# ---------------------------------------------------------------------------------------------
+# broker
+# ---------------------------------------------------------------------------------------------
+
+
+@main.command()
+@click.option("--config", "config", default=None, help="Job config YAML (default: the embedded one).")
+@click.option("--bind", default=None, help="ROUTER address, e.g. tcp://*:5555 (default: broker.bind).")
+@click.option("--pub", default=None, help="PUB address for weights, e.g. tcp://*:5556 (default: broker.pub).")
+@click.option("--set", "overrides", multiple=True, help="Override a config key: --set batching.max_batch=16.")
+@click.option("--info-file", default=None, help="Write the bound endpoints here as JSON once listening.")
+def broker(config: str | None, bind: str | None, pub: str | None, overrides: tuple[str, ...], info_file: str | None) -> None:
+    """Run the broker: the job's config, slot registry, batcher and weight snapshot."""
+    from brokers.broker import Broker
+
+    cfg = _load(config, overrides)
+    rlog.configure(role="broker", pid=os.getpid())
+    b = Broker(cfg, bind=bind, pub=pub)
+    signal.signal(signal.SIGTERM, lambda *_: b.stop())
+    signal.signal(signal.SIGINT, lambda *_: b.stop())
+    if info_file:
+        tmp = Path(info_file + ".tmp")
+        tmp.write_text(json.dumps({"bind": b.bound, "pub": b.pub_bound, "run_id": b.run_id, "pid": os.getpid()}))
+        tmp.replace(info_file)
+    b.run()
+
+
+# ---------------------------------------------------------------------------------------------
+# worker
+# ---------------------------------------------------------------------------------------------
+
+
+@main.command()
+@click.option("--role", type=click.Choice(["simulator", "generator", "trainer"]), required=True)
+@click.option("--broker", "broker_url", default="tcp://127.0.0.1:5555", show_default=True, help="The broker's ROUTER address.")
+@click.option("--gpus", default=None, help="Devices, e.g. 0-3 or 0,2: one worker per device.")
+@click.option("--count", default=1, show_default=True, help="Workers of this role to start here.")
+@click.option("--num-envs", type=int, default=None, help="Simulator: envs in this worker (default: env.num_envs).")
+@click.option("--slots", type=int, default=None, help="Simulator: slots in this worker (default: env.slots).")
+@click.option("--index", type=int, default=0, help="Worker index (seeds differ per index).")
+@click.option("--name", default=None, help="Name in logs and STATUS.")
+@click.option("--run-dir", default=None, help="Where the trainer writes metrics and checkpoints.")
+@click.option("--set", "overrides", multiple=True, help="Local config override for this worker.")
+def worker(role: str, broker_url: str, gpus: str | None, count: int, num_envs: int | None, slots: int | None,
+           index: int, name: str | None, run_dir: str | None, overrides: tuple[str, ...]) -> None:
+    """Run simulator, generator or trainer workers that join a broker (at any time)."""
+    from rlvla3.launch import parse_gpus, spawn, stop_processes
+
+    try:
+        devices = parse_gpus(gpus)
+    except ValueError as exc:
+        raise click.ClickException(str(exc)) from None
+    n = max(len(devices), 1) * count
+    if n > 1:  # one process per device (x count); this process supervises them
+        procs = []
+        for i in range(n):
+            args = ["worker", "--role", role, "--broker", broker_url, "--index", str(index + i),
+                    "--name", f"{name or role}{index + i}"]
+            if devices:
+                args += ["--gpus", str(devices[i % len(devices)])]
+            if num_envs:
+                args += ["--num-envs", str(num_envs)]
+            if slots:
+                args += ["--slots", str(slots)]
+            if run_dir:
+                args += ["--run-dir", run_dir]
+            for o in overrides:
+                args += ["--set", o]
+            procs.append(spawn(args))
+        stopping = {"flag": False}
+        signal.signal(signal.SIGTERM, lambda *_: stopping.update(flag=True))
+        signal.signal(signal.SIGINT, lambda *_: stopping.update(flag=True))
+        while not stopping["flag"] and any(p.poll() is None for p in procs):
+            time.sleep(0.2)  # supervising children; nothing to synchronise with
+        stop_processes(procs)
+        sys.exit(max((p.returncode or 0) for p in procs))
+
+    device = f"cuda:{devices[0]}" if devices else None
+    rlog.configure(role=role, pid=os.getpid(), name=name or f"{role}{index}")
+    kw: dict[str, Any] = dict(name=name or f"{role}{index}", overrides=overrides, device=device)
+    if role == "simulator":
+        from workers.simulator import SimulatorWorker
+
+        w = SimulatorWorker(broker_url, num_envs=num_envs, slots=slots, index=index, **kw)
+    elif role == "generator":
+        from workers.generator import GeneratorWorker
+
+        w = GeneratorWorker(broker_url, **kw)
+    else:
+        from workers.trainer import TrainerWorker
+
+        w = TrainerWorker(broker_url, run_dir=run_dir, **kw)
+    w.run()
+
+
+# ---------------------------------------------------------------------------------------------
+# status
+# ---------------------------------------------------------------------------------------------
+
+
+@main.command()
+@click.option("--broker", "broker_url", default="tcp://127.0.0.1:5555", show_default=True)
+@click.option("--json", "as_json", is_flag=True, help="Print one JSON object.")
+@click.option("--timeout", default=5.0, show_default=True, help="Seconds to wait for the reply.")
+def status(broker_url: str, as_json: bool, timeout: float) -> None:
+    """Print a broker's live figures."""
+    from rlvla3.launch import request_status
+
+    try:
+        fig = request_status(broker_url, timeout)
+    except TimeoutError as exc:
+        raise click.ClickException(str(exc)) from None
+    if as_json:
+        click.echo(json.dumps(fig))
+        return
+    click.echo(f"run {fig['run_id']}  mode={fig['mode']}  workers={fig['workers']}  slots={fig['slots']}")
+    click.echo(f"env_steps={fig['env_steps']}  env_steps/s={fig['env_steps_per_s']}  queue_depth={fig['queue_depth']}  "
+               f"policy_version={fig['policy_version']}  episodes={fig['episodes']}  success={fig['success_rate_recent']}  "
+               f"return={fig['return_recent']}")
+    for k in ("batch_size", "queue_wait_us", "generate_us", "staleness"):
+        click.echo(f"{k}: {fig[k]}")
+
+
+# ---------------------------------------------------------------------------------------------
+# run
+# ---------------------------------------------------------------------------------------------
+
+
+@main.command()
+@click.argument("config", required=False)
+@click.option("--steps", type=int, default=None, help="Stop after this many env steps (default: run.total_env_steps).")
+@click.option("--set", "overrides", multiple=True, help="Override a config key: --set batching.max_batch=16.")
+@click.option("--run-dir", default=None, help="Run folder (default: <run.run_dir>/<run.name>-<time>).")
+@click.option("--bind", default="tcp://127.0.0.1:0", show_default=True, help="Broker ROUTER address (port 0: any free).")
+@click.option("--pub", default="tcp://127.0.0.1:0", show_default=True, help="Broker PUB address.")
+@click.pass_context
+def run(ctx: click.Context, config: str | None, steps: int | None, overrides: tuple[str, ...], run_dir: str | None,
+        bind: str, pub: str) -> None:
+    """Run broker and all workers on this machine from one config, with live progress."""
+    from rlvla3.launch import LocalJob
+    from rlvla3.shm import segments_of_run
+
+    cfg = _load(config, overrides)
+    total = steps or cfg.run.total_env_steps
+    folder = Path(run_dir) if run_dir else Path(cfg.run.run_dir) / f"{cfg.run.name}-{datetime.now().strftime('%Y%m%d-%H%M%S')}"
+    folder.mkdir(parents=True, exist_ok=True)
+    cfg_path = folder / "config.yaml"
+    cfg_path.write_text(cfg.to_yaml())
+    log_json = ctx.parent.params.get("log_json", False) if ctx.parent else False
+    job = LocalJob(cfg, folder, cfg_path, log_json=log_json)
+    interrupted = {"flag": False}
+    signal.signal(signal.SIGINT, lambda *_: interrupted.update(flag=True))
+    signal.signal(signal.SIGTERM, lambda *_: interrupted.update(flag=True))
+    click.echo(f"run folder {folder}  mode={cfg.run.mode}  env={cfg.env.name}  model={cfg.model.family}  steps={total}")
+    metrics = open(folder / "metrics.jsonl", "a", buffering=1)
+    t0 = time.monotonic()
+    last: dict[str, Any] = {}
+    reason = "steps_reached"
+    run_id = ""
+    try:
+        job.start_broker(bind, pub)
+        run_id = json.loads((folder / "broker.json").read_text())["run_id"]
+        job.start_all()
+        next_print = time.monotonic()
+        while True:
+            if interrupted["flag"]:
+                reason = "interrupted"
+                break
+            dead = [p for p in [job.broker_proc, *job.workers] if p.poll() is not None]
+            if dead:
+                reason = f"process_exited(code={dead[0].returncode})"
+                break
+            now = time.monotonic()
+            if now >= next_print:
+                next_print = now + cfg.run.progress_every_s
+                try:
+                    fig = job.status()
+                except TimeoutError:
+                    continue
+                last = fig
+                row = _progress_row(fig, now - t0)
+                metrics.write(json.dumps(row) + "\n")
+                click.echo(_progress_line(row))
+                if fig["env_steps"] >= total:
+                    break
+            time.sleep(0.1)  # the controller only polls STATUS; nothing waits on this
+    finally:
+        job.stop()
+        metrics.close()
+        leftovers = segments_of_run(run_id) if run_id else []
+        summary = {"run_dir": str(folder), "reason": reason, "seconds": round(time.monotonic() - t0, 1),
+                   "shm_leftovers": len(leftovers), **(_progress_row(last, time.monotonic() - t0) if last else {})}
+        (folder / "summary.json").write_text(json.dumps(summary, indent=1))
+        click.echo(json.dumps(summary))
+    if reason.startswith("process_exited"):
+        raise click.ClickException(f"a process exited early; logs are in {folder}")
+
+
+def _progress_row(fig: dict[str, Any], elapsed: float) -> dict[str, Any]:
+    tr = fig.get("trainer") or {}
+    st = fig.get("staleness") or {}
+    return {
+        "elapsed_s": round(elapsed, 2),
+        "env_steps": fig.get("env_steps", 0),
+        "env_steps_per_s": fig.get("env_steps_per_s", 0.0),
+        "episodes": fig.get("episodes", 0),
+        "return": fig.get("return_recent"),
+        "success": fig.get("success_rate_recent"),
+        "policy_version": fig.get("policy_version", -1),
+        "staleness_p50": (st.get("p50", 1) - 1) if st.get("count") else None,
+        "staleness_max": (st.get("max", 1) - 1) if st.get("count") else None,
+        "dropped_stale": tr.get("dropped_stale_total", 0),
+        "policy_loss": tr.get("policy_loss"),
+        "approx_kl": tr.get("approx_kl"),
+        "workers": fig.get("workers"),
+        "batch_p50": (fig.get("batch_size") or {}).get("p50"),
+    }
+
+
+def _fmt(v: Any) -> str:
+    if v is None or (isinstance(v, float) and math.isnan(v)):
+        return "-"
+    return f"{v:.3f}" if isinstance(v, float) else str(v)
+
+
+def _progress_line(r: dict[str, Any]) -> str:
+    return (f"[{r['elapsed_s']:7.1f}s] steps={r['env_steps']:>8} sps={_fmt(r['env_steps_per_s']):>8} "
+            f"return={_fmt(r['return']):>7} success={_fmt(r['success']):>6} version={r['policy_version']:>4} "
+            f"staleness p50={_fmt(r['staleness_p50'])} max={_fmt(r['staleness_max'])} batch={_fmt(r['batch_p50'])}")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,172 @@
+"""Starting processes: the broker and workers as real OS processes, and the ``run`` controller.
+
+``rlvla3 run`` is nothing more than what a user would do by hand on several machines -
+``rlvla3 broker`` and ``rlvla3 worker --role ...`` - started on this one, plus a progress
+display that asks the broker for STATUS.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+import structlog
+import zmq
+
+from rlvla3 import protocol as P
+from rlvla3.config import JobConfig
+
+log = structlog.get_logger()
+
+
+def parse_gpus(spec: str | None) -> list[int]:
+    """``"0-3"`` -> [0, 1, 2, 3]; ``"0,2"`` -> [0, 2]; ``"1"`` -> [1]; None/"" -> []."""
+    if not spec:
+        return []
+    out: list[int] = []
+    for part in spec.split(","):
+        part = part.strip()
+        if not part:
+            continue
+        if "-" in part:
+            lo, hi = part.split("-", 1)
+            if not (lo.isdigit() and hi.isdigit()) or int(hi) < int(lo):
+                raise ValueError(f"--gpus: bad range {part!r}")
+            out.extend(range(int(lo), int(hi) + 1))
+        elif part.isdigit():
+            out.append(int(part))
+        else:
+            raise ValueError(f"--gpus: {part!r} is not a device index or range")
+    if len(set(out)) != len(out):
+        raise ValueError(f"--gpus: {spec!r} names a device twice")
+    return out
+
+
+def python_cmd(*args: str) -> list[str]:
+    return [sys.executable, "-m", "rlvla3", *args]
+
+
+def spawn(args: list[str], log_path: Path | None = None, env: dict[str, str] | None = None) -> subprocess.Popen:
+    """Start one rlvla3 process; its stderr (the structlog stream) goes to ``log_path``."""
+    out = open(log_path, "ab") if log_path else None
+    proc = subprocess.Popen(
+        python_cmd(*args), stdout=out or subprocess.DEVNULL, stderr=subprocess.STDOUT if out else None,
+        env={**os.environ, **(env or {})}, start_new_session=True,
+    )
+    if out:
+        out.close()
+    return proc
+
+
+def stop_processes(procs: list[subprocess.Popen], timeout_s: float = 10.0) -> None:
+    """SIGTERM every process, wait, then SIGKILL what is left."""
+    for p in procs:
+        if p.poll() is None:
+            try:
+                p.send_signal(signal.SIGTERM)
+            except ProcessLookupError:
+                pass
+    deadline = time.monotonic() + timeout_s
+    for p in procs:
+        try:
+            p.wait(max(0.1, deadline - time.monotonic()))
+        except subprocess.TimeoutExpired:
+            p.kill()
+            p.wait(5)
+
+
+def request_status(broker: str, timeout_s: float = 5.0, ctx: zmq.Context | None = None) -> dict[str, Any]:
+    """Ask a broker for its live figures (one STATUS round trip)."""
+    own = ctx is None
+    ctx = ctx or zmq.Context()
+    sock = ctx.socket(zmq.DEALER)
+    sock.setsockopt(zmq.LINGER, 0)
+    sock.connect(broker)
+    try:
+        sock.send_multipart(P.encode(P.STATUS, {}))
+        deadline = time.monotonic() + timeout_s
+        while time.monotonic() < deadline:
+            if sock.poll(int(max(1, (deadline - time.monotonic()) * 1000))):
+                msg = P.decode(sock.recv_multipart())
+                if msg.type == P.STATUS:
+                    return dict(msg["figures"])
+        raise TimeoutError(f"no STATUS reply from {broker} within {timeout_s} s")
+    finally:
+        sock.close()
+        if own:
+            ctx.term()
+
+
+def wait_for_file(path: Path, timeout_s: float, procs: list[subprocess.Popen]) -> dict[str, Any]:
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        if path.is_file():
+            try:
+                return json.loads(path.read_text())
+            except json.JSONDecodeError:
+                pass
+        dead = [p for p in procs if p.poll() is not None]
+        if dead:
+            raise RuntimeError(f"process exited early with code {dead[0].returncode}; see the logs in {path.parent}")
+        time.sleep(0.05)  # polling a file with a deadline
+    raise TimeoutError(f"{path} did not appear within {timeout_s} s")
+
+
+class LocalJob:
+    """Broker plus workers on this machine, from one config file."""
+
+    def __init__(self, cfg: JobConfig, run_dir: Path, config_path: Path, log_json: bool = False) -> None:
+        self.cfg = cfg
+        self.run_dir = run_dir
+        self.config_path = config_path
+        self.log_json = log_json
+        self.broker_proc: subprocess.Popen | None = None
+        self.workers: list[subprocess.Popen] = []
+        self.endpoint = ""
+
+    def _log_flags(self) -> list[str]:
+        return ["--log-json"] if self.log_json else []
+
+    def start_broker(self, bind: str | None = None, pub: str | None = None) -> str:
+        info = self.run_dir / "broker.json"
+        if info.exists():
+            info.unlink()
+        args = [*self._log_flags(), "broker", "--config", str(self.config_path), "--info-file", str(info)]
+        if bind:
+            args += ["--bind", bind]
+        if pub:
+            args += ["--pub", pub]
+        self.broker_proc = spawn(args, self.run_dir / "broker.log")
+        data = wait_for_file(info, 30.0, [self.broker_proc])
+        self.endpoint = data["bind"]
+        return self.endpoint
+
+    def start_worker(self, role: str, name: str, extra: list[str] | None = None) -> subprocess.Popen:
+        args = [*self._log_flags(), "worker", "--role", role, "--broker", self.endpoint, "--name", name,
+                "--run-dir", str(self.run_dir), *(extra or [])]
+        p = spawn(args, self.run_dir / f"{name}.log")
+        self.workers.append(p)
+        return p
+
+    def start_all(self) -> None:
+        w = self.cfg.workers
+        for i in range(w.trainers):
+            self.start_worker("trainer", f"trainer{i}")
+        for i in range(w.generators):
+            self.start_worker("generator", f"generator{i}")
+        for i in range(w.simulators):
+            self.start_worker("simulator", f"simulator{i}", ["--index", str(i)])
+
+    def status(self) -> dict[str, Any]:
+        return request_status(self.endpoint)
+
+    def stop(self) -> None:
+        stop_processes(self.workers)
+        if self.broker_proc is not None:
+            stop_processes([self.broker_proc])
