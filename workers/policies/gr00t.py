@@ -51,7 +51,8 @@ SIZES: dict[str, dict[str, Any]] = {
         "dit": dict(hidden=64, heads=4, layers=4, future_tokens=4),
         "pad_dims": False,
     },
-    # ~3B: SigLIP So400m/14 at 224, Qwen3-1.7B truncated to 12 layers, 16-layer 1536-wide DiT.
+    # Release-like (~1.9B built here): SigLIP So400m/14 at 224, Qwen3-1.7B truncated to 12 layers
+    # as N1.5 reads layer 12, 16-layer 1536-wide DiT.
     "3b": {
         "image_size": 224,
         "patch_size": 14,

@@ -1,0 +1,116 @@
+"""Generator throughput and latency against batch size for every VLA family's tiny config (CPU).
+
+This is the curve ``max_batch`` is tuned against: where samples/s stops growing, a larger batch
+only adds latency. Synthetic observations (two cameras, random pixels), ``act`` under
+``torch.inference_mode`` as the generator worker calls it.
+
+    python bench/generator.py --out bench_out [--quick]
+
+Prints one JSON object last: ``{family: {batch: samples_per_s}}``; writes ``generator.png`` and
+``generator.json`` (latencies too) under ``--out``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+import time
+from pathlib import Path
+
+import numpy as np
+import torch
+import yaml
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+
+from workers.envs.base import EnvSpec  # noqa: E402
+from workers.policies.base import make_policy  # noqa: E402
+
+FAMILIES = ("openvla_oft", "pi0", "pi05", "gr00t_n15")
+
+
+def build(family: str, spec: EnvSpec):
+    model = yaml.safe_load((ROOT / "configs" / "models" / f"{family}_tiny.yaml").read_text())["model"]
+    opts = {**model.get("options", {}), "chunk_size": model["chunk_size"], "device": "cpu", "dtype": "float32"}
+    return make_policy(family, opts, spec)
+
+
+def synthetic_obs(spec: EnvSpec, batch: int, rng: np.random.Generator) -> dict:
+    return {
+        "images": {c: rng.integers(0, 256, (batch, h, w, 3), dtype=np.uint8) for c, (h, w) in spec.cameras.items()},
+        "state": rng.uniform(-1, 1, (batch, spec.state_dim)).astype(np.float32),
+        "instruction": ["pick up the red cup and put it in the sink"] * batch,
+    }
+
+
+def time_act(policy, obs: dict, reps: int) -> float:
+    """Fastest of ``reps`` timed ``act`` calls after one warm-up (robust to a shared, busy CPU)."""
+    with torch.inference_mode():
+        policy.act(obs)
+        times = []
+        for _ in range(reps):
+            t0 = time.perf_counter()
+            policy.act(obs)
+            times.append(time.perf_counter() - t0)
+    return min(times)
+
+
+def plot(results: dict, path: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, (ax1, ax2) = plt.subplots(1, 2, figsize=(11, 4))
+    for fam, rows in results.items():
+        bs = sorted(int(b) for b in rows)
+        ax1.plot(bs, [rows[str(b)]["samples_per_s"] for b in bs], marker="o", label=fam)
+        ax2.plot(bs, [rows[str(b)]["latency_ms"] for b in bs], marker="o", label=fam)
+    for ax, yl in ((ax1, "samples / s"), (ax2, "latency per act (ms)")):
+        ax.set_xscale("log", base=2)
+        ax.set_xlabel("batch size")
+        ax.set_ylabel(yl)
+        ax.grid(True, alpha=0.3)
+        ax.legend()
+    fig.suptitle("Generator act() on CPU, tiny configs")
+    fig.tight_layout()
+    fig.savefig(path, dpi=100)
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--out", default="bench_out", help="directory for the PNG and the JSON")
+    ap.add_argument("--quick", action="store_true", help="small images, 2 reps: under 60 s on 2 cores")
+    ap.add_argument("--max-batch", type=int, default=64)
+    ap.add_argument("--families", default=",".join(FAMILIES))
+    args = ap.parse_args()
+
+    size = 64 if args.quick else 224
+    reps = 3 if args.quick else 5
+    spec = EnvSpec(cameras={"front": (size, size), "wrist": (size, size)}, state_dim=8, action_dim=7,
+                   max_episode_steps=100)
+    batches = [2**i for i in range(0, 64) if 2**i <= args.max_batch]
+    rng = np.random.default_rng(0)
+    torch.manual_seed(0)
+    results: dict[str, dict[str, dict[str, float]]] = {}
+    t_start = time.perf_counter()
+    for fam in args.families.split(","):
+        policy = build(fam, spec)
+        results[fam] = {}
+        for b in batches:
+            lat = time_act(policy, synthetic_obs(spec, b, rng), reps)
+            results[fam][str(b)] = {"latency_ms": lat * 1e3, "samples_per_s": b / lat}
+            print(f"{fam:12s} batch {b:3d}: {b / lat:9.1f} samples/s  {lat * 1e3:8.1f} ms", file=sys.stderr)
+    os.makedirs(args.out, exist_ok=True)
+    out = Path(args.out)
+    (out / "generator.json").write_text(json.dumps({"images": size, "reps": reps, "results": results}, indent=2))
+    plot(results, out / "generator.png")
+    print(f"total {time.perf_counter() - t_start:.1f} s; wrote {out / 'generator.png'}", file=sys.stderr)
+    print(json.dumps({f: {b: round(r["samples_per_s"], 2) for b, r in rows.items()} for f, rows in results.items()}))
+
+
+if __name__ == "__main__":
+    main()
