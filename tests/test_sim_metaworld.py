@@ -63,7 +63,7 @@ def test_images_upright_at_configured_size() -> None:
         assert obs["images"]["topview"].shape == (1, 64, 80, 3)
         before = _red_row(img[0])
         down = np.array([[0, 0, -1, 0]], np.float32)  # lower the hand: the arm moves down the image
-        for _ in range(12):
+        for _ in range(15):
             res = env.step([0], down)
         after = _red_row(res.obs["images"]["corner"][0])
         assert after > before + 0.5, (before, after)
