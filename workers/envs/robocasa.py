@@ -1,0 +1,176 @@
+"""RoboCasa kitchen tasks (robosuite >= 1.5) as a batch of envs.
+
+RoboCasa is not on the package registry and needs robosuite >= 1.5.2 while LIBERO pins 1.4, plus
+several GB of kitchen assets fetched by its own script. So it lives in its own virtualenv and
+runs as a separate simulator worker that joins the same broker (DESIGN §5: the process boundary
+is the dependency boundary). Without the package or its assets, building this env raises
+:class:`RoboCasaUnavailable` with the install steps.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import os
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Sequence
+
+import numpy as np
+import structlog
+
+from workers.envs.base import EnvAdapter, EnvSpec, Obs, StepResult, register_env
+
+log = structlog.get_logger()
+
+os.environ.setdefault("MUJOCO_GL", "egl")
+
+INSTALL_HELP = """\
+RoboCasa runs in its own virtualenv (it needs robosuite>=1.5.2; LIBERO pins robosuite 1.4.0),
+as a separate simulator worker joining the same broker:
+
+    python3 -m venv /opt/venv-robocasa
+    /opt/venv-robocasa/bin/pip install torch==2.13.0 -e <rlvla3 checkout>
+    git clone https://github.com/ARISE-Initiative/robosuite && /opt/venv-robocasa/bin/pip install -e robosuite
+    git clone https://github.com/robocasa/robocasa && /opt/venv-robocasa/bin/pip install -e robocasa
+    /opt/venv-robocasa/bin/python -m robocasa.scripts.download_kitchen_assets   # several GB
+    /opt/venv-robocasa/bin/python -m robocasa.scripts.setup_macros
+
+then start that venv's simulator worker with an env.name: robocasa config."""
+
+
+class RoboCasaUnavailable(RuntimeError):
+    """RoboCasa, a new enough robosuite, or its kitchen assets are missing here."""
+
+
+@dataclass
+class RoboCasaOptions:
+    task: str = "PnPCounterToCab"
+    """RoboCasa env name (e.g. PnPCounterToCab, OpenSingleDoor, TurnOnSinkFaucet)."""
+    robot: str = "PandaOmron"
+    """Robot (RoboCasa's default mobile manipulator)."""
+    cameras: list[str] = field(default_factory=lambda: ["robot0_agentview_left", "robot0_eye_in_hand"])
+    """robosuite camera names to render."""
+    image_size: list[int] = field(default_factory=lambda: [128, 128])
+    """[height, width] of every camera image."""
+    max_episode_steps: int = 500
+    """Steps after which an episode is truncated."""
+    terminate_on_success: bool = True
+    """End the episode (terminated) on the first successful step."""
+    layout_ids: list[int] | None = None
+    """Kitchen layouts to draw from; None: RoboCasa's default set."""
+    style_ids: list[int] | None = None
+    """Kitchen styles to draw from; None: RoboCasa's default set."""
+
+
+def check_available() -> None:
+    """Raise :class:`RoboCasaUnavailable` with install steps unless robocasa can build envs here."""
+    if importlib.util.find_spec("robocasa") is None:
+        raise RoboCasaUnavailable("robocasa is not installed in this environment.\n" + INSTALL_HELP)
+    try:
+        from importlib.metadata import version
+
+        rs = version("robosuite")
+    except Exception:  # noqa: BLE001
+        rs = "missing"
+    parts = tuple(int(p) for p in rs.split(".")[:2] if p.isdigit()) if rs != "missing" else ()
+    if parts < (1, 5):
+        raise RoboCasaUnavailable(f"robocasa needs robosuite>=1.5.2, found {rs}.\n" + INSTALL_HELP)
+    spec = importlib.util.find_spec("robocasa")
+    root = Path(next(iter(spec.submodule_search_locations or [""])))  # type: ignore[union-attr]
+    kitchen = root / "models" / "assets" / "textures"
+    fixtures = root / "models" / "assets" / "fixtures"
+    if not (kitchen.is_dir() and fixtures.is_dir() and any(fixtures.iterdir())):
+        raise RoboCasaUnavailable(f"robocasa's kitchen assets are missing under {root / 'models' / 'assets'}.\n"
+                                  + INSTALL_HELP)
+
+
+@register_env("robocasa", options=RoboCasaOptions)
+class RoboCasaEnv(EnvAdapter):
+    """RoboCasa kitchen envs (one robosuite env each), stepped in this process."""
+
+    def __init__(self, num_envs: int, seed: int = 0, options: RoboCasaOptions | None = None) -> None:
+        self.opts = o = options or RoboCasaOptions()
+        self.num_envs = num_envs
+        check_available()
+        import robocasa  # noqa: F401 - registers the kitchen envs with robosuite
+        import robosuite
+        from robosuite.controllers import load_composite_controller_config
+
+        h, w = o.image_size
+        extra: dict[str, Any] = {}
+        if o.layout_ids is not None:
+            extra["layout_ids"] = o.layout_ids
+        if o.style_ids is not None:
+            extra["style_ids"] = o.style_ids
+        self._envs = [
+            robosuite.make(
+                env_name=o.task, robots=o.robot,
+                controller_configs=load_composite_controller_config(robot=o.robot),
+                has_renderer=False, has_offscreen_renderer=bool(o.cameras), use_camera_obs=bool(o.cameras),
+                camera_names=list(o.cameras) or None, camera_heights=int(h), camera_widths=int(w),
+                ignore_done=True, reward_shaping=False, control_freq=20, seed=seed + i, **extra,
+            )
+            for i in range(num_envs)
+        ]
+        low, high = self._envs[0].action_spec
+        self._low, self._high = np.asarray(low, np.float32), np.asarray(high, np.float32)
+        self._rng = np.random.default_rng(seed)
+        self._t = np.zeros(num_envs, np.int64)
+        self._instr = [""] * num_envs
+        first = self._reset_one(0, seed)
+        self.spec = EnvSpec(cameras={c: (int(h), int(w)) for c in o.cameras}, state_dim=int(self._state(first).size),
+                            action_dim=int(self._low.size), max_episode_steps=o.max_episode_steps)
+        log.info("robocasa_ready", task=o.task, robot=o.robot, num_envs=num_envs, action_dim=self.spec.action_dim)
+
+    def _reset_one(self, i: int, seed: int) -> dict[str, Any]:
+        env = self._envs[i]
+        if hasattr(env, "set_ep_meta"):
+            env.set_ep_meta({})  # fresh layout/style/object draw from the seeded RNG
+        env.rng = np.random.default_rng(seed)  # robocasa draws kitchens and objects from env.rng
+        np.random.seed(seed % 2**32)
+        raw = env.reset()
+        self._t[i] = 0
+        meta = env.get_ep_meta() if hasattr(env, "get_ep_meta") else {}
+        self._instr[i] = str(meta.get("lang", self.opts.task))
+        return raw
+
+    def reset(self, ids: Sequence[int], seeds: Sequence[int | None] | None = None) -> Obs:
+        ids = [int(i) for i in ids]
+        raws = []
+        for k, i in enumerate(ids):
+            s = seeds[k] if seeds is not None else None
+            raws.append(self._reset_one(i, int(s) if s is not None else int(self._rng.integers(2**31 - 1))))
+        return self._obs(ids, raws)
+
+    def step(self, ids: Sequence[int], actions: np.ndarray) -> StepResult:
+        ids = [int(i) for i in ids]
+        a = np.clip(np.asarray(actions, np.float32), -1.0, 1.0)
+        a = self._low + (a + 1.0) * 0.5 * (self._high - self._low)  # [-1, 1] -> robosuite's bounds
+        n = len(ids)
+        reward, success, raws = np.zeros(n, np.float32), np.zeros(n, bool), []
+        for k, i in enumerate(ids):
+            raw, r, _, _ = self._envs[i].step(a[k])
+            reward[k] = r
+            success[k] = bool(self._envs[i]._check_success())
+            raws.append(raw)
+        self._t[ids] += 1
+        terminated = success.copy() if self.opts.terminate_on_success else np.zeros(n, bool)
+        truncated = (self._t[ids] >= self.opts.max_episode_steps) & ~terminated
+        return StepResult(self._obs(ids, raws), reward, terminated, truncated, success)
+
+    def close(self) -> None:
+        for env in self._envs:
+            env.close()
+        self._envs = []
+
+    @staticmethod
+    def _state(raw: dict[str, Any]) -> np.ndarray:
+        keys = [k for k in ("robot0_base_pos", "robot0_base_quat", "robot0_eef_pos", "robot0_eef_quat",
+                            "robot0_gripper_qpos") if k in raw]
+        return np.concatenate([np.asarray(raw[k], np.float32).reshape(-1) for k in keys])
+
+    def _obs(self, ids: list[int], raws: list[dict[str, Any]]) -> Obs:
+        images = {c: np.stack([np.ascontiguousarray(r[f"{c}_image"][::-1]) for r in raws]).astype(np.uint8)
+                  for c in self.opts.cameras}  # robosuite's default OpenGL row order: flip upright
+        return {"images": images, "state": np.stack([self._state(r) for r in raws]),
+                "instruction": [self._instr[i] for i in ids]}
