@@ -1,4 +1,4 @@
-"""The ``rlvla3`` command line: broker, worker, run, status."""
+"""The ``rlvla3`` command line: broker, worker, run, status, sft."""
 
 from __future__ import annotations
 
@@ -79,8 +79,9 @@ def broker(config: str | None, bind: str | None, pub: str | None, overrides: tup
 @click.option("--name", default=None, help="Name in logs and STATUS.")
 @click.option("--run-dir", default=None, help="Where the trainer writes metrics and checkpoints.")
 @click.option("--set", "overrides", multiple=True, help="Local config override for this worker.")
+@click.option("--resume", default=None, help="Trainer: continue from this run folder's latest checkpoint.")
 def worker(role: str, broker_url: str, gpus: str | None, count: int, num_envs: int | None, slots: int | None,
-           index: int, name: str | None, run_dir: str | None, overrides: tuple[str, ...]) -> None:
+           index: int, name: str | None, run_dir: str | None, overrides: tuple[str, ...], resume: str | None) -> None:
     """Run simulator, generator or trainer workers that join a broker (at any time)."""
     from rlvla3.launch import parse_gpus, spawn, stop_processes
 
@@ -102,6 +103,8 @@ def worker(role: str, broker_url: str, gpus: str | None, count: int, num_envs: i
                 args += ["--slots", str(slots)]
             if run_dir:
                 args += ["--run-dir", run_dir]
+            if resume:
+                args += ["--resume", resume]
             for o in overrides:
                 args += ["--set", o]
             procs.append(spawn(args))
@@ -127,7 +130,7 @@ def worker(role: str, broker_url: str, gpus: str | None, count: int, num_envs: i
     else:
         from workers.trainer import TrainerWorker
 
-        w = TrainerWorker(broker_url, run_dir=run_dir, **kw)
+        w = TrainerWorker(broker_url, run_dir=run_dir, resume=resume, **kw)
     w.run()
 
 
@@ -171,21 +174,40 @@ def status(broker_url: str, as_json: bool, timeout: float) -> None:
 @click.option("--run-dir", default=None, help="Run folder (default: <run.run_dir>/<run.name>-<time>).")
 @click.option("--bind", default="tcp://127.0.0.1:0", show_default=True, help="Broker ROUTER address (port 0: any free).")
 @click.option("--pub", default="tcp://127.0.0.1:0", show_default=True, help="Broker PUB address.")
+@click.option("--resume", "resume", default=None, metavar="RUN_DIR",
+              help="Continue RUN_DIR at its latest checkpoint's version, with its config (--steps counts anew).")
 @click.pass_context
 def run(ctx: click.Context, config: str | None, steps: int | None, overrides: tuple[str, ...], run_dir: str | None,
-        bind: str, pub: str) -> None:
+        bind: str, pub: str, resume: str | None) -> None:
     """Run broker and all workers on this machine from one config, with live progress."""
     from rlvla3.launch import LocalJob
     from rlvla3.shm import segments_of_run
 
-    cfg = _load(config, overrides)
+    if resume:
+        from workers.checkpoint import latest_checkpoint
+
+        if config or overrides or run_dir:
+            raise click.ClickException("--resume continues a run with its own config and folder: drop CONFIG, --set and --run-dir")
+        folder = Path(resume)
+        if latest_checkpoint(folder) is None:
+            raise click.ClickException(f"--resume {resume}: no checkpoint under {folder / 'checkpoints'}")
+        cfg = _load(str(folder / "config.yaml"), ())
+    else:
+        cfg = _load(config, overrides)
+        folder = Path(run_dir) if run_dir else Path(cfg.run.run_dir) / f"{cfg.run.name}-{datetime.now().strftime('%Y%m%d-%H%M%S')}"
     total = steps or cfg.run.total_env_steps
-    folder = Path(run_dir) if run_dir else Path(cfg.run.run_dir) / f"{cfg.run.name}-{datetime.now().strftime('%Y%m%d-%H%M%S')}"
     folder.mkdir(parents=True, exist_ok=True)
+    if not resume and cfg.run.sft_episodes > 0 and not cfg.model.checkpoint:
+        from workers.sft import run_sft
+
+        click.echo(f"warm start: cloning {cfg.run.sft_episodes} scripted-expert episodes into {folder / 'sft'}")
+        fig = run_sft(cfg, folder / "sft", episodes=cfg.run.sft_episodes, epochs=cfg.run.sft_epochs)
+        click.echo(f"warm start: deterministic success {fig['success_before']} -> {fig['success_after']}")
+        cfg.model.checkpoint = str((folder / "sft").resolve())
     cfg_path = folder / "config.yaml"
     cfg_path.write_text(cfg.to_yaml())
     log_json = ctx.parent.params.get("log_json", False) if ctx.parent else False
-    job = LocalJob(cfg, folder, cfg_path, log_json=log_json)
+    job = LocalJob(cfg, folder, cfg_path, log_json=log_json, resume=str(folder) if resume else None)
     interrupted = {"flag": False}
     signal.signal(signal.SIGINT, lambda *_: interrupted.update(flag=True))
     signal.signal(signal.SIGTERM, lambda *_: interrupted.update(flag=True))
@@ -232,6 +254,32 @@ def run(ctx: click.Context, config: str | None, steps: int | None, overrides: tu
         click.echo(json.dumps(summary))
     if reason.startswith("process_exited"):
         raise click.ClickException(f"a process exited early; logs are in {folder}")
+
+
+# ---------------------------------------------------------------------------------------------
+# sft
+# ---------------------------------------------------------------------------------------------
+
+
+@main.command()
+@click.argument("config", required=False)
+@click.option("--out", required=True, help="Checkpoint folder to write (model.safetensors); use it as model.checkpoint.")
+@click.option("--episodes", type=int, default=128, show_default=True, help="Expert episodes to collect.")
+@click.option("--epochs", type=int, default=50, show_default=True, help="Behaviour-cloning passes over the data.")
+@click.option("--lr", type=float, default=3e-3, show_default=True, help="Adam learning rate.")
+@click.option("--demos", default=None, help="Read recorded demonstrations (.npz, see workers/sft.py) instead of an expert.")
+@click.option("--save-demos", default=None, help="Also write the collected demonstrations to this .npz.")
+@click.option("--eval-episodes", type=int, default=32, show_default=True, help="Deterministic episodes before/after.")
+@click.option("--set", "overrides", multiple=True, help="Override a config key.")
+def sft(config: str | None, out: str, episodes: int, epochs: int, lr: float, demos: str | None, save_demos: str | None,
+        eval_episodes: int, overrides: tuple[str, ...]) -> None:
+    """Behaviour-clone a scripted expert (or recorded demos) into a warm-start checkpoint."""
+    from workers.sft import run_sft
+
+    cfg = _load(config, overrides)
+    fig = run_sft(cfg, out, episodes=episodes, epochs=epochs, demos_path=demos, save_demos_to=save_demos,
+                  eval_episodes=eval_episodes, lr=lr)
+    click.echo(json.dumps(fig))
 
 
 def _progress_row(fig: dict[str, Any], elapsed: float) -> dict[str, Any]:

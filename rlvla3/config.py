@@ -35,6 +35,12 @@ class RunConfig:
     """Parent folder of run folders (metrics, checkpoints, logs)."""
     progress_every_s: float = 2.0
     """How often ``rlvla3 run`` prints progress and writes a metrics line."""
+    sft_episodes: int = 0
+    """Warm start: when > 0 and ``model.checkpoint`` is empty, ``rlvla3 run`` first clones this
+    many scripted-expert episodes into ``<run folder>/sft`` (``rlvla3 sft``) and starts RL from
+    that checkpoint."""
+    sft_epochs: int = 30
+    """Warm start: behaviour-cloning passes over the demonstrations."""
 
 
 @dataclass
@@ -132,7 +138,18 @@ class AlgoConfig:
     publish_every: int = 1
     """Publish a weight version every this many updates."""
     group_size: int = 8
-    """GRPO: episodes per group."""
+    """GRPO: episodes per group (must equal ``env.group_size``, which makes the simulators
+    start that many consecutive episodes of an env from one seed)."""
+    grpo_reward: str = "success"
+    """GRPO: the episode score compared within a group, ``success`` (0/1, as SimpleVLA-RL) or
+    ``return`` (the summed env reward)."""
+    checkpoint_every: int = 50
+    """Rank 0 writes a checkpoint every this many versions (0: only at shutdown)."""
+    keep_checkpoints: int = 3
+    """Checkpoints kept in the run folder (older ones are pruned; 0 keeps all)."""
+    check_replicas: bool = False
+    """Several trainer ranks: assert after every update that all ranks hold identical weights
+    (an all-reduce of a parameter checksum; for debugging and tests)."""
 
 
 @dataclass

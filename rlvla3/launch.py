@@ -121,8 +121,10 @@ def wait_for_file(path: Path, timeout_s: float, procs: list[subprocess.Popen]) -
 class LocalJob:
     """Broker plus workers on this machine, from one config file."""
 
-    def __init__(self, cfg: JobConfig, run_dir: Path, config_path: Path, log_json: bool = False) -> None:
+    def __init__(self, cfg: JobConfig, run_dir: Path, config_path: Path, log_json: bool = False,
+                 resume: str | Path | None = None) -> None:
         self.cfg = cfg
+        self.resume = str(resume) if resume else None  # trainers load this run folder's latest checkpoint
         self.run_dir = run_dir
         self.config_path = config_path
         self.log_json = log_json
@@ -157,7 +159,7 @@ class LocalJob:
     def start_all(self) -> None:
         w = self.cfg.workers
         for i in range(w.trainers):
-            self.start_worker("trainer", f"trainer{i}")
+            self.start_worker("trainer", f"trainer{i}", ["--resume", self.resume] if self.resume else None)
         for i in range(w.generators):
             self.start_worker("generator", f"generator{i}")
         for i in range(w.simulators):

@@ -1,0 +1,322 @@
+"""Warm start: behaviour cloning from a scripted expert (or recorded demonstrations).
+
+Real VLA RL starts from a supervised checkpoint, not from scratch. ``rlvla3 sft CONFIG``:
+
+  1. collects demonstrations: the env's scripted expert drives in-process envs (Meta-World ships
+     one per task; the synthetic reach task's is a straight line to the goal), one decision per
+     ``model.chunk_size`` expert actions - or reads recorded ones (``--demos FILE.npz``);
+  2. trains the job's policy to maximise ``evaluate()``'s log-prob of the expert chunks (for the
+     Gaussian ``mlp`` policy: Gaussian NLL of the mean with the exploration std held fixed, so
+     RL still explores afterwards);
+  3. writes ``OUT/model.safetensors`` (+ ``config.yaml``, ``sft.json``), which ``rlvla3 run``
+     starts from with ``model.checkpoint: OUT`` (``workers.model.load_checkpoint_weights``).
+
+Demonstration file (``.npz``), N decisions, chunk T, action dim A::
+
+    state [N, D] float32     images/<cam> [N, H, W, 3] uint8 (one per camera)
+    actions [N, T, A] float32     instruction [N] str     episode [N] int64
+
+Families whose ``evaluate`` needs sampler replay (flow-matching pi0 / pi0.5 / GR00T) cannot be
+cloned through log-probs of given actions without it; they are refused with a clear message.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+from pathlib import Path
+from typing import Any, Callable
+
+import numpy as np
+import structlog
+import torch
+
+from rlvla3.config import JobConfig
+from workers.envs.base import EnvAdapter, Obs, make_env
+
+log = structlog.get_logger()
+
+ExpertFn = Callable[[EnvAdapter, list[int], Obs], np.ndarray]
+"""(env, ids, obs of those ids) -> expert actions [n, A] for one env step."""
+
+CLONABLE_FAMILIES = ("mlp", "openvla_oft")
+
+
+# ---------------------------------------------------------------------------------------------
+# Experts
+# ---------------------------------------------------------------------------------------------
+
+
+def synthetic_expert(env: EnvAdapter, ids: list[int], obs: Obs) -> np.ndarray:
+    """Straight to the goal at full speed: state is (pos, goal)."""
+    state = np.asarray(obs["state"], np.float32)
+    speed = float(getattr(getattr(env, "opts", None), "speed", 0.1))
+    return np.clip((state[:, 2:4] - state[:, 0:2]) / speed, -1.0, 1.0).astype(np.float32)
+
+
+def metaworld_expert(env: EnvAdapter, ids: list[int], obs: Obs) -> np.ndarray:
+    from workers.envs.metaworld import expert_action
+
+    return expert_action(env, ids)
+
+
+EXPERTS: dict[str, ExpertFn] = {"synthetic": synthetic_expert, "metaworld": metaworld_expert}
+
+
+def expert_for(env_name: str) -> ExpertFn:
+    if env_name not in EXPERTS:
+        raise SystemExit(f"sft: env {env_name!r} has no scripted expert (have: {sorted(EXPERTS)}); "
+                         "record demonstrations and pass --demos FILE.npz")
+    return EXPERTS[env_name]
+
+
+# ---------------------------------------------------------------------------------------------
+# Collecting demonstrations
+# ---------------------------------------------------------------------------------------------
+
+
+def _rows(obs: Obs, i: int) -> tuple[dict[str, np.ndarray], np.ndarray, str]:
+    return ({c: v[i].copy() for c, v in obs["images"].items()}, np.asarray(obs["state"][i], np.float32).copy(),
+            obs["instruction"][i])
+
+
+def collect_demos(cfg: JobConfig, episodes: int, seed: int = 12345, num_envs: int = 4,
+                  only_successful: bool = True) -> dict[str, np.ndarray]:
+    """Roll the scripted expert in ``num_envs`` in-process envs for ``episodes`` episodes.
+
+    One decision = the observation at a chunk's start and the next ``chunk_size`` expert
+    actions (an episode ending mid-chunk repeats its last action to fill the chunk). Episodes
+    the expert failed are left out unless ``only_successful`` is False.
+    """
+    expert = expert_for(cfg.env.name)
+    T = cfg.model.chunk_size
+    env = make_env(cfg.env.name, num_envs=num_envs, seed=seed, options=cfg.env.options)
+    rows: dict[str, list] = {"state": [], "actions": [], "instruction": [], "episode": []}
+    images: dict[str, list] = {}
+    started, kept, successes = 0, 0, 0
+    try:
+        ids = list(range(num_envs))
+        seeds = [seed + k for k in ids]
+        started = num_envs
+        ep_of = list(range(num_envs))
+        obs = env.reset(ids, seeds)
+        open_eps: dict[int, list[tuple]] = {i: [] for i in ids}
+        active = set(ids)
+        while active:
+            live = sorted(active)
+            starts = {i: _rows(obs, k) for k, i in enumerate(live)}
+            chunk = {i: np.zeros((T, env.spec.action_dim), np.float32) for i in live}
+            done: dict[int, bool] = {}
+            cur_ids = list(live)
+            cur_obs = obs
+            for t in range(T):
+                a = expert(env, cur_ids, cur_obs)
+                res = env.step(cur_ids, a)
+                still, keep_rows = [], []
+                for k, i in enumerate(cur_ids):
+                    chunk[i][t] = a[k]
+                    if res.terminated[k] or res.truncated[k]:
+                        chunk[i][t + 1:] = a[k]
+                        done[i] = bool(res.success[k])
+                    else:
+                        still.append(i)
+                        keep_rows.append(k)
+                cur_obs = {"images": {c: v[keep_rows] for c, v in res.obs["images"].items()},
+                           "state": res.obs["state"][keep_rows],
+                           "instruction": [res.obs["instruction"][k] for k in keep_rows]}
+                if not still:
+                    break
+                cur_ids = still
+            for i in live:
+                open_eps[i].append((*starts[i], chunk[i]))
+            # finished episodes: keep (successful) ones, restart the env while episodes remain
+            restart = []
+            for i, success in done.items():
+                successes += int(success)
+                if success or not only_successful:
+                    kept += 1
+                    for imgs, state, instr, acts in open_eps[i]:
+                        for c, im in imgs.items():
+                            images.setdefault(c, []).append(im)
+                        rows["state"].append(state)
+                        rows["actions"].append(acts)
+                        rows["instruction"].append(instr)
+                        rows["episode"].append(ep_of[i])
+                open_eps[i] = []
+                if started < episodes:
+                    ep_of[i] = started
+                    started += 1
+                    restart.append(i)
+                else:
+                    active.discard(i)
+            continuing = [i for i in live if i not in done]
+            nxt_ids = continuing + restart
+            if not nxt_ids:
+                break
+            parts = []
+            if continuing:
+                pos = {i: k for k, i in enumerate(cur_ids)}
+                parts.append(({c: v[[pos[i] for i in continuing]] for c, v in cur_obs["images"].items()},
+                              cur_obs["state"][[pos[i] for i in continuing]],
+                              [cur_obs["instruction"][pos[i]] for i in continuing]))
+            if restart:
+                r = env.reset(restart, [seed + ep_of[i] for i in restart])
+                parts.append((r["images"], r["state"], list(r["instruction"])))
+            cams = parts[0][0].keys()
+            obs = {"images": {c: np.concatenate([p[0][c] for p in parts]) for c in cams},
+                   "state": np.concatenate([p[1] for p in parts]),
+                   "instruction": [s for p in parts for s in p[2]]}
+            order = np.argsort(nxt_ids)
+            obs = {"images": {c: v[order] for c, v in obs["images"].items()}, "state": obs["state"][order],
+                   "instruction": [obs["instruction"][k] for k in order]}
+    finally:
+        env.close()
+    log.info("sft_demos_collected", episodes=started, kept=kept, expert_success=successes / max(started, 1),
+             decisions=len(rows["state"]))
+    if not rows["state"]:
+        raise SystemExit("sft: the expert produced no usable episode")
+    out = {
+        "state": np.stack(rows["state"]).astype(np.float32),
+        "actions": np.stack(rows["actions"]).astype(np.float32),
+        "instruction": np.asarray(rows["instruction"]),
+        "episode": np.asarray(rows["episode"], np.int64),
+    }
+    for c, v in images.items():
+        out[f"images/{c}"] = np.stack(v)
+    return out
+
+
+def save_demos(path: str | Path, demos: dict[str, np.ndarray]) -> None:
+    np.savez_compressed(path, **demos)
+
+
+def load_demos(path: str | Path) -> dict[str, np.ndarray]:
+    with np.load(path, allow_pickle=False) as f:
+        demos = {k: f[k] for k in f.files}
+    for k in ("state", "actions", "instruction"):
+        if k not in demos:
+            raise SystemExit(f"sft: {path} lacks {k!r} (see workers/sft.py for the format)")
+    return demos
+
+
+# ---------------------------------------------------------------------------------------------
+# Behaviour cloning
+# ---------------------------------------------------------------------------------------------
+
+
+def _obs_of(demos: dict[str, np.ndarray], idx: np.ndarray) -> Obs:
+    return {
+        "images": {k[len("images/"):]: v[idx] for k, v in demos.items() if k.startswith("images/")},
+        "state": demos["state"][idx],
+        "instruction": [str(s) for s in demos["instruction"][idx]],
+    }
+
+
+def behaviour_clone(policy: torch.nn.Module, demos: dict[str, np.ndarray], epochs: int, lr: float = 1e-3,
+                    minibatch_size: int = 128, seed: int = 0) -> list[float]:
+    """Maximise the policy's log-prob of the expert chunks; returns the loss per epoch.
+
+    Parameters named ``log_std`` are held fixed: NLL would shrink the exploration noise towards
+    the (deterministic) expert's, and RL after the warm start needs it.
+    """
+    params = [p for n, p in policy.named_parameters() if p.requires_grad and not n.endswith("log_std")]
+    opt = torch.optim.Adam(params, lr=lr)
+    n = len(demos["state"])
+    rng = np.random.default_rng(seed)
+    actions_all = torch.as_tensor(demos["actions"])
+    losses = []
+    policy.train()
+    for _ in range(epochs):
+        perm = rng.permutation(n)
+        total, count = 0.0, 0
+        for s in range(0, n, minibatch_size):
+            idx = perm[s:s + minibatch_size]
+            out = policy.evaluate(_obs_of(demos, idx), actions_all[idx].to(policy.device), {})
+            loss = -out.logprob.float().sum(-1).mean()
+            opt.zero_grad(set_to_none=True)
+            loss.backward()
+            torch.nn.utils.clip_grad_norm_(params, 1.0)
+            opt.step()
+            total += float(loss.detach()) * len(idx)
+            count += len(idx)
+        losses.append(total / count)
+    return losses
+
+
+@torch.no_grad()
+def evaluate_policy(cfg: JobConfig, policy: torch.nn.Module, episodes: int, seed: int = 777, num_envs: int = 4) -> dict[str, float]:
+    """Deterministic success rate and mean return over ``episodes`` held-out starts."""
+    policy.eval()
+    env = make_env(cfg.env.name, num_envs=num_envs, seed=seed, options=cfg.env.options)
+    successes, returns = [], []
+    try:
+        next_ep = 0
+        while next_ep < episodes:
+            ids = list(range(min(num_envs, episodes - next_ep)))
+            obs = env.reset(ids, [seed + next_ep + k for k in ids])
+            next_ep += len(ids)
+            ret = np.zeros(len(ids))
+            ok = np.zeros(len(ids), bool)
+            live = list(ids)
+            while live:
+                acts = policy.act(obs, deterministic=True).actions.float().cpu().numpy()  # row k <-> live[k]
+                rows = list(range(len(live)))
+                for t in range(acts.shape[1]):
+                    res = env.step(live, acts[rows, t])
+                    ret[live] += res.reward
+                    ok[live] |= res.success
+                    keep = ~(res.terminated | res.truncated)
+                    live = [i for i, k in zip(live, keep) if k]
+                    rows = [r for r, k in zip(rows, keep) if k]
+                    obs = {"images": {c: v[keep] for c, v in res.obs["images"].items()}, "state": res.obs["state"][keep],
+                           "instruction": [x for x, k in zip(res.obs["instruction"], keep) if k]}
+                    if not live:
+                        break
+            successes.extend(ok.tolist())
+            returns.extend(ret.tolist())
+    finally:
+        env.close()
+        policy.train()
+    return {"success": float(np.mean(successes)), "return": float(np.mean(returns)), "episodes": len(successes)}
+
+
+# ---------------------------------------------------------------------------------------------
+# The command
+# ---------------------------------------------------------------------------------------------
+
+
+def run_sft(cfg: JobConfig, out: str | Path, episodes: int = 128, epochs: int = 50, demos_path: str | None = None,
+            save_demos_to: str | None = None, eval_episodes: int = 32, lr: float = 3e-3,
+            minibatch_size: int = 64) -> dict[str, Any]:
+    """Collect (or read) demonstrations, clone them, write ``out/model.safetensors``; returns figures."""
+    from safetensors.torch import save_model
+
+    from workers.model import build_policy
+
+    if cfg.model.family not in CLONABLE_FAMILIES:
+        raise SystemExit(f"sft: model.family {cfg.model.family!r} cannot be cloned from actions alone "
+                         f"(supported: {CLONABLE_FAMILIES}); its evaluate() needs the sampler's replay")
+    t0 = time.monotonic()
+    torch.set_num_threads(max(1, cfg.workers.torch_threads))
+    demos = load_demos(demos_path) if demos_path else collect_demos(cfg, episodes, seed=cfg.run.seed * 7919 + 12345)
+    if save_demos_to:
+        save_demos(save_demos_to, demos)
+    t_collect = time.monotonic() - t0
+    policy = build_policy(cfg, device="cpu")
+    before = evaluate_policy(cfg, policy, eval_episodes) if eval_episodes else {}
+    losses = behaviour_clone(policy, demos, epochs, lr=lr, minibatch_size=minibatch_size, seed=cfg.run.seed)
+    after = evaluate_policy(cfg, policy, eval_episodes) if eval_episodes else {}
+    out = Path(out)
+    out.mkdir(parents=True, exist_ok=True)
+    save_model(policy, str(out / "model.safetensors"), metadata={"sft_decisions": str(len(demos["state"]))})
+    (out / "config.yaml").write_text(cfg.to_yaml())
+    figures = {
+        "out": str(out), "decisions": int(len(demos["state"])), "demo_episodes": int(len(np.unique(demos.get("episode", [0])))),
+        "epochs": epochs, "loss_first": round(losses[0], 4), "loss_last": round(losses[-1], 4),
+        "success_before": before.get("success"), "success_after": after.get("success"),
+        "return_before": before.get("return"), "return_after": after.get("return"),
+        "collect_s": round(t_collect, 1), "seconds": round(time.monotonic() - t0, 1),
+    }
+    (out / "sft.json").write_text(json.dumps(figures, indent=1))
+    log.info("sft_done", **figures)
+    return figures
