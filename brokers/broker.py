@@ -243,6 +243,7 @@ class Broker:
         )
         self.stats.requests += 1
         self.stats.env_steps += int(msg.get("env_steps", 0))
+        w.info["env_steps"] = int(w.info.get("env_steps") or 0) + int(msg.get("env_steps", 0))
         self.stats.decision_steps += int(msg.get("decision_steps", 0))
         self.stats.env_restarts += int(msg.get("env_restarts", 0))
         self.queue.push(req)
@@ -354,6 +355,9 @@ class Broker:
             w.trainer_credits = max(0, credits)
         if isinstance(msg.get("info"), dict):
             w.info.update(msg["info"])
+        for key in ("version", "env_steps", "served"):
+            if isinstance(msg.get(key), int):
+                w.info[key] = msg[key]
 
     def _on_disconnect(self, w: Worker, msg: P.Message, now: float) -> None:
         self._worker_gone(w.identity, "disconnect")
@@ -524,6 +528,11 @@ class Broker:
             "policy_version": self.version,
             "trainer_version": self.trainer_version,
             "training_pause": self.training_pause,
-            "generator_credits": {self.workers[g].name: s.capacity for g, s in self.generators.items() if g in self.workers},
+            "per_worker": [
+                {"name": w.name, "role": w.role, "worker_id": w.worker_id, "host": w.host, "pid": w.pid,
+                 "version": w.info.get("version"), "served": w.info.get("served"), "env_steps": w.info.get("env_steps"),
+                 "credits": self.generators[w.identity].capacity if w.identity in self.generators else None}
+                for w in self.workers.values()
+            ],
         })
         return fig

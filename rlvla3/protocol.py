@@ -282,7 +282,7 @@ def decode(frames: Sequence[Any]) -> Message:
     if not isinstance(header, dict):
         raise ProtocolError(E_MALFORMED, "header is not a map")
     v = header.get("v")
-    if v != PROTOCOL_VERSION:
+    if type(v) is not int or v != PROTOCOL_VERSION:
         raise ProtocolError(E_VERSION, f"protocol version {v!r}, this peer speaks {PROTOCOL_VERSION}")
     msg_type = header.get("type")
     if msg_type not in SCHEMA:

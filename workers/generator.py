@@ -75,7 +75,8 @@ class GeneratorWorker(WorkerBase):
         return [self.sub] if self.sub is not None else []
 
     def heartbeat_fields(self) -> dict[str, Any]:
-        return {"credits": self.cfg.batching.credits if (self.serving and self.cfg) else 0, "version": self.version}
+        return {"credits": self.cfg.batching.credits if (self.serving and self.cfg) else 0, "version": self.version,
+                "served": self.served}
 
     # -- weights ------------------------------------------------------------------------------
 

@@ -6,6 +6,7 @@ Log-probs are per action step (``logprob_level = "action"``): a chunk of T actio
 from __future__ import annotations
 
 import math
+import time
 from dataclasses import dataclass
 
 import numpy as np
@@ -26,6 +27,9 @@ class MLPConfig:
     """Initial log standard deviation of the action distribution."""
     chunk_size: int = 1
     """Actions per decision."""
+    forward_delay_ms: float = 0.0
+    """Sleep this long in each ``act``: stands in for a large model's forward time, so benchmarks
+    on a CPU machine can give the generator stage a VLA's cost without burning cores."""
 
 
 class MLPPolicy(Policy):
@@ -76,6 +80,8 @@ class MLPPolicy(Policy):
         return lp.sum(-1)  # [B, T]
 
     def act(self, obs: Obs, deterministic: bool = False) -> ActOutput:
+        if self.cfg.forward_delay_ms > 0:
+            time.sleep(self.cfg.forward_delay_ms / 1000.0)
         mu, std, value = self._dist(obs)
         actions = mu if deterministic else mu + std * torch.randn_like(mu)
         return ActOutput(actions=actions, logprob=self._logprob(actions, mu, std), value=value, replay={})
