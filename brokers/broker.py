@@ -269,6 +269,8 @@ class Broker:
             log.warning("result_unknown_batch", batch_id=batch_id, generator=w.name)
             return
         _, reqs, sent_at = entry
+        w.info["served"] = int(w.info.get("served") or 0) + 1
+        w.info["version"] = msg["version"]
         if msg.get("error"):
             log.warning("batch_failed", batch_id=batch_id, generator=w.name, error=str(msg["error"])[:300])
             for r in reqs:
@@ -355,9 +357,8 @@ class Broker:
             w.trainer_credits = max(0, credits)
         if isinstance(msg.get("info"), dict):
             w.info.update(msg["info"])
-        for key in ("version", "env_steps", "served"):
-            if isinstance(msg.get(key), int):
-                w.info[key] = msg[key]
+        if isinstance(msg.get("version"), int):
+            w.info["version"] = msg["version"]
 
     def _on_disconnect(self, w: Worker, msg: P.Message, now: float) -> None:
         self._worker_gone(w.identity, "disconnect")
