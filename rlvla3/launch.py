@@ -160,6 +160,10 @@ class LocalJob:
         w = self.cfg.workers
         for i in range(w.trainers):
             self.start_worker("trainer", f"trainer{i}", ["--resume", self.resume] if self.resume else None)
+        if self.resume:
+            # Generators must serve the resumed weights from their first batch; otherwise the first
+            # episodes would carry version numbers that belong to a different (fresh) policy.
+            self.wait_status(lambda f: f.get("policy_version", -1) >= 0, 180.0, "the resumed trainer's WEIGHTS")
         for i in range(w.generators):
             self.start_worker("generator", f"generator{i}")
         for i in range(w.simulators):
@@ -167,6 +171,22 @@ class LocalJob:
 
     def status(self) -> dict[str, Any]:
         return request_status(self.endpoint)
+
+    def wait_status(self, pred: Any, timeout_s: float, what: str) -> dict[str, Any]:
+        """Poll STATUS until ``pred(figures)`` holds (deadline; a dead process fails at once)."""
+        deadline = time.monotonic() + timeout_s
+        while time.monotonic() < deadline:
+            dead = [p for p in [self.broker_proc, *self.workers] if p is not None and p.poll() is not None]
+            if dead:
+                raise RuntimeError(f"a process exited with code {dead[0].returncode} while waiting for {what}; logs in {self.run_dir}")
+            try:
+                fig = request_status(self.endpoint, timeout_s=2.0)
+            except TimeoutError:
+                continue
+            if pred(fig):
+                return fig
+            time.sleep(0.1)  # polling STATUS with a deadline
+        raise TimeoutError(f"{what} did not happen within {timeout_s:.0f} s")
 
     def stop(self) -> None:
         stop_processes(self.workers)

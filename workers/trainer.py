@@ -259,6 +259,7 @@ class TrainerWorker(WorkerBase):
         self.pending_groups: dict[tuple, list[list[Fragment]]] = {}
         self.dropped_groups: OrderedDict[tuple, None] = OrderedDict()  # groups whose later episodes we discard
         self.last_round = 0.0
+        self.last_update = self.last_wait_log = time.monotonic()
         self.stopping = False
         self.t_start = time.monotonic()
         self.metrics: MetricsSink | None = None
@@ -469,12 +470,15 @@ class TrainerWorker(WorkerBase):
                 self.send(P.TRAIN, {"phase": "begin", "version": self.version, "steps": sum(u.steps for u in units)})
                 self.runner.submit(lambda: self._update(units, pad_to=None), "update")
         elif now - self.last_round >= ROUND_EVERY_S:
-            # Every rank takes part in every round, so rounds pair up across ranks.
+            # Every rank takes part in every round, so rounds pair up across ranks. A rank offers
+            # its share of the global batch; the update goes ahead once the ranks together hold
+            # batch_steps (a sync-mode broker pauses at exactly that, however unevenly split).
             self.last_round = now
-            units = self._take(4 * batch_steps)
+            units = self._take(math.ceil(batch_steps / self.world))
+            available = self.ready_steps + sum(u.steps for u in units)
             self.training = True
             stopping = self.stopping
-            self.runner.submit(lambda: self._round(units, stopping), "round")
+            self.runner.submit(lambda: self._round(units, available, stopping), "round")
 
     def _take(self, steps: int) -> list[Unit]:
         units, n = [], 0
@@ -485,19 +489,19 @@ class TrainerWorker(WorkerBase):
         self.ready_steps -= n
         return units
 
-    def _round(self, units: list[Unit], stopping: bool) -> dict[str, Any]:
+    def _round(self, units: list[Unit], available: int, stopping: bool) -> dict[str, Any]:
         """Several ranks: agree whether to update now, and on a common batch length."""
         import torch.distributed as dist
 
-        local = torch.tensor([sum(u.steps for u in units), int(stopping)], dtype=torch.int64)
+        local = torch.tensor([sum(u.steps for u in units), available, int(stopping)], dtype=torch.int64)
         gathered = [torch.zeros_like(local) for _ in range(self.world)]
         dist.all_gather(gathered, local)
-        steps = [int(g[0]) for g in gathered]
-        if any(int(g[1]) for g in gathered):
+        taken = [int(g[0]) for g in gathered]
+        if any(int(g[2]) for g in gathered):
             return {"round": "stop", "units": units}
-        if sum(steps) < self.cfg.algo.batch_steps or min(steps) == 0:
-            return {"round": "wait", "units": units}
-        return self._update(units, pad_to=max(steps))
+        if sum(int(g[1]) for g in gathered) < self.cfg.algo.batch_steps or min(taken) == 0:
+            return {"round": "wait", "units": units, "taken": taken}
+        return self._update(units, pad_to=max(taken))
 
     # -- the update (update thread) -----------------------------------------------------------
 
@@ -612,6 +616,9 @@ class TrainerWorker(WorkerBase):
             log.error("update_failed", error=repr(error)[:1000])
             raise error
         if result.get("round") in ("wait", "stop"):
+            if time.monotonic() - self.last_update > 10.0 and time.monotonic() - self.last_wait_log > 10.0:
+                self.last_wait_log = time.monotonic()
+                log.info("trainer_round_waiting", taken=result.get("taken"), ready_steps=self.ready_steps)
             units = result["units"]
             for u in reversed(units):  # back to the front, in order
                 self.ready.appendleft(u)
@@ -624,6 +631,7 @@ class TrainerWorker(WorkerBase):
         counts = Counter(int(s) for s in staleness.tolist())
         self.c.dropped_stale += result.get("dropped_stale", 0)
         self.dropped_unacked += result.get("dropped_stale", 0)
+        self.last_update = time.monotonic()
         if not result.get("skipped"):
             self.version += 1
             self.c.updates += 1
