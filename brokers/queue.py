@@ -110,7 +110,10 @@ def form_batches(
 ) -> list[tuple[GeneratorState, list[PendingRequest]]]:
     """Take batches off the queue for generators with free credits.
 
-    ``force`` flushes whatever is queued (sync mode's barrier has been reached).
+    An idle generator gets a batch as soon as one is due (full, or the oldest request has
+    waited ``max_wait``); a generator already working gets a second batch only when it is full,
+    so spare credits prefetch work without cutting batches small. ``force`` flushes whatever is
+    queued (sync mode's barrier has been reached).
     """
     out: list[tuple[GeneratorState, list[PendingRequest]]] = []
     while len(queue):
@@ -118,7 +121,9 @@ def form_batches(
         due = force or queue.envs >= rule.max_batch or (oldest is not None and now - oldest >= rule.max_wait_s)
         if not due:
             break
-        free = sorted((g for g in generators if g.free > 0), key=lambda g: -g.free)
+        full = queue.envs >= rule.max_batch
+        free = sorted((g for g in generators if g.free > 0 and (force or full or not g.inflight)),
+                      key=lambda g: (len(g.inflight), -g.free))
         if not free:
             break
         formed = False

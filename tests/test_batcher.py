@@ -46,7 +46,20 @@ def test_batch_never_exceeds_max_and_never_splits_a_request():
     gen = GeneratorState(b"g", capacity=10)
     out = form_batches(q, [gen], BatchRule(max_batch=7, max_wait_s=0.0), now=100, sticky_map={})
     sizes = [sum(r.n for r in reqs) for _, reqs in out]
-    assert sizes == [6, 6, 3] and all(s <= 7 for s in sizes)
+    assert sizes == [6, 6] and len(q) == 1  # no request split; nothing over max_batch
+
+
+def test_busy_generator_prefetches_only_full_batches():
+    gen = GeneratorState(b"g", capacity=2)
+    rule = BatchRule(max_batch=4, max_wait_s=0.001)
+    q = queue_of(req(0, n=2, arrival=0.0))
+    assert len(form_batches(q, [gen], rule, now=1.0, sticky_map={})) == 1  # idle: flush on wait
+    gen.inflight.add(1)
+    q = queue_of(req(1, n=2, arrival=0.0))
+    assert form_batches(q, [gen], rule, now=1.0, sticky_map={}) == []  # busy: waits to fill up
+    q.push(req(2, n=2, arrival=0.5))
+    out = form_batches(q, [gen], rule, now=1.0, sticky_map={})
+    assert [sum(r.n for r in reqs) for _, reqs in out] == [4]
 
 
 def test_credits_bound_batches_in_flight_and_favour_free_generators():

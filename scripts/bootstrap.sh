@@ -1,0 +1,27 @@
+#!/usr/bin/env bash
+# Create (or reuse) the project's virtual environment and install everything into it:
+# torch (the CPU wheel the machine provides, or the registry's), rlvla3 with its dev extras,
+# and the simulators that install here (Meta-World, ManiSkill, LIBERO; system packages as root).
+#
+#   RLVLA3_VENV   where the venv lives (default: .venv in the repo)
+#   RLVLA3_SIMS   0 to skip the simulators (default: 1)
+set -euo pipefail
+HERE="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
+VENV="${RLVLA3_VENV:-$HERE/.venv}"
+PYTHON="${PYTHON:-python3}"
+
+if [[ ! -x "$VENV/bin/python" ]]; then
+  "$PYTHON" -m venv "$VENV"
+fi
+PY="$VENV/bin/python"
+# torch first, pinned, so nothing later pulls a multi-GB CUDA build; the project accepts >=2.4.
+"$PY" -m pip install -q --disable-pip-version-check "torch==2.13.0" || "$PY" -m pip install -q "torch>=2.4"
+"$PY" -m pip install -q --disable-pip-version-check -e "$HERE[dev]"
+if [[ "${RLVLA3_SIMS:-1}" == "1" ]]; then
+  if [[ "$(id -u)" == "0" ]]; then
+    PY="$PY" bash "$HERE/.ci/install_sims.sh"
+  else
+    PY="$PY" SKIP_APT=1 bash "$HERE/.ci/install_sims.sh"
+  fi
+fi
+echo "$VENV"
