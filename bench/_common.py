@@ -1,0 +1,184 @@
+"""Helpers shared by the fabric benchmarks (latency, transfer): histograms, percentile plots,
+sub-millisecond waits on a ZMQ socket, child processes that announce their endpoint, JSON out.
+
+Benchmarks follow the project's habits: open-loop (a request is due at ``t0 + i/rate``, latency
+counts from when it was due), HdrHistogram in microseconds, percentile plots on a log axis, one
+JSON object as the last line of stdout.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import select
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import Any, Iterable
+
+import zmq
+from hdrh.histogram import HdrHistogram
+
+ROOT = Path(__file__).resolve().parents[1]
+if str(ROOT) not in sys.path:
+    sys.path.insert(0, str(ROOT))
+
+# ---------------------------------------------------------------------------------------------
+# Histograms
+# ---------------------------------------------------------------------------------------------
+
+
+def new_hist() -> HdrHistogram:
+    """1 us .. 60 s at 3 significant digits (values in microseconds)."""
+    return HdrHistogram(1, 60_000_000, 3)
+
+
+def record_us(h: HdrHistogram, ns: int) -> None:
+    h.record_value(min(60_000_000, max(1, ns // 1000)))
+
+
+def summary(h: HdrHistogram) -> dict[str, Any]:
+    """count, p50/p90/p99/p999, max and mean of a histogram (us)."""
+    n = h.get_total_count()
+    if not n:
+        return {"count": 0}
+    out: dict[str, Any] = {"count": n}
+    for key, p in (("p50", 50.0), ("p90", 90.0), ("p99", 99.0), ("p999", 99.9)):
+        out[key] = h.get_value_at_percentile(p)
+    out["max"] = h.get_max_value()
+    out["mean"] = round(h.get_mean_value(), 1)
+    return out
+
+
+def merged(hists: Iterable[HdrHistogram]) -> HdrHistogram:
+    out = new_hist()
+    for h in hists:
+        out.add(h)
+    return out
+
+
+# ---------------------------------------------------------------------------------------------
+# Plots (matplotlib imported lazily: the smoke test need not pay for it twice)
+# ---------------------------------------------------------------------------------------------
+
+
+def percentile_plot(curves: dict[str, HdrHistogram], path: Path, title: str) -> Path:
+    """HdrHistogram-style plot: x = percentile on a log scale of 1/(1-p), 50 .. 99.99; y = us."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    import numpy as np
+
+    xs = np.linspace(np.log10(2), 4, 200)  # 1/(1-p) from 2 (p50) to 10^4 (p99.99)
+    fig, ax = plt.subplots(figsize=(7, 4.2))
+    for label, h in curves.items():
+        if not h.get_total_count():
+            continue
+        ys = [h.get_value_at_percentile(100.0 * (1 - 10 ** -x)) for x in xs]
+        ax.plot(10 ** xs, ys, label=label)
+    ax.set_xscale("log")
+    ax.set_yscale("log")
+    ticks = [2, 10, 100, 1000, 10000]
+    ax.set_xticks(ticks)
+    ax.set_xticklabels(["50%", "90%", "99%", "99.9%", "99.99%"])
+    ax.set_xlabel("percentile")
+    ax.set_ylabel("latency (us)")
+    ax.set_title(title, fontsize=10)
+    ax.grid(True, which="both", alpha=0.3)
+    ax.legend(fontsize=8)
+    fig.tight_layout()
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    return path
+
+
+# ---------------------------------------------------------------------------------------------
+# Waiting on a socket with microsecond timeouts
+# ---------------------------------------------------------------------------------------------
+
+
+def wait_readable(sock: zmq.Socket, timeout_s: float, spin_s: float = 0.0) -> bool:
+    """Wait until ``sock`` has a message, at most ``timeout_s`` (sub-millisecond resolution).
+
+    ``zmq_poll`` counts in whole milliseconds, too coarse for round trips of ~100 us. The
+    socket's ZMQ_FD is edge-triggered: always ask ZMQ_EVENTS first (which also resets the edge),
+    and only then sleep in ``select`` on the fd.
+
+    The last ``spin_s`` before the timeout are spent spinning instead: on a virtual machine a
+    timer wake-up from idle overshoots by 100-300 us, which an open-loop client would otherwise
+    add to every request it sends late.
+    """
+    if sock.getsockopt(zmq.EVENTS) & zmq.POLLIN:
+        return True
+    end = time.perf_counter() + timeout_s
+    fd = sock.getsockopt(zmq.FD)
+    while (left := end - time.perf_counter()) > spin_s:
+        select.select([fd], [], [], left - spin_s)
+        if sock.getsockopt(zmq.EVENTS) & zmq.POLLIN:
+            return True
+    while time.perf_counter() < end:
+        if sock.getsockopt(zmq.EVENTS) & zmq.POLLIN:
+            return True
+    return bool(sock.getsockopt(zmq.EVENTS) & zmq.POLLIN)
+
+
+# ---------------------------------------------------------------------------------------------
+# Child processes
+# ---------------------------------------------------------------------------------------------
+
+
+def start_child(args: list[str], timeout_s: float = 30.0) -> tuple[subprocess.Popen, str]:
+    """Start ``python args...``; it must print one line (its endpoint) on stdout at once."""
+    proc = subprocess.Popen([sys.executable, *args], stdout=subprocess.PIPE, stdin=subprocess.DEVNULL,
+                            cwd=str(ROOT), env={**os.environ, "PYTHONPATH": str(ROOT)})
+    deadline = time.monotonic() + timeout_s
+    buf = b""
+    fd = proc.stdout.fileno()
+    while time.monotonic() < deadline:
+        r, _, _ = select.select([fd], [], [], max(0.0, deadline - time.monotonic()))
+        if r:
+            chunk = os.read(fd, 4096)
+            if not chunk:
+                break
+            buf += chunk
+            if b"\n" in buf:
+                return proc, buf.split(b"\n", 1)[0].decode().strip()
+        if proc.poll() is not None:
+            break
+    stop_child(proc)
+    raise RuntimeError(f"child {args} did not announce its endpoint within {timeout_s} s (rc={proc.poll()})")
+
+
+def stop_child(proc: subprocess.Popen, timeout_s: float = 5.0) -> None:
+    if proc.poll() is None:
+        proc.terminate()
+        try:
+            proc.wait(timeout_s)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait(5)
+    if proc.stdout is not None:
+        proc.stdout.close()
+
+
+def parent_gone(ppid: int) -> bool:
+    return os.getppid() != ppid
+
+
+# ---------------------------------------------------------------------------------------------
+# Output
+# ---------------------------------------------------------------------------------------------
+
+
+def emit(result: dict[str, Any]) -> None:
+    """The benchmark's result: one JSON object, the last line of stdout."""
+    sys.stdout.flush()
+    print(json.dumps(result, sort_keys=False), flush=True)
+
+
+def note(msg: str) -> None:
+    """Progress for humans, on stderr (stdout's last line is the JSON)."""
+    print(msg, file=sys.stderr, flush=True)

@@ -1,0 +1,431 @@
+"""Open-loop request latency through the fabric (simulator -> broker -> generator -> back), with
+a raw pyzmq DEALER<->ROUTER echo measured in the same run as the floor.
+
+    python bench/latency.py [--rate 500] [--duration 8] [--rounds 2] [--transport shm|inline]
+                            [--out bench/out] [--quick | --smoke]
+
+What runs: a real broker and one real generator process (``LocalJob``: synthetic env spec with
+16x16 images, mlp policy, ``max_batch`` 1, ``max_wait_ms`` 0), and this process acting as a
+simulator with many slots (default 64). Request ``i`` is due at ``t0 + i/rate``; it goes out on
+a free slot (a slot is busy until its ACT is back; with none free it waits, and that wait is part
+of its latency). Latency counts from when the request was *due* (wrk2's cure for coordinated
+omission) and goes into an HdrHistogram in microseconds. The raw floor runs the very same
+client code and the same OBS frames against a ROUTER that echoes every message back (a separate
+process). Rounds alternate raw and fabric so that a noisy neighbour hits both alike.
+
+Latency in parts (p50s, us): ``send_lag`` (due -> sent: pacing and waiting for a slot),
+``queue_wait`` (broker queue, from ACT.queue_us), ``forward`` (the generator's forward pass,
+ACT.forward_us), ``generate`` (broker: BATCH out -> RESULT in, from STATUS), ``batch_form``
+(STATUS), and what remains of the client's round trip: the hops and the Python on them.
+
+Last line of stdout: one JSON object (``p50_us``, ``p99_us``, ``p999_us``, ``raw_p50_us``,
+``raw_p99_us``, ``achieved_rate``, ``target_rate``, ``ratio_p50``, ``parts`` ...). Writes
+``latency.png`` (percentile plot) and ``latency.json`` under ``--out``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import shutil
+import sys
+import tempfile
+import time
+from collections import deque
+from pathlib import Path
+from typing import Any, Callable
+
+import numpy as np
+import zmq
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from _common import (  # noqa: E402
+    ROOT, emit, merged, new_hist, note, parent_gone, percentile_plot, record_us, start_child, stop_child,
+    summary, wait_readable,
+)
+
+from rlvla3 import protocol as P  # noqa: E402
+from rlvla3.config import load  # noqa: E402
+from rlvla3.launch import LocalJob, request_status  # noqa: E402
+from rlvla3.shm import ShmPool, host_id  # noqa: E402
+
+IMAGE = 16
+STATE_DIM = 4
+
+
+# =============================================================================================
+# The raw floor: a ROUTER that echoes every message (separate process)
+# =============================================================================================
+
+
+def echo_server() -> None:
+    ppid = os.getppid()
+    ctx = zmq.Context()
+    sock = ctx.socket(zmq.ROUTER)
+    sock.setsockopt(zmq.LINGER, 0)
+    sock.setsockopt(zmq.SNDHWM, P.SOCKET_HWM)
+    sock.setsockopt(zmq.RCVHWM, P.SOCKET_HWM)
+    sock.bind("tcp://127.0.0.1:0")
+    print(sock.getsockopt(zmq.LAST_ENDPOINT).decode(), flush=True)
+    poller = zmq.Poller()
+    poller.register(sock, zmq.POLLIN)
+    while not parent_gone(ppid):
+        if not poller.poll(200):
+            continue
+        for _ in range(256):
+            try:
+                frames = sock.recv_multipart(zmq.DONTWAIT, copy=False)
+            except zmq.Again:
+                break
+            sock.send_multipart(frames, zmq.DONTWAIT, copy=False)
+    sock.close()
+    ctx.term()
+
+
+# =============================================================================================
+# The client: an open-loop simulator with many slots
+# =============================================================================================
+
+
+class Client:
+    """Builds OBS frames the way the simulator worker does (shm blocks per slot, or inline)."""
+
+    def __init__(self, slots: int, n: int, transport: str, run_id: str, seed: int = 0) -> None:
+        self.slots = slots
+        self.n = n
+        self.transport = transport
+        rng = np.random.default_rng(seed)
+        self.images = rng.integers(0, 256, (slots, n, IMAGE, IMAGE, 3), dtype=np.uint8)
+        self.state = rng.standard_normal((slots, n, STATE_DIM)).astype(np.float32)
+        self.pool: ShmPool | None = None
+        self.blocks: list[tuple[int, int]] = []
+        if transport == "shm":
+            per = n * IMAGE * IMAGE * 3 + n * STATE_DIM * 4 + 128
+            self.pool = ShmPool(run_id, per * slots + 4096)
+            for _ in range(slots):
+                self.blocks.append((self.pool.alloc(n * IMAGE * IMAGE * 3), self.pool.alloc(n * STATE_DIM * 4)))
+
+    def obs_frames(self, slot: int, req_id: int) -> list[Any]:
+        img, st = self.images[slot], self.state[slot]
+        if self.pool is not None:
+            oi, os_ = self.blocks[slot]
+            self.pool.view(oi, "uint8", img.shape)[...] = img
+            self.pool.view(os_, "float32", st.shape)[...] = st
+            tensors = {"images/top": self.pool.ref(oi, "uint8", img.shape), "state": self.pool.ref(os_, "float32", st.shape)}
+        else:
+            tensors = {"images/top": img, "state": st}
+        fields = {"slot": slot, "req_id": req_id, "n": self.n, "instruction": ["reach the goal"] * self.n,
+                  "episode_step": [1] * self.n, "env_steps": 0}
+        return P.encode(P.OBS, fields, tensors)
+
+    def close(self) -> None:
+        if self.pool is not None:
+            self.pool.close()
+
+
+class PhaseResult:
+    def __init__(self) -> None:
+        self.latency = new_hist()  # due -> reply
+        self.service = new_hist()  # sent -> reply
+        self.send_lag = new_hist()  # due -> sent
+        self.queue = new_hist()  # ACT.queue_us
+        self.forward = new_hist()  # ACT.forward_us
+        self.rest = new_hist()  # sent -> reply, minus queue and forward
+        self.sent = 0
+        self.done = 0
+        self.errors = 0
+        self.elapsed_s = 0.0
+
+
+def open_loop(sock: zmq.Socket, client: Client, rate: float, duration_s: float, res: PhaseResult,
+              expect: str | None, tick: Callable[[], None], req0: int, spin_s: float = 0.0) -> int:
+    """Issue ``rate * duration_s`` requests, each due at ``t0 + i/rate``; wait for all replies.
+
+    ``expect`` is the reply type that completes a request (ACT from the broker); None accepts any
+    message carrying the request's slot and req_id (the echo). Returns the next req_id.
+    """
+    total = max(1, int(round(rate * duration_s)))
+    period_ns = 1e9 / rate
+    free = list(range(client.slots - 1, -1, -1))
+    backlog: deque[int] = deque()
+    inflight: dict[int, tuple[int, int, int]] = {}  # slot -> (due_ns, sent_ns, req_id)
+    req_id = req0
+    i = 0
+    now = time.perf_counter_ns()
+    t0 = now + 2_000_000
+    drain_deadline = t0 + int(duration_s * 1e9) + 10_000_000_000
+    next_tick = now
+    while res.done < total and now < drain_deadline:
+        # -- requests that are due go out on free slots (the rest wait for one) --------------
+        while i < total and t0 + int(i * period_ns) <= now:
+            backlog.append(t0 + int(i * period_ns))
+            i += 1
+        while backlog and free:
+            due = backlog.popleft()
+            slot = free.pop()
+            req_id += 1
+            frames = client.obs_frames(slot, req_id)
+            sent = time.perf_counter_ns()
+            sock.send_multipart(frames, copy=False)
+            inflight[slot] = (due, sent, req_id)
+            record_us(res.send_lag, sent - due)
+            res.sent += 1
+        # -- wait for a reply, or until the next request is due ------------------------------
+        now = time.perf_counter_ns()
+        until = t0 + int(i * period_ns) if i < total else drain_deadline
+        if now >= next_tick:
+            tick()
+            next_tick = now + 250_000_000
+            until = min(until, next_tick)
+        if wait_readable(sock, max(0.0, (min(until, next_tick) - now) / 1e9), spin_s if i < total else 0.0):
+            while sock.getsockopt(zmq.EVENTS) & zmq.POLLIN:
+                frames = sock.recv_multipart(copy=False)
+                t = time.perf_counter_ns()
+                try:
+                    msg = P.decode(frames)
+                except P.ProtocolError:
+                    res.errors += 1
+                    continue
+                if expect is not None and msg.type != expect:
+                    if msg.type == P.ERROR:
+                        res.errors += 1
+                        note(f"ERROR from broker: {msg['code']}: {msg['reason']}")
+                    continue
+                slot, rid = msg.get("slot"), msg.get("req_id")
+                entry = inflight.get(slot)
+                if entry is None or entry[2] != rid:
+                    continue
+                due, sent, _ = inflight.pop(slot)
+                record_us(res.latency, t - due)
+                record_us(res.service, t - sent)
+                if expect is not None:
+                    if msg.get("error"):
+                        res.errors += 1
+                    q, f = int(msg.get("queue_us", 0)), int(msg.get("forward_us", 0))
+                    res.queue.record_value(max(1, q))
+                    res.forward.record_value(max(1, f))
+                    res.rest.record_value(max(1, (t - sent) // 1000 - q - f))
+                free.append(slot)
+                res.done += 1
+        now = time.perf_counter_ns()
+    res.elapsed_s += (now - t0) / 1e9
+    if res.done < total:
+        note(f"warning: {total - res.done} of {total} requests unanswered at the deadline")
+    return req_id
+
+
+# =============================================================================================
+# The fabric: broker + one generator
+# =============================================================================================
+
+
+def start_fabric(args: argparse.Namespace, run_dir: Path) -> LocalJob:
+    overrides = [
+        "env.name=synthetic", f"env.options.image_size={IMAGE}", "env.num_envs=1", "env.slots=1",
+        "model.family=mlp", f"model.options.hidden={args.hidden}", "model.chunk_size=1",
+        f"batching.max_batch={args.max_batch}", f"batching.max_wait_ms={args.max_wait_ms}",
+        f"batching.credits={args.credits}", "workers.simulators=0", "workers.generators=1",
+        "workers.trainers=0", "run.mode=async", "workers.device=cpu", "workers.torch_threads=1",
+    ]
+    cfg = load(None, overrides)
+    cfg_path = run_dir / "config.yaml"
+    cfg_path.write_text(cfg.to_yaml())
+    job = LocalJob(cfg, run_dir, cfg_path)
+    job.start_broker("tcp://127.0.0.1:0", "tcp://127.0.0.1:0")
+    job.start_worker("generator", "generator0")
+    return job
+
+
+def connect_simulator(ctx: zmq.Context, endpoint: str, slots: int, n: int, timeout_s: float = 20.0) -> tuple[zmq.Socket, dict[str, Any]]:
+    sock = ctx.socket(zmq.DEALER)
+    sock.setsockopt(zmq.LINGER, 0)
+    sock.setsockopt(zmq.SNDHWM, P.SOCKET_HWM)
+    sock.setsockopt(zmq.RCVHWM, P.SOCKET_HWM)
+    sock.connect(endpoint)
+    sock.send_multipart(P.encode(P.READY, {"role": "simulator", "host": host_id(), "pid": os.getpid(),
+                                           "name": "bench-latency", "slots": slots, "num_envs": slots * n}))
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        if sock.poll(int(max(1, (deadline - time.monotonic()) * 1000))):
+            msg = P.decode(sock.recv_multipart())
+            if msg.type == P.READY:
+                return sock, dict(msg.header)
+    raise TimeoutError(f"broker at {endpoint} did not answer READY within {timeout_s} s")
+
+
+def generator_serving(fig: dict[str, Any]) -> bool:
+    return any(w["role"] == "generator" and (w.get("credits") or 0) > 0 for w in fig.get("per_worker", []))
+
+
+# =============================================================================================
+# Main
+# =============================================================================================
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--rate", type=float, default=500.0, help="target requests per second")
+    ap.add_argument("--duration", type=float, default=8.0, help="seconds per phase and round")
+    ap.add_argument("--rounds", type=int, default=2, help="raw/fabric rounds, alternating")
+    ap.add_argument("--slots", type=int, default=64)
+    ap.add_argument("--n", type=int, default=1, help="envs per request")
+    ap.add_argument("--transport", choices=("shm", "inline"), default="shm",
+                    help="observation tensors by shared memory (what a same-host simulator does) or inline")
+    ap.add_argument("--max-batch", type=int, default=1)
+    ap.add_argument("--max-wait-ms", type=float, default=0.0)
+    ap.add_argument("--credits", type=int, default=2)
+    ap.add_argument("--hidden", type=int, default=64)
+    ap.add_argument("--spin-us", type=float, default=200.0,
+                    help="spin (instead of sleeping) this long before each due time: timer wake-ups on a VM are late")
+    ap.add_argument("--out", default=str(ROOT / "bench" / "out"))
+    ap.add_argument("--quick", action="store_true", help="short run (under 60 s with start-up)")
+    ap.add_argument("--smoke", action="store_true", help="tiny run for CI (no timing value)")
+    ap.add_argument("--echo-server", action="store_true", help=argparse.SUPPRESS)
+    args = ap.parse_args()
+    if args.echo_server:
+        echo_server()
+        return
+    if args.quick:
+        args.rate, args.duration, args.rounds = min(args.rate, 300.0), 4.0, 2
+    if args.smoke:
+        args.rate, args.duration, args.rounds = min(args.rate, 100.0), 0.5, 1
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+
+    t_start = time.monotonic()
+    run_dir = Path(tempfile.mkdtemp(prefix="rlvla3_bench_latency_"))
+    ctx = zmq.Context()
+    job: LocalJob | None = None
+    echo = None
+    client: Client | None = None
+    socks: list[zmq.Socket] = []
+    ok = False
+    try:
+        # -- start-up: broker, generator, echo server; join as a simulator ------------------
+        job = start_fabric(args, run_dir)
+        echo, echo_ep = start_child([__file__, "--echo-server"])
+        bsock, welcome = connect_simulator(ctx, job.endpoint, args.slots, args.n)
+        socks.append(bsock)
+        esock = ctx.socket(zmq.DEALER)
+        esock.setsockopt(zmq.LINGER, 0)
+        esock.connect(echo_ep)
+        socks.append(esock)
+        transport = args.transport
+        if transport == "shm" and welcome.get("broker_host") != host_id():
+            note("broker is on another shared-memory host: sending inline")
+            transport = "inline"
+        client = Client(args.slots, args.n, transport, str(welcome.get("run_id", "bench")))
+
+        def keepalive() -> None:  # the broker expires a silent worker after 3 x 1 s
+            bsock.send_multipart(P.encode(P.HEARTBEAT), zmq.DONTWAIT)
+
+        def drain_broker() -> None:
+            keepalive()
+            while bsock.getsockopt(zmq.EVENTS) & zmq.POLLIN:
+                bsock.recv_multipart()
+
+        deadline = time.monotonic() + 60
+        while not generator_serving(job.status()):
+            keepalive()
+            if time.monotonic() > deadline:
+                raise TimeoutError(f"the generator did not start serving within 60 s; logs in {run_dir}")
+            if job.workers[0].poll() is not None:
+                raise RuntimeError(f"the generator exited ({job.workers[0].returncode}); logs in {run_dir}")
+            bsock.poll(100)  # polling STATUS with a deadline
+            drain_broker()
+        note(f"fabric up in {time.monotonic() - t_start:.1f} s; transport={transport}, rate={args.rate}/s, "
+             f"{args.rounds} x {args.duration} s per phase")
+
+        # -- warm-up, then alternating rounds -------------------------------------------------
+        spin = args.spin_us / 1e6
+        req = 0
+        warm = min(1.0, args.duration)
+        req = open_loop(esock, client, args.rate, warm, PhaseResult(), None, keepalive, req, spin)
+        req = open_loop(bsock, client, args.rate, warm, PhaseResult(), P.ACT, lambda: None, req, spin)
+        status0 = job.status()
+        raw_rounds, fab_rounds = [], []
+        for r in range(args.rounds):
+            raw, fab = PhaseResult(), PhaseResult()
+            req = open_loop(esock, client, args.rate, args.duration, raw, None, drain_broker, req, spin)
+            req = open_loop(bsock, client, args.rate, args.duration, fab, P.ACT, lambda: None, req, spin)
+            raw_rounds.append(raw)
+            fab_rounds.append(fab)
+            note(f"round {r}: raw p50 {raw.latency.get_value_at_percentile(50)} us, "
+                 f"fabric p50 {fab.latency.get_value_at_percentile(50)} us")
+        status = job.status()
+
+        # -- figures ---------------------------------------------------------------------------
+        def mg(rounds: list[PhaseResult], attr: str):
+            return merged(getattr(x, attr) for x in rounds)
+
+        lat, raw_lat = mg(fab_rounds, "latency"), mg(raw_rounds, "latency")
+        done = sum(x.done for x in fab_rounds)
+        elapsed = sum(x.elapsed_s for x in fab_rounds)
+        raw_done = sum(x.done for x in raw_rounds)
+        raw_elapsed = sum(x.elapsed_s for x in raw_rounds)
+        s, rs = summary(lat), summary(raw_lat)
+        parts = {
+            "send_lag_us": summary(mg(fab_rounds, "send_lag")),
+            "service_us": summary(mg(fab_rounds, "service")),
+            "queue_wait_us": summary(mg(fab_rounds, "queue")),
+            "forward_us": summary(mg(fab_rounds, "forward")),
+            "hops_and_python_us": summary(mg(fab_rounds, "rest")),
+            "broker_queue_wait_us": status.get("queue_wait_us"),
+            "broker_generate_us": status.get("generate_us"),
+            "broker_batch_form_us": status.get("batch_form_us"),
+            "broker_batch_size": status.get("batch_size"),
+            "raw_send_lag_us": summary(mg(raw_rounds, "send_lag")),
+            "raw_service_us": summary(mg(raw_rounds, "service")),
+        }
+        result = {
+            "p50_us": s.get("p50"), "p90_us": s.get("p90"), "p99_us": s.get("p99"), "p999_us": s.get("p999"),
+            "max_us": s.get("max"),
+            "raw_p50_us": rs.get("p50"), "raw_p90_us": rs.get("p90"), "raw_p99_us": rs.get("p99"),
+            "raw_p999_us": rs.get("p999"),
+            "ratio_p50": round(s["p50"] / rs["p50"], 2) if s.get("p50") and rs.get("p50") else None,
+            "ratio_p99": round(s["p99"] / rs["p99"], 2) if s.get("p99") and rs.get("p99") else None,
+            "target_ratio_p50": 2.0,
+            "target_rate": args.rate,
+            "achieved_rate": round(done / elapsed, 1) if elapsed else 0.0,
+            "raw_achieved_rate": round(raw_done / raw_elapsed, 1) if raw_elapsed else 0.0,
+            "requests": done, "raw_requests": raw_done,
+            "errors": sum(x.errors for x in fab_rounds),
+            "rounds": args.rounds, "duration_s": args.duration, "slots": args.slots, "n": args.n,
+            "transport": transport, "spin_us": args.spin_us, "max_batch": args.max_batch, "max_wait_ms": args.max_wait_ms,
+            "requests_seen_by_broker": status.get("requests", 0) - status0.get("requests", 0),
+            "parts": parts,
+            "wall_s": round(time.monotonic() - t_start, 1),
+        }
+        png = percentile_plot(
+            {f"broker->generator (p50 {s.get('p50')} us)": lat, f"raw pyzmq echo (p50 {rs.get('p50')} us)": raw_lat,
+             "broker: service (sent->ACT)": mg(fab_rounds, "service")},
+            out / "latency.png",
+            f"open-loop {args.rate:.0f} req/s, {transport}, max_batch {args.max_batch}, "
+            f"max_wait {args.max_wait_ms} ms (latency from due time)",
+        )
+        result["png"] = str(png)
+        (out / "latency.json").write_text(__import__("json").dumps(result, indent=1))
+        ok = True
+        emit(result)
+    finally:
+        for sk in socks:
+            try:
+                sk.send_multipart(P.encode(P.DISCONNECT), zmq.DONTWAIT) if sk is socks[0] else None
+            except zmq.ZMQError:
+                pass
+            sk.close(0)
+        if client is not None:
+            client.close()
+        if echo is not None:
+            stop_child(echo)
+        if job is not None:
+            job.stop()
+        ctx.term()
+        if ok:
+            shutil.rmtree(run_dir, ignore_errors=True)
+        else:
+            note(f"logs kept in {run_dir}")
+
+
+if __name__ == "__main__":
+    main()
