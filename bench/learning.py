@@ -1,0 +1,184 @@
+"""Sample efficiency and wall-clock: sync vs async PPO on the synthetic task, several seeds.
+
+Each (mode, seed) is a real ``rlvla3 run`` job (broker + simulators + generator + trainer as
+separate processes), differing only in ``run.mode``. Its ``metrics.jsonl`` (one line per progress
+tick, from the broker's STATUS) gives success and return against env steps and wall-clock
+seconds. Seconds are counted from the first env step, so process start-up is not charged.
+
+The claim being checked (RL-VLA^3, AReaL): async reaches the same success per env step (within
+seed noise: staleness is corrected by decoupled PPO) and gets there sooner in seconds.
+
+    python bench/learning.py --quick                 # synthetic, 1 seed, < 60 s, prints JSON last
+    python bench/learning.py --seeds 0 1 2 --steps 12000 --out bench/out/learning
+
+``--quick`` stops each job once its success reaches the target, and prints one JSON object last:
+``sync_steps_to_target``, ``async_steps_to_target``, ``sync_seconds_to_target``,
+``async_seconds_to_target`` (medians over seeds; null if a mode never reached the target).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import signal
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+ROOT = Path(__file__).resolve().parent.parent
+MODES = ("sync", "async")
+
+
+def run_job(mode: str, seed: int, steps: int, run_dir: Path, overrides: list[str], target: float | None,
+            timeout_s: float) -> list[dict[str, Any]]:
+    """One ``rlvla3 run``; with ``target``, interrupted (SIGINT, a clean stop) once it is reached."""
+    args = [sys.executable, "-m", "rlvla3", "run", "--steps", str(steps), "--run-dir", str(run_dir),
+            "--set", f"run.mode={mode}", "--set", f"run.seed={seed}", "--set", "run.progress_every_s=0.5"]
+    for o in overrides:
+        args += ["--set", o]
+    proc = subprocess.Popen(args, cwd=ROOT, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+    metrics = run_dir / "metrics.jsonl"
+    deadline = time.monotonic() + timeout_s
+    try:
+        while proc.poll() is None:
+            if time.monotonic() > deadline:
+                proc.send_signal(signal.SIGINT)
+                break
+            if target is not None and reached(read_rows(metrics), target) is not None:
+                proc.send_signal(signal.SIGINT)
+                break
+            time.sleep(0.25)  # watching a file a separate process writes
+        proc.wait(60)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+    return read_rows(metrics)
+
+
+def read_rows(path: Path) -> list[dict[str, Any]]:
+    if not path.exists():
+        return []
+    rows = []
+    for line in path.read_text().splitlines():
+        try:
+            rows.append(json.loads(line))
+        except json.JSONDecodeError:
+            pass  # a line being written
+    return rows
+
+
+def curve(rows: list[dict[str, Any]]) -> dict[str, np.ndarray]:
+    """env steps, seconds since the first env step, success, return (rows with episodes only)."""
+    rows = [r for r in rows if r.get("env_steps", 0) > 0]
+    if not rows:
+        return {k: np.zeros(0) for k in ("steps", "seconds", "success", "return")}
+    t0 = rows[0]["elapsed_s"]
+    rows = [r for r in rows if r.get("success") is not None]
+    return {
+        "steps": np.array([r["env_steps"] for r in rows], float),
+        "seconds": np.array([r["elapsed_s"] - t0 for r in rows], float),
+        "success": np.array([r["success"] for r in rows], float),
+        "return": np.array([r["return"] if r["return"] is not None else np.nan for r in rows], float),
+    }
+
+
+def reached(rows: list[dict[str, Any]], target: float) -> tuple[float, float] | None:
+    """(env steps, seconds) at the first progress line with success >= target."""
+    c = curve(rows)
+    hit = np.flatnonzero(c["success"] >= target)
+    if not len(hit):
+        return None
+    return float(c["steps"][hit[0]]), float(c["seconds"][hit[0]])
+
+
+def plot(curves: dict[str, list[dict[str, np.ndarray]]], target: float, out: Path) -> list[Path]:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    paths = []
+    for metric in ("success", "return"):
+        fig, axes = plt.subplots(1, 2, figsize=(11, 4))
+        for mode, color in zip(MODES, ("tab:blue", "tab:orange")):
+            for i, c in enumerate(curves.get(mode, [])):
+                for ax, x in zip(axes, ("steps", "seconds")):
+                    ax.plot(c[x], c[metric], color=color, alpha=0.8, label=mode if i == 0 else None)
+        for ax, x in zip(axes, ("env steps", "wall-clock seconds (from first env step)")):
+            ax.set_xlabel(x)
+            ax.set_ylabel(metric)
+            if metric == "success":
+                ax.axhline(target, color="grey", ls="--", lw=0.8)
+            ax.legend()
+            ax.grid(alpha=0.3)
+        fig.suptitle(f"synthetic reach: sync vs async PPO ({metric})")
+        fig.tight_layout()
+        p = out / f"learning_{metric}.png"
+        fig.savefig(p, dpi=110)
+        plt.close(fig)
+        paths.append(p)
+    return paths
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--quick", action="store_true", help="one seed, stop at target, < 60 s")
+    ap.add_argument("--seeds", type=int, nargs="+", default=[0, 1, 2])
+    ap.add_argument("--steps", type=int, default=12000, help="env steps per job")
+    ap.add_argument("--target", type=float, default=0.9, help="success rate counted as reached")
+    ap.add_argument("--set", dest="overrides", action="append", default=[], help="extra config override for every job")
+    ap.add_argument("--out", default=None, help="folder for PNGs, per-run folders and results.json")
+    ap.add_argument("--timeout", type=float, default=300.0, help="seconds per job at most")
+    args = ap.parse_args()
+
+    overrides = list(args.overrides)
+    seeds, steps, timeout = args.seeds, args.steps, args.timeout
+    if args.quick:
+        seeds, steps, timeout = [0], 10_000, 27.0
+        overrides = ["env.options.latency={kind: bimodal, mean_ms: 1.0, slow_ms: 20.0, slow_prob: 0.05}", *overrides]
+    out = Path(args.out) if args.out else Path(tempfile.mkdtemp(prefix="rlvla3-learning-"))
+    out.mkdir(parents=True, exist_ok=True)
+
+    curves: dict[str, list[dict[str, np.ndarray]]] = {m: [] for m in MODES}
+    hits: dict[str, list[tuple[float, float] | None]] = {m: [] for m in MODES}
+    for seed in seeds:
+        for mode in MODES:
+            run_dir = out / f"{mode}-seed{seed}"
+            t = time.monotonic()
+            rows = run_job(mode, seed, steps, run_dir, overrides, args.target if args.quick else None, timeout)
+            c = curve(rows)
+            curves[mode].append(c)
+            hits[mode].append(reached(rows, args.target))
+            print(f"{mode:5s} seed={seed}  final success={c['success'][-1] if len(c['success']) else None}  "
+                  f"reached={hits[mode][-1]}  job_s={time.monotonic() - t:.1f}", file=sys.stderr)
+
+    def median(mode: str, k: int) -> float | None:
+        vals = [h[k] for h in hits[mode] if h is not None]
+        if len(vals) < len(hits[mode]) / 2 or not vals:  # most seeds must reach it
+            return None
+        return round(float(np.median(vals)), 1)
+
+    try:
+        pngs = [str(p) for p in plot(curves, args.target, out)]
+    except ImportError as exc:
+        pngs = []
+        print(f"matplotlib missing, no PNG: {exc}", file=sys.stderr)
+    result = {
+        "target_success": args.target, "seeds": seeds, "steps": steps,
+        "sync_steps_to_target": median("sync", 0), "async_steps_to_target": median("async", 0),
+        "sync_seconds_to_target": median("sync", 1), "async_seconds_to_target": median("async", 1),
+        "per_seed": {m: [list(h) if h else None for h in hits[m]] for m in MODES},
+        "out": str(out), "png": pngs,
+    }
+    (out / "results.json").write_text(json.dumps(result, indent=1))
+    print(json.dumps(result))
+
+
+if __name__ == "__main__":
+    main()
