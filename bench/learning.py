@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import shutil
 import signal
 import subprocess
 import sys
@@ -32,11 +33,16 @@ import numpy as np
 
 ROOT = Path(__file__).resolve().parent.parent
 MODES = ("sync", "async")
+MIN_EPISODES = 200
+"""The broker's success rate is over its last 200 episodes; before that many have finished it is
+biased towards the episodes that ended first (the quick successes), so a hit needs a full window."""
 
 
 def run_job(mode: str, seed: int, steps: int, run_dir: Path, overrides: list[str], target: float | None,
             timeout_s: float) -> list[dict[str, Any]]:
     """One ``rlvla3 run``; with ``target``, interrupted (SIGINT, a clean stop) once it is reached."""
+    if run_dir.exists():
+        shutil.rmtree(run_dir)  # a previous job's metrics must not count
     args = [sys.executable, "-m", "rlvla3", "run", "--steps", str(steps), "--run-dir", str(run_dir),
             "--set", f"run.mode={mode}", "--set", f"run.seed={seed}", "--set", "run.progress_every_s=0.5"]
     for o in overrides:
@@ -77,10 +83,11 @@ def curve(rows: list[dict[str, Any]]) -> dict[str, np.ndarray]:
     """env steps, seconds since the first env step, success, return (rows with episodes only)."""
     rows = [r for r in rows if r.get("env_steps", 0) > 0]
     if not rows:
-        return {k: np.zeros(0) for k in ("steps", "seconds", "success", "return")}
+        return {k: np.zeros(0) for k in ("episodes", "steps", "seconds", "success", "return")}
     t0 = rows[0]["elapsed_s"]
     rows = [r for r in rows if r.get("success") is not None]
     return {
+        "episodes": np.array([r.get("episodes", 0) for r in rows], float),
         "steps": np.array([r["env_steps"] for r in rows], float),
         "seconds": np.array([r["elapsed_s"] - t0 for r in rows], float),
         "success": np.array([r["success"] for r in rows], float),
@@ -91,7 +98,7 @@ def curve(rows: list[dict[str, Any]]) -> dict[str, np.ndarray]:
 def reached(rows: list[dict[str, Any]], target: float) -> tuple[float, float] | None:
     """(env steps, seconds) at the first progress line with success >= target."""
     c = curve(rows)
-    hit = np.flatnonzero(c["success"] >= target)
+    hit = np.flatnonzero((c["success"] >= target) & (c["episodes"] >= MIN_EPISODES))
     if not len(hit):
         return None
     return float(c["steps"][hit[0]]), float(c["seconds"][hit[0]])
