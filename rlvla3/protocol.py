@@ -35,6 +35,8 @@ Nothing here unpickles; decoding validates before anything reads a field.
 
 from __future__ import annotations
 
+import math
+
 from dataclasses import dataclass, field
 from typing import Any, Iterable, Sequence
 
@@ -172,7 +174,7 @@ class InlineTensor:
 
     @property
     def nbytes(self) -> int:
-        return int(np.prod(self.shape, dtype=np.int64)) * _itemsize(self.dtype)
+        return math.prod(self.shape) * _itemsize(self.dtype)
 
 
 def _itemsize(dtype: str) -> int:
@@ -213,7 +215,7 @@ def as_numpy(arr: Any) -> np.ndarray:
 
 def inline_array(t: InlineTensor) -> np.ndarray:
     """A read-only numpy view over an inline tensor's frame (no copy)."""
-    arr = np.frombuffer(t.buffer, dtype=_np_dtype(t.dtype), count=int(np.prod(t.shape, dtype=np.int64)))
+    arr = np.frombuffer(t.buffer, dtype=_np_dtype(t.dtype), count=math.prod(t.shape))
     return arr.reshape(t.shape)
 
 
@@ -327,7 +329,7 @@ def _decode_tensors(descs: Any, frames: Sequence[Any]) -> dict[str, InlineTensor
             or not all(isinstance(s, int) and not isinstance(s, bool) and 0 <= s < 2**31 for s in shape)
         ):
             raise ProtocolError(E_TENSOR, f"tensor {name!r}: bad shape {shape!r}")
-        nbytes = int(np.prod(shape, dtype=np.int64)) * _itemsize(dtype)
+        nbytes = math.prod(shape) * _itemsize(dtype)
         if where == "inline":
             if next_frame >= len(frames):
                 raise ProtocolError(E_TENSOR, f"tensor {name!r}: no frame left for it")

@@ -14,6 +14,8 @@ to when that process exits; attachers unregister right after attaching.
 
 from __future__ import annotations
 
+import math
+
 import os
 import re
 import socket
@@ -171,11 +173,11 @@ class ShmPool:
     # -- tensors -----------------------------------------------------------------------------
 
     def view(self, offset: int, dtype: str, shape: tuple[int, ...]) -> np.ndarray:
-        count = int(np.prod(shape, dtype=np.int64))
+        count = math.prod(shape)
         return np.ndarray(shape, dtype=_np_dtype(dtype), buffer=self.shm.buf, offset=offset) if count else np.empty(shape, _np_dtype(dtype))
 
     def ref(self, offset: int, dtype: str, shape: tuple[int, ...]) -> ShmRef:
-        nbytes = int(np.prod(shape, dtype=np.int64)) * _itemsize(dtype)
+        nbytes = math.prod(shape) * _itemsize(dtype)
         return ShmRef(seg=self.name, offset=offset, nbytes=nbytes, dtype=dtype, shape=tuple(shape), host=self.host)
 
     def put(self, arr: Any) -> ShmRef | None:

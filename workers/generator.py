@@ -46,7 +46,7 @@ class GeneratorWorker(WorkerBase):
         self.version = 0
         self.serving = False
         self.pending_weights: P.Message | None = None
-        self.batches: deque[P.Message] = deque()
+        self.batches: deque[tuple] = deque()
         self.busy = False
         self.served = 0
 
@@ -120,7 +120,15 @@ class GeneratorWorker(WorkerBase):
                 self.send(P.HEARTBEAT, self.heartbeat_fields())
                 log.info("generator_serving", version=self.version)
         elif msg.type == P.BATCH:
-            self.batches.append(msg)
+            # Gather now, even while a forward pass runs: the next batch is ready the moment
+            # the current one finishes (its slots do not rewrite their observations before ACT).
+            try:
+                obs, sizes, det = self._gather(msg)
+            except (KeyError, ValueError) as err:
+                log.error("batch_unreadable", batch_id=msg["batch_id"], error=str(err))
+                self.send(P.RESULT, {"batch_id": msg["batch_id"], "version": self.version, "error": str(err)})
+                return
+            self.batches.append((msg["batch_id"], obs, sizes, det, msg.get("queue_us")))
             self._next_batch()
 
     def _next_batch(self) -> None:
@@ -128,16 +136,10 @@ class GeneratorWorker(WorkerBase):
             return
         if self.pending_weights is not None:
             self._swap_weights()
-        msg = self.batches.popleft()
-        try:
-            obs, sizes, det = self._gather(msg)
-        except (KeyError, ValueError) as err:
-            log.error("batch_unreadable", batch_id=msg["batch_id"], error=str(err))
-            self.send(P.RESULT, {"batch_id": msg["batch_id"], "version": self.version, "error": str(err)})
-            return
+        batch_id, obs, sizes, det, queue_us = self.batches.popleft()
         self.busy = True
         version = self.version
-        self.runner.submit(lambda: self._forward(obs, det), (msg["batch_id"], sizes, version, msg.get("queue_us")))
+        self.runner.submit(lambda: self._forward(obs, det), (batch_id, sizes, version, queue_us))
 
     def _gather(self, msg: P.Message) -> tuple[dict[str, Any], list[int], bool]:
         parts, sizes = [], []
@@ -174,6 +176,9 @@ class GeneratorWorker(WorkerBase):
     def on_job_done(self, tag: Any, result: Any, error: BaseException | None) -> None:
         batch_id, sizes, version, queue_us = tag
         self.busy = False
+        if self.pending_weights is not None:
+            self._swap_weights()  # between batches, never during one
+        self._next_batch()  # start the next forward pass before sending this one's results
         if error is not None:
             log.error("forward_failed", batch_id=batch_id, error=repr(error)[:500])
             self.send(P.RESULT, {"batch_id": batch_id, "version": version, "error": repr(error)[:500]})
@@ -188,6 +193,3 @@ class GeneratorWorker(WorkerBase):
             self.send(P.RESULT, {"batch_id": batch_id, "version": version, "forward_us": int(secs * 1e6),
                                  "queue_us": queue_us}, tensors)
             self.served += 1
-        if self.pending_weights is not None:
-            self._swap_weights()
-        self._next_batch()
