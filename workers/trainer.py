@@ -368,7 +368,9 @@ class TrainerWorker(WorkerBase):
             self.c.eval_fragments += 1
             if msg.get("done"):
                 self.c.eval_episodes += 1
-                self.evals.add(int(frag.arrays["version"].max()), bool(msg.get("episode_success")))
+                version = msg.get("eval_version")
+                version = int(version) if isinstance(version, int) else int(frag.arrays["version"].max())
+                self.evals.add(version, bool(msg.get("episode_success")))
             return
         if self.grpo is None:
             self._add_unit(Unit([frag], frag.steps, int(bool(frag.header.get("done")))))
@@ -569,6 +571,8 @@ class TrainerWorker(WorkerBase):
             "return_mean_batch": float(np.mean([h.get("episode_return", 0.0) for h in done])) if done else float("nan"),
             "success_mean_batch": float(np.mean([bool(h.get("episode_success")) for h in done])) if done else float("nan"),
         })
+        # admission control counts units: fragments (PPO) or episodes (GRPO)
+        stats["units"] = sum(u.episodes for u in units) if self.grpo is not None else len(frags)
         if self.grpo is not None:
             stats["groups"] = len(units)
         stats["staleness"] = staleness
