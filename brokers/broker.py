@@ -24,6 +24,7 @@ from rlvla3 import protocol as P
 from rlvla3.config import JobConfig
 from rlvla3.ordering import get_ordering
 from rlvla3.shm import ShmAttachments, host_id, to_inline
+from workers.algorithms.staleness import AdmissionController
 
 log = structlog.get_logger()
 
@@ -100,6 +101,12 @@ class Broker:
         self.training_pause = False
         self.attach = ShmAttachments()
         self.stats = BrokerStats()
+        # Admission control (AReaL's capacity rule) in decision steps: a request is handed out
+        # only while dispatched-but-untrained work cannot outrun the trainer by more than
+        # max_staleness updates. Sync mode needs none: it alternates.
+        self.admission = AdmissionController(cfg.algo.max_staleness, cfg.algo.batch_steps) if self.mode != "sync" else None
+        self.inflight_by_sim: dict[bytes, int] = {}
+        self._held = False
         self._stop = False
         self._last_hb = time.monotonic()
         log.info("broker_started", bind=self.bound, pub=self.pub_bound, run_id=self.run_id, mode=self.mode)
@@ -140,7 +147,8 @@ class Broker:
 
     def _poll_timeout_ms(self) -> int:
         timeout = self.hb_s
-        oldest = self.queue.oldest_arrival()
+        held = self.training_pause or (self.admission is not None and self.admission.capacity() <= 0)
+        oldest = None if held else self.queue.oldest_arrival()
         if oldest is not None and any(g.free > 0 for g in self.generators.values()):
             timeout = min(timeout, max(0.0, oldest + self.rule.max_wait_s - time.monotonic()))
         return max(0, int(timeout * 1000))
@@ -254,6 +262,10 @@ class Broker:
         self.next_gid += 1
         self.trajs.append(Trajectory(self.next_gid, w.identity, msg["traj_id"], msg.header, msg.tensors, msg["steps"]))
         self.steps_since_update += msg["steps"]
+        if self.admission is not None and not msg.get("eval"):
+            n = min(int(msg["steps"]), self.inflight_by_sim.get(w.identity, 0))
+            self.inflight_by_sim[w.identity] = self.inflight_by_sim.get(w.identity, 0) - n
+            self.admission.on_finished(n)
         if self.mode != "async" and self.steps_since_update >= self.cfg.algo.batch_steps:
             self.training_pause = True
 
@@ -315,6 +327,8 @@ class Broker:
             per_sim.setdefault(entry[1].sim, []).append(entry[1].traj_id)
         dropped = int(msg.get("dropped_stale", 0))
         self.stats.dropped_stale += dropped
+        if self.admission is not None and dropped > 0:
+            self.admission.on_discarded(min(dropped, self.admission.finished))
         for sim, ids in per_sim.items():
             if sim in self.workers:
                 self._send(sim, P.encode(P.TRAJ_ACK, {"traj_ids": ids}))
@@ -337,6 +351,10 @@ class Broker:
 
     def _on_train(self, w: Worker, msg: P.Message, now: float) -> None:
         self.trainer_version = max(self.trainer_version, msg["version"])
+        if self.admission is not None:
+            if msg["phase"] == "begin" and isinstance(msg.get("steps"), int):
+                self.admission.on_consumed(min(msg["steps"], self.admission.finished))
+            self.admission.on_version(self.trainer_version)
         stats = msg.get("stats")
         if isinstance(stats, dict):
             self.stats.trainer = stats
@@ -387,9 +405,24 @@ class Broker:
             if self.batches or len(self.queue) < expected:
                 return
             force = True
+        budget = None
+        if self.admission is not None:
+            budget = self.admission.capacity()
+            if budget <= 0:
+                if not self._held:
+                    self._held = True
+                    self.stats.admission_waits += 1  # times work was held back, not loop turns
+                return
+            self._held = False
         t0 = time.perf_counter_ns()
-        formed = form_batches(self.queue, list(self.generators.values()), self.rule, now, self.sticky, force=force)
+        formed = form_batches(self.queue, list(self.generators.values()), self.rule, now, self.sticky, force=force, budget=budget)
         for gen, reqs in formed:
+            if self.admission is not None:
+                for r in reqs:
+                    if not r.header.get("admitted"):  # a re-queued request was counted already
+                        r.header["admitted"] = True
+                        self.admission.on_started(r.n)
+                        self.inflight_by_sim[r.sim] = self.inflight_by_sim.get(r.sim, 0) + r.n
             self._send_batch(gen, reqs, now, t0)
 
     def _send_batch(self, gen: GeneratorState, reqs: list[PendingRequest], now: float, t0: int) -> None:
@@ -489,6 +522,9 @@ class Broker:
                 del self.sticky[key]
         elif w.role == "simulator":
             self.queue.remove_where(lambda r: r.sim == identity)
+            lost = self.inflight_by_sim.pop(identity, 0)
+            if self.admission is not None and lost:
+                self.admission.on_finished(lost, accepted=False)
             for key in [k for k in self.sticky if k[0] == identity]:
                 del self.sticky[key]
         elif w.role == "trainer":
@@ -529,6 +565,11 @@ class Broker:
             "policy_version": self.version,
             "trainer_version": self.trainer_version,
             "training_pause": self.training_pause,
+            "admission": None if self.admission is None else {
+                "capacity": self.admission.capacity(), "in_flight": self.admission.in_flight,
+                "finished": self.admission.finished, "consumed": self.admission.consumed,
+                "version": self.admission.version, "max_staleness": self.admission.max_staleness,
+            },
             "per_worker": [
                 {"name": w.name, "role": w.role, "worker_id": w.worker_id, "host": w.host, "pid": w.pid,
                  "version": w.info.get("version"), "served": w.info.get("served"), "env_steps": w.info.get("env_steps"),

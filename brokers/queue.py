@@ -107,13 +107,15 @@ def form_batches(
     now: float,
     sticky_map: dict[tuple[bytes, int], bytes],
     force: bool = False,
+    budget: int | None = None,
 ) -> list[tuple[GeneratorState, list[PendingRequest]]]:
     """Take batches off the queue for generators with free credits.
 
     An idle generator gets a batch as soon as one is due (full, or the oldest request has
     waited ``max_wait``); a generator already working gets a second batch only when it is full,
     so spare credits prefetch work without cutting batches small. ``force`` flushes whatever is
-    queued (sync mode's barrier has been reached).
+    queued (sync mode's barrier has been reached). ``budget`` caps the envs handed out in all
+    (admission control); a request already handed out once (re-queued) does not count twice.
     """
     out: list[tuple[GeneratorState, list[PendingRequest]]] = []
     while len(queue):
@@ -131,6 +133,9 @@ def form_batches(
             picked: list[tuple[int, PendingRequest]] = []
             envs = 0
             for seq, req in queue.ordered():
+                cost = 0 if req.header.get("admitted") else req.n
+                if budget is not None and cost > budget:
+                    continue
                 if rule.sticky:
                     owner = sticky_map.get(req.slot_key)
                     if owner is not None and owner != gen.identity:
@@ -139,6 +144,8 @@ def form_batches(
                     break
                 picked.append((seq, req))
                 envs += req.n
+                if budget is not None:
+                    budget -= cost
                 if envs >= rule.max_batch:
                     break
             if not picked:
