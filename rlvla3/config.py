@@ -85,6 +85,12 @@ class EnvConfig:
     """Decision steps per shipped trajectory fragment of a long episode."""
     group_size: int = 1
     """Consecutive episodes per env sharing one initial state (GRPO groups)."""
+    eval_slots: int = 0
+    """Slots per simulator worker reserved for evaluation (the last ones); they never feed training."""
+    eval_every: int = 0
+    """Run an evaluation round every this many policy versions (0: never)."""
+    eval_episodes: int = 0
+    """Held-out initial states per evaluation round per worker (0: one per eval env)."""
     options: dict = field(default_factory=dict)
     """The adapter's own options, validated by the adapter."""
 
@@ -143,6 +149,12 @@ class AlgoConfig:
     grpo_reward: str = "success"
     """GRPO: the episode score compared within a group, ``success`` (0/1, as SimpleVLA-RL) or
     ``return`` (the summed env reward)."""
+    reward_scale: float = 1.0
+    """PPO: rewards are multiplied by this before GAE (Meta-World's dense rewards sum to ~1e3 per
+    episode; with an absolute value clip the critic cannot follow returns that large)."""
+    critic_warmup_updates: int = 0
+    """PPO: the first this many updates train the value head only (advantages zeroed), so a
+    warm-started policy is not pushed around by a critic that has not learnt anything yet."""
     checkpoint_every: int = 50
     """Rank 0 writes a checkpoint every this many versions (0: only at shutdown)."""
     keep_checkpoints: int = 3
@@ -267,6 +279,8 @@ def validate(cfg: JobConfig) -> None:
         raise ConfigError("env.num_envs and env.slots must be >= 1")
     if cfg.env.num_envs % cfg.env.slots:
         raise ConfigError(f"env.num_envs ({cfg.env.num_envs}) must be a multiple of env.slots ({cfg.env.slots})")
+    if cfg.env.eval_slots < 0 or cfg.env.eval_slots >= cfg.env.slots:
+        raise ConfigError(f"env.eval_slots ({cfg.env.eval_slots}) must leave at least one training slot of env.slots ({cfg.env.slots})")
     if cfg.env.parallel not in ("thread", "process"):
         raise ConfigError(f"env.parallel: {cfg.env.parallel!r} not in ('thread', 'process')")
     if cfg.batching.assignment not in ("dynamic", "sticky"):

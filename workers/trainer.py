@@ -293,6 +293,8 @@ class TrainerWorker(WorkerBase):
         self.ppo = ppo_config(cfg)
         self.grpo = grpo_config(cfg) if a.name == "grpo" else None
         self.optimizer = make_optimizer(self.policy.parameters(), self.ppo)
+        critic = [p for n, p in self.policy.named_parameters() if "value" in n.split(".")[0]]
+        self.critic_optimizer = make_optimizer(critic, self.ppo) if critic else self.optimizer
         self.version = int(self.welcome.get("trainer_version", 0))
         self.resumed_from = self._maybe_resume()
         if self.world > 1:
@@ -519,6 +521,7 @@ class TrainerWorker(WorkerBase):
         dropped = int((~keep).sum())
 
         # ---- 2. advantages ------------------------------------------------------------------
+        warmup = False
         if self.grpo is not None:  # group-relative scores, broadcast to every decision step
             advantages = torch.as_tensor(np.concatenate([f.advantages for f in frags]))
             returns = None
@@ -527,11 +530,13 @@ class TrainerWorker(WorkerBase):
             advs, rets = [], []
             for f, bv in zip(frags, boot):
                 terminated = torch.as_tensor(f.arrays["terminated"])
-                adv, ret = compute_gae(torch.as_tensor(f.arrays["reward"]), torch.as_tensor(f.arrays["value"]),
+                reward = torch.as_tensor(f.arrays["reward"]) * a.reward_scale
+                adv, ret = compute_gae(reward, torch.as_tensor(f.arrays["value"]),
                                        terminated, 0.0 if bool(terminated[-1]) else bv, a.gamma, a.lam)
                 advs.append(adv)
                 rets.append(ret)
             advantages, returns = torch.cat(advs).float(), torch.cat(rets).float()
+            warmup = self.c.updates < a.critic_warmup_updates
 
         batch = self._batch(frags)
         batch["advantages"] = advantages.float()
@@ -549,7 +554,14 @@ class TrainerWorker(WorkerBase):
             return {"skipped": True, "dropped_stale": dropped, "staleness": staleness, "units": units}
 
         # ---- 4. PPO (or GRPO through PPO with vf_coef 0), proximal log-probs recomputed -----
-        stats = ppo_update(self.model, self.optimizer, batch, self.ppo)
+        if self.grpo is None and warmup:
+            # Critic warm-up: advantages zeroed and only the value head stepped, so a shared trunk
+            # cannot drag a warm-started policy around while the critic learns the returns.
+            batch["advantages"] = torch.zeros_like(batch["advantages"])
+            stats = ppo_update(self.model, self.critic_optimizer, batch, self.ppo)
+            stats["critic_warmup"] = 1
+        else:
+            stats = ppo_update(self.model, self.optimizer, batch, self.ppo)
         if returns is not None:
             stats["explained_variance"] = explained_variance(batch["values"][batch["mask"]], batch["returns"][batch["mask"]])
 
