@@ -258,7 +258,12 @@ class Broker:
 
     def _on_traj(self, w: Worker, msg: P.Message, now: float) -> None:
         self.stats.traj_received += 1
-        self.stats.add_episodes(list(msg.get("episode_returns", [])), list(msg.get("episode_successes", [])))
+        if msg.get("eval"):
+            if msg.get("done"):
+                self.stats.add_eval(int(msg.get("eval_version", -1)), bool(msg.get("episode_success")),
+                                    float(msg.get("episode_return", 0.0)))
+        else:
+            self.stats.add_episodes(list(msg.get("episode_returns", [])), list(msg.get("episode_successes", [])))
         self.next_gid += 1
         self.trajs.append(Trajectory(self.next_gid, w.identity, msg["traj_id"], msg.header, msg.tensors, msg["steps"]))
         self.steps_since_update += msg["steps"]
@@ -352,9 +357,13 @@ class Broker:
     def _on_train(self, w: Worker, msg: P.Message, now: float) -> None:
         self.trainer_version = max(self.trainer_version, msg["version"])
         if self.admission is not None:
-            if msg["phase"] == "begin" and isinstance(msg.get("steps"), int):
+            begin = msg["phase"] == "begin"
+            if begin and isinstance(msg.get("steps"), int):
                 self.admission.on_consumed(min(msg["steps"], self.admission.finished))
             self.admission.on_version(self.trainer_version)
+            # A batch counts as batch_steps whatever its overshoot (the trainer takes whole
+            # fragments), so the capacity stays (max_staleness + 1) batches beyond the trainer.
+            self.admission.consumed = (self.trainer_version + (1 if begin else 0)) * self.cfg.algo.batch_steps
         stats = msg.get("stats")
         if isinstance(stats, dict):
             self.stats.trainer = stats
@@ -408,6 +417,10 @@ class Broker:
         budget = None
         if self.admission is not None:
             budget = self.admission.capacity()
+            if budget <= 0 and self.admission.finished < self.cfg.algo.batch_steps:
+                # The trainer cannot fill a batch, and work in flight sits in open fragments that
+                # only more steps complete: holding back now would deadlock. Let one batch through.
+                budget = self.cfg.batching.max_batch
             if budget <= 0:
                 if not self._held:
                     self._held = True
@@ -419,7 +432,7 @@ class Broker:
         for gen, reqs in formed:
             if self.admission is not None:
                 for r in reqs:
-                    if not r.header.get("admitted"):  # a re-queued request was counted already
+                    if not r.header.get("admitted") and not r.header.get("eval"):  # re-queued: counted already
                         r.header["admitted"] = True
                         self.admission.on_started(r.n)
                         self.inflight_by_sim[r.sim] = self.inflight_by_sim.get(r.sim, 0) + r.n

@@ -133,7 +133,7 @@ def form_batches(
             picked: list[tuple[int, PendingRequest]] = []
             envs = 0
             for seq, req in queue.ordered():
-                cost = 0 if req.header.get("admitted") else req.n
+                cost = 0 if (req.header.get("admitted") or req.header.get("eval")) else req.n
                 if budget is not None and cost > budget:
                     continue
                 if rule.sticky:

@@ -55,6 +55,13 @@ class BrokerStats:
     _recent_success: deque = field(default_factory=lambda: deque(maxlen=200))
     _rate_window: deque = field(default_factory=lambda: deque(maxlen=64))
     trainer: dict[str, Any] = field(default_factory=dict)
+    evals: dict[int, list[float]] = field(default_factory=dict)  # version -> [episodes, successes, return sum]
+
+    def add_eval(self, version: int, success: bool, ret: float) -> None:
+        e = self.evals.setdefault(version, [0, 0, 0.0])
+        e[0] += 1
+        e[1] += int(success)
+        e[2] += ret
 
     def add_episodes(self, returns: list[float], successes: list[bool]) -> None:
         self.episodes += len(returns)
@@ -98,4 +105,6 @@ class BrokerStats:
             "generate_us": _pcts(self.generate_us),
             "staleness": _pcts(self.staleness),
             "trainer": dict(self.trainer),
+            "eval": {str(v): {"episodes": e[0], "success": round(e[1] / e[0], 4), "return": round(e[2] / e[0], 4)}
+                     for v, e in sorted(self.evals.items())[-20:]},
         }

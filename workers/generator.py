@@ -21,7 +21,7 @@ import zmq
 
 from rlvla3 import protocol as P
 from workers.base import WorkerBase
-from workers.envs.base import concat_obs
+from workers.envs.base import concat_obs, slice_obs
 from workers.model import build_policy, load_state_from_message
 
 log = structlog.get_logger()
@@ -141,9 +141,8 @@ class GeneratorWorker(WorkerBase):
         version = self.version
         self.runner.submit(lambda: self._forward(obs, det), (batch_id, sizes, version, queue_us))
 
-    def _gather(self, msg: P.Message) -> tuple[dict[str, Any], list[int], bool]:
-        parts, sizes = [], []
-        det = False
+    def _gather(self, msg: P.Message) -> tuple[dict[str, Any], list[int], np.ndarray]:
+        parts, sizes, det = [], [], []
         for i, req in enumerate(msg["requests"]):
             t = P.split_prefixed(msg.tensors, f"r{i}/")
             images = {k[len("images/"):]: self.attach.materialize(v) for k, v in t.items() if k.startswith("images/")}
@@ -153,24 +152,33 @@ class GeneratorWorker(WorkerBase):
                 raise ValueError(f"request {i}: tensors disagree with n={n}")
             parts.append({"images": images, "state": state, "instruction": list(req["instruction"])})
             sizes.append(n)
-            det = det or any(req.get("deterministic", []))
+            flags = list(req.get("deterministic") or [])
+            det.extend(bool(flags[j]) if j < len(flags) else False for j in range(n))
         obs = concat_obs(parts)
         if len(parts) == 1:  # views into shared memory: copy before the slot may rewrite them
             obs = {"images": {k: v.copy() for k, v in obs["images"].items()}, "state": obs["state"].copy(),
                    "instruction": obs["instruction"]}
-        return obs, sizes, det
+        return obs, sizes, np.asarray(det, dtype=bool)
 
-    def _forward(self, obs: dict[str, Any], deterministic: bool) -> tuple[dict[str, np.ndarray], float]:
+    def _forward(self, obs: dict[str, Any], deterministic: np.ndarray) -> tuple[dict[str, np.ndarray], float]:
+        """One batch; evaluation envs (deterministic) and training envs are run as two groups."""
         t0 = time.perf_counter()
+        groups = [g for g in (np.flatnonzero(~deterministic), np.flatnonzero(deterministic)) if len(g)]
+        res: dict[str, np.ndarray] = {}
         with torch.inference_mode():
-            out = self.policy.act(obs, deterministic=deterministic)
-        res = {
-            "actions": out.actions.float().cpu().numpy(),
-            "logprob": out.logprob.float().cpu().numpy(),
-            "value": out.value.float().cpu().numpy(),
-        }
-        for k, v in out.replay.items():
-            res[f"replay/{k}"] = v.cpu().numpy() if v.dtype != torch.bfloat16 else v.float().cpu().numpy()
+            for g, det in zip(groups, [bool(deterministic[g[0]]) for g in groups]):
+                sub = obs if len(groups) == 1 else slice_obs(obs, g)
+                out = self.policy.act(sub, deterministic=det)
+                part = {"actions": out.actions, "logprob": out.logprob, "value": out.value,
+                        **{f"replay/{k}": v for k, v in out.replay.items()}}
+                for name, v in part.items():
+                    arr = v.float().cpu().numpy() if v.dtype == torch.bfloat16 or name in ("actions", "logprob", "value") else v.cpu().numpy()
+                    if len(groups) == 1:
+                        res[name] = arr
+                        continue
+                    if name not in res:
+                        res[name] = np.zeros((len(deterministic), *arr.shape[1:]), dtype=arr.dtype)
+                    res[name][g] = arr
         return res, time.perf_counter() - t0
 
     def on_job_done(self, tag: Any, result: Any, error: BaseException | None) -> None:

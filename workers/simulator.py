@@ -56,6 +56,9 @@ class Slot:
     version: int = -1
     obs_block: dict[str, int] = field(default_factory=dict)
     pending_obs: list[Any] | None = None  # last OBS frames, re-sent after a reconnect
+    eval: bool = False  # an evaluation slot: deterministic actions, held-out starts, never trained on
+    frozen: np.ndarray | None = None  # eval: envs whose episode of this round is over
+    eval_version: int = -1  # eval: the policy version this round evaluates
 
 
 class SimulatorWorker(WorkerBase):
@@ -73,6 +76,9 @@ class SimulatorWorker(WorkerBase):
         self.unacked: dict[int, tuple[dict[str, Any], dict[str, Any], list[int]]] = {}
         self.env_steps = 0
         self.restarts_unreported = 0
+        self.eval_seeds: list[int] = []  # held-out starts left in the current evaluation round
+        self.next_eval_version = 0
+        self.eval_round_version = -1
 
     # -- set-up -------------------------------------------------------------------------------
 
@@ -100,7 +106,8 @@ class SimulatorWorker(WorkerBase):
             envs = list(range(s * k, (s + 1) * k))
             adapter = self._make_adapter(k, seed0 + s)
             slot = Slot(index=s, envs=envs, adapter=adapter, runner=self.new_runner(f"slot{s}"),
-                        trajs=[EnvTrajectory(env=self.index * 100_000 + e) for e in envs])
+                        trajs=[EnvTrajectory(env=self.index * 100_000 + e) for e in envs],
+                        eval=s >= n_slots - cfg.env.eval_slots)
             self.slots.append(slot)
         if self.use_shm:
             sweep_leftovers()
@@ -116,7 +123,10 @@ class SimulatorWorker(WorkerBase):
         log.info("simulator_ready", env=cfg.env.name, num_envs=num_envs, slots=n_slots, shm=self.use_shm, parallel=cfg.env.parallel)
 
     def start(self) -> None:
+        self.next_eval_version = self.cfg.env.eval_every if self.cfg.env.eval_every > 0 else -1
         for slot in self.slots:
+            if slot.eval:
+                continue  # idle until the first evaluation round
             slot.runner.submit(lambda slot=slot: self._reset_all(slot), ("reset", slot.index))
 
     def _make_adapter(self, k: int, seed: int) -> EnvAdapter:
@@ -132,6 +142,43 @@ class SimulatorWorker(WorkerBase):
         group = max(1, self.cfg.env.group_size)
         return (self.cfg.run.seed * 1_000_003 + env * 10_007 + (episode - 1) // group) % (2**31)
 
+    # -- evaluation rounds --------------------------------------------------------------------
+
+    def _eval_seed_list(self) -> list[int]:
+        """The held-out initial states: the same every round, disjoint from training seeds."""
+        k = len(self.slots[0].envs)
+        n = self.cfg.env.eval_episodes or k * sum(1 for s in self.slots if s.eval)
+        base = 1_500_000_000 + self.index * 100_003
+        return [(base + i) % (2**31) for i in range(n)]
+
+    def _maybe_start_eval(self, version: int) -> None:
+        if self.next_eval_version < 0 or version < self.next_eval_version:
+            return
+        if any(s.eval and (s.waiting or s.out is not None or s.frozen is not None) for s in self.slots):
+            return  # the previous round is still running
+        every = self.cfg.env.eval_every
+        self.next_eval_version = (version // every + 1) * every
+        self.eval_seeds = self._eval_seed_list()
+        self.eval_round_version = version
+        log.info("eval_round_started", version=version, episodes=len(self.eval_seeds))
+        for slot in self.slots:
+            if slot.eval:
+                self._next_eval_episodes(slot, version)
+
+    def _next_eval_episodes(self, slot: Slot, version: int) -> None:
+        k = len(slot.envs)
+        if not self.eval_seeds:
+            slot.frozen = None
+            return
+        seeds = [self.eval_seeds.pop(0) if self.eval_seeds else None for _ in range(k)]
+        slot.frozen = np.asarray([sd is None for sd in seeds])  # no start left for these envs
+        slot.eval_version = version
+        ids = list(range(k))
+        used = [sd if sd is not None else 0 for sd in seeds]
+        for tr, sd in zip(slot.trajs, used):
+            tr.records = []
+        slot.runner.submit(lambda: (slot.adapter.reset(ids, used), used), ("eval_reset", slot.index))
+
     # -- slot work (runs on the slot's thread) ------------------------------------------------
 
     def _reset_all(self, slot: Slot) -> Obs:
@@ -146,7 +193,7 @@ class SimulatorWorker(WorkerBase):
         term = np.zeros(k, bool)
         trunc = np.zeros(k, bool)
         success = np.zeros(k, bool)
-        active = np.ones(k, bool)
+        active = np.ones(k, bool) if slot.frozen is None else ~slot.frozen
         cur = {"images": {c: v.copy() for c, v in slot.obs["images"].items()}, "state": slot.obs["state"].copy(),
                "instruction": list(slot.obs["instruction"])}
         restarts = 0
@@ -181,6 +228,8 @@ class SimulatorWorker(WorkerBase):
             active[ids] = ~(term[ids] | trunc[ids])
         done_ids = np.flatnonzero(term | trunc).tolist()
         reset_obs = None
+        if done_ids and slot.eval:  # evaluation envs wait for the rest of their round
+            return ChunkOutcome(step_reward, steps, term, trunc, success, cur, None, done_ids, restarts)
         if done_ids:
             seeds = [self._seed_for(slot.trajs[i].env, slot.trajs[i].episode + 1) for i in done_ids]
             reset_obs = slot.adapter.reset(done_ids, seeds)
@@ -198,6 +247,12 @@ class SimulatorWorker(WorkerBase):
             slot.obs = result
             for i, tr in enumerate(slot.trajs):
                 tr.begin_episode(result["instruction"][i], self._seed_for(tr.env, tr.episode + 1))
+            self._send_obs(slot, env_steps=0)
+        elif kind == "eval_reset":
+            obs, seeds = result
+            slot.obs = obs
+            for i, tr in enumerate(slot.trajs):
+                tr.begin_episode(obs["instruction"][i], seeds[i])
             self._send_obs(slot, env_steps=0)
         elif kind == "chunk":
             self._finish_chunk(slot, result)
@@ -238,16 +293,21 @@ class SimulatorWorker(WorkerBase):
         slot.pending_obs = None
         slot.out = out
         slot.version = msg["version"]
+        if not slot.eval:
+            self._maybe_start_eval(slot.version)
         slot.runner.submit(lambda: self._run_chunk(slot, actions.astype(np.float32)), ("chunk", s))
 
     def _finish_chunk(self, slot: Slot, oc: ChunkOutcome) -> None:
         out = slot.out
+        slot.out = None
         replay = {k[len("replay/"):]: v for k, v in out.items() if k.startswith("replay/")}
         frag_len = self.cfg.env.fragment_len
         self.env_steps += int(oc.steps.sum())
         self.restarts_unreported += oc.restarts
         reset_row = {i: j for j, i in enumerate(oc.done_ids)}
         for i, tr in enumerate(slot.trajs):
+            if slot.frozen is not None and slot.frozen[i]:
+                continue
             images, state = obs_row(slot.obs, i)
             tr.add(StepRecord(
                 obs_images=images, obs_state=state, actions=out["actions"][i], logprob=out["logprob"][i],
@@ -260,9 +320,19 @@ class SimulatorWorker(WorkerBase):
                 nxt_images, nxt_state = obs_row(oc.final_obs, i)
                 header, tensors = tr.fragment(nxt_images, nxt_state, bool(oc.success[i]))
                 tr.records = []
+                if slot.eval:
+                    header.update({"eval": True, "eval_version": slot.eval_version})
                 self._ship(slot, header, tensors)
-            if done:
+            if done and not slot.eval:
                 tr.begin_episode(oc.reset_obs["instruction"][reset_row[i]], self._seed_for(tr.env, tr.episode + 1))
+        if slot.eval:
+            slot.frozen = slot.frozen | np.isin(np.arange(len(slot.envs)), oc.done_ids)
+            slot.obs = oc.final_obs
+            if slot.frozen.all():  # this slot's episodes of the round are over
+                self._next_eval_episodes(slot, self.eval_round_version)
+            else:
+                self._send_obs(slot, env_steps=int(oc.steps.sum()))
+            return
         # next observation: post-chunk obs, with new episodes' first obs for done envs
         nxt = oc.final_obs
         if oc.done_ids:
@@ -274,6 +344,9 @@ class SimulatorWorker(WorkerBase):
                 nxt["instruction"][i] = oc.reset_obs["instruction"][j]
         slot.obs = nxt
         self._send_obs(slot, env_steps=int(oc.steps.sum()))
+
+    def _latest_version(self) -> int:
+        return max((s.version for s in self.slots if not s.eval), default=0)
 
     # -- sending ------------------------------------------------------------------------------
 
@@ -299,6 +372,9 @@ class SimulatorWorker(WorkerBase):
             "env_steps": env_steps, "decision_steps": k if env_steps else 0,
             "env_restarts": self.restarts_unreported,
         }
+        if slot.eval:
+            fields["eval"] = True
+            fields["deterministic"] = [True] * k
         self.restarts_unreported = 0
         slot.waiting = True
         slot.pending_obs = [fields, tensors]

@@ -1,0 +1,23 @@
+"""Evaluation beside training: dedicated slots run held-out starts deterministically every
+``eval_every`` versions while the training slots keep stepping; success per version is reported."""
+
+from __future__ import annotations
+
+import pytest
+
+pytestmark = pytest.mark.slow
+
+
+def test_eval_rounds_run_in_dedicated_slots_without_pausing_training(job_factory):
+    job = job_factory("env.num_envs=6", "env.slots=3", "env.eval_slots=1", "env.eval_every=2",
+                      "env.eval_episodes=4", "env.options.max_episode_steps=20")
+    fig = job.wait(lambda f: len(f["eval"]) >= 2 and all(e["episodes"] >= 4 for e in list(f["eval"].values())[:2]),
+                   180, "two evaluation rounds of 4 episodes")
+    versions = sorted(int(v) for v in fig["eval"])
+    assert versions[0] >= 2 and versions[1] >= versions[0] + 2  # a round every 2 versions at most
+    for v in versions[:2]:
+        e = fig["eval"][str(v)]
+        assert e["episodes"] == 4 and 0.0 <= e["success"] <= 1.0
+    # training went on meanwhile: its episodes are counted apart from the evaluation ones
+    assert fig["episodes"] > 8 and fig["policy_version"] >= versions[1]
+    assert fig["trainer"].get("version", 0) >= versions[1]
