@@ -1,0 +1,78 @@
+"""The command line as a user runs it: config errors that name the key, --gpus parsing,
+`rlvla3 run` with a tiny budget (CleanRL-style smoke test), `rlvla3 status --json`,
+`rlvla3 worker --count` supervising several workers."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from rlvla3.config import ConfigError, load
+from rlvla3.launch import parse_gpus
+
+
+def rlvla3(*args: str, timeout: float = 240) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", "rlvla3", *args], capture_output=True, text=True, timeout=timeout)
+
+
+def test_parse_gpus():
+    assert parse_gpus("0-3") == [0, 1, 2, 3]
+    assert parse_gpus("0,2") == [0, 2]
+    assert parse_gpus("1") == [1]
+    assert parse_gpus("0-1,4") == [0, 1, 4]
+    assert parse_gpus(None) == []
+    for bad in ("3-1", "a", "0,0"):
+        with pytest.raises(ValueError):
+            parse_gpus(bad)
+
+
+def test_config_errors_name_the_key():
+    with pytest.raises(ConfigError, match="batching.max_bach"):
+        load(None, ["batching.max_bach=3"])
+    with pytest.raises(ConfigError, match="batching.max_batch"):
+        load(None, ["batching.max_batch=lots"])
+    with pytest.raises(ConfigError, match="run.mode"):
+        load(None, ["run.mode=fast"])
+    with pytest.raises(ConfigError, match="env.num_envs"):
+        load(None, ["env.num_envs=5", "env.slots=2"])
+    cfg = load(None, ["batching.max_batch=16", "env.options.latency={kind: constant, mean_ms: 3}"])
+    assert cfg.batching.max_batch == 16 and cfg.env.options["latency"]["mean_ms"] == 3
+
+
+def test_cli_rejects_unknown_key_before_starting_anything(tmp_path: Path):
+    r = rlvla3("run", "configs/synthetic.yaml", "--set", "algo.lrr=1", "--run-dir", str(tmp_path / "r"), timeout=60)
+    assert r.returncode != 0 and "algo.lrr" in r.stderr
+
+
+@pytest.mark.slow
+def test_run_smoke_and_status(tmp_path: Path):
+    run_dir = tmp_path / "run"
+    r = rlvla3("run", "configs/synthetic.yaml", "--steps", "600", "--run-dir", str(run_dir),
+               "--set", "env.num_envs=4", "--set", "env.slots=2", "--set", "algo.batch_steps=64",
+               "--set", "run.progress_every_s=0.5", "--set", "workers.simulators=1")
+    assert r.returncode == 0, r.stderr[-3000:]
+    summary = json.loads(r.stdout.strip().splitlines()[-1])
+    assert summary["reason"] == "steps_reached" and summary["env_steps"] >= 600
+    assert summary["shm_leftovers"] == 0
+    rows = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    assert rows and rows[-1]["env_steps"] >= 600
+    assert (run_dir / "config.yaml").is_file() and (run_dir / "broker.log").is_file()
+
+
+@pytest.mark.slow
+def test_status_json_and_worker_count(job_factory):
+    job = job_factory("workers.simulators=0")
+    sims = job.start_worker("simulator", "pair", ["--count", "2", "--num-envs", "2", "--slots", "1"])
+    job.wait(lambda f: f["workers"]["simulator"] == 2 and f["slots"] == 2, 60, "two simulators from one --count 2")
+    r = rlvla3("status", "--broker", job.endpoint, "--json", timeout=30)
+    fig = json.loads(r.stdout)
+    for key in ("workers", "env_steps", "queue_depth", "policy_version"):
+        assert key in fig
+    assert fig["workers"]["simulator"] == 2
+    sims.terminate()
+    sims.wait(20)
+    job.wait(lambda f: f["workers"]["simulator"] == 0, 30, "the supervisor stopping both children")
