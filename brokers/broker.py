@@ -232,7 +232,7 @@ class Broker:
             if master is not None:
                 reply["dist"] = master.info.get("dist")
         self.workers[identity] = w
-        log.info("worker_joined", role=role, name=w.name, worker_id=w.worker_id, host=w.host, pid=w.pid, slots=w.slots)
+        log.info("worker_joined", role=role, name=w.name, worker_id=w.worker_id, host=w.host, worker_pid=w.pid, slots=w.slots)
         self._send(identity, P.encode(P.READY, reply))
 
     # -- simulators ---------------------------------------------------------------------------
@@ -520,7 +520,7 @@ class Broker:
         w = self.workers.pop(identity, None)
         if w is None:
             return
-        log.warning("worker_gone", role=w.role, name=w.name, worker_id=w.worker_id, reason=reason)
+        log.warning("worker_gone", role=w.role, name=w.name, worker_id=w.worker_id, worker_pid=w.pid, reason=reason)
         if w.role == "generator":
             gen = self.generators.pop(identity, None)
             for batch_id in list(gen.inflight if gen else []):
