@@ -107,6 +107,7 @@ class Broker:
         self.admission = AdmissionController(cfg.algo.max_staleness, cfg.algo.batch_steps) if self.mode != "sync" else None
         self.inflight_by_sim: dict[bytes, int] = {}
         self._held = False
+        self.traj_owner: dict[tuple[bytes, Any], bytes] = {}  # GRPO: (sim, env) -> trainer
         self._stop = False
         self._last_hb = time.monotonic()
         log.info("broker_started", bind=self.bound, pub=self.pub_bound, run_id=self.run_id, mode=self.mode)
@@ -355,6 +356,12 @@ class Broker:
         log.info("weights_published", version=version, tensors=len(msg.tensors))
 
     def _on_train(self, w: Worker, msg: P.Message, now: float) -> None:
+        if msg["phase"] == "starved":  # GRPO: incomplete groups; an alternating pause must lift
+            if self.training_pause:
+                log.info("training_pause_lifted_starved", trainer=w.name, ready_steps=msg.get("ready_steps"))
+            self.training_pause = False
+            self.steps_since_update = 0
+            return
         self.trainer_version = max(self.trainer_version, msg["version"])
         if self.admission is not None:
             begin = msg["phase"] == "begin"
@@ -476,17 +483,37 @@ class Broker:
     # =========================================================================================
 
     def _deliver_trajs(self) -> None:
+        """Hand pending fragments to trainers with free credits, least loaded first. With GRPO,
+        every fragment of one (simulator, env) goes to the same trainer rank: a group is
+        consecutive episodes of one env and must complete on one rank."""
         if not self.trajs:
             return
-        trainers = [w for w in self.workers.values() if w.role == "trainer" and w.trainer_credits > len(w.trajs_inflight)]
-        while self.trajs and trainers:
-            trainers.sort(key=lambda w: len(w.trajs_inflight) - w.trainer_credits)
-            t = trainers[0]
+        trainers = {w.identity: w for w in self.workers.values() if w.role == "trainer"}
+        if not trainers:
+            return
+        sticky = self.cfg.algo.name == "grpo" and len(trainers) > 1
+        kept: deque[Trajectory] = deque()
+        while self.trajs:
             traj = self.trajs.popleft()
+            free = [w for w in trainers.values() if w.trainer_credits > len(w.trajs_inflight)]
+            if not free:
+                kept.append(traj)
+                break
             if traj.sim not in self.workers and any(isinstance(v, P.ShmRef) for v in traj.tensors.values()):
                 self.stats.traj_dropped += 1  # its writer died before a trainer took it
                 log.warning("traj_dropped_writer_gone", traj_id=traj.traj_id)
                 continue
+            t = min(free, key=lambda w: len(w.trajs_inflight) - w.trainer_credits)
+            if sticky:
+                key = (traj.sim, traj.header.get("env"))
+                owner = trainers.get(self.traj_owner.get(key, b""))
+                if owner is None:
+                    self.traj_owner[key] = t.identity
+                elif owner.trainer_credits <= len(owner.trajs_inflight):
+                    kept.append(traj)  # its rank is busy: wait, others may go ahead
+                    continue
+                else:
+                    t = owner
             try:
                 tensors = {k: self._for_host(v, t.host) for k, v in traj.tensors.items()}
             except (KeyError, P.ProtocolError) as err:
@@ -496,13 +523,13 @@ class Broker:
             fields = {k: v for k, v in traj.header.items() if k not in ("v", "type", "tensors")}
             fields["gid"] = traj.gid
             if not self._send(t.identity, P.encode(P.TRAJ, fields, tensors)):
-                self.trajs.appendleft(traj)
+                kept.append(traj)
                 break
             t.trajs_inflight.add(traj.gid)
             self.trajs_out[traj.gid] = (t.identity, traj)
             self.stats.traj_delivered += 1
-            if t.trainer_credits <= len(t.trajs_inflight):
-                trainers.pop(0)
+        kept.extend(self.trajs)
+        self.trajs = kept
 
     # =========================================================================================
     # Liveness
@@ -541,6 +568,13 @@ class Broker:
             for key in [k for k in self.sticky if k[0] == identity]:
                 del self.sticky[key]
         elif w.role == "trainer":
+            self.traj_owner = {k: v for k, v in self.traj_owner.items() if v != identity}
+            if self.cfg.workers.trainers > 1 and reason != "re_ready":
+                # A torch.distributed group cannot be re-formed around a lost rank: stop the
+                # others; restarted ranks reload the run folder's latest checkpoint.
+                for other in [x for x in self.workers.values() if x.role == "trainer"]:
+                    log.warning("trainer_group_broken_disconnecting", rank=other.rank, lost_rank=w.rank)
+                    self._send(other.identity, P.encode(P.DISCONNECT, {"reason": f"trainer rank {w.rank} lost"}))
             for gid in sorted(w.trajs_inflight, reverse=True):
                 entry = self.trajs_out.pop(gid, None)
                 if entry is not None:

@@ -26,6 +26,9 @@ from workers.model import build_policy, load_state_from_message
 
 log = structlog.get_logger()
 
+INLINE_FORWARD_S = 0.005
+"""Forward passes shorter than this run on the socket thread instead of a JobRunner."""
+
 
 def pub_address(pub: str, broker_url: str) -> str:
     """Turn the broker's bound PUB endpoint into one this host can connect to."""
@@ -49,6 +52,7 @@ class GeneratorWorker(WorkerBase):
         self.batches: deque[tuple] = deque()
         self.busy = False
         self.served = 0
+        self.forward_ema_s = 1.0  # starts on the runner thread until forward times are known
 
     def ready_fields(self) -> dict[str, Any]:
         return {"credits": 0}
@@ -139,7 +143,17 @@ class GeneratorWorker(WorkerBase):
         batch_id, obs, sizes, det, queue_us = self.batches.popleft()
         self.busy = True
         version = self.version
-        self.runner.submit(lambda: self._forward(obs, det), (batch_id, sizes, version, queue_us))
+        tag = (batch_id, sizes, version, queue_us)
+        if self.forward_ema_s < INLINE_FORWARD_S:
+            # A short forward pass costs less than two thread hand-offs: run it right here
+            # (heartbeats only need to go out once a second).
+            try:
+                result, error = self._forward(obs, det), None
+            except Exception as exc:
+                result, error = None, exc
+            self.on_job_done(tag, result, error)
+        else:
+            self.runner.submit(lambda: self._forward(obs, det), tag)
 
     def _gather(self, msg: P.Message) -> tuple[dict[str, Any], list[int], np.ndarray]:
         parts, sizes, det = [], [], []
@@ -186,12 +200,15 @@ class GeneratorWorker(WorkerBase):
         self.busy = False
         if self.pending_weights is not None:
             self._swap_weights()  # between batches, never during one
-        self._next_batch()  # start the next forward pass before sending this one's results
+        threaded = self.forward_ema_s >= INLINE_FORWARD_S
+        if threaded:
+            self._next_batch()  # start the next forward pass before sending this one's results
         if error is not None:
             log.error("forward_failed", batch_id=batch_id, error=repr(error)[:500])
             self.send(P.RESULT, {"batch_id": batch_id, "version": version, "error": repr(error)[:500]})
         else:
             res, secs = result
+            self.forward_ema_s = secs if self.served == 0 else 0.8 * self.forward_ema_s + 0.2 * secs
             tensors: dict[str, Any] = {}
             start = 0
             for i, n in enumerate(sizes):
@@ -201,3 +218,5 @@ class GeneratorWorker(WorkerBase):
             self.send(P.RESULT, {"batch_id": batch_id, "version": version, "forward_us": int(secs * 1e6),
                                  "queue_us": queue_us}, tensors)
             self.served += 1
+        if not threaded:
+            self._next_batch()

@@ -249,6 +249,8 @@ class TrainerWorker(WorkerBase):
         self.rank, self.world = 0, 1
         self.training = False
         self.acks: list[int] = []
+        self.received_since_update = 0  # decision steps received since the last update
+        self.starved_sent = False
         self.dropped_unacked = 0  # dropped-for-staleness steps not yet reported in a TRAJ_ACK
         self.c = Counters()
         self.evals = EvalTally()
@@ -374,6 +376,7 @@ class TrainerWorker(WorkerBase):
                 version = int(version) if isinstance(version, int) else int(frag.arrays["version"].max())
                 self.evals.add(version, bool(msg.get("episode_success")))
             return
+        self.received_since_update += frag.steps
         if self.grpo is None:
             self._add_unit(Unit([frag], frag.steps, int(bool(frag.header.get("done")))))
         else:
@@ -467,6 +470,12 @@ class TrainerWorker(WorkerBase):
         if self.grpo is not None:
             self._prune_stale_groups()
         batch_steps = self.cfg.algo.batch_steps
+        if (self.grpo is not None and self.cfg.run.mode != "async" and not self.starved_sent
+                and self.received_since_update >= batch_steps and self.ready_steps < batch_steps):
+            # An alternating broker paused at batch_steps delivered, but incomplete groups cannot
+            # be trained on: ask it to hand out more work rather than wait for each other.
+            self.starved_sent = True
+            self.send(P.TRAIN, {"phase": "starved", "version": self.version, "ready_steps": self.ready_steps})
         if self.world == 1:
             if self.ready_steps >= batch_steps:
                 units = self._take(batch_steps)
@@ -628,6 +637,9 @@ class TrainerWorker(WorkerBase):
 
     def on_job_done(self, tag: Any, result: Any, error: BaseException | None) -> None:
         self.training = False
+        if not (isinstance(result, dict) and result.get("round") in ("wait", "stop")):
+            self.received_since_update = 0
+            self.starved_sent = False
         if error is not None:
             log.error("update_failed", error=repr(error)[:1000])
             raise error
