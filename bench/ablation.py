@@ -53,7 +53,7 @@ def job_overrides(args: argparse.Namespace) -> list[str]:
 
 
 def measure_mode(mode: str, args: argparse.Namespace, root: Path) -> dict:
-    cfg = load(None, [*job_overrides(args), f"run.mode={mode}"])
+    cfg = load("synthetic.yaml", [*job_overrides(args), f"run.mode={mode}"])
     run_dir = root / mode
     run_dir.mkdir(parents=True)
     cfg_path = run_dir / "config.yaml"
@@ -91,7 +91,7 @@ def sim_stage_alone(args: argparse.Namespace, seconds: float) -> float:
     """All simulator slots stepping with random actions, no policy: env steps/s."""
     from workers.envs.base import make_env
 
-    cfg = load(None, job_overrides(args))
+    cfg = load("synthetic.yaml", job_overrides(args))
     k = args.envs // args.slots
     counts = [0] * (args.sims * args.slots)
     stop = time.monotonic() + seconds
@@ -123,7 +123,7 @@ def generator_stage_alone(args: argparse.Namespace, seconds: float) -> float:
 
     from workers.model import build_policy
 
-    cfg = load(None, job_overrides(args))
+    cfg = load("synthetic.yaml", job_overrides(args))
     policy = build_policy(cfg).eval()
     n = args.max_batch
     obs = {"images": {"top": np.zeros((n, 16, 16, 3), np.uint8)}, "state": np.zeros((n, 4), np.float32),
@@ -144,7 +144,7 @@ def trainer_stage_alone(args: argparse.Namespace, seconds: float) -> float:
     from workers.model import build_policy
     from workers.trainer import ppo_config
 
-    cfg = load(None, job_overrides(args))
+    cfg = load("synthetic.yaml", job_overrides(args))
     policy = build_policy(cfg).train()
     ppo = ppo_config(cfg)
     opt = make_optimizer(policy.parameters(), ppo)

@@ -223,11 +223,12 @@ def start_fabric(args: argparse.Namespace, run_dir: Path) -> LocalJob:
     overrides = [
         "env.name=synthetic", f"env.options.image_size={IMAGE}", "env.num_envs=1", "env.slots=1",
         "model.family=mlp", f"model.options.hidden={args.hidden}", "model.chunk_size=1",
+        f"model.options.use_images={'true' if args.policy_images else 'false'}",
         f"batching.max_batch={args.max_batch}", f"batching.max_wait_ms={args.max_wait_ms}",
         f"batching.credits={args.credits}", "workers.simulators=0", "workers.generators=1",
         "workers.trainers=0", "run.mode=async", "workers.device=cpu", "workers.torch_threads=1",
     ]
-    cfg = load(None, overrides)
+    cfg = load("synthetic.yaml", overrides)
     cfg_path = run_dir / "config.yaml"
     cfg_path.write_text(cfg.to_yaml())
     job = LocalJob(cfg, run_dir, cfg_path)
@@ -275,6 +276,9 @@ def main() -> None:
     ap.add_argument("--max-wait-ms", type=float, default=0.0)
     ap.add_argument("--credits", type=int, default=2)
     ap.add_argument("--hidden", type=int, default=64)
+    ap.add_argument("--policy-images", action="store_true",
+                    help="let the policy encode the image (default: state only, so the figure is the fabric's; "
+                         "the image still travels and the forward pass is reported as its own part)")
     ap.add_argument("--spin-us", type=float, default=200.0,
                     help="spin (instead of sleeping) this long before each due time: timer wake-ups on a VM are late")
     ap.add_argument("--out", default=str(ROOT / "bench" / "out"))

@@ -32,14 +32,14 @@ def test_parse_gpus():
 
 def test_config_errors_name_the_key():
     with pytest.raises(ConfigError, match="batching.max_bach"):
-        load(None, ["batching.max_bach=3"])
+        load("synthetic.yaml", ["batching.max_bach=3"])
     with pytest.raises(ConfigError, match="batching.max_batch"):
-        load(None, ["batching.max_batch=lots"])
+        load("synthetic.yaml", ["batching.max_batch=lots"])
     with pytest.raises(ConfigError, match="run.mode"):
-        load(None, ["run.mode=fast"])
+        load("synthetic.yaml", ["run.mode=fast"])
     with pytest.raises(ConfigError, match="env.num_envs"):
-        load(None, ["env.num_envs=5", "env.slots=2"])
-    cfg = load(None, ["batching.max_batch=16", "env.options.latency={kind: constant, mean_ms: 3}"])
+        load("synthetic.yaml", ["env.num_envs=5", "env.slots=2"])
+    cfg = load("synthetic.yaml", ["batching.max_batch=16", "env.options.latency={kind: constant, mean_ms: 3}"])
     assert cfg.batching.max_batch == 16 and cfg.env.options["latency"]["mean_ms"] == 3
 
 
