@@ -168,10 +168,10 @@ class GeneratorWorker(WorkerBase):
             sizes.append(n)
             flags = list(req.get("deterministic") or [])
             det.extend(bool(flags[j]) if j < len(flags) else False for j in range(n))
+        # One request: its arrays stay views into shared memory (or the received frames). That
+        # is safe: a slot rewrites its observation block only after its ACT, which is sent after
+        # this batch's forward pass. Several requests are concatenated (one copy, as batching must).
         obs = concat_obs(parts)
-        if len(parts) == 1:  # views into shared memory: copy before the slot may rewrite them
-            obs = {"images": {k: v.copy() for k, v in obs["images"].items()}, "state": obs["state"].copy(),
-                   "instruction": obs["instruction"]}
         return obs, sizes, np.asarray(det, dtype=bool)
 
     def _forward(self, obs: dict[str, Any], deterministic: np.ndarray) -> tuple[dict[str, np.ndarray], float]:
