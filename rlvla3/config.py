@@ -84,7 +84,11 @@ class EnvConfig:
     fragment_len: int = 32
     """Decision steps per shipped trajectory fragment of a long episode."""
     group_size: int = 1
-    """Consecutive episodes per env sharing one initial state (GRPO groups)."""
+    """Episodes sharing one initial state (GRPO groups)."""
+    group_mode: str = "parallel"
+    """``parallel``: a group is ``group_size`` neighbouring envs of a worker starting their n-th
+    episodes from one state (groups complete together); ``sequential``: ``group_size``
+    consecutive episodes of one env."""
     eval_slots: int = 0
     """Slots per simulator worker reserved for evaluation (the last ones); they never feed training."""
     eval_every: int = 0
@@ -281,6 +285,11 @@ def validate(cfg: JobConfig) -> None:
         raise ConfigError(f"env.num_envs ({cfg.env.num_envs}) must be a multiple of env.slots ({cfg.env.slots})")
     if cfg.env.eval_slots < 0 or cfg.env.eval_slots >= cfg.env.slots:
         raise ConfigError(f"env.eval_slots ({cfg.env.eval_slots}) must leave at least one training slot of env.slots ({cfg.env.slots})")
+    if cfg.env.group_mode not in ("parallel", "sequential"):
+        raise ConfigError(f"env.group_mode: {cfg.env.group_mode!r} not in ('parallel', 'sequential')")
+    if cfg.env.group_mode == "parallel" and cfg.env.group_size > 1 and cfg.env.num_envs % cfg.env.group_size:
+        raise ConfigError(f"env.num_envs ({cfg.env.num_envs}) must be a multiple of env.group_size "
+                          f"({cfg.env.group_size}) with env.group_mode=parallel")
     if cfg.env.parallel not in ("thread", "process"):
         raise ConfigError(f"env.parallel: {cfg.env.parallel!r} not in ('thread', 'process')")
     if cfg.batching.assignment not in ("dynamic", "sticky"):
@@ -320,7 +329,7 @@ def apply_overrides(data: dict[str, Any], overrides: list[str] | tuple[str, ...]
     return data
 
 
-DEFAULT_CONFIG = "synthetic.yaml"
+DEFAULT_CONFIG = "metaworld_default.yaml"
 
 
 def read_yaml(path: str | Path | None) -> dict[str, Any]:

@@ -12,6 +12,7 @@ they travel as inline frames. The slot code does not know which.
 
 from __future__ import annotations
 
+import hashlib
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -138,9 +139,14 @@ class SimulatorWorker(WorkerBase):
         return make_env(env.name, num_envs=k, seed=seed, options=env.options)
 
     def _seed_for(self, env: int, episode: int) -> int:
-        """Initial-state seed of an env's ``episode``-th episode; a GRPO group shares one."""
-        group = max(1, self.cfg.env.group_size)
-        return (self.cfg.run.seed * 1_000_003 + env * 10_007 + (episode - 1) // group) % (2**31)
+        """Initial-state seed of an env's ``episode``-th episode (1-based); a GRPO group shares
+        one: neighbouring envs' n-th episodes (parallel) or an env's consecutive ones (sequential)."""
+        g = max(1, self.cfg.env.group_size)
+        if self.cfg.env.group_mode == "parallel":
+            key = f"{self.cfg.run.seed}:p:{env // g}:{episode}"
+        else:
+            key = f"{self.cfg.run.seed}:s:{env}:{(episode - 1) // g}"
+        return int.from_bytes(hashlib.blake2b(key.encode(), digest_size=4).digest(), "little") & 0x7FFFFFFF
 
     # -- evaluation rounds --------------------------------------------------------------------
 

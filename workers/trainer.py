@@ -9,10 +9,11 @@ Units:
   * PPO: one fragment (GAE runs per fragment, bootstrapped from its last observation).
   * GRPO: one complete *group* - ``group_size`` complete episodes that share (instruction,
     seed). Fragments wait in ``pending_eps`` until their episode is done, episodes wait in
-    ``pending_groups`` until their group is full. The simulators start the episodes of a group
-    one after another in the same env (``SimulatorWorker._seed_for``), so a group takes
-    ``group_size`` episodes of one env and its first episode ages while the rest run: size
-    ``algo.max_staleness`` for that, or groups are dropped as stale (counted).
+    ``pending_groups`` until their group is full. By default the simulators run a group's
+    episodes side by side in neighbouring envs (``env.group_mode: parallel``); with
+    ``sequential`` a group is ``group_size`` consecutive episodes of one env, its first episode
+    ages while the rest run, and ``algo.max_staleness`` must allow for that (stale groups are
+    dropped and counted).
 
 One update, top to bottom (``_update``):
   1. drop samples staler than ``max_staleness`` (masked, counted);
