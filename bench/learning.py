@@ -43,7 +43,7 @@ def run_job(mode: str, seed: int, steps: int, run_dir: Path, overrides: list[str
     """One ``rlvla3 run``; with ``target``, interrupted (SIGINT, a clean stop) once it is reached."""
     if run_dir.exists():
         shutil.rmtree(run_dir)  # a previous job's metrics must not count
-    args = [sys.executable, "-m", "rlvla3", "run", "--steps", str(steps), "--run-dir", str(run_dir),
+    args = [sys.executable, "-m", "rlvla3", "run", "synthetic.yaml", "--steps", str(steps), "--run-dir", str(run_dir),
             "--set", f"run.mode={mode}", "--set", f"run.seed={seed}", "--set", "run.progress_every_s=0.5"]
     for o in overrides:
         args += ["--set", o]

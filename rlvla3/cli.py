@@ -36,6 +36,23 @@ def _load(config: str | None, overrides: tuple[str, ...]):
         raise click.ClickException(str(exc)) from None
 
 
+def _require_simulator(cfg: Any) -> None:
+    """Fail before starting anything when the job's simulator is not installed here: an env
+    adapter module may define ``require_installed()``, which raises ModuleNotFoundError with
+    install instructions (Meta-World's does)."""
+    import importlib
+
+    module = f"workers.envs.{cfg.env.name}"
+    try:
+        check = getattr(importlib.import_module(module), "require_installed", None)
+        if check is not None:
+            check()
+    except ModuleNotFoundError as exc:
+        if exc.name == module:  # not a built-in adapter: building the env will judge
+            return
+        raise click.ClickException(f"env {cfg.env.name!r}: {exc}") from None
+
+
 # ---------------------------------------------------------------------------------------------
 # broker
 # ---------------------------------------------------------------------------------------------
@@ -195,6 +212,7 @@ def run(ctx: click.Context, config: str | None, steps: int | None, overrides: tu
     else:
         cfg = _load(config, overrides)
         folder = Path(run_dir) if run_dir else Path(cfg.run.run_dir) / f"{cfg.run.name}-{datetime.now().strftime('%Y%m%d-%H%M%S')}"
+    _require_simulator(cfg)
     total = steps or cfg.run.total_env_steps
     folder.mkdir(parents=True, exist_ok=True)
     if not resume and cfg.run.sft_episodes > 0 and not cfg.model.checkpoint:
@@ -277,6 +295,7 @@ def sft(config: str | None, out: str, episodes: int, epochs: int, lr: float, dem
     from workers.sft import run_sft
 
     cfg = _load(config, overrides)
+    _require_simulator(cfg)
     fig = run_sft(cfg, out, episodes=episodes, epochs=epochs, demos_path=demos, save_demos_to=save_demos,
                   eval_episodes=eval_episodes, lr=lr)
     click.echo(json.dumps(fig))
@@ -300,7 +319,16 @@ def _progress_row(fig: dict[str, Any], elapsed: float) -> dict[str, Any]:
         "approx_kl": tr.get("approx_kl"),
         "workers": fig.get("workers"),
         "batch_p50": (fig.get("batch_size") or {}).get("p50"),
+        **_latest_eval(fig.get("eval") or {}),
     }
+
+
+def _latest_eval(evals: dict[str, Any]) -> dict[str, Any]:
+    """The newest evaluated policy version's deterministic success (env.eval_slots), if any."""
+    if not evals:
+        return {"eval_version": None, "eval_success": None, "eval_episodes": 0}
+    v = max(evals, key=int)
+    return {"eval_version": int(v), "eval_success": evals[v].get("success"), "eval_episodes": evals[v].get("episodes", 0)}
 
 
 def _fmt(v: Any) -> str:
@@ -312,7 +340,8 @@ def _fmt(v: Any) -> str:
 def _progress_line(r: dict[str, Any]) -> str:
     return (f"[{r['elapsed_s']:7.1f}s] steps={r['env_steps']:>8} sps={_fmt(r['env_steps_per_s']):>8} "
             f"return={_fmt(r['return']):>7} success={_fmt(r['success']):>6} version={r['policy_version']:>4} "
-            f"staleness p50={_fmt(r['staleness_p50'])} max={_fmt(r['staleness_max'])} batch={_fmt(r['batch_p50'])}")
+            f"staleness p50={_fmt(r['staleness_p50'])} max={_fmt(r['staleness_max'])} batch={_fmt(r['batch_p50'])}"
+            + (f" eval(v{r['eval_version']})={_fmt(r['eval_success'])}" if r.get("eval_version") is not None else ""))
 
 
 if __name__ == "__main__":

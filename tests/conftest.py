@@ -64,7 +64,7 @@ def job_factory(tmp_path: Path):
     jobs: list[TestJob] = []
 
     def make(*overrides: str, start: bool = True) -> TestJob:
-        cfg = load(None, [*FAST, *overrides])
+        cfg = load("synthetic.yaml", [*FAST, *overrides])
         run_dir = tmp_path / f"job{len(jobs)}"
         run_dir.mkdir()
         cfg_path = run_dir / "config.yaml"

@@ -22,7 +22,7 @@ def _versions(run_dir):
 def test_resume_continues_at_same_version(tmp_path):
     run_dir = tmp_path / "run"
     sets = [a for o in QUICK for a in ("--set", o)]
-    first = _run("--steps", "1500", "--run-dir", str(run_dir), *sets)
+    first = _run("synthetic.yaml", "--steps", "1500", "--run-dir", str(run_dir), *sets)
     assert first["reason"] == "steps_reached"
     config_before = (run_dir / "config.yaml").read_text()
     latest = (run_dir / "checkpoints" / "latest").read_text().strip()

@@ -12,12 +12,12 @@ FAST_ENV = ("env.options.latency={kind: constant, mean_ms: 0.0}", "env.options.i
 
 
 def test_bc_raises_success_and_checkpoint_loads(tmp_path):
-    cfg = load(None, list(FAST_ENV))
+    cfg = load("synthetic.yaml", list(FAST_ENV))
     fig = run_sft(cfg, tmp_path / "sft", episodes=96, epochs=40, eval_episodes=24)
     assert fig["loss_last"] < fig["loss_first"]
     assert fig["success_after"] >= fig["success_before"] + 0.25, fig
 
-    warm = build_policy(load(None, [*FAST_ENV, f"model.checkpoint={tmp_path / 'sft'}"]))
+    warm = build_policy(load("synthetic.yaml", [*FAST_ENV, f"model.checkpoint={tmp_path / 'sft'}"]))
     from safetensors.torch import load_file
 
     cloned = load_file(str(tmp_path / "sft" / "model.safetensors"))
@@ -26,7 +26,7 @@ def test_bc_raises_success_and_checkpoint_loads(tmp_path):
 
 
 def test_recorded_demos_roundtrip(tmp_path):
-    cfg = load(None, [*FAST_ENV, "model.chunk_size=2"])
+    cfg = load("synthetic.yaml", [*FAST_ENV, "model.chunk_size=2"])
     demos = collect_demos(cfg, episodes=8)
     assert demos["actions"].shape[1:] == (2, 2) and demos["state"].shape[1] == 4
     assert demos["images/top"].shape[0] == demos["state"].shape[0]

@@ -415,6 +415,9 @@ class TrainerWorker(WorkerBase):
         adv, keep, stats = grpo_advantages(scores, torch.zeros(len(episodes), dtype=torch.long), self.grpo)
         if stats["groups_filtered_zero_variance"]:
             self.c.groups_filtered_zero_variance += 1
+            # Never trained on: hand the steps back to the broker's admission budget (reported as
+            # dropped), or once every group succeeds nothing is consumed and rollouts stall.
+            self.dropped_unacked += sum(f.steps for ep in episodes for f in ep)
             return
         frags = []
         for ep, a in zip(episodes, adv.tolist()):

@@ -89,6 +89,12 @@ class MetaWorldOptions:
     """Steps after which an episode is truncated (Meta-World's own limit is 500)."""
     terminate_on_success: bool = True
     """End the episode (terminated) on the first successful step."""
+    success_bonus: float = 0.0
+    """Added to the reward of an episode's first successful step (0: Meta-World's dense reward
+    only). For PPO on the dense reward: with ``terminate_on_success`` an episode ends at success,
+    so hovering short of it earns more dense reward (up to 10 per step) than reaching it; a bonus
+    of about ``10 * max_episode_steps`` makes succeeding worth more than any lingering. GRPO on
+    ``algo.grpo_reward: success`` does not need it."""
     benchmark_seed: int = 0
     """Seed of the benchmark's goal list, so goal k is the same on every machine."""
 
@@ -141,15 +147,32 @@ def camera_is_upside_down(model: Any, data: Any, camera: str) -> bool:
     return bool(up[2] < -0.1)
 
 
+INSTALL_HINT = ("Meta-World is not installed in this Python environment ({python}): install it with "
+                "`pip install -e .[metaworld]` from the repository root, or run `bash scripts/run.sh`, "
+                "which installs it and then runs `rlvla3 run`")
+
+
+def require_installed() -> None:
+    """Raise ModuleNotFoundError naming how to install Meta-World when metaworld or mujoco is
+    missing (cheap: finds the packages without importing them). ``rlvla3 run`` / ``sft`` call
+    this before starting anything."""
+    import importlib.util
+    import sys
+
+    for mod in ("mujoco", "metaworld"):
+        if importlib.util.find_spec(mod) is None:
+            raise ModuleNotFoundError(f"{mod} is missing. " + INSTALL_HINT.format(python=sys.executable), name=mod)
+
+
 def _import_metaworld() -> Any:
     ensure_mujoco_gl()
     try:
         import metaworld
     except ModuleNotFoundError as exc:
-        raise ModuleNotFoundError(
-            "metaworld is not installed: pip install 'rlvla3[metaworld]' (or .ci/install_sims.sh)",
-            name=exc.name,
-        ) from exc
+        import sys
+
+        raise ModuleNotFoundError(f"{exc.name} is missing. " + INSTALL_HINT.format(python=sys.executable),
+                                  name=exc.name) from exc
     return metaworld
 
 
@@ -191,6 +214,7 @@ class MetaWorldEnv(EnvAdapter):
             self._envs.append(env)
             self._renderers.append(_FastRenderer(env.model, env.data, o.cameras, h, w) if o.cameras else None)
         self._t = np.zeros(num_envs, np.int64)
+        self._succeeded = np.zeros(num_envs, bool)  # this episode has succeeded (success_bonus paid)
         self._raw = [np.zeros(39)] * num_envs  # last unmasked observation, for the expert
         self._experts: dict[str, Any] = {}
         log.info("metaworld_ready", benchmark=bench, tasks=sorted(set(self.task_names)), num_envs=num_envs,
@@ -224,6 +248,7 @@ class MetaWorldEnv(EnvAdapter):
                 env.seed(seed)
             raw, _ = env.reset()
             self._t[i] = 0
+            self._succeeded[i] = False
             raws.append(self._remember(i, raw))
         return self._obs(ids, raws)
 
@@ -239,6 +264,9 @@ class MetaWorldEnv(EnvAdapter):
             self._t[i] += 1
             reward[k] = r
             success[k] = bool(info.get("success", 0.0))
+            if success[k] and not self._succeeded[i]:
+                self._succeeded[i] = True
+                reward[k] += self.opts.success_bonus
             raws.append(self._remember(i, raw))
         terminated = success if self.opts.terminate_on_success else np.zeros(n, bool)
         truncated = (self._t[ids] >= self.opts.max_episode_steps) & ~terminated
