@@ -620,7 +620,9 @@ class Broker:
             "per_worker": [
                 {"name": w.name, "role": w.role, "worker_id": w.worker_id, "host": w.host, "pid": w.pid,
                  "version": w.info.get("version"), "served": w.info.get("served"), "env_steps": w.info.get("env_steps"),
-                 "credits": self.generators[w.identity].capacity if w.identity in self.generators else None}
+                 "credits": self.generators[w.identity].capacity if w.identity in self.generators else None,
+                 "inflight": len(self.generators[w.identity].inflight) if w.identity in self.generators
+                 else len(w.trajs_inflight)}
                 for w in self.workers.values()
             ],
         })

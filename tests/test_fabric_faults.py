@@ -19,11 +19,12 @@ def test_generator_killed_mid_batch_is_requeued_and_nothing_lost(job_factory):
     job.wait(lambda f: ((job.worker(f, "doomed") or {}).get("served") or 0) >= 2, 90, "doomed generator serving")
     job.start_worker("generator", "survivor")
     job.wait(lambda f: ((job.worker(f, "survivor") or {}).get("served") or 0) >= 1, 90, "survivor serving")
-    fig = job.wait(lambda f: f["batches_inflight"] >= 1, 30, "a batch in flight")
+    fig = job.wait(lambda f: ((job.worker(f, "doomed") or {}).get("inflight") or 0) >= 1, 60,
+                   "a batch in flight on the doomed generator")
     os.kill(doomed.pid, signal.SIGKILL)
-    fig = job.wait(lambda f: job.worker(f, "doomed") is None and f["requeued"] >= 1, 30, "the dead generator's batch requeued")
+    fig = job.wait(lambda f: job.worker(f, "doomed") is None and f["requeued"] >= 1, 60, "the dead generator's batch requeued")
     before = fig["env_steps"]
-    fig = job.wait(lambda f: f["env_steps"] > before + 200 and f["traj"]["acked"] >= 4, 60, "stepping on without it")
+    fig = job.wait(lambda f: f["env_steps"] > before + 200 and f["traj"]["acked"] >= 4, 120, "stepping on without it")
     # Every simulator slot still progresses (none stuck waiting for the lost batch) ...
     sims = [w for w in fig["per_worker"] if w["role"] == "simulator"]
     assert sims and all((w["env_steps"] or 0) > 0 for w in sims)
