@@ -6,7 +6,7 @@ VENV="$(bash "$HERE/scripts/bootstrap.sh" | tail -n 1)"
 cd "$HERE"
 export MUJOCO_GL="${MUJOCO_GL:-egl}" PYOPENGL_PLATFORM="${PYOPENGL_PLATFORM:-egl}"
 set +e
-"$VENV/bin/python" -m pytest -q -ra "$@"
+"$VENV/bin/python" -m pytest -q -ra --durations=20 "$@"
 rc=$?
 set -e
 if [[ $rc -eq 5 ]]; then
