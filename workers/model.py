@@ -43,18 +43,38 @@ def build_policy(cfg: JobConfig, spec: EnvSpec | None = None, device: str | None
         if "chunk_size" in fields:
             options.setdefault("chunk_size", cfg.model.chunk_size)
     torch.manual_seed(cfg.run.seed)
-    if cfg.model.checkpoint:
-        cls = type(make_policy(fam, options, spec)) if fam != "mlp" else None
-        if cls is not None and hasattr(cls, "from_pretrained"):
-            policy = cls.from_pretrained(cfg.model.checkpoint, spec, **options)
-        else:
-            policy = make_policy(fam, options, spec)
-            load_checkpoint_weights(policy, cfg.model.checkpoint)
+    if cfg.model.checkpoint and not _is_rlvla3_checkpoint(cfg.model.checkpoint):
+        # A released checkpoint (safetensors + config + tokenizer): the family's own loader.
+        policy = policy_class(fam).from_pretrained(cfg.model.checkpoint, spec, **options)
     else:
         policy = make_policy(fam, options, spec)
+        if cfg.model.checkpoint:  # an rlvla3 checkpoint or run folder (sft warm start, resume)
+            load_checkpoint_weights(policy, cfg.model.checkpoint)
     dev = resolve_device(cfg, device)
     policy.to(device=dev, dtype=resolve_dtype(cfg, dev))
     return policy
+
+
+def policy_class(family: str) -> type[Policy]:
+    """The Policy subclass of a family, found without building a model."""
+    _import_builtin_policies(family)
+    todo = list(Policy.__subclasses__())
+    while todo:
+        cls = todo.pop()
+        if getattr(cls, "family", None) == family:
+            return cls
+        todo.extend(cls.__subclasses__())
+    raise ValueError(f"no Policy class for family {family!r}")
+
+
+def _is_rlvla3_checkpoint(path: str) -> bool:
+    """Our own layout: a checkpoint folder (model.safetensors + state.json), a run folder with
+    checkpoints/latest, or a bare model.safetensors file."""
+    from pathlib import Path
+
+    p = Path(path)
+    return (p.is_file() and p.suffix == ".safetensors") or (p / "state.json").is_file() \
+        or (p / "checkpoints" / "latest").is_file() or ((p / "model.safetensors").is_file() and not (p / "config.json").is_file())
 
 
 def load_checkpoint_weights(policy: Policy, path: str) -> None:
@@ -64,7 +84,10 @@ def load_checkpoint_weights(policy: Policy, path: str) -> None:
     from safetensors.torch import load_file
 
     p = Path(path)
-    candidates = [p] if p.is_file() else [p / "model.safetensors", p / "checkpoints" / "latest" / "model.safetensors"]
+    candidates = [p] if p.is_file() else [p / "model.safetensors"]
+    latest = p / "checkpoints" / "latest"
+    if latest.is_file():  # a pointer file naming the newest checkpoint folder
+        candidates.append(p / "checkpoints" / latest.read_text().strip() / "model.safetensors")
     for c in candidates:
         if c.is_file():
             policy.load_state_dict(load_file(str(c)))
