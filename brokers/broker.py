@@ -301,8 +301,9 @@ class Broker:
                                                        "error": str(msg["error"])[:300]}))
             return
         self.stats.generate_us.record_value(max(1, int((now - sent_at) * 1e6)))
+        per_request = P.by_request(msg.tensors)
         for i, req in enumerate(reqs):
-            tensors = P.split_prefixed(msg.tensors, f"r{i}/")
+            tensors = per_request.get(i, {})
             if req.sim not in self.workers:
                 continue  # its simulator left; nothing to deliver
             fields = {

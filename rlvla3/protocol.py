@@ -372,5 +372,16 @@ def split_prefixed(tensors: dict[str, Any], prefix: str) -> dict[str, Any]:
     return {k[n:]: v for k, v in tensors.items() if k.startswith(prefix)}
 
 
+def by_request(tensors: dict[str, Any]) -> dict[int, dict[str, Any]]:
+    """Group BATCH/RESULT tensors named ``r{i}/name`` by request index, in one pass."""
+    out: dict[int, dict[str, Any]] = {}
+    for key, value in tensors.items():
+        head, sep, name = key.partition("/")
+        if not sep or head[:1] != "r" or not head[1:].isdigit():
+            raise ProtocolError(E_TENSOR, f"tensor {key!r} is not named r<index>/<name>")
+        out.setdefault(int(head[1:]), {})[name] = value
+    return out
+
+
 def iter_type_names() -> Iterable[str]:
     return iter(MESSAGE_TYPES)

@@ -128,7 +128,7 @@ class GeneratorWorker(WorkerBase):
             # the current one finishes (its slots do not rewrite their observations before ACT).
             try:
                 obs, sizes, det = self._gather(msg)
-            except (KeyError, ValueError) as err:
+            except (KeyError, ValueError, P.ProtocolError) as err:
                 log.error("batch_unreadable", batch_id=msg["batch_id"], error=str(err))
                 self.send(P.RESULT, {"batch_id": msg["batch_id"], "version": self.version, "error": str(err)})
                 return
@@ -157,8 +157,9 @@ class GeneratorWorker(WorkerBase):
 
     def _gather(self, msg: P.Message) -> tuple[dict[str, Any], list[int], np.ndarray]:
         parts, sizes, det = [], [], []
+        per_request = P.by_request(msg.tensors)
         for i, req in enumerate(msg["requests"]):
-            t = P.split_prefixed(msg.tensors, f"r{i}/")
+            t = per_request.get(i, {})
             images = {k[len("images/"):]: self.attach.materialize(v) for k, v in t.items() if k.startswith("images/")}
             state = self.attach.materialize(t["state"])
             n = int(req["n"])
