@@ -76,3 +76,35 @@ def test_status_json_and_worker_count(job_factory):
     sims.terminate()
     sims.wait(20)
     job.wait(lambda f: f["workers"]["simulator"] == 0, 30, "the supervisor stopping both children")
+
+
+@pytest.mark.slow
+def test_ctrl_c_stops_every_process(tmp_path: Path):
+    import os
+    import signal
+    import time
+
+    run_dir = tmp_path / "run"
+    proc = subprocess.Popen([sys.executable, "-m", "rlvla3", "run", "synthetic.yaml", "--steps", "10000000",
+                             "--run-dir", str(run_dir), "--set", "run.progress_every_s=0.5",
+                             "--set", "workers.simulators=1"], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    try:
+        deadline = time.monotonic() + 120
+        while time.monotonic() < deadline:  # poll the metrics file for progress
+            rows = (run_dir / "metrics.jsonl").read_text().splitlines() if (run_dir / "metrics.jsonl").exists() else []
+            if rows and json.loads(rows[-1])["env_steps"] > 100:
+                break
+            time.sleep(0.2)
+        else:
+            raise AssertionError("no progress before Ctrl-C")
+        pids = [json.loads((run_dir / "broker.json").read_text())["pid"]]
+        proc.send_signal(signal.SIGINT)
+        out, err = proc.communicate(timeout=60)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    summary = json.loads(out.strip().splitlines()[-1])
+    assert summary["reason"] == "interrupted" and summary["shm_leftovers"] == 0
+    for pid in pids:
+        with pytest.raises(ProcessLookupError):
+            os.kill(pid, 0)
