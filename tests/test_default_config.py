@@ -28,6 +28,10 @@ def test_default_config_is_metaworld_sft_then_grpo():
     assert cfg.algo.name == "grpo" and cfg.algo.grpo_reward == "success"
     assert cfg.algo.group_size == cfg.env.group_size == 4
     assert cfg.env.eval_slots >= 1 and cfg.env.eval_every > 0
+    # parallel GRPO groups are neighbouring envs: none may straddle into an evaluation slot,
+    # or it never completes and its steps hold the admission budget until rollouts stall
+    per_slot = cfg.env.num_envs // cfg.env.slots
+    assert cfg.env.group_mode != "parallel" or per_slot % cfg.env.group_size == 0
     # the synthetic config stays reachable by its packaged name from any working directory
     cwd = os.getcwd()
     try:
