@@ -150,7 +150,9 @@ class Broker:
         timeout = self.hb_s
         held = self.training_pause or (self.admission is not None and self.admission.capacity() <= 0)
         oldest = None if held else self.queue.oldest_arrival()
-        if oldest is not None and any(g.free > 0 for g in self.generators.values()):
+        # Only an idle generator is served on the wait deadline (a busy one takes full batches,
+        # which only a new request can make): otherwise the loop would spin past the deadline.
+        if oldest is not None and any(g.free > 0 and not g.inflight for g in self.generators.values()):
             timeout = min(timeout, max(0.0, oldest + self.rule.max_wait_s - time.monotonic()))
         return max(0, int(timeout * 1000))
 
@@ -377,8 +379,7 @@ class Broker:
             self.stats.trainer = stats
             for s, c in (stats.get("staleness_counts") or {}).items():
                 try:
-                    for _ in range(min(int(c), 100_000)):
-                        self.stats.staleness.record_value(max(1, int(s) + 1))  # +1: hdr has no 0
+                    self.stats.staleness.record_value(max(1, int(s) + 1), max(0, int(c)))  # +1: hdr has no 0
                 except (TypeError, ValueError):
                     pass
 
