@@ -287,9 +287,12 @@ def validate(cfg: JobConfig) -> None:
         raise ConfigError(f"env.eval_slots ({cfg.env.eval_slots}) must leave at least one training slot of env.slots ({cfg.env.slots})")
     if cfg.env.group_mode not in ("parallel", "sequential"):
         raise ConfigError(f"env.group_mode: {cfg.env.group_mode!r} not in ('parallel', 'sequential')")
-    if cfg.env.group_mode == "parallel" and cfg.env.group_size > 1 and cfg.env.num_envs % cfg.env.group_size:
-        raise ConfigError(f"env.num_envs ({cfg.env.num_envs}) must be a multiple of env.group_size "
-                          f"({cfg.env.group_size}) with env.group_mode=parallel")
+    training_envs = cfg.env.num_envs - cfg.env.eval_slots * (cfg.env.num_envs // max(cfg.env.slots, 1))
+    if cfg.env.group_mode == "parallel" and cfg.env.group_size > 1 and training_envs % cfg.env.group_size:
+        # A group whose envs reach into an evaluation slot would never complete.
+        raise ConfigError(f"the training envs of a simulator (env.num_envs minus the eval slots' envs: "
+                          f"{training_envs}) must be a multiple of env.group_size ({cfg.env.group_size}) "
+                          f"with env.group_mode=parallel")
     if cfg.env.parallel not in ("thread", "process"):
         raise ConfigError(f"env.parallel: {cfg.env.parallel!r} not in ('thread', 'process')")
     if cfg.batching.assignment not in ("dynamic", "sticky"):
