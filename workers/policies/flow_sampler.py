@@ -22,11 +22,15 @@ Only the first ``score_dims`` action dims get noise and are scored (checkpoints 
 from __future__ import annotations
 
 import math
+from abc import abstractmethod
 from dataclasses import dataclass
-from typing import Callable
+from typing import Any, Callable
 
 import torch
 from torch import nn
+
+from workers.envs.base import Obs
+from workers.policies.base import ActOutput, EvalOutput, Policy
 
 MODES = ("ode", "sde", "noise")
 
@@ -190,3 +194,39 @@ class FlowOptions:
             noise_std_min=self.noise_std_min,
             noise_std_max=self.noise_std_max,
         )
+
+
+class FlowPolicy(Policy):
+    """``act`` / ``evaluate`` of the flow-matching families (pi0, pi0.5, GR00T).
+
+    A family builds ``self.sampler`` and ``self.model_action_dim`` and supplies ``_context`` (the
+    observation encoded once, with the critic's ``"value"`` ``[B]``) and ``_velocity_fn`` (the
+    velocity the sampler integrates). ``act`` samples a chain from noise; ``evaluate`` replays it.
+    """
+
+    logprob_level = "action"
+    sampler: FlowSampler
+    model_action_dim: int
+
+    @abstractmethod
+    def _context(self, obs: Obs) -> dict[str, Any]:
+        """Per-observation tensors every denoising step reads, including ``"value"``."""
+
+    @abstractmethod
+    def _velocity_fn(self, ctx: dict[str, Any]) -> VelocityFn:
+        """The velocity ``v(x_t, t)`` (pi0's time convention) given the context."""
+
+    def act(self, obs: Obs, deterministic: bool = False) -> ActOutput:
+        with torch.no_grad():
+            ctx = self._context(obs)
+            shape = (ctx["value"].shape[0], self.chunk_size, self.model_action_dim)
+            x0 = torch.zeros(shape, device=self.device) if deterministic else torch.randn(shape, device=self.device)
+            res = self.sampler.sample(self._velocity_fn(ctx), x0, deterministic)
+        return ActOutput(actions=res.actions[..., : self.action_dim].contiguous(), logprob=res.logprob,
+                         value=ctx["value"], replay={"chain": res.chain, "stochastic": res.mask})
+
+    def evaluate(self, obs: Obs, actions: torch.Tensor, replay: dict[str, torch.Tensor]) -> EvalOutput:
+        ctx = self._context(obs)
+        chain = replay["chain"].to(self.device).clone()  # clone: may come from inference_mode
+        lp, ent = self.sampler.score(self._velocity_fn(ctx), chain, replay["stochastic"].to(self.device))
+        return EvalOutput(logprob=lp, entropy=ent, value=ctx["value"])

@@ -21,21 +21,20 @@ import torch.nn.functional as F
 from torch import nn
 
 from workers.envs.base import EnvSpec, Obs
-from workers.policies.base import ActOutput, EvalOutput, Policy, register_policy
-from workers.policies.flow_sampler import FlowOptions, FlowSampler
+from workers.policies.base import Policy, register_policy
+from workers.policies.flow_sampler import FlowOptions, FlowPolicy, FlowSampler
 from workers.policies.vla_common import (
+    SIGLIP_SO400M,
+    TINY_VIT,
+    ReleaseCheckpointMixin,
     VLAOptions,
     ValueHead,
     char_tokenizer,
     encode_text,
-    load_mapped,
     masked_mean,
-    options_from_config,
     pick_cameras,
     place,
     preprocess_images,
-    read_local,
-    save_local,
     seeded_init,
     sinusoid,
     state_tensor,
@@ -45,7 +44,7 @@ SIZES: dict[str, dict[str, Any]] = {
     "tiny": {
         "image_size": 32,
         "patch_size": 8,
-        "vision": dict(hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=2),
+        "vision": TINY_VIT,
         "llm": dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
                     num_key_value_heads=2, head_dim=16, vocab_size=128),
         "dit": dict(hidden=64, heads=4, layers=4, future_tokens=4),
@@ -56,7 +55,7 @@ SIZES: dict[str, dict[str, Any]] = {
     "3b": {
         "image_size": 224,
         "patch_size": 14,
-        "vision": dict(hidden_size=1152, intermediate_size=4304, num_hidden_layers=27, num_attention_heads=16),
+        "vision": SIGLIP_SO400M,
         "llm": dict(hidden_size=2048, intermediate_size=6144, num_hidden_layers=12, num_attention_heads=16,
                     num_key_value_heads=8, head_dim=128, vocab_size=151936),
         "dit": dict(hidden=1536, heads=32, layers=16, future_tokens=32),
@@ -170,9 +169,11 @@ class FlowMatchingHead(nn.Module):
         return self.action_decoder(h), h
 
 
-class Gr00tPolicy(Policy):
+class Gr00tPolicy(ReleaseCheckpointMixin, FlowPolicy):
     family = "gr00t_n15"
-    logprob_level = "action"
+    OPTIONS = Gr00tOptions
+    RELEASE_RULES = RELEASE_RULES
+    FRESH = FRESH
 
     def __init__(self, opts: Gr00tOptions, spec: EnvSpec, tokenizer: Any = None) -> None:
         from transformers import Qwen3Config, Qwen3Model, SiglipVisionConfig, SiglipVisionModel
@@ -235,32 +236,6 @@ class Gr00tPolicy(Policy):
             return -v.float(), h
 
         return velocity
-
-    def act(self, obs: Obs, deterministic: bool = False) -> ActOutput:
-        with torch.no_grad():
-            ctx = self._context(obs)
-            shape = (ctx["state"].shape[0], self.chunk_size, self.model_action_dim)
-            x0 = torch.zeros(shape, device=self.device) if deterministic else torch.randn(shape, device=self.device)
-            res = self.sampler.sample(self._velocity_fn(ctx), x0, deterministic)
-        return ActOutput(actions=res.actions[..., : self.action_dim].contiguous(), logprob=res.logprob,
-                         value=ctx["value"], replay={"chain": res.chain, "stochastic": res.mask})
-
-    def evaluate(self, obs: Obs, actions: torch.Tensor, replay: dict[str, torch.Tensor]) -> EvalOutput:
-        ctx = self._context(obs)
-        chain = replay["chain"].to(self.device).clone()  # clone: may come from inference_mode
-        lp, ent = self.sampler.score(self._velocity_fn(ctx), chain, replay["stochastic"].to(self.device))
-        return EvalOutput(logprob=lp, entropy=ent, value=ctx["value"])
-
-    def save_pretrained(self, local_dir: str) -> None:
-        save_local(self, local_dir, self.family, self.opts, self.tokenizer, RELEASE_RULES)
-
-    @classmethod
-    def from_pretrained(cls, local_dir: str, spec: EnvSpec, **overrides: Any) -> "Gr00tPolicy":
-        ck = read_local(local_dir, cls.family)
-        opts = options_from_config(ck.config, Gr00tOptions, cls.family, overrides)
-        policy = cls(opts, spec, tokenizer=ck.tokenizer)
-        load_mapped(policy, ck.state_dict, RELEASE_RULES, FRESH, cls.family)
-        return policy
 
 
 @register_policy("gr00t_n15", config=Gr00tOptions)

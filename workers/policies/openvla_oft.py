@@ -24,18 +24,17 @@ from torch import nn
 from workers.envs.base import EnvSpec, Obs
 from workers.policies.base import ActOutput, EvalOutput, Policy, register_policy
 from workers.policies.vla_common import (
+    SIGLIP_SO400M,
+    TINY_VIT,
+    ReleaseCheckpointMixin,
     VLAOptions,
     ValueHead,
     char_tokenizer,
     encode_text,
     freeze,
-    load_mapped,
-    options_from_config,
     pick_cameras,
     place,
     preprocess_images,
-    read_local,
-    save_local,
     seeded_init,
     state_tensor,
 )
@@ -44,8 +43,8 @@ SIZES: dict[str, dict[str, Any]] = {
     "tiny": {
         "image_size": 32,
         "patch_size": 8,
-        "siglip": dict(hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=2),
-        "dinov2": dict(hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=2),
+        "siglip": TINY_VIT,
+        "dinov2": TINY_VIT,
         "llm": dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
                     num_key_value_heads=2, vocab_size=160),
     },
@@ -53,7 +52,7 @@ SIZES: dict[str, dict[str, Any]] = {
     "7b": {
         "image_size": 224,
         "patch_size": 14,
-        "siglip": dict(hidden_size=1152, intermediate_size=4304, num_hidden_layers=27, num_attention_heads=16),
+        "siglip": SIGLIP_SO400M,
         "dinov2": dict(hidden_size=1024, intermediate_size=4096, num_hidden_layers=24, num_attention_heads=16),
         "llm": dict(hidden_size=4096, intermediate_size=11008, num_hidden_layers=32, num_attention_heads=32,
                     num_key_value_heads=32, vocab_size=32064),
@@ -85,9 +84,12 @@ class OpenVLAOFTOptions(VLAOptions):
     """Sampling temperature of the action-token distribution (log-probs use the same one)."""
 
 
-class OpenVLAOFTPolicy(Policy):
+class OpenVLAOFTPolicy(ReleaseCheckpointMixin, Policy):
     family = "openvla_oft"
     logprob_level = "token"
+    OPTIONS = OpenVLAOFTOptions
+    RELEASE_RULES = RELEASE_RULES
+    FRESH = FRESH
 
     def __init__(self, opts: OpenVLAOFTOptions, spec: EnvSpec, tokenizer: Any = None) -> None:
         from transformers import Dinov2Config, Dinov2Model, LlamaConfig, LlamaForCausalLM, SiglipVisionConfig, SiglipVisionModel
@@ -187,19 +189,6 @@ class OpenVLAOFTPolicy(Policy):
     def action_token_ids(self, bins: torch.Tensor) -> torch.Tensor:
         """Vocabulary ids of action bins (for logging / SFT): the last ``n_bins`` ids."""
         return self.llm.config.vocab_size - self.opts.n_bins + bins
-
-    # -- checkpoints --------------------------------------------------------------------------------
-
-    def save_pretrained(self, local_dir: str) -> None:
-        save_local(self, local_dir, self.family, self.opts, self.tokenizer, RELEASE_RULES)
-
-    @classmethod
-    def from_pretrained(cls, local_dir: str, spec: EnvSpec, **overrides: Any) -> "OpenVLAOFTPolicy":
-        ck = read_local(local_dir, cls.family)
-        opts = options_from_config(ck.config, OpenVLAOFTOptions, cls.family, overrides)
-        policy = cls(opts, spec, tokenizer=ck.tokenizer)
-        load_mapped(policy, ck.state_dict, RELEASE_RULES, FRESH, cls.family)
-        return policy
 
 
 @register_policy("openvla_oft", config=OpenVLAOFTOptions)

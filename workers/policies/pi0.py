@@ -19,21 +19,21 @@ import torch
 from torch import nn
 
 from workers.envs.base import EnvSpec, Obs
-from workers.policies.base import ActOutput, EvalOutput, Policy, register_policy
-from workers.policies.flow_sampler import FlowOptions, FlowSampler
+from workers.policies.base import Policy, register_policy
+from workers.policies.flow_sampler import FlowOptions, FlowPolicy, FlowSampler
 from workers.policies.vla_common import (
+    SIGLIP_SO400M,
+    TINY_VIT,
+    ReleaseCheckpointMixin,
     VLAOptions,
     ValueHead,
     char_tokenizer,
     encode_text,
     freeze,
-    load_mapped,
-    options_from_config,
     pick_cameras,
     place,
     preprocess_images,
     read_local,
-    save_local,
     seeded_init,
     state_tensor,
 )
@@ -43,7 +43,7 @@ SIZES: dict[str, dict[str, Any]] = {
     "tiny": {
         "image_size": 32,
         "patch_size": 8,
-        "vision": dict(hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=2),
+        "vision": TINY_VIT,
         "text": dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=2,
                      num_key_value_heads=1, head_dim=32, vocab_size=128),
         "expert": dict(hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=2,
@@ -54,7 +54,7 @@ SIZES: dict[str, dict[str, Any]] = {
     "3b": {
         "image_size": 224,
         "patch_size": 14,
-        "vision": dict(hidden_size=1152, intermediate_size=4304, num_hidden_layers=27, num_attention_heads=16),
+        "vision": SIGLIP_SO400M,
         "text": dict(hidden_size=2048, intermediate_size=16384, num_hidden_layers=18, num_attention_heads=8,
                      num_key_value_heads=1, head_dim=256, vocab_size=257152),
         "expert": dict(hidden_size=1024, intermediate_size=4096, num_hidden_layers=18, num_attention_heads=8,
@@ -107,11 +107,13 @@ def build_pi0_config(size: str, spec: EnvSpec, chunk_size: int, num_steps: int) 
     )
 
 
-class Pi0Policy(Policy):
+class Pi0Policy(ReleaseCheckpointMixin, FlowPolicy):
     """pi0 with a stochastic sampler; log-probs per action step (summed over dims and steps)."""
 
     family = "pi0"
-    logprob_level = "action"
+    OPTIONS = Pi0Options
+    RELEASE_RULES = RELEASE_RULES
+    FRESH = FRESH
 
     def __init__(self, opts: Pi0Options, spec: EnvSpec, pi0_config: Any = None, tokenizer: Any = None) -> None:
         from transformers import PI0ForConditionalGeneration
@@ -168,7 +170,9 @@ class Pi0Policy(Policy):
             use_cache=True,
         )
         state = state_tensor(obs, self.state_dim, dev).to(dt)
-        return {"cache": out.cache, "mask": mask, "state": state, "prefix_len": out.cache.get_seq_length()}
+        ctx = {"cache": out.cache, "mask": mask, "state": state, "prefix_len": out.cache.get_seq_length()}
+        ctx["value"] = self._value(ctx)
+        return ctx
 
     def _expert(self, ctx: dict[str, Any], suffix: torch.Tensor) -> torch.Tensor:
         out = self.pi0.model(action_embeds=suffix, attention_mask=ctx["mask"], cache=ctx["cache"])
@@ -190,53 +194,28 @@ class Pi0Policy(Policy):
 
         return velocity
 
-    # -- the policy contract ----------------------------------------------------------------------
-
-    def act(self, obs: Obs, deterministic: bool = False) -> ActOutput:
-        with torch.no_grad():
-            ctx = self._context(obs)
-            value = self._value(ctx)
-            b = value.shape[0]
-            shape = (b, self.chunk_size, self.model_action_dim)
-            x0 = torch.zeros(shape, device=self.device) if deterministic else torch.randn(shape, device=self.device)
-            res = self.sampler.sample(self._velocity_fn(ctx), x0, deterministic)
-        return ActOutput(
-            actions=res.actions[..., : self.action_dim].contiguous(),
-            logprob=res.logprob,
-            value=value,
-            replay={"chain": res.chain, "stochastic": res.mask},
-        )
-
-    def evaluate(self, obs: Obs, actions: torch.Tensor, replay: dict[str, torch.Tensor]) -> EvalOutput:
-        ctx = self._context(obs)
-        value = self._value(ctx)
-        chain = replay["chain"].to(self.device).clone()  # clone: may come from inference_mode
-        lp, ent = self.sampler.score(self._velocity_fn(ctx), chain, replay["stochastic"].to(self.device))
-        return EvalOutput(logprob=lp, entropy=ent, value=value)
-
     # -- checkpoints --------------------------------------------------------------------------------
 
-    def save_pretrained(self, local_dir: str) -> None:
-        """Write a transformers-format pi0 directory (plus our RL heads and options)."""
-        extra = self.pi0.config.to_dict()
-        save_local(self, local_dir, self.family, self.opts, self.tokenizer, RELEASE_RULES, extra)
+    def _release_config(self) -> dict[str, Any]:
+        """A transformers-format pi0 directory: its ``PI0Config`` leads ``config.json``."""
+        return self.pi0.config.to_dict()
 
     @classmethod
-    def from_pretrained(cls, local_dir: str, spec: EnvSpec, **overrides: Any) -> "Pi0Policy":
-        """Load a local transformers-format pi0 release (``config.json`` with ``model_type: pi0``)."""
-        from transformers import PI0Config
-
+    def _read_release(cls, local_dir: str) -> Any:
+        """A local transformers-format pi0 release (``config.json`` with ``model_type: pi0``)."""
         ck = read_local(local_dir, cls.family)
         if ck.config.get("model_type") != "pi0":
             raise ValueError(f"pi0: {local_dir}/config.json is not a pi0 config (model_type={ck.config.get('model_type')!r})")
-        opts = options_from_config(ck.config, Pi0Options, cls.family, overrides)
-        pcfg_dict = {k: v for k, v in ck.config.items() if k not in ("rlvla3_family", "options")}
-        pcfg = PI0Config.from_dict(pcfg_dict)
+        return ck
+
+    @classmethod
+    def _build_loaded(cls, ck: Any, opts: Pi0Options, spec: EnvSpec, overrides: dict[str, Any]) -> "Pi0Policy":
+        from transformers import PI0Config
+
+        pcfg = PI0Config.from_dict({k: v for k, v in ck.config.items() if k not in ("rlvla3_family", "options")})
         if "chunk_size" not in overrides and "options" not in ck.config:
-            opts.chunk_size = pcfg.chunk_size
-        policy = cls(opts, spec, pi0_config=pcfg, tokenizer=ck.tokenizer)
-        load_mapped(policy, ck.state_dict, RELEASE_RULES, FRESH, cls.family)
-        return policy
+            opts.chunk_size = pcfg.chunk_size  # a plain release: its chunk size
+        return cls(opts, spec, pi0_config=pcfg, tokenizer=ck.tokenizer)
 
 
 @register_policy("pi0", config=Pi0Options)

@@ -20,25 +20,22 @@ import torch.nn.functional as F
 from torch import nn
 
 from workers.envs.base import EnvSpec, Obs
-from workers.policies.base import ActOutput, EvalOutput, Policy, register_policy
-from workers.policies.flow_sampler import FlowOptions, FlowSampler
+from workers.policies.base import Policy, register_policy
+from workers.policies.flow_sampler import FlowOptions, FlowPolicy, FlowSampler
 from workers.policies.pi0 import IMAGE_MEAN, IMAGE_STD
 from workers.policies.pi0 import SIZES as PI0_SIZES
 from workers.policies.vla_common import (
+    ReleaseCheckpointMixin,
     VLAOptions,
     ValueHead,
     char_tokenizer,
     discretize_state,
     encode_text,
     freeze,
-    load_mapped,
     masked_mean,
-    options_from_config,
     pick_cameras,
     place,
     preprocess_images,
-    read_local,
-    save_local,
     seeded_init,
     sinusoid,
     state_tensor,
@@ -111,9 +108,11 @@ def _configs(size: str) -> tuple[Any, Any]:
     return vlm, expert
 
 
-class Pi05Policy(Policy):
+class Pi05Policy(ReleaseCheckpointMixin, FlowPolicy):
     family = "pi05"
-    logprob_level = "action"
+    OPTIONS = Pi05Options
+    RELEASE_RULES = RELEASE_RULES
+    FRESH = FRESH
 
     def __init__(self, opts: Pi05Options, spec: EnvSpec, tokenizer: Any = None) -> None:
         from transformers import AutoModel
@@ -190,33 +189,6 @@ class Pi05Policy(Policy):
             return self.action_out_proj(out).float(), out
 
         return velocity
-
-    def act(self, obs: Obs, deterministic: bool = False) -> ActOutput:
-        with torch.no_grad():
-            ctx = self._context(obs)
-            b = ctx["value"].shape[0]
-            shape = (b, self.chunk_size, self.model_action_dim)
-            x0 = torch.zeros(shape, device=self.device) if deterministic else torch.randn(shape, device=self.device)
-            res = self.sampler.sample(self._velocity_fn(ctx), x0, deterministic)
-        return ActOutput(actions=res.actions[..., : self.action_dim].contiguous(), logprob=res.logprob,
-                         value=ctx["value"], replay={"chain": res.chain, "stochastic": res.mask})
-
-    def evaluate(self, obs: Obs, actions: torch.Tensor, replay: dict[str, torch.Tensor]) -> EvalOutput:
-        ctx = self._context(obs)
-        chain = replay["chain"].to(self.device).clone()  # clone: may come from inference_mode
-        lp, ent = self.sampler.score(self._velocity_fn(ctx), chain, replay["stochastic"].to(self.device))
-        return EvalOutput(logprob=lp, entropy=ent, value=ctx["value"])
-
-    def save_pretrained(self, local_dir: str) -> None:
-        save_local(self, local_dir, self.family, self.opts, self.tokenizer, RELEASE_RULES)
-
-    @classmethod
-    def from_pretrained(cls, local_dir: str, spec: EnvSpec, **overrides: Any) -> "Pi05Policy":
-        ck = read_local(local_dir, cls.family)
-        opts = options_from_config(ck.config, Pi05Options, cls.family, overrides)
-        policy = cls(opts, spec, tokenizer=ck.tokenizer)
-        load_mapped(policy, ck.state_dict, RELEASE_RULES, FRESH, cls.family)
-        return policy
 
 
 @register_policy("pi05", config=Pi05Options)

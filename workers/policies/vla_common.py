@@ -12,7 +12,7 @@ import json
 import os
 import re
 from dataclasses import dataclass
-from typing import Any, Iterable, Sequence
+from typing import Any, ClassVar, Iterable, Sequence
 
 import numpy as np
 import torch
@@ -292,6 +292,42 @@ def options_from_config(config: dict[str, Any], cfg_cls: type, family: str, over
     return cfg_cls(**opts)
 
 
+class ReleaseCheckpointMixin:
+    """``save_pretrained`` / ``from_pretrained`` of a family whose release names map onto ours by
+    ``RELEASE_RULES``; ``FRESH`` names the RL additions a release lacks. Put it before ``Policy``
+    in the bases so these override the contract's defaults."""
+
+    OPTIONS: ClassVar[type]
+    """The family's options dataclass (``config.json``'s ``options``)."""
+    RELEASE_RULES: ClassVar[Sequence[tuple[str, str]]] = ()
+    FRESH: ClassVar[Sequence[str]] = ()
+
+    def _release_config(self) -> dict[str, Any] | None:
+        """Extra ``config.json`` entries (a release's own model config), if the family has any."""
+        return None
+
+    def save_pretrained(self, local_dir: str) -> None:
+        save_local(self, local_dir, self.family, self.opts, self.tokenizer, self.RELEASE_RULES,  # type: ignore[attr-defined,arg-type]
+                   self._release_config())
+
+    @classmethod
+    def _read_release(cls, local_dir: str) -> LocalCheckpoint:
+        return read_local(local_dir, cls.family)  # type: ignore[attr-defined]
+
+    @classmethod
+    def _build_loaded(cls, ck: LocalCheckpoint, opts: Any, spec: EnvSpec, overrides: dict[str, Any]) -> Any:
+        """The policy to load ``ck``'s weights into."""
+        return cls(opts, spec, tokenizer=ck.tokenizer)  # type: ignore[call-arg]
+
+    @classmethod
+    def from_pretrained(cls, local_dir: str, spec: EnvSpec, **overrides: Any) -> Any:
+        ck = cls._read_release(local_dir)
+        opts = options_from_config(ck.config, cls.OPTIONS, cls.family, overrides)  # type: ignore[attr-defined]
+        policy = cls._build_loaded(ck, opts, spec, overrides)
+        load_mapped(policy, ck.state_dict, cls.RELEASE_RULES, cls.FRESH, cls.family)  # type: ignore[attr-defined]
+        return policy
+
+
 def freeze(params: Iterable[nn.Parameter]) -> None:
     """Freeze parameters the RL path never reads, so 'trainable' means 'receives a gradient'."""
     for p in params:
@@ -301,6 +337,12 @@ def freeze(params: Iterable[nn.Parameter]) -> None:
 # ---------------------------------------------------------------------------------------------
 # Options every family shares
 # ---------------------------------------------------------------------------------------------
+
+
+# Vision-tower presets the families share (SigLIP, and OpenVLA's DINOv2 at the tiny size).
+TINY_VIT = dict(hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=2)
+SIGLIP_SO400M = dict(hidden_size=1152, intermediate_size=4304, num_hidden_layers=27, num_attention_heads=16)
+"""SigLIP So400m/14, the vision tower of the released pi0, pi0.5, GR00T N1.5 and OpenVLA."""
 
 
 @dataclass
