@@ -37,6 +37,7 @@ from workers.policies.vla_common import (
     preprocess_images,
     seeded_init,
     sinusoid,
+    size_preset,
     state_tensor,
 )
 
@@ -179,9 +180,7 @@ class Gr00tPolicy(ReleaseCheckpointMixin, FlowPolicy):
         from transformers import Qwen3Config, Qwen3Model, SiglipVisionConfig, SiglipVisionModel
 
         super().__init__(spec, opts.chunk_size)
-        if opts.size not in SIZES:
-            raise ValueError(f"gr00t_n15: unknown size {opts.size!r}; known: {sorted(SIZES)}")
-        a = SIZES[opts.size]
+        a = size_preset(self.family, SIZES, opts.size)
         self.opts = opts
         self.cameras = pick_cameras(spec, opts.cameras, opts.max_cameras)
         self.image_size = a["image_size"]

@@ -36,6 +36,7 @@ from workers.policies.vla_common import (
     place,
     preprocess_images,
     seeded_init,
+    size_preset,
     state_tensor,
 )
 
@@ -95,9 +96,7 @@ class OpenVLAOFTPolicy(ReleaseCheckpointMixin, Policy):
         from transformers import Dinov2Config, Dinov2Model, LlamaConfig, LlamaForCausalLM, SiglipVisionConfig, SiglipVisionModel
 
         super().__init__(spec, opts.chunk_size)
-        if opts.size not in SIZES:
-            raise ValueError(f"openvla_oft: unknown size {opts.size!r}; known: {sorted(SIZES)}")
-        a = SIZES[opts.size]
+        a = size_preset(self.family, SIZES, opts.size)
         self.opts = opts
         self.cameras = pick_cameras(spec, opts.cameras, opts.max_cameras)
         self.image_size = a["image_size"]

@@ -35,6 +35,7 @@ from workers.policies.vla_common import (
     preprocess_images,
     read_local,
     seeded_init,
+    size_preset,
     state_tensor,
 )
 
@@ -84,9 +85,7 @@ class Pi0Options(VLAOptions, FlowOptions):
 def build_pi0_config(size: str, spec: EnvSpec, chunk_size: int, num_steps: int) -> Any:
     from transformers import PI0Config
 
-    if size not in SIZES:
-        raise ValueError(f"pi0: unknown size {size!r}; known: {sorted(SIZES)}")
-    a = SIZES[size]
+    a = size_preset("pi0", SIZES, size)
     width = 32 if a["pad_dims"] else None
     if width is not None and (spec.action_dim > width or spec.state_dim > width):
         raise ValueError(f"pi0 {size}: state/action dims above {width} are not supported")

@@ -38,6 +38,7 @@ from workers.policies.vla_common import (
     preprocess_images,
     seeded_init,
     sinusoid,
+    size_preset,
     state_tensor,
 )
 
@@ -91,9 +92,7 @@ class AdaRMSNorm(nn.Module):
 def _configs(size: str) -> tuple[Any, Any]:
     from transformers import GemmaConfig, PaliGemmaConfig
 
-    if size not in SIZES:
-        raise ValueError(f"pi05: unknown size {size!r}; known: {sorted(SIZES)}")
-    a = SIZES[size]
+    a = size_preset("pi05", SIZES, size)
     vlm = PaliGemmaConfig(
         text_config=dict(model_type="gemma", **a["text"]),
         vision_config=dict(model_type="siglip_vision_model", image_size=a["image_size"], patch_size=a["patch_size"],

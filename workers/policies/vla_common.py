@@ -345,6 +345,13 @@ SIGLIP_SO400M = dict(hidden_size=1152, intermediate_size=4304, num_hidden_layers
 """SigLIP So400m/14, the vision tower of the released pi0, pi0.5, GR00T N1.5 and OpenVLA."""
 
 
+def size_preset(family: str, sizes: dict[str, dict[str, Any]], size: str) -> dict[str, Any]:
+    """The family's architecture preset ``size``, or an error naming the known ones."""
+    if size not in sizes:
+        raise ValueError(f"{family}: unknown size {size!r}; known: {sorted(sizes)}")
+    return sizes[size]
+
+
 @dataclass
 class VLAOptions:
     size: str = "tiny"
