@@ -59,22 +59,32 @@ class TestJob(LocalJob):
         return next((w for w in fig["per_worker"] if w["name"] == name), None)
 
 
+def start_job(cfg: Any, tmp_path: Path, jobs: list[TestJob], start: bool = True) -> TestJob:
+    """Write ``cfg`` into a fresh run dir under ``tmp_path``, start its broker (and its workers
+    unless ``start`` is False) and append the job to ``jobs`` for the fixture to stop."""
+    run_dir = tmp_path / f"job{len(jobs)}"
+    run_dir.mkdir()
+    cfg_path = run_dir / "config.yaml"
+    cfg_path.write_text(cfg.to_yaml())
+    job = TestJob(cfg, run_dir, cfg_path)
+    jobs.append(job)
+    job.start_broker("tcp://127.0.0.1:0", "tcp://127.0.0.1:0")
+    if start:
+        job.start_all()
+    return job
+
+
+def job_logs(job: TestJob) -> str:
+    """The tail of every log in the job's run dir (for assertion messages)."""
+    return "\n".join(f"--- {f.name}\n{f.read_text()[-2500:]}" for f in sorted(job.run_dir.glob("*.log")))
+
+
 @pytest.fixture
 def job_factory(tmp_path: Path):
     jobs: list[TestJob] = []
 
     def make(*overrides: str, start: bool = True) -> TestJob:
-        cfg = load("synthetic.yaml", [*FAST, *overrides])
-        run_dir = tmp_path / f"job{len(jobs)}"
-        run_dir.mkdir()
-        cfg_path = run_dir / "config.yaml"
-        cfg_path.write_text(cfg.to_yaml())
-        job = TestJob(cfg, run_dir, cfg_path)
-        jobs.append(job)
-        job.start_broker("tcp://127.0.0.1:0", "tcp://127.0.0.1:0")
-        if start:
-            job.start_all()
-        return job
+        return start_job(load("synthetic.yaml", [*FAST, *overrides]), tmp_path, jobs, start)
 
     yield make
     for j in jobs:

@@ -33,7 +33,7 @@ os.environ.setdefault("PYOPENGL_PLATFORM", "egl")
 
 from rlvla3 import protocol as P  # noqa: E402
 from rlvla3.config import load  # noqa: E402
-from tests.conftest import TestJob as Job, wait_until  # noqa: E402
+from tests.conftest import TestJob as Job, job_logs as _logs, start_job, wait_until  # noqa: E402
 
 pytestmark = pytest.mark.slow
 
@@ -83,25 +83,11 @@ def repo_job(tmp_path: Path):
     jobs: list[Job] = []
 
     def make(config: str | None, *overrides: str, start: bool = True) -> Job:
-        cfg = load(str(ROOT / config) if config else None, list(overrides))
-        run_dir = tmp_path / f"job{len(jobs)}"
-        run_dir.mkdir()
-        cfg_path = run_dir / "config.yaml"
-        cfg_path.write_text(cfg.to_yaml())
-        job = Job(cfg, run_dir, cfg_path)
-        jobs.append(job)
-        job.start_broker("tcp://127.0.0.1:0", "tcp://127.0.0.1:0")
-        if start:
-            job.start_all()
-        return job
+        return start_job(load(str(ROOT / config) if config else None, list(overrides)), tmp_path, jobs, start)
 
     yield make
     for j in jobs:
         j.stop()
-
-
-def _logs(job: Job) -> str:
-    return "\n".join(f"--- {f.name}\n{f.read_text()[-2500:]}" for f in sorted(job.run_dir.glob("*.log")))
 
 
 # ---------------------------------------------------------------------------------------------

@@ -23,7 +23,7 @@ import yaml
 
 from rlvla3.config import load
 from rlvla3.launch import stop_processes
-from tests.conftest import TestJob as Job
+from tests.conftest import TestJob as Job, job_logs as _logs, start_job
 
 pytestmark = pytest.mark.slow
 
@@ -49,24 +49,11 @@ def recipe_job(tmp_path: Path):
     jobs: list[Job] = []
 
     def make(config: str, *overrides: str) -> Job:
-        cfg = load(str(ROOT / config), list(overrides))
-        run_dir = tmp_path / f"job{len(jobs)}"
-        run_dir.mkdir()
-        cfg_path = run_dir / "config.yaml"
-        cfg_path.write_text(cfg.to_yaml())
-        job = Job(cfg, run_dir, cfg_path)
-        jobs.append(job)
-        job.start_broker("tcp://127.0.0.1:0", "tcp://127.0.0.1:0")
-        job.start_all()
-        return job
+        return start_job(load(str(ROOT / config), list(overrides)), tmp_path, jobs)
 
     yield make
     for j in jobs:
         j.stop()
-
-
-def _logs(job: Job) -> str:
-    return "\n".join(f"--- {f.name}\n{f.read_text()[-2500:]}" for f in sorted(job.run_dir.glob("*.log")))
 
 
 @pytest.mark.parametrize("family", FAMILIES)
