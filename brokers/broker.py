@@ -335,9 +335,11 @@ class Broker:
             self.stats.traj_acked += 1
             per_sim.setdefault(entry[1].sim, []).append(entry[1].traj_id)
         dropped = int(msg.get("dropped_stale", 0))
+        discarded = int(msg.get("discarded", 0))  # never trained on, e.g. zero-variance GRPO groups
         self.stats.dropped_stale += dropped
-        if self.admission is not None and dropped > 0:
-            self.admission.on_discarded(min(dropped, self.admission.finished))
+        self.stats.discarded += discarded
+        if self.admission is not None and dropped + discarded > 0:
+            self.admission.on_discarded(min(dropped + discarded, self.admission.finished))
         for sim, ids in per_sim.items():
             if sim in self.workers:
                 self._send(sim, P.encode(P.TRAJ_ACK, {"traj_ids": ids}))

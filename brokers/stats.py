@@ -44,6 +44,7 @@ class BrokerStats:
     episodes: int = 0
     successes: int = 0
     dropped_stale: int = 0
+    discarded: int = 0
     env_restarts: int = 0
     admission_waits: int = 0
     batch_size: HdrHistogram = field(default_factory=_hist)
@@ -97,6 +98,7 @@ class BrokerStats:
             "success_rate_recent": round(sum(rs) / len(rs), 4) if rs else None,
             "return_recent": round(sum(rr) / len(rr), 4) if rr else None,
             "dropped_stale": self.dropped_stale,
+            "discarded": self.discarded,
             "env_restarts": self.env_restarts,
             "admission_waits": self.admission_waits,
             "batch_size": _pcts(self.batch_size),

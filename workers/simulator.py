@@ -124,7 +124,8 @@ class SimulatorWorker(WorkerBase):
         log.info("simulator_ready", env=cfg.env.name, num_envs=num_envs, slots=n_slots, shm=self.use_shm, parallel=cfg.env.parallel)
 
     def start(self) -> None:
-        self.next_eval_version = self.cfg.env.eval_every if self.cfg.env.eval_every > 0 else -1
+        # The first round evaluates the starting policy (version 0: a warm start's baseline).
+        self.next_eval_version = 0 if self.cfg.env.eval_every > 0 else -1
         for slot in self.slots:
             if slot.eval:
                 continue  # idle until the first evaluation round

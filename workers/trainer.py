@@ -253,6 +253,7 @@ class TrainerWorker(WorkerBase):
         self.received_since_update = 0  # decision steps received since the last update
         self.starved_sent = False
         self.dropped_unacked = 0  # dropped-for-staleness steps not yet reported in a TRAJ_ACK
+        self.discarded_unacked = 0  # steps never trained on for another reason (zero-variance groups)
         self.c = Counters()
         self.evals = EvalTally()
         # PPO / GRPO units ready to train on, and GRPO's waiting rooms
@@ -415,9 +416,9 @@ class TrainerWorker(WorkerBase):
         adv, keep, stats = grpo_advantages(scores, torch.zeros(len(episodes), dtype=torch.long), self.grpo)
         if stats["groups_filtered_zero_variance"]:
             self.c.groups_filtered_zero_variance += 1
-            # Never trained on: hand the steps back to the broker's admission budget (reported as
-            # dropped), or once every group succeeds nothing is consumed and rollouts stall.
-            self.dropped_unacked += sum(f.steps for ep in episodes for f in ep)
+            # Never trained on: hand the steps back to the broker's admission budget, or once
+            # every group succeeds nothing is consumed and rollouts stall.
+            self.discarded_unacked += sum(f.steps for ep in episodes for f in ep)
             return
         frags = []
         for ep, a in zip(episodes, adv.tolist()):
@@ -466,9 +467,10 @@ class TrainerWorker(WorkerBase):
     # -- deciding to update (socket thread) ---------------------------------------------------
 
     def tick(self, now: float) -> None:
-        if self.acks or self.dropped_unacked:
-            self.send(P.TRAJ_ACK, {"traj_ids": self.acks, "dropped_stale": self.dropped_unacked})
-            self.acks, self.dropped_unacked = [], 0
+        if self.acks or self.dropped_unacked or self.discarded_unacked:
+            self.send(P.TRAJ_ACK, {"traj_ids": self.acks, "dropped_stale": self.dropped_unacked,
+                                   "discarded": self.discarded_unacked})
+            self.acks, self.dropped_unacked, self.discarded_unacked = [], 0, 0
         if self.training:
             return
         if self.grpo is not None:
