@@ -228,6 +228,10 @@ class Broker:
             w.trainer_credits = int(msg.get("credits", 64))
             ranks = {x.rank for x in self.workers.values() if x.role == "trainer"}
             w.rank = next(r for r in range(len(ranks) + 1) if r not in ranks)
+            if w.rank >= self.cfg.workers.trainers:
+                self._reject(identity, P.E_STATE, f"the trainer group is full: workers.trainers={self.cfg.workers.trainers} "
+                             "ranks have joined (start the broker with a larger workers.trainers)", P.READY)
+                return
             reply["rank"] = w.rank
             reply["world_size"] = self.cfg.workers.trainers
             reply["trainer_version"] = self.trainer_version

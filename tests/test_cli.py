@@ -108,3 +108,12 @@ def test_ctrl_c_stops_every_process(tmp_path: Path):
     for pid in pids:
         with pytest.raises(ProcessLookupError):
             os.kill(pid, 0)
+
+
+@pytest.mark.slow
+def test_trainer_beyond_the_group_size_is_refused(job_factory):
+    job = job_factory()  # workers.trainers=1, one trainer already started
+    job.wait(lambda f: f["workers"]["trainer"] == 1, 60, "the first trainer")
+    extra = job.start_worker("trainer", "extra")
+    assert extra.wait(60) != 0
+    assert "trainer group is full" in (job.run_dir / "extra.log").read_text()

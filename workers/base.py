@@ -167,6 +167,8 @@ class WorkerBase:
                     if msg is not None and msg.type == P.READY:
                         self._welcome(msg)
                         return
+                    if msg is not None and msg.type == P.ERROR and msg.get("ref_type") == P.READY:
+                        raise SystemExit(f"{self.role}: the broker refused to let us join: {msg['reason']}")
             if time.monotonic() > deadline:
                 raise TimeoutError(f"{self.role}: no broker answered at {self.broker_url} within {timeout_s:.0f} s")
             log.info("broker_unreachable_retrying", broker=self.broker_url, backoff_s=backoff)
