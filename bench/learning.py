@@ -39,11 +39,11 @@ biased towards the episodes that ended first (the quick successes), so a hit nee
 
 
 def run_job(mode: str, seed: int, steps: int, run_dir: Path, overrides: list[str], target: float | None,
-            timeout_s: float) -> list[dict[str, Any]]:
+            timeout_s: float, config: str = "synthetic.yaml") -> list[dict[str, Any]]:
     """One ``rlvla3 run``; with ``target``, interrupted (SIGINT, a clean stop) once it is reached."""
     if run_dir.exists():
         shutil.rmtree(run_dir)  # a previous job's metrics must not count
-    args = [sys.executable, "-m", "rlvla3", "run", "synthetic.yaml", "--steps", str(steps), "--run-dir", str(run_dir),
+    args = [sys.executable, "-m", "rlvla3", "run", config, "--steps", str(steps), "--run-dir", str(run_dir),
             "--set", f"run.mode={mode}", "--set", f"run.seed={seed}", "--set", "run.progress_every_s=0.5"]
     for o in overrides:
         args += ["--set", o]
@@ -104,7 +104,7 @@ def reached(rows: list[dict[str, Any]], target: float) -> tuple[float, float] | 
     return float(c["steps"][hit[0]]), float(c["seconds"][hit[0]])
 
 
-def plot(curves: dict[str, list[dict[str, np.ndarray]]], target: float, out: Path) -> list[Path]:
+def plot(curves: dict[str, list[dict[str, np.ndarray]]], target: float, out: Path, title: str = "synthetic reach") -> list[Path]:
     import matplotlib
 
     matplotlib.use("Agg")
@@ -124,7 +124,7 @@ def plot(curves: dict[str, list[dict[str, np.ndarray]]], target: float, out: Pat
                 ax.axhline(target, color="grey", ls="--", lw=0.8)
             ax.legend()
             ax.grid(alpha=0.3)
-        fig.suptitle(f"synthetic reach: sync vs async PPO ({metric})")
+        fig.suptitle(f"{title}: sync vs async ({metric})")
         fig.tight_layout()
         p = out / f"learning_{metric}.png"
         fig.savefig(p, dpi=110)
@@ -136,6 +136,8 @@ def plot(curves: dict[str, list[dict[str, np.ndarray]]], target: float, out: Pat
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--quick", action="store_true", help="one seed, stop at target, < 60 s")
+    ap.add_argument("--config", default="synthetic.yaml",
+                    help="job config (e.g. metaworld_default.yaml for the Meta-World task; needs Meta-World)")
     ap.add_argument("--seeds", type=int, nargs="+", default=[0, 1, 2])
     ap.add_argument("--steps", type=int, default=12000, help="env steps per job")
     ap.add_argument("--target", type=float, default=0.9, help="success rate counted as reached")
@@ -158,7 +160,7 @@ def main() -> None:
         for mode in MODES:
             run_dir = out / f"{mode}-seed{seed}"
             t = time.monotonic()
-            rows = run_job(mode, seed, steps, run_dir, overrides, args.target if args.quick else None, timeout)
+            rows = run_job(mode, seed, steps, run_dir, overrides, args.target if args.quick else None, timeout, args.config)
             c = curve(rows)
             curves[mode].append(c)
             hits[mode].append(reached(rows, args.target))
@@ -172,7 +174,7 @@ def main() -> None:
         return round(float(np.median(vals)), 1)
 
     try:
-        pngs = [str(p) for p in plot(curves, args.target, out)]
+        pngs = [str(p) for p in plot(curves, args.target, out, Path(args.config).stem)]
     except ImportError as exc:
         pngs = []
         print(f"matplotlib missing, no PNG: {exc}", file=sys.stderr)
