@@ -228,12 +228,13 @@ class Broker:
             w.trainer_credits = int(msg.get("credits", 64))
             ranks = {x.rank for x in self.workers.values() if x.role == "trainer"}
             w.rank = next(r for r in range(len(ranks) + 1) if r not in ranks)
-            if w.rank >= self.cfg.workers.trainers:
+            world = max(1, self.cfg.workers.trainers)  # 0: the launcher starts none; one joins by hand
+            if w.rank >= world:
                 self._reject(identity, P.E_STATE, f"the trainer group is full: workers.trainers={self.cfg.workers.trainers} "
                              "ranks have joined (start the broker with a larger workers.trainers)", P.READY)
                 return
             reply["rank"] = w.rank
-            reply["world_size"] = self.cfg.workers.trainers
+            reply["world_size"] = world
             reply["trainer_version"] = self.trainer_version
             master = next((x for x in self.workers.values() if x.role == "trainer" and x.rank == 0), None)
             if master is not None:

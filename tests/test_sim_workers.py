@@ -181,10 +181,13 @@ def test_images_through_broker_upright_and_sized(repo_job, sim: str) -> None:
     assert img.shape == (1, h, w, 3) and img.dtype == np.uint8, (img.shape, img.dtype)
     assert img.std() > 5, "a blank image came through"
 
-    # The same first episode rendered here: env 0's first initial-state seed with run.seed 0 is 0.
+    # The same first episode rendered here: env 0's first initial-state seed with run.seed 0.
+    from workers.simulator import episode_seed
+
+    seed = episode_seed(0, 0, 1, job.cfg.env.group_size, job.cfg.env.group_mode)
     env = make_env(sim, 1, seed=0, options=opts)
     try:
-        ref = env.reset([0], [0])["images"][cam]
+        ref = env.reset([0], [seed])["images"][cam]
     finally:
         env.close()
     assert ref.shape == img.shape
@@ -207,7 +210,7 @@ def test_images_through_broker_upright_and_sized(repo_job, sim: str) -> None:
 def test_faulty_env_restarted_while_others_keep_stepping(repo_job, fault: str) -> None:
     bad = "env.options.fail_on_step=6" if fault == "crash" else "env.options.hang_on_step=6"
     job = repo_job(
-        None, *SMALL, "env.num_envs=2", "env.slots=2", "env.parallel=process", "env.step_timeout_s=3",
+        "configs/synthetic.yaml", *SMALL, "env.num_envs=2", "env.slots=2", "env.parallel=process", "env.step_timeout_s=3",
         "env.fragment_len=8", "env.options={image_size: 8, max_episode_steps: 10, latency: {kind: constant, mean_ms: 5.0}}",
         "model.chunk_size=1", start=False,
     )

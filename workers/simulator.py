@@ -28,6 +28,18 @@ from workers.trajectory import EnvTrajectory, StepRecord, obs_row
 log = structlog.get_logger()
 
 
+def episode_seed(run_seed: int, env: int, episode: int, group_size: int = 1, group_mode: str = "parallel") -> int:
+    """Initial-state seed of an env's ``episode``-th episode (1-based; ``env`` is the worker's
+    global env index). A GRPO group shares one: neighbouring envs' n-th episodes (``parallel``)
+    or an env's consecutive episodes (``sequential``)."""
+    g = max(1, group_size)
+    if group_mode == "parallel":
+        key = f"{run_seed}:p:{env // g}:{episode}"
+    else:
+        key = f"{run_seed}:s:{env}:{(episode - 1) // g}"
+    return int.from_bytes(hashlib.blake2b(key.encode(), digest_size=4).digest(), "little") & 0x7FFFFFFF
+
+
 @dataclass
 class ChunkOutcome:
     """What executing one action chunk did to a slot's envs."""
@@ -140,14 +152,7 @@ class SimulatorWorker(WorkerBase):
         return make_env(env.name, num_envs=k, seed=seed, options=env.options)
 
     def _seed_for(self, env: int, episode: int) -> int:
-        """Initial-state seed of an env's ``episode``-th episode (1-based); a GRPO group shares
-        one: neighbouring envs' n-th episodes (parallel) or an env's consecutive ones (sequential)."""
-        g = max(1, self.cfg.env.group_size)
-        if self.cfg.env.group_mode == "parallel":
-            key = f"{self.cfg.run.seed}:p:{env // g}:{episode}"
-        else:
-            key = f"{self.cfg.run.seed}:s:{env}:{(episode - 1) // g}"
-        return int.from_bytes(hashlib.blake2b(key.encode(), digest_size=4).digest(), "little") & 0x7FFFFFFF
+        return episode_seed(self.cfg.run.seed, env, episode, self.cfg.env.group_size, self.cfg.env.group_mode)
 
     # -- evaluation rounds --------------------------------------------------------------------
 
