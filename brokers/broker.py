@@ -274,7 +274,8 @@ class Broker:
             self.stats.add_episodes(list(msg.get("episode_returns", [])), list(msg.get("episode_successes", [])))
         self.next_gid += 1
         self.trajs.append(Trajectory(self.next_gid, w.identity, msg["traj_id"], msg.header, msg.tensors, msg["steps"]))
-        self.steps_since_update += msg["steps"]
+        if not msg.get("eval"):  # evaluation fragments are never trained on
+            self.steps_since_update += msg["steps"]
         if self.admission is not None and not msg.get("eval"):
             n = min(int(msg["steps"]), self.inflight_by_sim.get(w.identity, 0))
             self.inflight_by_sim[w.identity] = self.inflight_by_sim.get(w.identity, 0) - n
@@ -425,9 +426,11 @@ class Broker:
             return
         force = False
         if self.mode == "sync":
-            # Barrier: every live slot has its request queued and nothing is out.
-            expected = sum(w.slots for w in self.workers.values() if w.role == "simulator")
-            if self.batches or len(self.queue) < expected:
+            # Barrier: every live training slot has its request queued and nothing is out
+            # (evaluation slots idle between rounds, so they are not waited for).
+            expected = sum(max(0, w.slots - self.cfg.env.eval_slots) for w in self.workers.values() if w.role == "simulator")
+            queued = sum(1 for _, r in self.queue.ordered() if not r.header.get("eval"))
+            if self.batches or queued < expected:
                 return
             force = True
         budget = None

@@ -21,3 +21,10 @@ def test_eval_rounds_run_in_dedicated_slots_without_pausing_training(job_factory
     # training went on meanwhile: its episodes are counted apart from the evaluation ones
     assert fig["episodes"] > 8 and fig["policy_version"] >= versions[1]
     assert fig["trainer"].get("version", 0) >= versions[1]
+
+
+def test_sync_mode_does_not_wait_for_idle_eval_slots(job_factory):
+    job = job_factory("run.mode=sync", "env.num_envs=6", "env.slots=3", "env.eval_slots=1", "env.eval_every=2",
+                      "env.eval_episodes=2", "env.options.max_episode_steps=20")
+    fig = job.wait(lambda f: f["policy_version"] >= 3 and len(f["eval"]) >= 1, 120, "sync training and an eval round")
+    assert fig["errors"] == 0
