@@ -46,7 +46,7 @@ from _common import (  # noqa: E402
 
 from rlvla3 import protocol as P  # noqa: E402
 from rlvla3.config import load  # noqa: E402
-from rlvla3.launch import LocalJob, request_status  # noqa: E402
+from rlvla3.launch import LocalJob  # noqa: E402
 from rlvla3.shm import ShmPool, host_id  # noqa: E402
 
 IMAGE = 16

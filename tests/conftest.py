@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import os
 import time
 from pathlib import Path
 from typing import Any, Callable
@@ -11,7 +10,7 @@ import pytest
 import zmq
 
 from rlvla3.config import load
-from rlvla3.launch import LocalJob, stop_processes
+from rlvla3.launch import LocalJob
 
 # Small and quick on a 2-core machine: few envs, short fragments, tiny updates.
 FAST = (

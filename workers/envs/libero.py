@@ -23,6 +23,7 @@ import numpy as np
 import structlog
 
 from workers.envs.base import EnvAdapter, EnvSpec, Obs, StepResult, register_env
+from workers.envs.robosuite_common import episode_ends, step_envs
 
 log = structlog.get_logger()
 
@@ -200,18 +201,10 @@ class LiberoEnv(EnvAdapter):
     def step(self, ids: Sequence[int], actions: np.ndarray) -> StepResult:
         ids = [int(i) for i in ids]
         a = np.clip(np.asarray(actions, np.float32), -1.0, 1.0)
-        n = len(ids)
-        reward = np.zeros(n, np.float32)
-        success = np.zeros(n, bool)
-        raws = []
-        for k, i in enumerate(ids):
-            raw, r, _, _ = self._envs[i].step(a[k])
-            reward[k] = r
-            success[k] = bool(self._envs[i].check_success())
-            raws.append(raw)
+        reward, success, raws = step_envs(self._envs, ids, a, lambda env: env.check_success())
         self._t[ids] += 1
-        terminated = success.copy() if self.opts.terminate_on_success else np.zeros(n, bool)
-        truncated = (self._t[ids] >= self.opts.max_episode_steps) & ~terminated
+        terminated, truncated = episode_ends(self._t[ids], success, self.opts.terminate_on_success,
+                                             self.opts.max_episode_steps)
         return StepResult(self._obs(ids, raws), reward, terminated, truncated, success)
 
     def close(self) -> None:

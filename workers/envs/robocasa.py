@@ -19,6 +19,7 @@ import numpy as np
 import structlog
 
 from workers.envs.base import EnvAdapter, EnvSpec, Obs, StepResult, register_env
+from workers.envs.robosuite_common import episode_ends, step_envs
 
 log = structlog.get_logger()
 
@@ -146,16 +147,10 @@ class RoboCasaEnv(EnvAdapter):
         ids = [int(i) for i in ids]
         a = np.clip(np.asarray(actions, np.float32), -1.0, 1.0)
         a = self._low + (a + 1.0) * 0.5 * (self._high - self._low)  # [-1, 1] -> robosuite's bounds
-        n = len(ids)
-        reward, success, raws = np.zeros(n, np.float32), np.zeros(n, bool), []
-        for k, i in enumerate(ids):
-            raw, r, _, _ = self._envs[i].step(a[k])
-            reward[k] = r
-            success[k] = bool(self._envs[i]._check_success())
-            raws.append(raw)
+        reward, success, raws = step_envs(self._envs, ids, a, lambda env: env._check_success())
         self._t[ids] += 1
-        terminated = success.copy() if self.opts.terminate_on_success else np.zeros(n, bool)
-        truncated = (self._t[ids] >= self.opts.max_episode_steps) & ~terminated
+        terminated, truncated = episode_ends(self._t[ids], success, self.opts.terminate_on_success,
+                                             self.opts.max_episode_steps)
         return StepResult(self._obs(ids, raws), reward, terminated, truncated, success)
 
     def close(self) -> None:

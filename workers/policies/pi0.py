@@ -16,7 +16,6 @@ from dataclasses import dataclass
 from typing import Any
 
 import torch
-from torch import nn
 
 from workers.envs.base import EnvSpec, Obs
 from workers.policies.base import Policy, register_policy
