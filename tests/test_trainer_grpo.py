@@ -28,3 +28,11 @@ def test_grpo_step_through_fabric(job_factory):
         assert r["samples"] > 0 and r["groups"] >= 1
     # every trained batch holds whole groups of group_size complete episodes
     assert all(r["episodes"] == 2 * r["groups"] for r in rows)
+
+
+def test_grpo_in_sync_mode_keeps_going(job_factory):
+    # The alternating broker pauses after batch_steps delivered; a GRPO trainer whose groups are
+    # still incomplete asks it to go on (TRAIN starved), as often as needed.
+    job = job_factory(*GRPO, "run.mode=sync", "algo.batch_steps=96")
+    fig = job.wait(lambda f: f["trainer_version"] >= 3, 180, "three GRPO updates in sync mode")
+    assert fig["errors"] == 0

@@ -251,7 +251,6 @@ class TrainerWorker(WorkerBase):
         self.training = False
         self.acks: list[int] = []
         self.received_since_update = 0  # decision steps received since the last update
-        self.starved_sent = False
         self.dropped_unacked = 0  # dropped-for-staleness steps not yet reported in a TRAJ_ACK
         self.discarded_unacked = 0  # steps never trained on for another reason (zero-variance groups)
         self.c = Counters()
@@ -476,11 +475,12 @@ class TrainerWorker(WorkerBase):
         if self.grpo is not None:
             self._prune_stale_groups()
         batch_steps = self.cfg.algo.batch_steps
-        if (self.grpo is not None and self.cfg.run.mode != "async" and not self.starved_sent
+        if (self.grpo is not None and self.cfg.run.mode != "async"
                 and self.received_since_update >= batch_steps and self.ready_steps < batch_steps):
             # An alternating broker paused at batch_steps delivered, but incomplete groups cannot
-            # be trained on: ask it to hand out more work rather than wait for each other.
-            self.starved_sent = True
+            # be trained on: ask it to hand out more work rather than wait for each other (again
+            # after every further batch_steps, until the groups complete).
+            self.received_since_update = 0
             self.send(P.TRAIN, {"phase": "starved", "version": self.version, "ready_steps": self.ready_steps})
         if self.world == 1:
             if self.ready_steps >= batch_steps:
@@ -645,7 +645,6 @@ class TrainerWorker(WorkerBase):
         self.training = False
         if not (isinstance(result, dict) and result.get("round") in ("wait", "stop")):
             self.received_since_update = 0
-            self.starved_sent = False
         if error is not None:
             log.error("update_failed", error=repr(error)[:1000])
             raise error
