@@ -148,7 +148,7 @@ class Broker:
 
     def _poll_timeout_ms(self) -> int:
         timeout = self.hb_s
-        held = self.training_pause or (self.admission is not None and self.admission.capacity() <= 0)
+        held = self.training_pause or (self.admission is not None and self.admission.grant(1) <= 0)
         oldest = None if held else self.queue.oldest_arrival()
         # Only an idle generator is served on the wait deadline (a busy one takes full batches,
         # which only a new request can make): otherwise the loop would spin past the deadline.
@@ -310,13 +310,14 @@ class Broker:
             return
         self.stats.generate_us.record_value(max(1, int((now - sent_at) * 1e6)))
         per_request = P.by_request(msg.tensors)
+        queue_us = msg.get("queue_us") if isinstance(msg.get("queue_us"), list) else []
         for i, req in enumerate(reqs):
             tensors = per_request.get(i, {})
             if req.sim not in self.workers:
                 continue  # its simulator left; nothing to deliver
             fields = {
                 "slot": req.slot, "req_id": req.req_id, "version": msg["version"],
-                "queue_us": int(msg.get("queue_us", [0] * len(reqs))[i]) if isinstance(msg.get("queue_us"), list) else 0,
+                "queue_us": int(queue_us[i]) if i < len(queue_us) else 0,
                 "forward_us": int(msg.get("forward_us", 0)),
             }
             self._send(req.sim, P.encode(P.ACT, fields, tensors))
@@ -375,13 +376,9 @@ class Broker:
             return
         self.trainer_version = max(self.trainer_version, msg["version"])
         if self.admission is not None:
-            begin = msg["phase"] == "begin"
-            if begin and isinstance(msg.get("steps"), int):
-                self.admission.on_consumed(min(msg["steps"], self.admission.finished))
-            self.admission.on_version(self.trainer_version)
-            # A batch counts as batch_steps whatever its overshoot (the trainer takes whole
-            # fragments), so the capacity stays (max_staleness + 1) batches beyond the trainer.
-            self.admission.consumed = (self.trainer_version + (1 if begin else 0)) * self.cfg.algo.batch_steps
+            self.admission.follow_trainer(self.trainer_version)
+            if msg["phase"] == "begin" and isinstance(msg.get("steps"), int):
+                self.admission.on_batch_taken(msg["steps"])
         stats = msg.get("stats")
         if isinstance(stats, dict):
             self.stats.trainer = stats
@@ -429,17 +426,12 @@ class Broker:
             # Barrier: every live training slot has its request queued and nothing is out
             # (evaluation slots idle between rounds, so they are not waited for).
             expected = sum(max(0, w.slots - self.cfg.env.eval_slots) for w in self.workers.values() if w.role == "simulator")
-            queued = sum(1 for _, r in self.queue.ordered() if not r.header.get("eval"))
-            if self.batches or queued < expected:
+            if self.batches or len(self.queue) - self.queue.evals < expected:
                 return
             force = True
         budget = None
         if self.admission is not None:
-            budget = self.admission.capacity()
-            if budget <= 0 and self.admission.finished < self.cfg.algo.batch_steps:
-                # The trainer cannot fill a batch, and work in flight sits in open fragments that
-                # only more steps complete: holding back now would deadlock. Let one batch through.
-                budget = self.cfg.batching.max_batch
+            budget = self.admission.grant(self.cfg.batching.max_batch)
             if budget <= 0:
                 if not self._held:
                     self._held = True

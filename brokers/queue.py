@@ -55,6 +55,7 @@ class RequestQueue:
         self._seq = itertools.count()
         self._removed: set[int] = set()
         self.envs = 0
+        self.evals = 0  # evaluation requests queued (sync mode's barrier does not wait for them)
 
     def __len__(self) -> int:
         return len(self._heap) - len(self._removed)
@@ -62,6 +63,7 @@ class RequestQueue:
     def push(self, req: PendingRequest) -> None:
         heapq.heappush(self._heap, (self.key(req), next(self._seq), req))
         self.envs += req.n
+        self.evals += bool(req.header.get("eval"))
 
     def oldest_arrival(self) -> float | None:
         live = [r.arrival for _, s, r in self._heap if s not in self._removed]
@@ -88,6 +90,7 @@ class RequestQueue:
             return
         keep = [e for e in self._heap if e[1] not in self._removed]
         self.envs = sum(e[2].n for e in keep)
+        self.evals = sum(bool(e[2].header.get("eval")) for e in keep)
         heapq.heapify(keep)
         self._heap = keep
         self._removed.clear()
@@ -118,21 +121,21 @@ def form_batches(
     (admission control); a request already handed out once (re-queued) does not count twice.
     """
     out: list[tuple[GeneratorState, list[PendingRequest]]] = []
-    while len(queue):
-        oldest = queue.oldest_arrival()
-        due = force or queue.envs >= rule.max_batch or (oldest is not None and now - oldest >= rule.max_wait_s)
-        if not due:
-            break
+    order = list(queue.ordered())  # sorted once; entries leave it as they are batched
+    formed_for: dict[bytes, int] = {}  # batches formed here per generator, not yet in its inflight
+    while order:
+        oldest = min(r.arrival for _, r in order)
         full = queue.envs >= rule.max_batch
-        free = sorted((g for g in generators if g.free > 0 and (force or full or not g.inflight)),
-                      key=lambda g: (len(g.inflight), -g.free))
-        if not free:
+        if not (force or full or now - oldest >= rule.max_wait_s):
             break
+        busy = {g.identity: len(g.inflight) + formed_for.get(g.identity, 0) for g in generators}
+        free = sorted((g for g in generators if g.free > formed_for.get(g.identity, 0) and (force or full or not busy[g.identity])),
+                      key=lambda g: (busy[g.identity], -(g.free - formed_for.get(g.identity, 0))))
         formed = False
         for gen in free:
             picked: list[tuple[int, PendingRequest]] = []
             envs = 0
-            for seq, req in queue.ordered():
+            for seq, req in order:
                 cost = 0 if (req.header.get("admitted") or req.header.get("eval")) else req.n
                 if budget is not None and cost > budget:
                     continue
@@ -150,17 +153,17 @@ def form_batches(
                     break
             if not picked:
                 continue
-            queue.take(seq for seq, _ in picked)
+            taken = {seq for seq, _ in picked}
+            queue.take(taken)
+            order = [e for e in order if e[0] not in taken]
             reqs = [r for _, r in picked]
             if rule.sticky:
                 for r in reqs:
                     sticky_map.setdefault(r.slot_key, gen.identity)
             out.append((gen, reqs))
-            gen.inflight.add(-len(out))  # placeholder credit until the broker names the batch
+            formed_for[gen.identity] = formed_for.get(gen.identity, 0) + 1
             formed = True
             break
         if not formed:
             break
-    for gen, _ in out:  # drop placeholders; the broker adds real batch ids
-        gen.inflight = {b for b in gen.inflight if b >= 0}
     return out

@@ -38,7 +38,7 @@ from __future__ import annotations
 import math
 
 from dataclasses import dataclass, field
-from typing import Any, Iterable, Sequence
+from typing import Any, Sequence
 
 import msgpack
 import numpy as np
@@ -361,17 +361,6 @@ def error_frames(code: str, reason: str, ref_type: str | None = None) -> list[An
     return encode(ERROR, {"code": code, "reason": reason[:1000], "ref_type": ref_type})
 
 
-def prefixed(tensors: dict[str, Any], prefix: str) -> dict[str, Any]:
-    """Rename tensors ``name`` -> ``prefix + name`` (BATCH/RESULT carry several requests)."""
-    return {prefix + k: v for k, v in tensors.items()}
-
-
-def split_prefixed(tensors: dict[str, Any], prefix: str) -> dict[str, Any]:
-    """The tensors named ``prefix + name``, renamed back to ``name``."""
-    n = len(prefix)
-    return {k[n:]: v for k, v in tensors.items() if k.startswith(prefix)}
-
-
 def by_request(tensors: dict[str, Any]) -> dict[int, dict[str, Any]]:
     """Group BATCH/RESULT tensors named ``r{i}/name`` by request index, in one pass."""
     out: dict[int, dict[str, Any]] = {}
@@ -381,7 +370,3 @@ def by_request(tensors: dict[str, Any]) -> dict[int, dict[str, Any]]:
             raise ProtocolError(E_TENSOR, f"tensor {key!r} is not named r<index>/<name>")
         out.setdefault(int(head[1:]), {})[name] = value
     return out
-
-
-def iter_type_names() -> Iterable[str]:
-    return iter(MESSAGE_TYPES)

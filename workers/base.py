@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import os
 import queue
-import random
 import signal
 import sys
 import threading
@@ -338,7 +337,3 @@ class WorkerBase:
 
         signal.signal(signal.SIGTERM, _term)
         signal.signal(signal.SIGINT, _term)
-
-
-def jitter(seconds: float) -> float:
-    return seconds * (0.9 + 0.2 * random.random())

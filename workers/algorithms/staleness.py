@@ -131,6 +131,26 @@ class AdmissionController:
         self._take("finished", n)
         self.consumed += n
 
+    def on_batch_taken(self, steps: int) -> None:
+        """A trainer took ``steps`` finished units into the batch for version ``v + 1``. Trainers
+        that take whole fragments overshoot ``batch_size``; the rule still counts exactly one
+        batch (idempotent across the ranks of one update), so overshoot never shrinks capacity."""
+        self._take("finished", min(int(steps), self.finished))
+        self.consumed = max(self.consumed, (self.version + 1) * self.batch_size)
+
+    def follow_trainer(self, version: int) -> None:
+        """The trainer is at ``version`` and batches are counted whole (``on_batch_taken``): at
+        least ``version`` batches are consumed, also when the broker met the trainer mid-run."""
+        self.on_version(version)
+        self.consumed = max(self.consumed, self.version * self.batch_size)
+
+    def grant(self, minimum: int) -> int:
+        """How many units may start now. While fewer than a batch are finished the trainer cannot
+        update, and units in flight may sit in open fragments that only further steps complete:
+        holding back then would deadlock, so at least ``minimum`` is granted."""
+        cap = self.capacity()
+        return max(cap, minimum) if self.finished < self.batch_size else cap
+
     def on_version(self, version: int) -> None:
         """The trainer's version is now ``version``."""
         self.version = int(version)

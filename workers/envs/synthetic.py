@@ -156,7 +156,3 @@ class SyntheticReach(EnvAdapter):
         img[rows, s - 1 - p[:, 1], p[:, 0], 1] = 255
         state = np.concatenate([self.pos[ids], self.goal[ids]], axis=1).astype(np.float32)
         return {"images": {"top": img}, "state": state, "instruction": ["reach the red dot"] * n}
-
-
-def describe(options: dict[str, Any]) -> str:
-    return f"synthetic reach, latency={options.get('latency', {})}"
