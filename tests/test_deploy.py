@@ -19,13 +19,17 @@ import re
 import shlex
 import subprocess
 import sys
-import tomllib
 from functools import cache
 from pathlib import Path
 from typing import Any
 
 import pytest
 import yaml
+
+try:
+    import tomllib
+except ModuleNotFoundError:  # Python 3.10: pytest's own dependency
+    import tomli as tomllib
 
 from rlvla3.cli import main as cli
 from rlvla3.config import load
@@ -67,7 +71,6 @@ def check_cli(argv: list[str]) -> dict[str, Any]:
     assert command in ("broker", "worker"), argv
     if KEYS_OPTION in rest and keys_option_pending():
         i = rest.index(KEYS_OPTION)
-        assert rest[i + 1].startswith("/") or "$" not in rest[i + 1], rest
         del rest[i:i + 2]  # the one option allowed before it exists: see test_keys_option_is_the_clis
     for tok in rest:
         if tok.startswith("--"):
@@ -243,8 +246,7 @@ def test_workload_labels_volumes_and_command(role: str) -> None:
     assert labels == {"app.kubernetes.io/name": "rlvla3", "app.kubernetes.io/component": role}
     assert doc["spec"]["selector"]["matchLabels"] == labels == doc["metadata"]["labels"]
     c = container(doc)
-    image = c["image"].split("/")[0]
-    assert "/" not in c["image"] and "." not in image.split(":")[0], f"{c['image']}: no registry host in the recipes"
+    assert "/" not in c["image"] and "." not in c["image"].split(":")[0], f"{c['image']}: no registry host in the recipes"
     volumes = {v["name"]: v for v in doc["spec"]["template"]["spec"]["volumes"]}
     mounts = {m["name"]: m for m in c["volumeMounts"]}
     assert set(mounts) == set(volumes), (sorted(mounts), sorted(volumes))
