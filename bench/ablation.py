@@ -197,7 +197,7 @@ def main() -> None:
     ap.add_argument("--forward-ms", type=float, default=20.0, help="generator forward time per batch")
     ap.add_argument("--max-batch", type=int, default=32)
     ap.add_argument("--batch-steps", type=int, default=512)
-    ap.add_argument("--out", default=OUT_DIR, help="folder for ablation.png (default: bench/out under the current folder)")
+    ap.add_argument("--out", default=OUT_DIR, help="folder for ablation.png (default: ./bench/out)")
     ap.add_argument("--smoke", action="store_true", help="tiny run for CI (no timing value)")
     args = ap.parse_args()
     if args.quick:

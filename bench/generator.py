@@ -84,7 +84,7 @@ def plot(results: dict, path: Path) -> None:
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--out", default=OUT_DIR, help="folder for the PNG and JSON (default: bench/out under the current folder)")
+    ap.add_argument("--out", default=OUT_DIR, help="folder for the PNG and JSON (default: ./bench/out)")
     ap.add_argument("--quick", action="store_true", help="small images, 2 reps: under 60 s on 2 cores")
     ap.add_argument("--smoke", action="store_true", help="tiny run for CI (no timing value): tiny images, batches 1-2")
     ap.add_argument("--max-batch", type=int, default=64)

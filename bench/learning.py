@@ -143,7 +143,7 @@ def main() -> None:
     ap.add_argument("--steps", type=int, default=12000, help="env steps per job")
     ap.add_argument("--target", type=float, default=0.9, help="success rate counted as reached")
     ap.add_argument("--set", dest="overrides", action="append", default=[], help="extra config override for every job")
-    ap.add_argument("--out", default=f"{OUT_DIR}/learning", help="folder for PNGs, per-run folders and results.json (default: bench/out/learning under the current folder)")
+    ap.add_argument("--out", default=f"{OUT_DIR}/learning", help="folder for PNGs, per-run folders and results.json (default: ./bench/out/learning)")
     ap.add_argument("--smoke", action="store_true", help="tiny run for CI (no learning value): a few hundred steps per mode")
     ap.add_argument("--timeout", type=float, default=300.0, help="seconds per job at most")
     args = ap.parse_args()
@@ -154,7 +154,7 @@ def main() -> None:
         seeds, steps, timeout = [0], 10_000, 27.0
         overrides = ["env.options.latency={kind: bimodal, mean_ms: 1.0, slow_ms: 20.0, slow_prob: 0.05}", *overrides]
     if args.smoke:  # both modes run a job and write a curve; the target is not expected
-        seeds, steps, timeout = [0], 400, 60.0
+        seeds, steps, timeout = [0], 400, 120.0
     out = Path(args.out).resolve()  # the jobs run from the repository root
     out.mkdir(parents=True, exist_ok=True)
 

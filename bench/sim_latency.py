@@ -125,7 +125,7 @@ def plot(samples: dict[str, np.ndarray], path: Path) -> None:
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--out", type=Path, default=Path(OUT_DIR),
-                    help="folder for the PNG, JSON and histograms (default: bench/out under the current folder)")
+                    help="folder for the PNG, JSON and histograms (default: ./bench/out)")
     ap.add_argument("--quick", action="store_true", help="few steps, 1 env, state + Meta-World rgb; < 60 s")
     ap.add_argument("--smoke", action="store_true", help="tiny run for CI (no timing value): one case, a dozen steps")
     ap.add_argument("--num-envs", type=int, default=4, help="N for the N-envs-per-worker run")

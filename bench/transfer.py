@@ -127,7 +127,7 @@ def main() -> None:
     ap.add_argument("--images", type=int, default=32)
     ap.add_argument("--size", type=int, default=224)
     ap.add_argument("--reps", type=int, default=30, help="timed repetitions per way")
-    ap.add_argument("--out", default=OUT_DIR, help="folder for the PNG and JSON (default: bench/out under the current folder)")
+    ap.add_argument("--out", default=OUT_DIR, help="folder for the PNG and JSON (default: ./bench/out)")
     ap.add_argument("--quick", action="store_true", help="short run (well under 60 s)")
     ap.add_argument("--smoke", action="store_true", help="tiny run for CI (no timing value)")
     ap.add_argument("--receiver", action="store_true", help=argparse.SUPPRESS)
