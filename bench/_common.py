@@ -21,6 +21,10 @@ import zmq
 from hdrh.histogram import HdrHistogram
 
 ROOT = Path(__file__).resolve().parents[1]
+OUT_DIR = "bench/out"
+"""Where every benchmark writes its PNGs and JSON unless ``--out`` says otherwise: relative to
+the current folder, so the README's commands (run from the repository root) write into the
+git-ignored ``bench/out/``."""
 if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
 

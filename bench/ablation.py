@@ -7,8 +7,8 @@ slowest stage's throughput when it runs alone (simulator slots stepping with no 
 loop; the generator's batched forward with no env; the trainer's update with no I/O): the
 ceiling that a perfectly overlapped pipeline reaches.
 
-    python bench/ablation.py --quick            # < 60 s
-    python bench/ablation.py --window 30 --out bench/out
+    python bench/ablation.py --quick            # < 60 s; writes bench/out/ablation.png
+    python bench/ablation.py --window 30 --out /tmp/ablation
 
 The generator's forward pass sleeps ``--forward-ms`` per batch (``model.options.forward_delay_ms``):
 the stand-in for a VLA's GPU inference, so the three stages have comparable costs on 2 cores.
@@ -33,6 +33,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from rlvla3.config import load  # noqa: E402
 from rlvla3.launch import LocalJob  # noqa: E402
+
+from _common import OUT_DIR  # noqa: E402  (bench/, the script's folder, is first on sys.path)
 
 MODES = ("sync", "async_rollout", "async")
 
@@ -195,13 +197,17 @@ def main() -> None:
     ap.add_argument("--forward-ms", type=float, default=20.0, help="generator forward time per batch")
     ap.add_argument("--max-batch", type=int, default=32)
     ap.add_argument("--batch-steps", type=int, default=512)
-    ap.add_argument("--out", default="bench/out")
+    ap.add_argument("--out", default=OUT_DIR, help="folder for ablation.png (default: ./bench/out)")
+    ap.add_argument("--smoke", action="store_true", help="tiny run for CI (no timing value)")
     args = ap.parse_args()
     if args.quick:
         args.window, args.warmup_steps = 6.0, 300
+    stage_s = 2.0 if args.quick else 5.0
+    if args.smoke:  # one small simulator, a short window: every mode and stage still runs
+        args.window, args.warmup_steps, stage_s = 1.0, 64, 0.3
+        args.sims, args.envs, args.slots, args.max_batch, args.batch_steps = 1, 8, 4, 8, 128
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
-    stage_s = 2.0 if args.quick else 5.0
     import torch
 
     torch.set_num_threads(1)  # as every worker process runs (workers.torch_threads)

@@ -4,10 +4,10 @@ This is the curve ``max_batch`` is tuned against: where samples/s stops growing,
 only adds latency. Synthetic observations (two cameras, random pixels), ``act`` under
 ``torch.inference_mode`` as the generator worker calls it.
 
-    python bench/generator.py --out bench_out [--quick]
+    python bench/generator.py [--quick] [--out bench/out]
 
 Prints one JSON object last: ``{family: {batch: samples_per_s}}``; writes ``generator.png`` and
-``generator.json`` (latencies too) under ``--out``.
+``generator.json`` (latencies too) under ``--out`` (default ``bench/out``).
 """
 
 from __future__ import annotations
@@ -28,6 +28,8 @@ sys.path.insert(0, str(ROOT))
 
 from workers.envs.base import EnvSpec  # noqa: E402
 from workers.policies.base import make_policy  # noqa: E402
+
+from _common import OUT_DIR  # noqa: E402  (bench/, the script's folder, is first on sys.path)
 
 FAMILIES = ("openvla_oft", "pi0", "pi05", "gr00t_n15")
 
@@ -82,14 +84,17 @@ def plot(results: dict, path: Path) -> None:
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--out", default="bench_out", help="directory for the PNG and the JSON")
+    ap.add_argument("--out", default=OUT_DIR, help="folder for the PNG and JSON (default: ./bench/out)")
     ap.add_argument("--quick", action="store_true", help="small images, 2 reps: under 60 s on 2 cores")
+    ap.add_argument("--smoke", action="store_true", help="tiny run for CI (no timing value): tiny images, batches 1-2")
     ap.add_argument("--max-batch", type=int, default=64)
     ap.add_argument("--families", default=",".join(FAMILIES))
     args = ap.parse_args()
 
     size = 64 if args.quick else 224
     reps = 3 if args.quick else 5
+    if args.smoke:  # every family still builds and acts
+        size, reps, args.max_batch = 32, 1, 2
     spec = EnvSpec(cameras={"front": (size, size), "wrist": (size, size)}, state_dim=8, action_dim=7,
                    max_episode_steps=100)
     batches = [2**i for i in range(0, 64) if 2**i <= args.max_batch]

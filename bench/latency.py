@@ -40,7 +40,7 @@ import zmq
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from _common import (  # noqa: E402
-    ROOT, emit, merged, new_hist, note, parent_gone, percentile_plot, record_us, start_child, stop_child,
+    OUT_DIR, emit, merged, new_hist, note, parent_gone, percentile_plot, record_us, start_child, stop_child,
     summary, wait_readable,
 )
 
@@ -281,7 +281,7 @@ def main() -> None:
                          "the image still travels and the forward pass is reported as its own part)")
     ap.add_argument("--spin-us", type=float, default=200.0,
                     help="spin (instead of sleeping) this long before each due time: timer wake-ups on a VM are late")
-    ap.add_argument("--out", default=str(ROOT / "bench" / "out"))
+    ap.add_argument("--out", default=OUT_DIR, help="folder for the PNG and JSON (default: ./bench/out)")
     ap.add_argument("--quick", action="store_true", help="short run (under 60 s with start-up)")
     ap.add_argument("--smoke", action="store_true", help="tiny run for CI (no timing value)")
     ap.add_argument("--echo-server", action="store_true", help=argparse.SUPPRESS)

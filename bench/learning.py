@@ -9,7 +9,7 @@ The claim being checked (RL-VLA^3, AReaL): async reaches the same success per en
 seed noise: staleness is corrected by decoupled PPO) and gets there sooner in seconds.
 
     python bench/learning.py --quick                 # synthetic, 1 seed, < 60 s, prints JSON last
-    python bench/learning.py --seeds 0 1 2 --steps 12000 --out bench/out/learning
+    python bench/learning.py --seeds 0 1 2 --steps 12000 --out /tmp/learning
 
 ``--quick`` stops each job once its success reaches the target, and prints one JSON object last:
 ``sync_steps_to_target``, ``async_steps_to_target``, ``sync_seconds_to_target``,
@@ -24,12 +24,13 @@ import shutil
 import signal
 import subprocess
 import sys
-import tempfile
 import time
 from pathlib import Path
 from typing import Any
 
 import numpy as np
+
+from _common import OUT_DIR  # (bench/, the script's folder, is first on sys.path)
 
 ROOT = Path(__file__).resolve().parent.parent
 MODES = ("sync", "async")
@@ -142,7 +143,8 @@ def main() -> None:
     ap.add_argument("--steps", type=int, default=12000, help="env steps per job")
     ap.add_argument("--target", type=float, default=0.9, help="success rate counted as reached")
     ap.add_argument("--set", dest="overrides", action="append", default=[], help="extra config override for every job")
-    ap.add_argument("--out", default=None, help="folder for PNGs, per-run folders and results.json")
+    ap.add_argument("--out", default=f"{OUT_DIR}/learning", help="folder for PNGs, per-run folders and results.json (default: ./bench/out/learning)")
+    ap.add_argument("--smoke", action="store_true", help="tiny run for CI (no learning value): a few hundred steps per mode")
     ap.add_argument("--timeout", type=float, default=300.0, help="seconds per job at most")
     args = ap.parse_args()
 
@@ -151,7 +153,9 @@ def main() -> None:
     if args.quick:
         seeds, steps, timeout = [0], 10_000, 27.0
         overrides = ["env.options.latency={kind: bimodal, mean_ms: 1.0, slow_ms: 20.0, slow_prob: 0.05}", *overrides]
-    out = Path(args.out) if args.out else Path(tempfile.mkdtemp(prefix="rlvla3-learning-"))
+    if args.smoke:  # both modes run a job and write a curve; the target is not expected
+        seeds, steps, timeout = [0], 400, 120.0
+    out = Path(args.out).resolve()  # the jobs run from the repository root
     out.mkdir(parents=True, exist_ok=True)
 
     curves: dict[str, list[dict[str, np.ndarray]]] = {m: [] for m in MODES}

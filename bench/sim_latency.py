@@ -2,10 +2,11 @@
 
 Real physics is long-tailed and differs by simulator; this measures it so the synthetic env can
 replay it (``--save-profile FILE`` -> ``latency: {replay: FILE}``). Writes a percentile plot
-(log axes) and the raw histograms to ``--out``; the last stdout line is one JSON object
-``{case: {p50_ms, p99_ms, steps_per_s, ...}}``, cases not installed carry ``{"skipped": why}``.
+(log axes), the JSON and the raw histograms to ``--out`` (default ``bench/out``); the last stdout
+line is one JSON object ``{case: {p50_ms, p99_ms, steps_per_s, ...}}``, cases not installed carry
+``{"skipped": why}``.
 
-    python bench/sim_latency.py --out /tmp/simlat [--quick] [--num-envs 4] [--save-profile p.json]
+    python bench/sim_latency.py [--quick] [--out /tmp/simlat] [--num-envs 4] [--save-profile p.json]
 """
 
 from __future__ import annotations
@@ -23,6 +24,8 @@ os.environ.setdefault("MUJOCO_GL", "egl")
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import numpy as np  # noqa: E402
+
+from _common import OUT_DIR  # noqa: E402  (bench/, the script's folder, is first on sys.path)
 
 # case -> (adapter, python package it needs, adapter options)
 CASES: dict[str, tuple[str, str, dict[str, Any]]] = {
@@ -121,8 +124,10 @@ def plot(samples: dict[str, np.ndarray], path: Path) -> None:
 
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--out", type=Path, required=True, help="directory for the PNG and histograms")
+    ap.add_argument("--out", type=Path, default=Path(OUT_DIR),
+                    help="folder for the PNG, JSON and histograms (default: ./bench/out)")
     ap.add_argument("--quick", action="store_true", help="few steps, 1 env, state + Meta-World rgb; < 60 s")
+    ap.add_argument("--smoke", action="store_true", help="tiny run for CI (no timing value): one case, a dozen steps")
     ap.add_argument("--num-envs", type=int, default=4, help="N for the N-envs-per-worker run")
     ap.add_argument("--steps", type=int, default=300, help="step calls per case (time-capped)")
     ap.add_argument("--chunk", type=int, default=8, help="action chunk length for per-chunk latency")
@@ -141,7 +146,10 @@ def main(argv: list[str] | None = None) -> int:
     budget = 3.0 if args.quick else args.case_budget_s
     counts = [1] if args.quick else sorted({1, args.num_envs})
     quick_cases = ["metaworld_state", "metaworld_rgb", "maniskill_state", "libero_state"]
-    wanted = [c for c in args.cases.split(",") if c] or (quick_cases if args.quick else list(CASES))
+    if args.smoke:  # the first quick case only, a dozen steps: the script end to end
+        total_budget, steps, budget, counts = 20.0, 12, 1.0, [1]
+        quick_cases = quick_cases[:1]
+    wanted = [c for c in args.cases.split(",") if c] or (quick_cases if args.quick or args.smoke else list(CASES))
     results: dict[str, Any] = {}
     samples: dict[str, np.ndarray] = {}
     for case in wanted:

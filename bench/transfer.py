@@ -39,7 +39,7 @@ import numpy as np
 import zmq
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from _common import ROOT, emit, note, parent_gone, start_child, stop_child  # noqa: E402
+from _common import OUT_DIR, emit, note, parent_gone, start_child, stop_child  # noqa: E402
 
 from rlvla3 import protocol as P  # noqa: E402
 from rlvla3.shm import ShmAttachments, ShmPool, host_id  # noqa: E402
@@ -127,7 +127,7 @@ def main() -> None:
     ap.add_argument("--images", type=int, default=32)
     ap.add_argument("--size", type=int, default=224)
     ap.add_argument("--reps", type=int, default=30, help="timed repetitions per way")
-    ap.add_argument("--out", default=str(ROOT / "bench" / "out"))
+    ap.add_argument("--out", default=OUT_DIR, help="folder for the PNG and JSON (default: ./bench/out)")
     ap.add_argument("--quick", action="store_true", help="short run (well under 60 s)")
     ap.add_argument("--smoke", action="store_true", help="tiny run for CI (no timing value)")
     ap.add_argument("--receiver", action="store_true", help=argparse.SUPPRESS)
