@@ -1,8 +1,7 @@
-"""Live figures the broker answers STATUS with: counts, rates and latency parts."""
+"""Live figures the broker answers STATUS with: counts, rates and latency parts (time is passed in)."""
 
 from __future__ import annotations
 
-import time
 from collections import deque
 from dataclasses import dataclass, field
 from typing import Any
@@ -29,7 +28,7 @@ def _pcts(h: HdrHistogram) -> dict[str, float]:
 
 @dataclass
 class BrokerStats:
-    started: float = field(default_factory=time.monotonic)
+    started: float = 0.0  # the broker's clock when it started
     env_steps: int = 0
     decision_steps: int = 0
     requests: int = 0
@@ -46,7 +45,6 @@ class BrokerStats:
     dropped_stale: int = 0
     discarded: int = 0
     env_restarts: int = 0
-    admission_waits: int = 0
     batch_size: HdrHistogram = field(default_factory=_hist)
     queue_wait_us: HdrHistogram = field(default_factory=_hist)
     batch_form_us: HdrHistogram = field(default_factory=_hist)
@@ -70,22 +68,21 @@ class BrokerStats:
         self._recent_returns.extend(float(r) for r in returns)
         self._recent_success.extend(1.0 if s else 0.0 for s in successes)
 
-    def env_steps_per_s(self) -> float:
-        now = time.monotonic()
+    def env_steps_per_s(self, now: float) -> float:
         self._rate_window.append((now, self.env_steps))
         while len(self._rate_window) > 2 and now - self._rate_window[0][0] > 10.0:
             self._rate_window.popleft()
         t0, s0 = self._rate_window[0]
         return (self.env_steps - s0) / (now - t0) if now > t0 else 0.0
 
-    def snapshot(self) -> dict[str, Any]:
+    def snapshot(self, now: float) -> dict[str, Any]:
         rr = list(self._recent_returns)
         rs = list(self._recent_success)
         return {
-            "uptime_s": round(time.monotonic() - self.started, 3),
+            "uptime_s": round(now - self.started, 3),
             "env_steps": self.env_steps,
             "decision_steps": self.decision_steps,
-            "env_steps_per_s": round(self.env_steps_per_s(), 2),
+            "env_steps_per_s": round(self.env_steps_per_s(now), 2),
             "requests": self.requests,
             "batches": self.batches,
             "errors": self.errors,
@@ -100,7 +97,6 @@ class BrokerStats:
             "dropped_stale": self.dropped_stale,
             "discarded": self.discarded,
             "env_restarts": self.env_restarts,
-            "admission_waits": self.admission_waits,
             "batch_size": _pcts(self.batch_size),
             "queue_wait_us": _pcts(self.queue_wait_us),
             "batch_form_us": _pcts(self.batch_form_us),
