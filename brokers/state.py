@@ -117,7 +117,8 @@ class BrokerState:
         if role == "generator":
             self.dispatcher.add_generator(identity, int(msg.get("credits", 0)))
         self.registry.add(w)
-        log.info("worker_joined", role=role, name=w.name, worker_id=w.worker_id, host=w.host, worker_pid=w.pid, slots=w.slots)
+        log.info("worker_joined", role=role, name=w.name, worker_id=w.worker_id, host=w.host, worker_pid=w.pid,
+                 slots=w.slots)
         return out + [Out(identity, P.READY, reply)]
 
     def _on_obs(self, w: Worker, msg: P.Message, now: float) -> list[Out]:

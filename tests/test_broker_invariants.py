@@ -20,7 +20,8 @@ SLOTS = 2
 MAX_BATCH = 4
 
 # (kind, which worker, a number, a flag); frequent kinds appear more often in the list.
-KINDS = ["obs"] * 4 + ["answer"] * 4 + ["traj"] * 3 + ["tick"] * 3 + ["train", "gen_dies", "gen_joins", "sim_dies", "sim_joins"]
+KINDS = (["obs"] * 4 + ["answer"] * 4 + ["traj"] * 3 + ["tick"] * 3
+         + ["train", "gen_dies", "gen_joins", "sim_dies", "sim_joins"])
 action = st.tuples(st.sampled_from(KINDS), st.integers(0, 1), st.integers(0, 7), st.booleans())
 TICKS = (0.0, 0.001, 0.01, 0.5)
 
