@@ -72,24 +72,35 @@ class Dispatcher:
     # ---- batches out -------------------------------------------------------------------------
 
     def dispatch(self, now: float, force: bool, budget: int | None) -> list[Out]:
-        """Form the batches that are due and address them to generators."""
+        """Form the batches that are due and address them to generators. A request that cannot
+        go out (its shared memory is unreadable from the generator, or anything else raises) is
+        answered with an error ACT; the rest of its batch goes."""
         formed = form_batches(self.queue, list(self.generators.values()), self.rule, now, self.sticky,
                               force=force, budget=budget, cost=self.admission.cost)
         out = []
         for gen, reqs in formed:
             self.admission.on_dispatched(reqs)
-            out.append(self._batch(gen, reqs, now))
+            gen_host = self.registry.workers[gen.identity].host
+            ready: list[tuple[PendingRequest, dict[str, Any]]] = []
+            for r in reqs:
+                try:
+                    ready.append((r, {name: self.bridge.for_host(t, gen_host) for name, t in r.tensors.items()}))
+                except Exception as err:  # noqa: BLE001 - one bad request never stops the broker
+                    log.warning("request_dropped_unreadable", slot=r.slot, req_id=r.req_id, error=repr(err)[:300])
+                    out += self._give_up([r], f"request not deliverable to a generator: {err}")
+            if ready:
+                out.append(self._batch(gen, ready, now))
         return out
 
-    def _batch(self, gen: GeneratorState, reqs: list[PendingRequest], now: float) -> Out:
+    def _batch(self, gen: GeneratorState, ready: list[tuple[PendingRequest, dict[str, Any]]], now: float) -> Out:
         self._next_batch += 1
         batch_id = self._next_batch
-        gen_host = self.registry.workers[gen.identity].host
+        reqs = [r for r, _ in ready]
         tensors: dict[str, Any] = {}
         meta = []
-        for i, r in enumerate(reqs):
-            for name, t in r.tensors.items():
-                tensors[f"r{i}/{name}"] = self.bridge.for_host(t, gen_host)
+        for i, (r, req_tensors) in enumerate(ready):
+            for name, t in req_tensors.items():
+                tensors[f"r{i}/{name}"] = t
             meta.append({
                 "req_id": r.req_id, "slot": r.slot, "n": r.n, "instruction": r.header["instruction"],
                 "episode_step": r.episode_step, "deterministic": r.header.get("deterministic", [False] * r.n),
@@ -118,6 +129,8 @@ class Dispatcher:
 
     def on_result(self, w: Worker, msg: P.Message, now: float) -> list[Out]:
         batch_id = msg["batch_id"]
+        if batch_id in self.batches and self.batches[batch_id].generator != w.identity:
+            raise P.ProtocolError(P.E_STATE, f"RESULT for batch {batch_id}, which went to another generator")
         batch = self.batches.pop(batch_id, None)
         gen = self.generators.get(w.identity)
         if gen is not None:
@@ -153,11 +166,15 @@ class Dispatcher:
             if r.attempts < MAX_ATTEMPTS:
                 self.queue.push(r)
                 self.stats.requeued += 1
-                continue
-            self.admission.on_settled([r])
-            if r.sim in self.registry:
-                out.append(Out(r.sim, P.ACT, {"slot": r.slot, "req_id": r.req_id, "version": -1, "error": error}))
+            else:
+                out += self._give_up([r], error)
         return out
+
+    def _give_up(self, reqs: list[PendingRequest], error: str) -> list[Out]:
+        """Answer requests that will not be served with an error ACT (the slot restarts)."""
+        self.admission.on_settled(reqs)
+        return [Out(r.sim, P.ACT, {"slot": r.slot, "req_id": r.req_id, "version": -1, "error": error[:300]})
+                for r in reqs if r.sim in self.registry]
 
     # ---- workers joining and leaving ---------------------------------------------------------
 

@@ -8,6 +8,8 @@ from typing import Any
 from rlvla3 import protocol as P
 from rlvla3.shm import ShmAttachments, to_inline
 
+E_INTERNAL = "internal"  # ERROR code: the broker failed on a message (a bug, logged with its traceback)
+
 
 @dataclass
 class Out:

@@ -19,7 +19,7 @@ import structlog
 
 from brokers.admission import AdmissionController
 from brokers.dispatch import Dispatcher
-from brokers.outgoing import Out, ShmBridge, error
+from brokers.outgoing import E_INTERNAL, Out, ShmBridge, error
 from brokers.registry import Registry, Worker
 from brokers.stats import BrokerStats
 from brokers.trajectories import TrajectoryRouter
@@ -78,6 +78,9 @@ class BrokerState:
             return self.reject(identity, err.code, err.reason, msg.type)
         except (KeyError, ValueError, TypeError, IndexError) as err:
             return self.reject(identity, P.E_FIELD, f"{type(err).__name__}: {err}", msg.type)
+        except Exception as err:  # noqa: BLE001 - a bug met by one message never stops the broker
+            log.exception("message_failed", peer=identity.hex()[:16], type=msg.type)
+            return self.reject(identity, E_INTERNAL, f"the broker failed on this {msg.type}: {err!r}", msg.type)
 
     def reject(self, identity: bytes, code: str, reason: str, ref_type: str | None) -> list[Out]:
         self.stats.errors += 1
@@ -216,11 +219,15 @@ class BrokerState:
     # =========================================================================================
 
     def tick(self, now: float) -> list[Out]:
-        """Dispatch due batches, deliver pending fragments, and heartbeat once per interval."""
-        out = self._dispatch(now)
-        out += self.trajs.deliver()
-        if now - self._last_hb >= self.hb_s:
-            out += self._heartbeat(now)
+        """Dispatch due batches, deliver pending fragments, and heartbeat once per interval. Each
+        step runs under a catch-all: a bug logs its traceback and the loop goes on."""
+        out: list[Out] = []
+        for step in (self._dispatch, lambda _: self.trajs.deliver(), self._heartbeat):
+            try:
+                out += step(now)
+            except Exception:  # noqa: BLE001
+                self.stats.errors += 1
+                log.exception("tick_failed", step=getattr(step, "__name__", "deliver"))
         return out
 
     def _dispatch(self, now: float) -> list[Out]:
@@ -241,6 +248,8 @@ class BrokerState:
         return self.dispatcher.dispatch(now, force, budget)
 
     def _heartbeat(self, now: float) -> list[Out]:
+        if now - self._last_hb < self.hb_s:
+            return []
         self._last_hb = now
         out: list[Out] = []
         for w in self.registry.expired(now):

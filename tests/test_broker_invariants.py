@@ -152,4 +152,4 @@ def test_no_request_lost_or_served_twice_and_admission_within_bound(mode, stalen
         fabric.do(act)
     fabric.drain()
     assert all(n == 1 for n in fabric.acts.values())
-    assert of_type(fabric.s.sent, P.ERROR) == []
+    assert of_type(fabric.s.sent, P.ERROR) == [] and fabric.s.state.stats.errors == 0

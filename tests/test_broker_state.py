@@ -218,3 +218,43 @@ def test_a_full_trainer_group_is_refused_and_status_answers_anyone():
     assert err.type == P.ERROR and "trainer group is full" in err.fields["reason"]
     [st] = s.send(b"anyone", P.STATUS)
     assert st.fields["figures"]["workers"] == {"simulator": 0, "generator": 0, "trainer": 1}
+
+
+def test_a_result_is_taken_only_from_the_generator_its_batch_went_to():
+    s = Script("batching.max_batch=2")
+    s.simulator(SIM)
+    s.generator(GEN, credits=1)
+    s.generator(GEN2, credits=1)
+    s.obs(SIM, 0)
+    [batch] = of_type(s.tick(1.0), P.BATCH)
+    other = GEN2 if batch.to == GEN else GEN
+    [err] = s.send(other, P.RESULT, {"batch_id": batch.fields["batch_id"], "version": 0},
+                   {"r0/action": np.zeros((2, 4), np.float32)})
+    assert err.type == P.ERROR and err.fields["code"] == P.E_STATE and "another generator" in err.fields["reason"]
+    assert [a.fields["req_id"] for a in s.result(batch)] == [1]  # still out, and served once
+
+
+def test_a_bug_met_by_one_message_is_answered_and_the_broker_goes_on():
+    s = Script("batching.ordering=tests.orderings:explodes")
+    s.simulator(SIM)
+    [err] = s.send(SIM, P.OBS, {"slot": 0, "req_id": 1, "n": 1, "instruction": ["x"], "episode_step": [0]})
+    assert err.type == P.ERROR and err.fields["code"] == "internal" and "RuntimeError" in err.fields["reason"]
+    s.generator(GEN)  # still serving
+    assert s.state.status(s.now)["errors"] == 1
+
+
+def test_a_request_whose_shared_memory_cannot_be_read_is_answered_not_raised():
+    s = Script("batching.max_batch=6")
+    s.simulator(SIM, slots=3, num_envs=6)
+    s.send(GEN, P.READY, {"role": "generator", "host": "elsewhere", "pid": 3, "credits": 1})
+    fields = {"n": 2, "instruction": ["go"] * 2, "episode_step": [1, 1]}
+    far = P.ShmRef("rlvla3_far", 0, 4, "uint8", (2, 2), "faraway")  # on a host the broker cannot read
+    gone = P.ShmRef("rlvla3_gone_segment", 0, 4, "uint8", (2, 2), s.state.host)  # its writer exited
+    s.send(SIM, P.OBS, {"slot": 0, "req_id": 1, **fields}, {"image": far})
+    s.send(SIM, P.OBS, {"slot": 1, "req_id": 1, **fields}, {"image": gone})
+    s.obs(SIM, 2)
+    outs = s.tick(1.0)
+    [batch] = of_type(outs, P.BATCH)
+    assert served(batch) == [(2, 1)]  # the readable one goes
+    errors = sorted((a.fields["slot"], a.fields["error"]) for a in of_type(outs, P.ACT, SIM))
+    assert [slot for slot, _ in errors] == [0, 1] and "faraway" in errors[0][1] and "gone" in errors[1][1]
