@@ -51,6 +51,7 @@ class Broker:
         poller.register(self.router, zmq.POLLIN)
         while not self._stop and (until is None or time.monotonic() < until):
             events = dict(poller.poll(max(0, int(self.state.wait_s(time.monotonic()) * 1000))))
+            turn = time.perf_counter()
             if self.router in events:
                 for _ in range(DRAIN):
                     try:
@@ -64,6 +65,7 @@ class Broker:
             batches = sum(1 for o in outs if o.type == P.BATCH)
             for _ in range(batches):  # forming and sending, per batch of this pass
                 self.state.stats.batch_form_us.record_value(max(1, (time.perf_counter_ns() - t0) // 1000 // batches))
+            self.state.stats.loop_turn(time.perf_counter() - turn)
         self.close()
 
     def _handle(self, frames: list[Any]) -> list[Out]:

@@ -42,6 +42,7 @@ class Dispatcher:
         self.bridge = bridge
         self.stats = stats
         self.queue = RequestQueue(get_ordering(cfg.batching.ordering))
+        self.timeout_s = cfg.batching.batch_timeout_s
         self.rule = BatchRule(cfg.batching.max_batch, cfg.batching.max_wait_ms / 1000.0, cfg.batching.assignment == "sticky")
         self.generators: dict[bytes, GeneratorState] = {}
         self.sticky: dict[tuple[bytes, int], bytes] = {}  # (simulator, slot) -> generator
@@ -141,7 +142,7 @@ class Dispatcher:
         w.info["served"] = int(w.info.get("served") or 0) + 1
         w.info["version"] = msg["version"]
         if msg.get("error"):
-            return self._failed(batch_id, batch, w, str(msg["error"])[:300])
+            return self._failed(batch_id, batch, w.name, str(msg["error"])[:300])
         self.stats.generate_us.record_value(max(1, int((now - batch.sent_at) * 1e6)))
         self.admission.on_settled(batch.requests)
         per_request = P.by_request(msg.tensors)
@@ -158,8 +159,8 @@ class Dispatcher:
             out.append(Out(req.sim, P.ACT, fields, per_request.get(i, {})))
         return out
 
-    def _failed(self, batch_id: int, batch: Batch, w: Worker, error: str) -> list[Out]:
-        log.warning("batch_failed", batch_id=batch_id, generator=w.name, error=error)
+    def _failed(self, batch_id: int, batch: Batch, generator: str, error: str) -> list[Out]:
+        log.warning("batch_failed", batch_id=batch_id, generator=generator, error=error)
         out = []
         for r in batch.requests:
             r.attempts += 1
@@ -175,6 +176,18 @@ class Dispatcher:
         self.admission.on_settled(reqs)
         return [Out(r.sim, P.ACT, {"slot": r.slot, "req_id": r.req_id, "version": -1, "error": error[:300]})
                 for r in reqs if r.sim in self.registry]
+
+    def expire(self, now: float) -> list[Out]:
+        """Batches past their deadline are treated as failed: re-queued (or, after
+        ``MAX_ATTEMPTS``, answered with an error). A late RESULT for one is ignored."""
+        out: list[Out] = []
+        for batch_id, batch in list(self.batches.items()):
+            if now - batch.sent_at > self.timeout_s:
+                del self.batches[batch_id]
+                w = self.registry.get(batch.generator)
+                out += self._failed(batch_id, batch, batch.generator.hex()[:16] if w is None else w.name,
+                                    f"no RESULT within batching.batch_timeout_s={self.timeout_s}")
+        return out
 
     # ---- workers joining and leaving ---------------------------------------------------------
 

@@ -222,7 +222,7 @@ class BrokerState:
         """Dispatch due batches, deliver pending fragments, and heartbeat once per interval. Each
         step runs under a catch-all: a bug logs its traceback and the loop goes on."""
         out: list[Out] = []
-        for step in (self._dispatch, lambda _: self.trajs.deliver(), self._heartbeat):
+        for step in (self.dispatcher.expire, self._dispatch, lambda _: self.trajs.deliver(), self._heartbeat):
             try:
                 out += step(now)
             except Exception:  # noqa: BLE001

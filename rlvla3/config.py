@@ -67,6 +67,9 @@ class BatchingConfig:
     """Batches in flight per generator."""
     assignment: str = "dynamic"
     """``dynamic`` (any generator serves any slot) or ``sticky`` (a slot stays with one)."""
+    batch_timeout_s: float = 120.0
+    """A batch out at a generator this long without a RESULT goes back into the queue (the
+    generator keeps that credit until it answers or leaves)."""
 
 
 @dataclass

@@ -258,3 +258,19 @@ def test_a_request_whose_shared_memory_cannot_be_read_is_answered_not_raised():
     assert served(batch) == [(2, 1)]  # the readable one goes
     errors = sorted((a.fields["slot"], a.fields["error"]) for a in of_type(outs, P.ACT, SIM))
     assert [slot for slot, _ in errors] == [0, 1] and "faraway" in errors[0][1] and "gone" in errors[1][1]
+
+
+def test_a_batch_past_its_deadline_is_served_elsewhere_and_a_late_result_ignored():
+    s = Script("batching.max_batch=2", "batching.batch_timeout_s=5", "broker.heartbeat_s=100")
+    s.simulator(SIM)
+    s.generator(GEN, credits=1)
+    s.obs(SIM, 0)
+    [stuck] = of_type(s.tick(1.0), P.BATCH, GEN)
+    s.generator(GEN2, credits=1)
+    assert of_type(s.tick(4.0), P.BATCH) == []  # 4 s out: not yet due
+    [again] = of_type(s.tick(1.5), P.BATCH)
+    assert again.to == GEN2 and served(again) == served(stuck)  # GEN keeps its credit until it answers
+    assert s.result(stuck) == []  # the late answer is dropped
+    assert [a.fields["req_id"] for a in s.result(again)] == [1]
+    s.obs(SIM, 0)
+    assert len(of_type(s.tick(1.0), P.BATCH)) == 1  # GEN answered: its credit is back
