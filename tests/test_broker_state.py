@@ -5,10 +5,22 @@ from __future__ import annotations
 
 import numpy as np
 
+from brokers.outgoing import Out
 from rlvla3 import protocol as P
 from tests.brokerscript import Script, of_type, served
 
 SIM, SIM2, GEN, GEN2, TRAINER = b"sim", b"sim2", b"gen", b"gen2", b"trainer"
+
+
+def one_batch_out(*overrides: str) -> tuple[Script, Out]:
+    """A simulator's request out at GEN (one credit) in a batch of its own; GEN2 joins after."""
+    s = Script("batching.max_batch=2", *overrides)
+    s.simulator(SIM)
+    s.generator(GEN, credits=1)
+    s.obs(SIM, 0)
+    [batch] = of_type(s.tick(1.0), P.BATCH, GEN)
+    s.generator(GEN2, credits=1)
+    return s, batch
 
 
 def test_dispatch_batches_on_size_or_wait_and_routes_actions_back():
@@ -149,12 +161,7 @@ def test_a_request_that_keeps_failing_is_answered_with_an_error():
 
 
 def test_a_dead_generators_batches_are_served_by_another():
-    s = Script("batching.max_batch=2", "broker.heartbeat_s=1", "broker.liveness=3")
-    s.simulator(SIM)
-    s.generator(GEN, credits=1)
-    s.obs(SIM, 0)
-    [lost] = of_type(s.tick(1.0), P.BATCH, GEN)
-    s.generator(GEN2, credits=1)
+    s, lost = one_batch_out("broker.heartbeat_s=1", "broker.liveness=3")
     for _ in range(3):  # GEN falls silent; SIM and GEN2 heartbeat
         s.send(SIM, P.HEARTBEAT)
         s.send(GEN2, P.HEARTBEAT)
@@ -221,14 +228,8 @@ def test_a_full_trainer_group_is_refused_and_status_answers_anyone():
 
 
 def test_a_result_is_taken_only_from_the_generator_its_batch_went_to():
-    s = Script("batching.max_batch=2")
-    s.simulator(SIM)
-    s.generator(GEN, credits=1)
-    s.generator(GEN2, credits=1)
-    s.obs(SIM, 0)
-    [batch] = of_type(s.tick(1.0), P.BATCH)
-    other = GEN2 if batch.to == GEN else GEN
-    [err] = s.send(other, P.RESULT, {"batch_id": batch.fields["batch_id"], "version": 0},
+    s, batch = one_batch_out()
+    [err] = s.send(GEN2, P.RESULT, {"batch_id": batch.fields["batch_id"], "version": 0},
                    {"r0/action": np.zeros((2, 4), np.float32)})
     assert err.type == P.ERROR and err.fields["code"] == P.E_STATE and "another generator" in err.fields["reason"]
     assert [a.fields["req_id"] for a in s.result(batch)] == [1]  # still out, and served once
@@ -261,12 +262,7 @@ def test_a_request_whose_shared_memory_cannot_be_read_is_answered_not_raised():
 
 
 def test_a_batch_past_its_deadline_is_served_elsewhere_and_a_late_result_ignored():
-    s = Script("batching.max_batch=2", "batching.batch_timeout_s=5", "broker.heartbeat_s=100")
-    s.simulator(SIM)
-    s.generator(GEN, credits=1)
-    s.obs(SIM, 0)
-    [stuck] = of_type(s.tick(1.0), P.BATCH, GEN)
-    s.generator(GEN2, credits=1)
+    s, stuck = one_batch_out("batching.batch_timeout_s=5", "broker.heartbeat_s=100")
     assert of_type(s.tick(4.0), P.BATCH) == []  # 4 s out: not yet due
     [again] = of_type(s.tick(1.5), P.BATCH)
     assert again.to == GEN2 and served(again) == served(stuck)  # GEN keeps its credit until it answers
