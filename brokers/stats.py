@@ -87,6 +87,7 @@ class BrokerStats:
     evals: dict[int, list[float]] = field(default_factory=dict)  # version -> [episodes, successes, return sum]
     _slow: dict[str, Any] = field(default_factory=dict)  # percentiles and means, refreshed once a second
     _slow_at: float = float("-inf")
+    _slow_shape: tuple = ()
 
     def add_eval(self, version: int, success: bool, ret: float) -> None:
         e = self.evals.setdefault(version, [0, 0, 0.0])
@@ -111,23 +112,25 @@ class BrokerStats:
         self.max_loop_stall_ms = max(self.max_loop_stall_ms, busy_s * 1000.0)
 
     def snapshot(self, now: float) -> dict[str, Any]:
-        """Counters as they are now; percentiles, means and rates as of at most a second ago, so
-        that answering STATUS often stays cheap for the loop."""
-        if now - self._slow_at >= 1.0:
-            self._slow_at = now
+        """Counters (histogram counts too) as they are now; percentiles, means and rates as of at
+        most a second ago, so that answering STATUS often stays cheap for the loop. A figure that
+        was empty at the last refresh and no longer is triggers a refresh at once."""
+        hists = {"batch_size": self.batch_size, "queue_wait_us": self.queue_wait_us,
+                 "batch_form_us": self.batch_form_us, "generate_us": self.generate_us, "staleness": self.staleness}
+        counts = {name: h.get_total_count() for name, h in hists.items()}
+        shape = (tuple(c > 0 for c in counts.values()), bool(self._recent_returns), len(self.evals))
+        if now - self._slow_at >= 1.0 or shape != self._slow_shape:
+            self._slow_at, self._slow_shape = now, shape
             rr, rs = self._recent_returns, self._recent_success
             self._slow = {
                 "env_steps_per_s": round(self.env_steps_per_s(now), 2),
                 "success_rate_recent": round(sum(rs) / len(rs), 4) if rs else None,
                 "return_recent": round(sum(rr) / len(rr), 4) if rr else None,
-                "batch_size": _pcts(self.batch_size),
-                "queue_wait_us": _pcts(self.queue_wait_us),
-                "batch_form_us": _pcts(self.batch_form_us),
-                "generate_us": _pcts(self.generate_us),
-                "staleness": _pcts(self.staleness),
+                **{name: _pcts(h) for name, h in hists.items()},
                 "eval": {str(v): {"episodes": e[0], "success": round(e[1] / e[0], 4), "return": round(e[2] / e[0], 4)}
                          for v, e in sorted(self.evals.items())[-20:]},
             }
+        fresh = {name: {**self._slow[name], "count": c} for name, c in counts.items()}
         return {
             "uptime_s": round(now - self.started, 3),
             "env_steps": self.env_steps,
@@ -147,4 +150,5 @@ class BrokerStats:
             "max_loop_stall_ms": round(self.max_loop_stall_ms, 3),
             "trainer": dict(self.trainer),
             **self._slow,
+            **fresh,
         }

@@ -25,13 +25,14 @@ def test_percentiles_match_hdrh(top):
 
 def test_percentiles_refresh_once_a_second_and_counters_always():
     st = BrokerStats(started=0.0)
+    assert st.snapshot(0.5)["generate_us"] == {"count": 0}
     st.generate_us.record_value(10)
-    assert st.snapshot(1.0)["generate_us"]["count"] == 1
-    st.generate_us.record_value(20)
+    assert st.snapshot(0.6)["generate_us"]["p50"] == 10  # was empty: refreshed at once
+    st.generate_us.record_value(2000)
     st.batches += 1
     fig = st.snapshot(1.5)
-    assert fig["generate_us"]["count"] == 1 and fig["batches"] == 1
-    assert st.snapshot(2.0)["generate_us"]["count"] == 2
+    assert fig["generate_us"]["count"] == 2 and fig["generate_us"]["max"] == 10 and fig["batches"] == 1
+    assert st.snapshot(1.6)["generate_us"]["max"] > 1000
 
 
 def test_a_live_broker_reports_its_longest_loop_turn(job_factory):
