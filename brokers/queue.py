@@ -29,6 +29,7 @@ class PendingRequest:
     tensors: dict[str, Any]
     host: str = ""
     starts: int = 0  # envs in this request that begin a new episode
+    attempts: int = 0  # batches of this request that failed on a generator
 
     @property
     def slot_key(self) -> tuple[bytes, int]:
@@ -38,12 +39,12 @@ class PendingRequest:
 @dataclass
 class GeneratorState:
     identity: bytes
-    capacity: int = 0  # credits announced (0 until its weights are loaded)
+    credits: int = 0  # batches it takes at once, as announced (0 until its weights are loaded)
     inflight: set[int] = field(default_factory=set)
 
     @property
     def free(self) -> int:
-        return self.capacity - len(self.inflight)
+        return self.credits - len(self.inflight)
 
 
 class RequestQueue:
@@ -111,14 +112,15 @@ def form_batches(
     sticky_map: dict[tuple[bytes, int], bytes],
     force: bool = False,
     budget: int | None = None,
+    cost: Callable[[PendingRequest], int] | None = None,
 ) -> list[tuple[GeneratorState, list[PendingRequest]]]:
     """Take batches off the queue for generators with free credits.
 
     An idle generator gets a batch as soon as one is due (full, or the oldest request has
     waited ``max_wait``); a generator already working gets a second batch only when it is full,
     so spare credits prefetch work without cutting batches small. ``force`` flushes whatever is
-    queued (sync mode's barrier has been reached). ``budget`` caps the envs handed out in all
-    (admission control); a request already handed out once (re-queued) does not count twice.
+    queued (sync mode's barrier has been reached). ``budget`` caps the ``cost`` of what is handed
+    out in all (admission control: ``brokers.admission``; a re-queued request costs nothing).
     """
     out: list[tuple[GeneratorState, list[PendingRequest]]] = []
     order = list(queue.ordered())  # sorted once; entries leave it as they are batched
@@ -136,8 +138,8 @@ def form_batches(
             picked: list[tuple[int, PendingRequest]] = []
             envs = 0
             for seq, req in order:
-                cost = 0 if (req.header.get("admitted") or req.header.get("eval")) else req.n
-                if budget is not None and cost > budget:
+                units = req.n if cost is None else cost(req)
+                if budget is not None and units > budget:
                     continue
                 if rule.sticky:
                     owner = sticky_map.get(req.slot_key)
@@ -148,7 +150,7 @@ def form_batches(
                 picked.append((seq, req))
                 envs += req.n
                 if budget is not None:
-                    budget -= cost
+                    budget -= units
                 if envs >= rule.max_batch:
                     break
             if not picked:

@@ -67,6 +67,9 @@ class BatchingConfig:
     """Batches in flight per generator."""
     assignment: str = "dynamic"
     """``dynamic`` (any generator serves any slot) or ``sticky`` (a slot stays with one)."""
+    batch_timeout_s: float = 120.0
+    """A batch out at a generator this long without a RESULT goes back into the queue (the
+    generator keeps that credit until it answers or leaves)."""
 
 
 @dataclass
@@ -214,6 +217,11 @@ def from_dict(data: dict[str, Any] | None) -> JobConfig:
     return cfg
 
 
+# Keys a config may no longer use: dotted old key -> what to write instead. Loading a config
+# that uses one fails with that replacement in the message.
+RENAMED: dict[str, str] = {}
+
+
 def _build(cls: type, data: Any, path: str) -> Any:
     if not isinstance(data, dict):
         raise ConfigError(f"{path or 'config'}: expected a mapping, got {type(data).__name__}")
@@ -222,6 +230,9 @@ def _build(cls: type, data: Any, path: str) -> Any:
     unknown = sorted(set(data) - known)
     if unknown:
         where = f"{path}." if path else ""
+        for key in unknown:
+            if f"{where}{key}" in RENAMED:
+                raise ConfigError(f"config key {where}{key} is gone: use {RENAMED[where + key]}")
         raise ConfigError(f"unknown config key {where}{unknown[0]}; known in {path or 'top level'}: {sorted(known)}")
     kwargs = {}
     for name, value in data.items():

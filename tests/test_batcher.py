@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 
 from brokers.queue import BatchRule, GeneratorState, PendingRequest, RequestQueue, form_batches
-from rlvla3.ordering import get_ordering
+from brokers.ordering import get_ordering
 
 
 def req(slot: int, n: int = 2, arrival: float = 0.0, steps=None, version: int = -1, sim: bytes = b"s") -> PendingRequest:
@@ -23,7 +23,7 @@ def queue_of(*reqs, ordering="arrival") -> RequestQueue:
 
 def test_flush_on_size_not_before():
     q = queue_of(req(0, arrival=0.0), req(1, arrival=0.001))
-    gen = GeneratorState(b"g", capacity=1)
+    gen = GeneratorState(b"g", credits=1)
     rule = BatchRule(max_batch=8, max_wait_s=1.0)
     assert form_batches(q, [gen], rule, now=0.01, sticky_map={}) == []  # 4 envs < 8, not waited
     q.push(req(2, arrival=0.002))
@@ -34,7 +34,7 @@ def test_flush_on_size_not_before():
 
 def test_flush_on_wait():
     q = queue_of(req(0, arrival=0.0))
-    gen = GeneratorState(b"g", capacity=1)
+    gen = GeneratorState(b"g", credits=1)
     rule = BatchRule(max_batch=64, max_wait_s=0.005)
     assert form_batches(q, [gen], rule, now=0.004, sticky_map={}) == []
     out = form_batches(q, [gen], rule, now=0.006, sticky_map={})
@@ -43,14 +43,14 @@ def test_flush_on_wait():
 
 def test_batch_never_exceeds_max_and_never_splits_a_request():
     q = queue_of(*(req(i, n=3, arrival=i) for i in range(5)))
-    gen = GeneratorState(b"g", capacity=10)
+    gen = GeneratorState(b"g", credits=10)
     out = form_batches(q, [gen], BatchRule(max_batch=7, max_wait_s=0.0), now=100, sticky_map={})
     sizes = [sum(r.n for r in reqs) for _, reqs in out]
     assert sizes == [6, 6] and len(q) == 1  # no request split; nothing over max_batch
 
 
 def test_busy_generator_prefetches_only_full_batches():
-    gen = GeneratorState(b"g", capacity=2)
+    gen = GeneratorState(b"g", credits=2)
     rule = BatchRule(max_batch=4, max_wait_s=0.001)
     q = queue_of(req(0, n=2, arrival=0.0))
     assert len(form_batches(q, [gen], rule, now=1.0, sticky_map={})) == 1  # idle: flush on wait
@@ -64,7 +64,7 @@ def test_busy_generator_prefetches_only_full_batches():
 
 def test_credits_bound_batches_in_flight_and_favour_free_generators():
     q = queue_of(*(req(i, n=2, arrival=i) for i in range(6)))
-    fast, slow = GeneratorState(b"fast", capacity=2), GeneratorState(b"slow", capacity=1)
+    fast, slow = GeneratorState(b"fast", credits=2), GeneratorState(b"slow", credits=1)
     slow.inflight.add(99)  # slow still holds its only credit
     out = form_batches(q, [fast, slow], BatchRule(max_batch=2, max_wait_s=0.0), now=100, sticky_map={})
     assert [g.identity for g, _ in out] == [b"fast", b"fast"]  # no credit, no batch
@@ -73,7 +73,7 @@ def test_credits_bound_batches_in_flight_and_favour_free_generators():
 
 def test_sticky_assignment_keeps_a_slot_on_its_generator():
     sticky: dict = {}
-    a, b = GeneratorState(b"a", capacity=1), GeneratorState(b"b", capacity=1)
+    a, b = GeneratorState(b"a", credits=1), GeneratorState(b"b", credits=1)
     rule = BatchRule(max_batch=2, max_wait_s=0.0, sticky=True)
     q = queue_of(req(0, arrival=0), req(1, arrival=1))
     first = form_batches(q, [a, b], rule, now=10, sticky_map=sticky)

@@ -5,13 +5,14 @@
 from __future__ import annotations
 
 import json
+import re
 import subprocess
 import sys
 from pathlib import Path
 
 import pytest
 
-from rlvla3.config import ConfigError, load
+from rlvla3.config import RENAMED, ConfigError, load
 from rlvla3.launch import parse_gpus
 
 
@@ -41,6 +42,12 @@ def test_config_errors_name_the_key():
         load("synthetic.yaml", ["env.num_envs=5", "env.slots=2"])
     cfg = load("synthetic.yaml", ["batching.max_batch=16", "env.options.latency={kind: constant, mean_ms: 3}"])
     assert cfg.batching.max_batch == 16 and cfg.env.options["latency"]["mean_ms"] == 3
+
+
+def test_a_renamed_or_removed_key_names_its_replacement():
+    for old, new in RENAMED.items():  # every entry of the table, as a user would write it
+        with pytest.raises(ConfigError, match=re.escape(f"{old} is gone: use {new}")):
+            load("synthetic.yaml", [f"{old}=1"])
 
 
 def test_cli_rejects_unknown_key_before_starting_anything(tmp_path: Path):

@@ -4,7 +4,7 @@ import json
 import subprocess
 import sys
 
-from tests.conftest import FAST
+from tests.jobs import FAST
 
 QUICK = [*FAST, "algo.checkpoint_every=2"]
 

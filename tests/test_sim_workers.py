@@ -33,7 +33,7 @@ os.environ.setdefault("PYOPENGL_PLATFORM", "egl")
 
 from rlvla3 import protocol as P  # noqa: E402
 from rlvla3.config import load  # noqa: E402
-from tests.conftest import TestJob as Job, job_logs as _logs, start_job, wait_until  # noqa: E402
+from tests.jobs import TestJob as Job, job_logs as _logs, start_job, wait_until  # noqa: E402
 
 pytestmark = pytest.mark.slow
 

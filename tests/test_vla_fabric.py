@@ -23,7 +23,7 @@ import yaml
 
 from rlvla3.config import load
 from rlvla3.launch import stop_processes
-from tests.conftest import TestJob as Job, job_logs as _logs, start_job
+from tests.jobs import TestJob as Job, job_logs as _logs, start_job
 
 pytestmark = pytest.mark.slow
 

@@ -309,14 +309,14 @@ class SimulatorWorker(WorkerBase):
             self._maybe_start_eval(slot.version)
         slot.runner.submit(lambda: self._run_chunk(slot, actions.astype(np.float32)), ("chunk", s))
 
-    def _finish_chunk(self, slot: Slot, oc: ChunkOutcome) -> None:
+    def _finish_chunk(self, slot: Slot, outcome: ChunkOutcome) -> None:
         out = slot.out
         slot.out = None
         replay = {k[len("replay/"):]: v for k, v in out.items() if k.startswith("replay/")}
         frag_len = self.cfg.env.fragment_len
-        self.env_steps += int(oc.steps.sum())
-        self.restarts_unreported += oc.restarts
-        reset_row = {i: j for j, i in enumerate(oc.done_ids)}
+        self.env_steps += int(outcome.steps.sum())
+        self.restarts_unreported += outcome.restarts
+        reset_row = {i: j for j, i in enumerate(outcome.done_ids)}
         for i, tr in enumerate(slot.trajs):
             if slot.frozen is not None and slot.frozen[i]:
                 continue
@@ -324,38 +324,38 @@ class SimulatorWorker(WorkerBase):
             tr.add(StepRecord(
                 obs_images=images, obs_state=state, actions=out["actions"][i], logprob=out["logprob"][i],
                 value=float(out["value"][i]), replay={k: v[i] for k, v in replay.items()}, version=slot.version,
-                reward=float(oc.step_reward[i].sum()), step_reward=oc.step_reward[i], steps=int(oc.steps[i]),
-                terminated=bool(oc.terminated[i]), truncated=bool(oc.truncated[i]),
+                reward=float(outcome.step_reward[i].sum()), step_reward=outcome.step_reward[i], steps=int(outcome.steps[i]),
+                terminated=bool(outcome.terminated[i]), truncated=bool(outcome.truncated[i]),
             ))
             done = i in reset_row
             if done or len(tr.records) >= frag_len:
-                nxt_images, nxt_state = obs_row(oc.final_obs, i)
-                header, tensors = tr.fragment(nxt_images, nxt_state, bool(oc.success[i]))
+                nxt_images, nxt_state = obs_row(outcome.final_obs, i)
+                header, tensors = tr.fragment(nxt_images, nxt_state, bool(outcome.success[i]))
                 tr.records = []
                 if slot.eval:
                     header.update({"eval": True, "eval_version": slot.eval_version})
                 self._ship(slot, header, tensors)
             if done and not slot.eval:
-                tr.begin_episode(oc.reset_obs["instruction"][reset_row[i]], self._seed_for(tr.env, tr.episode + 1))
+                tr.begin_episode(outcome.reset_obs["instruction"][reset_row[i]], self._seed_for(tr.env, tr.episode + 1))
         if slot.eval:
-            slot.frozen = slot.frozen | np.isin(np.arange(len(slot.envs)), oc.done_ids)
-            slot.obs = oc.final_obs
+            slot.frozen = slot.frozen | np.isin(np.arange(len(slot.envs)), outcome.done_ids)
+            slot.obs = outcome.final_obs
             if slot.frozen.all():  # this slot's episodes of the round are over
                 self._next_eval_episodes(slot, self.eval_round_version)
             else:
-                self._send_obs(slot, env_steps=int(oc.steps.sum()))
+                self._send_obs(slot, env_steps=int(outcome.steps.sum()))
             return
         # next observation: post-chunk obs, with new episodes' first obs for done envs
-        nxt = oc.final_obs
-        if oc.done_ids:
-            idx = np.asarray(oc.done_ids)
+        nxt = outcome.final_obs
+        if outcome.done_ids:
+            idx = np.asarray(outcome.done_ids)
             for c in nxt["images"]:
-                nxt["images"][c][idx] = oc.reset_obs["images"][c]
-            nxt["state"][idx] = oc.reset_obs["state"]
-            for j, i in enumerate(oc.done_ids):
-                nxt["instruction"][i] = oc.reset_obs["instruction"][j]
+                nxt["images"][c][idx] = outcome.reset_obs["images"][c]
+            nxt["state"][idx] = outcome.reset_obs["state"]
+            for j, i in enumerate(outcome.done_ids):
+                nxt["instruction"][i] = outcome.reset_obs["instruction"][j]
         slot.obs = nxt
-        self._send_obs(slot, env_steps=int(oc.steps.sum()))
+        self._send_obs(slot, env_steps=int(outcome.steps.sum()))
 
     def _latest_version(self) -> int:
         return max((s.version for s in self.slots if not s.eval), default=0)

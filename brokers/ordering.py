@@ -1,7 +1,7 @@
 """Ordering functions for the broker's request queue: ``key(request) -> sortable``.
 
 Smaller keys are served first. Built-ins are registered with ``@register_ordering``; a config
-may also name any ``module:function`` with the same signature.
+(``batching.ordering``) may also name any ``module:function`` with the same signature.
 """
 
 from __future__ import annotations

@@ -1,0 +1,225 @@
+"""Dispatch and batching: OBS requests in, BATCHes out to generators, RESULTs back as ACTs.
+
+Owns the request queue, the generators' credits, the batches out at generators and the sticky
+slot map. A batch lost with its generator, or failed on it, goes back into the queue with its
+arrival time (served first again); a request that failed ``MAX_ATTEMPTS`` times is answered
+with an error ACT instead. Admission (``brokers.admission``) is told what goes out and settles.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+import structlog
+
+from brokers.admission import AdmissionController
+from brokers.ordering import get_ordering
+from brokers.outgoing import Out, ShmBridge
+from brokers.queue import BatchRule, GeneratorState, PendingRequest, RequestQueue, form_batches
+from brokers.registry import Registry, Worker
+from brokers.stats import BrokerStats
+from rlvla3 import protocol as P
+from rlvla3.config import JobConfig
+
+log = structlog.get_logger()
+
+MAX_ATTEMPTS = 3  # a request whose batch failed this many times is answered with an error
+
+
+@dataclass
+class Batch:
+    generator: bytes
+    requests: list[PendingRequest]
+    sent_at: float
+
+
+class Dispatcher:
+    def __init__(self, cfg: JobConfig, registry: Registry, admission: AdmissionController, bridge: ShmBridge,
+                 stats: BrokerStats) -> None:
+        self.registry = registry
+        self.admission = admission
+        self.bridge = bridge
+        self.stats = stats
+        self.queue = RequestQueue(get_ordering(cfg.batching.ordering))
+        self.timeout_s = cfg.batching.batch_timeout_s
+        self.rule = BatchRule(cfg.batching.max_batch, cfg.batching.max_wait_ms / 1000.0, cfg.batching.assignment == "sticky")
+        self.generators: dict[bytes, GeneratorState] = {}
+        self.sticky: dict[tuple[bytes, int], bytes] = {}  # (simulator, slot) -> generator
+        self.batches: dict[int, Batch] = {}
+        self._next_batch = 0
+
+    # ---- requests in -------------------------------------------------------------------------
+
+    def on_obs(self, w: Worker, msg: P.Message, now: float) -> None:
+        n = msg["n"]
+        if n < 1 or len(msg["instruction"]) != n or len(msg["episode_step"]) != n:
+            raise P.ProtocolError(P.E_FIELD, "OBS: n, instruction and episode_step disagree")
+        if not (0 <= msg["slot"] < max(w.slots, 1)):
+            raise P.ProtocolError(P.E_FIELD, f"OBS: slot {msg['slot']} out of range (worker has {w.slots})")
+        self.queue.push(PendingRequest(
+            sim=w.identity, slot=msg["slot"], req_id=msg["req_id"], n=n, arrival=now,
+            episode_step=list(msg["episode_step"]), version=int(msg.get("version", -1)),
+            header=msg.header, tensors=msg.tensors, host=w.host,
+            starts=sum(1 for s in msg["episode_step"] if s == 0),
+        ))
+        self.stats.requests += 1
+        steps = int(msg.get("env_steps", 0))
+        self.stats.env_steps += steps
+        w.info["env_steps"] = int(w.info.get("env_steps") or 0) + steps
+        self.stats.decision_steps += int(msg.get("decision_steps", 0))
+        self.stats.env_restarts += int(msg.get("env_restarts", 0))
+
+    # ---- batches out -------------------------------------------------------------------------
+
+    def dispatch(self, now: float, force: bool, budget: int | None) -> list[Out]:
+        """Form the batches that are due and address them to generators. A request that cannot
+        go out (its shared memory is unreadable from the generator, or anything else raises) is
+        answered with an error ACT; the rest of its batch goes."""
+        formed = form_batches(self.queue, list(self.generators.values()), self.rule, now, self.sticky,
+                              force=force, budget=budget, cost=self.admission.cost)
+        out = []
+        for gen, reqs in formed:
+            self.admission.on_dispatched(reqs)
+            gen_host = self.registry.workers[gen.identity].host
+            ready: list[tuple[PendingRequest, dict[str, Any]]] = []
+            for r in reqs:
+                try:
+                    ready.append((r, {name: self.bridge.for_host(t, gen_host) for name, t in r.tensors.items()}))
+                except Exception as err:  # noqa: BLE001 - one bad request never stops the broker
+                    log.warning("request_dropped_unreadable", slot=r.slot, req_id=r.req_id, error=repr(err)[:300])
+                    out += self._give_up([r], f"request not deliverable to a generator: {err}")
+            if ready:
+                out.append(self._batch(gen, ready, now))
+        return out
+
+    def _batch(self, gen: GeneratorState, ready: list[tuple[PendingRequest, dict[str, Any]]], now: float) -> Out:
+        self._next_batch += 1
+        batch_id = self._next_batch
+        reqs = [r for r, _ in ready]
+        tensors: dict[str, Any] = {}
+        meta = []
+        for i, (r, req_tensors) in enumerate(ready):
+            for name, t in req_tensors.items():
+                tensors[f"r{i}/{name}"] = t
+            meta.append({
+                "req_id": r.req_id, "slot": r.slot, "n": r.n, "instruction": r.header["instruction"],
+                "episode_step": r.episode_step, "deterministic": r.header.get("deterministic", [False] * r.n),
+            })
+            self.stats.queue_wait_us.record_value(max(1, int((now - r.arrival) * 1e6)))
+        gen.inflight.add(batch_id)
+        self.batches[batch_id] = Batch(gen.identity, reqs, now)
+        self.stats.batches += 1
+        self.stats.batch_size.record_value(sum(r.n for r in reqs))
+        fields = {"batch_id": batch_id, "requests": meta, "queue_us": [int((now - r.arrival) * 1e6) for r in reqs]}
+        return Out(gen.identity, P.BATCH, fields, tensors)
+
+    def unsent(self, batch_id: int) -> None:
+        """The shell could not send a batch (its generator is gone or full): queue it again."""
+        batch = self.batches.pop(batch_id, None)
+        if batch is None:
+            return
+        gen = self.generators.get(batch.generator)
+        if gen is not None:
+            gen.inflight.discard(batch_id)
+        self.stats.batches -= 1
+        for r in batch.requests:
+            self.queue.push(r)
+
+    # ---- results back ------------------------------------------------------------------------
+
+    def on_result(self, w: Worker, msg: P.Message, now: float) -> list[Out]:
+        batch_id = msg["batch_id"]
+        if batch_id in self.batches and self.batches[batch_id].generator != w.identity:
+            raise P.ProtocolError(P.E_STATE, f"RESULT for batch {batch_id}, which went to another generator")
+        batch = self.batches.pop(batch_id, None)
+        gen = self.generators.get(w.identity)
+        if gen is not None:
+            gen.inflight.discard(batch_id)
+        if batch is None:
+            log.warning("result_unknown_batch", batch_id=batch_id, generator=w.name)
+            return []
+        w.info["served"] = int(w.info.get("served") or 0) + 1
+        w.info["version"] = msg["version"]
+        if msg.get("error"):
+            return self._failed(batch_id, batch, w.name, str(msg["error"])[:300])
+        self.stats.generate_us.record_value(max(1, int((now - batch.sent_at) * 1e6)))
+        self.admission.on_settled(batch.requests)
+        per_request = P.by_request(msg.tensors)
+        queue_us = msg.get("queue_us") if isinstance(msg.get("queue_us"), list) else []
+        out = []
+        for i, req in enumerate(batch.requests):
+            if req.sim not in self.registry:
+                continue  # its simulator left; nothing to deliver
+            fields = {
+                "slot": req.slot, "req_id": req.req_id, "version": msg["version"],
+                "queue_us": int(queue_us[i]) if i < len(queue_us) else 0,
+                "forward_us": int(msg.get("forward_us", 0)),
+            }
+            out.append(Out(req.sim, P.ACT, fields, per_request.get(i, {})))
+        return out
+
+    def _failed(self, batch_id: int, batch: Batch, generator: str, error: str) -> list[Out]:
+        log.warning("batch_failed", batch_id=batch_id, generator=generator, error=error)
+        out = []
+        for r in batch.requests:
+            r.attempts += 1
+            if r.attempts < MAX_ATTEMPTS:
+                self.queue.push(r)
+                self.stats.requeued += 1
+            else:
+                out += self._give_up([r], error)
+        return out
+
+    def _give_up(self, reqs: list[PendingRequest], error: str) -> list[Out]:
+        """Answer requests that will not be served with an error ACT (the slot restarts)."""
+        self.admission.on_settled(reqs)
+        return [Out(r.sim, P.ACT, {"slot": r.slot, "req_id": r.req_id, "version": -1, "error": error[:300]})
+                for r in reqs if r.sim in self.registry]
+
+    def expire(self, now: float) -> list[Out]:
+        """Batches past their deadline are treated as failed: re-queued (or, after
+        ``MAX_ATTEMPTS``, answered with an error). A late RESULT for one is ignored."""
+        out: list[Out] = []
+        for batch_id, batch in list(self.batches.items()):
+            if now - batch.sent_at > self.timeout_s:
+                del self.batches[batch_id]
+                w = self.registry.get(batch.generator)
+                out += self._failed(batch_id, batch, batch.generator.hex()[:16] if w is None else w.name,
+                                    f"no RESULT within batching.batch_timeout_s={self.timeout_s}")
+        return out
+
+    # ---- workers joining and leaving ---------------------------------------------------------
+
+    def add_generator(self, identity: bytes, credits: int) -> None:
+        self.generators[identity] = GeneratorState(identity, credits=credits)
+
+    def set_credits(self, identity: bytes, credits: int) -> None:
+        self.generators[identity].credits = max(0, credits)
+
+    def generator_gone(self, identity: bytes) -> None:
+        """Its batches go back into the queue, keeping their arrival times: served first again."""
+        gen = self.generators.pop(identity, None)
+        for batch_id in sorted(gen.inflight if gen else []):
+            batch = self.batches.pop(batch_id, None)
+            if batch is None:
+                continue
+            for r in batch.requests:
+                self.queue.push(r)
+                self.stats.requeued += 1
+            log.warning("batch_requeued", batch_id=batch_id, requests=len(batch.requests))
+        for key in [k for k, g in self.sticky.items() if g == identity]:
+            del self.sticky[key]
+
+    def simulator_gone(self, identity: bytes) -> None:
+        self.queue.remove_where(lambda r: r.sim == identity)
+        for key in [k for k in self.sticky if k[0] == identity]:
+            del self.sticky[key]
+
+    def wait_s(self, now: float) -> float | None:
+        """Seconds until the oldest request is due for an idle generator (``None``: no such
+        deadline). A busy generator takes only full batches, which only a new request makes."""
+        oldest = self.queue.oldest_arrival()
+        if oldest is None or not any(g.free > 0 and not g.inflight for g in self.generators.values()):
+            return None
+        return max(0.0, oldest + self.rule.max_wait_s - now)

@@ -1,0 +1,69 @@
+"""The worker registry: who has said READY, in which role, and when each was last heard from."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any, Iterator
+
+
+@dataclass
+class Worker:
+    identity: bytes  # its ROUTER identity
+    role: str
+    host: str
+    pid: int
+    name: str
+    worker_id: int
+    last_seen: float
+    slots: int = 0  # simulators: request slots
+    num_envs: int = 0
+    credits: int = 0  # trainers: trajectory fragments it takes at once
+    trajs_inflight: set[int] = field(default_factory=set)  # trainers: fragment gids not yet acked
+    rank: int = -1  # trainers: rank in the DDP group
+    info: dict[str, Any] = field(default_factory=dict)
+
+
+class Registry:
+    """Workers by identity; liveness is ``last_seen`` against ``expiry_s``."""
+
+    def __init__(self, expiry_s: float) -> None:
+        self.expiry_s = expiry_s
+        self.workers: dict[bytes, Worker] = {}
+        self._next_id = 0
+
+    def __contains__(self, identity: object) -> bool:
+        return identity in self.workers
+
+    def __iter__(self) -> Iterator[Worker]:
+        return iter(list(self.workers.values()))
+
+    def get(self, identity: bytes) -> Worker | None:
+        return self.workers.get(identity)
+
+    def of_role(self, role: str) -> list[Worker]:
+        return [w for w in self.workers.values() if w.role == role]
+
+    def new_id(self) -> int:
+        self._next_id += 1
+        return self._next_id
+
+    def free_rank(self) -> int:
+        """The lowest trainer rank not taken."""
+        ranks = {w.rank for w in self.of_role("trainer")}
+        return next(r for r in range(len(ranks) + 1) if r not in ranks)
+
+    def add(self, w: Worker) -> None:
+        self.workers[w.identity] = w
+
+    def remove(self, identity: bytes) -> Worker | None:
+        return self.workers.pop(identity, None)
+
+    def expired(self, now: float) -> list[Worker]:
+        return [w for w in self.workers.values() if now - w.last_seen > self.expiry_s]
+
+    def counts(self) -> dict[str, int]:
+        by_role = {r: 0 for r in ("simulator", "generator", "trainer")}
+        for w in self.workers.values():
+            if w.role in by_role:
+                by_role[w.role] += 1
+        return by_role

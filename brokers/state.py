@@ -1,0 +1,331 @@
+"""The broker's whole state and rules, without sockets or clocks: a message and the time go in,
+the messages to send come out. ``brokers.broker`` is the socket shell around it.
+
+    outs = state.handle(identity, msg, now)   # one decoded message from a worker
+    outs = state.tick(now)                    # timers: dispatch due batches, deliver fragments,
+                                              # heartbeat and expire workers
+    state.unsent(out)                         # the shell could not send ``out`` (peer gone/full)
+
+Sections, one module each: the worker registry (``registry``), dispatch and batching
+(``dispatch``), trajectories (``trajectories``), admission (``admission``), the weight snapshot
+(``weights``). Pacing (the sync barrier and the alternating modes' training pause) is here.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Callable
+
+import structlog
+
+from brokers.admission import AdmissionController
+from brokers.dispatch import Dispatcher
+from brokers.outgoing import E_INTERNAL, Out, ShmBridge, error
+from brokers.registry import Registry, Worker
+from brokers.stats import BrokerStats
+from brokers.trajectories import TrajectoryRouter
+from brokers.weights import WeightsSnapshot
+from rlvla3 import protocol as P
+from rlvla3.config import JobConfig
+
+log = structlog.get_logger()
+
+
+class BrokerState:
+    def __init__(self, cfg: JobConfig, now: float, run_id: str, host: str, pid: int = 0, pub: str = "",
+                 bridge: ShmBridge | None = None) -> None:
+        self.cfg = cfg
+        self.mode = cfg.run.mode
+        self.run_id, self.host, self.pid, self.pub = run_id, host, pid, pub
+        self.hb_s = cfg.broker.heartbeat_s
+        self.registry = Registry(cfg.broker.heartbeat_s * cfg.broker.liveness)
+        self.stats = BrokerStats(started=now)
+        # AReaL's capacity rule in decision steps; sync mode alternates and needs none.
+        self.admission = AdmissionController(None if self.mode == "sync" else cfg.algo.max_staleness, cfg.algo.batch_steps)
+        self.bridge = bridge or ShmBridge(host)
+        self.dispatcher = Dispatcher(cfg, self.registry, self.admission, self.bridge, self.stats)
+        self.trajs = TrajectoryRouter(self.registry, self.bridge, self.stats, grpo=cfg.algo.name == "grpo")
+        self.weights = WeightsSnapshot()
+        # Pacing: the alternating modes pause rollouts once a batch of steps is in.
+        self.trainer_version = 0
+        self.steps_since_update = 0
+        self.training_pause = False
+        self._last_hb = now
+
+    # =========================================================================================
+    # Messages in
+    # =========================================================================================
+
+    def handle(self, identity: bytes, msg: P.Message, now: float) -> list[Out]:
+        """The replies to one decoded message. A bad message is answered with ERROR, never raised."""
+        worker = self.registry.get(identity)
+        if worker is not None:
+            worker.last_seen = now
+        if msg.type == P.READY:
+            return self._on_ready(identity, msg, now)
+        if msg.type == P.STATUS:
+            return [Out(identity, P.STATUS, {"figures": self.status(now)})]
+        if worker is None:
+            return self.reject(identity, P.E_STATE, f"{msg.type} before READY: send READY first", msg.type)
+        handler = self._HANDLERS.get(msg.type)
+        if handler is None:
+            return self.reject(identity, P.E_STATE, f"{msg.type} is not sent to the broker", msg.type)
+        role = self._ROLE_OF.get(msg.type)
+        if role is not None and worker.role != role:
+            return self.reject(identity, P.E_ROLE, f"{msg.type} comes from a {role}, not a {worker.role}", msg.type)
+        try:
+            return handler(self, worker, msg, now)
+        except P.ProtocolError as err:
+            return self.reject(identity, err.code, err.reason, msg.type)
+        except (KeyError, ValueError, TypeError, IndexError) as err:
+            return self.reject(identity, P.E_FIELD, f"{type(err).__name__}: {err}", msg.type)
+        except Exception as err:  # noqa: BLE001 - a bug met by one message never stops the broker
+            log.exception("message_failed", peer=identity.hex()[:16], type=msg.type)
+            return self.reject(identity, E_INTERNAL, f"the broker failed on this {msg.type}: {err!r}", msg.type)
+
+    def reject(self, identity: bytes, code: str, reason: str, ref_type: str | None) -> list[Out]:
+        self.stats.errors += 1
+        log.warning("message_rejected", peer=identity.hex()[:16], code=code, reason=reason, type=ref_type)
+        return [error(identity, code, reason, ref_type)]
+
+    def _on_ready(self, identity: bytes, msg: P.Message, now: float) -> list[Out]:
+        role = msg["role"]
+        if role not in P.ROLES:
+            return self.reject(identity, P.E_FIELD, f"role {role!r} not in {P.ROLES}", P.READY)
+        out: list[Out] = []
+        if identity in self.registry:
+            out += self._worker_gone(identity, "re_ready")
+        w = Worker(identity=identity, role=role, host=msg["host"], pid=msg["pid"], name=str(msg.get("name", "")),
+                   worker_id=self.registry.new_id(), last_seen=now, info=dict(msg.get("info") or {}))
+        reply: dict[str, Any] = {
+            "role": "broker", "host": self.host, "pid": self.pid,
+            "worker_id": w.worker_id, "run_id": self.run_id, "config": self.cfg.to_dict(),
+            "broker_host": self.host, "pub": self.pub, "heartbeat_s": self.hb_s,
+            "liveness": self.cfg.broker.liveness, "version": self.weights.version,
+        }
+        if role == "simulator":
+            w.slots = int(msg.get("slots") or self.cfg.env.slots)
+            w.num_envs = int(msg.get("num_envs") or self.cfg.env.num_envs)
+        elif role == "trainer":
+            w.credits = int(msg.get("credits", 64))
+            w.rank = self.registry.free_rank()
+            world = max(1, self.cfg.workers.trainers)  # 0: the launcher starts none; one joins by hand
+            if w.rank >= world:
+                return out + self.reject(identity, P.E_STATE, f"the trainer group is full: workers.trainers="
+                                         f"{self.cfg.workers.trainers} ranks have joined (start the broker with a "
+                                         "larger workers.trainers)", P.READY)
+            master = next((x for x in self.registry.of_role("trainer") if x.rank == 0), None)
+            reply.update(rank=w.rank, world_size=world, trainer_version=self.trainer_version)
+            if master is not None:
+                reply["dist"] = master.info.get("dist")
+        if role == "generator":
+            self.dispatcher.add_generator(identity, int(msg.get("credits", 0)))
+        self.registry.add(w)
+        log.info("worker_joined", role=role, name=w.name, worker_id=w.worker_id, host=w.host, worker_pid=w.pid,
+                 slots=w.slots)
+        return out + [Out(identity, P.READY, reply)]
+
+    def _on_obs(self, w: Worker, msg: P.Message, now: float) -> list[Out]:
+        self.dispatcher.on_obs(w, msg, now)
+        return []
+
+    def _on_traj(self, w: Worker, msg: P.Message, now: float) -> list[Out]:
+        self.stats.traj_received += 1
+        evaluating = bool(msg.get("eval"))
+        if evaluating:
+            if msg.get("done"):
+                self.stats.add_eval(int(msg.get("eval_version", -1)), bool(msg.get("episode_success")),
+                                    float(msg.get("episode_return", 0.0)))
+        else:
+            self.stats.add_episodes(list(msg.get("episode_returns", [])), list(msg.get("episode_successes", [])))
+        self.trajs.on_traj(w, msg)
+        if not evaluating:  # evaluation fragments are never trained on
+            self.steps_since_update += msg["steps"]
+            self.admission.on_trajectory(w.identity, msg["steps"])
+        if self.mode != "async" and self.steps_since_update >= self.cfg.algo.batch_steps:
+            self.training_pause = True
+        return []
+
+    def _on_result(self, w: Worker, msg: P.Message, now: float) -> list[Out]:
+        return self.dispatcher.on_result(w, msg, now)
+
+    def _on_snapshot(self, w: Worker, msg: P.Message, now: float) -> list[Out]:
+        return self.weights.on_snapshot(w.identity)
+
+    def _on_traj_ack(self, w: Worker, msg: P.Message, now: float) -> list[Out]:
+        out = self.trajs.on_ack(w, msg)
+        dropped = int(msg.get("dropped_stale", 0))
+        discarded = int(msg.get("discarded", 0))  # never trained on, e.g. zero-variance GRPO groups
+        self.stats.dropped_stale += dropped
+        self.stats.discarded += discarded
+        self.admission.on_discarded(dropped + discarded)
+        return out
+
+    def _on_weights(self, w: Worker, msg: P.Message, now: float) -> list[Out]:
+        out = self.weights.on_weights(msg)
+        if out:
+            self.steps_since_update = 0
+            self.training_pause = False
+        return out
+
+    def _on_train(self, w: Worker, msg: P.Message, now: float) -> list[Out]:
+        if msg["phase"] == "starved":  # GRPO: incomplete groups; an alternating pause must lift
+            if self.training_pause:
+                log.info("training_pause_lifted_starved", trainer=w.name, ready_steps=msg.get("ready_steps"))
+            self.training_pause = False
+            self.steps_since_update = 0
+            return []
+        self.trainer_version = max(self.trainer_version, msg["version"])
+        steps = msg.get("steps")
+        taken = steps if msg["phase"] == "begin" and isinstance(steps, int) and not isinstance(steps, bool) else None
+        self.admission.on_train(self.trainer_version, taken)
+        stats = msg.get("stats")
+        if isinstance(stats, dict):
+            self.stats.trainer = stats
+            for s, c in (stats.get("staleness_counts") or {}).items():
+                try:
+                    self.stats.staleness.record_value(max(1, int(s) + 1), max(0, int(c)))  # +1: hdr has no 0
+                except (TypeError, ValueError):
+                    pass
+        return []
+
+    def _on_heartbeat(self, w: Worker, msg: P.Message, now: float) -> list[Out]:
+        credits = msg.get("credits")
+        if isinstance(credits, int):
+            if w.role == "generator":
+                self.dispatcher.set_credits(w.identity, credits)
+            elif w.role == "trainer":
+                w.credits = max(0, credits)
+        if isinstance(msg.get("info"), dict):
+            w.info.update(msg["info"])
+        if isinstance(msg.get("version"), int):
+            w.info["version"] = msg["version"]
+        return []
+
+    def _on_disconnect(self, w: Worker, msg: P.Message, now: float) -> list[Out]:
+        return self._worker_gone(w.identity, "disconnect")
+
+    _HANDLERS: dict[str, Callable[..., list[Out]]] = {
+        P.OBS: _on_obs, P.TRAJ: _on_traj, P.RESULT: _on_result, P.SNAPSHOT: _on_snapshot,
+        P.TRAJ_ACK: _on_traj_ack, P.WEIGHTS: _on_weights, P.TRAIN: _on_train,
+        P.HEARTBEAT: _on_heartbeat, P.DISCONNECT: _on_disconnect,
+    }
+    _ROLE_OF = {
+        P.OBS: "simulator", P.TRAJ: "simulator", P.RESULT: "generator", P.SNAPSHOT: "generator",
+        P.TRAJ_ACK: "trainer", P.WEIGHTS: "trainer", P.TRAIN: "trainer",
+    }
+
+    # =========================================================================================
+    # Timers
+    # =========================================================================================
+
+    def tick(self, now: float) -> list[Out]:
+        """Dispatch due batches, deliver pending fragments, and heartbeat once per interval. Each
+        step runs under a catch-all: a bug logs its traceback and the loop goes on."""
+        out: list[Out] = []
+        for step in (self.dispatcher.expire, self._dispatch, lambda _: self.trajs.deliver(), self._heartbeat):
+            try:
+                out += step(now)
+            except Exception:  # noqa: BLE001
+                self.stats.errors += 1
+                log.exception("tick_failed", step=getattr(step, "__name__", "deliver"))
+        return out
+
+    def _dispatch(self, now: float) -> list[Out]:
+        queue = self.dispatcher.queue
+        if not len(queue) or self.training_pause:
+            return []
+        force = False
+        if self.mode == "sync":
+            # Barrier: every live training slot has its request queued and nothing is out
+            # (evaluation slots idle between rounds, so they are not waited for).
+            expected = sum(max(0, w.slots - self.cfg.env.eval_slots) for w in self.registry.of_role("simulator"))
+            if self.dispatcher.batches or len(queue) - queue.evals < expected:
+                return []
+            force = True
+        budget = self.admission.budget(self.cfg.batching.max_batch)
+        if budget is not None and budget <= 0:
+            return []
+        return self.dispatcher.dispatch(now, force, budget)
+
+    def _heartbeat(self, now: float) -> list[Out]:
+        if now - self._last_hb < self.hb_s:
+            return []
+        self._last_hb = now
+        out: list[Out] = []
+        for w in self.registry.expired(now):
+            out += self._worker_gone(w.identity, "expired")
+        return out + [Out(w.identity, P.HEARTBEAT) for w in self.registry]
+
+    def wait_s(self, now: float) -> float:
+        """How long the shell may block in poll before ``tick`` has work."""
+        timeout = self.hb_s
+        held = self.training_pause or (self.admission.enabled and self.admission.grant(1) <= 0)
+        due = None if held else self.dispatcher.wait_s(now)
+        return timeout if due is None else min(timeout, due)
+
+    def unsent(self, out: Out) -> None:
+        """The shell could not send ``out``: batches and fragments go back to their queues."""
+        if out.type == P.BATCH:
+            self.dispatcher.unsent(out.fields["batch_id"])
+        elif out.type == P.TRAJ:
+            self.trajs.unsent(out.fields["gid"])
+
+    def shutdown(self) -> list[Out]:
+        return [Out(w.identity, P.DISCONNECT, {"reason": "broker_shutdown"}) for w in self.registry]
+
+    # =========================================================================================
+    # Workers leaving
+    # =========================================================================================
+
+    def _worker_gone(self, identity: bytes, reason: str) -> list[Out]:
+        w = self.registry.remove(identity)
+        if w is None:
+            return []
+        log.warning("worker_gone", role=w.role, name=w.name, worker_id=w.worker_id, worker_pid=w.pid, reason=reason)
+        out: list[Out] = []
+        if w.role == "generator":
+            self.dispatcher.generator_gone(identity)
+        elif w.role == "simulator":
+            self.dispatcher.simulator_gone(identity)
+            self.admission.on_simulator_gone(identity)
+        elif w.role == "trainer":
+            if self.cfg.workers.trainers > 1 and reason != "re_ready":
+                # A torch.distributed group cannot be re-formed around a lost rank: stop the
+                # others; restarted ranks reload the run folder's latest checkpoint.
+                for other in self.registry.of_role("trainer"):
+                    log.warning("trainer_group_broken_disconnecting", rank=other.rank, lost_rank=w.rank)
+                    out.append(Out(other.identity, P.DISCONNECT, {"reason": f"trainer rank {w.rank} lost"}))
+            self.trajs.trainer_gone(w)
+        return out
+
+    # =========================================================================================
+    # STATUS
+    # =========================================================================================
+
+    def status(self, now: float) -> dict[str, Any]:
+        gens = self.dispatcher.generators
+        fig = self.stats.snapshot(now)
+        fig.update({
+            "run_id": self.run_id,
+            "mode": self.mode,
+            "workers": self.registry.counts(),
+            "slots": sum(w.slots for w in self.registry.of_role("simulator")),
+            "queue_depth": len(self.dispatcher.queue),
+            "queued_envs": self.dispatcher.queue.envs,
+            "batches_inflight": len(self.dispatcher.batches),
+            "trajs_pending": len(self.trajs.pending),
+            "trajs_inflight": len(self.trajs.out),
+            "policy_version": self.weights.version,
+            "trainer_version": self.trainer_version,
+            "training_pause": self.training_pause,
+            "admission_waits": self.admission.waits,
+            "admission": self.admission.figures(),
+            "per_worker": [
+                {"name": w.name, "role": w.role, "worker_id": w.worker_id, "host": w.host, "pid": w.pid,
+                 "version": w.info.get("version"), "served": w.info.get("served"), "env_steps": w.info.get("env_steps"),
+                 "credits": gens[w.identity].credits if w.identity in gens else None,
+                 "inflight": len(gens[w.identity].inflight) if w.identity in gens else len(w.trajs_inflight)}
+                for w in self.registry
+            ],
+        })
+        return fig

@@ -1,0 +1,75 @@
+"""Helpers for tests that run real jobs: a quick config, deadline polling, a job whose figures
+tests can poll, and starting one in a fresh run dir."""
+
+from __future__ import annotations
+
+import time
+from pathlib import Path
+from typing import Any, Callable
+
+from rlvla3.launch import LocalJob
+
+# Small and quick on a 2-core machine: few envs, short fragments, tiny updates.
+FAST = (
+    "env.num_envs=4", "env.slots=2", "env.fragment_len=8",
+    "env.options.latency={kind: constant, mean_ms: 1.0}", "env.options.image_size=8",
+    "algo.batch_steps=64", "algo.minibatch_size=32", "algo.epochs=1",
+    "batching.max_batch=8", "batching.max_wait_ms=2", "model.options.hidden=32",
+    "workers.simulators=1", "workers.generators=1", "workers.trainers=1",
+)
+
+
+def wait_until(fn: Callable[[], Any], timeout: float, what: str, interval: float = 0.05) -> Any:
+    """Poll ``fn`` until it returns something truthy, or fail naming ``what``."""
+    deadline = time.monotonic() + timeout
+    last: Any = None
+    while time.monotonic() < deadline:
+        last = fn()
+        if last:
+            return last
+        time.sleep(interval)  # polling with a deadline, not synchronising on a guess
+    raise AssertionError(f"timed out after {timeout:.0f} s waiting for {what}; last={last!r}")
+
+
+class TestJob(LocalJob):
+    """A LocalJob whose figures tests can poll."""
+
+    def fig(self) -> dict[str, Any]:
+        return self.status()
+
+    def wait(self, pred: Callable[[dict[str, Any]], bool], timeout: float, what: str) -> dict[str, Any]:
+        def check() -> dict[str, Any] | None:
+            self.assert_alive()
+            f = self.fig()
+            return f if pred(f) else None
+
+        return wait_until(check, timeout, what, interval=0.1)
+
+    def assert_alive(self) -> None:
+        for p in [self.broker_proc, *self.workers]:
+            if p is not None and p.poll() is not None and p.returncode not in (0, -9, -15):
+                logs = "\n".join(f"--- {f.name}\n{f.read_text()[-3000:]}" for f in self.run_dir.glob("*.log"))
+                raise AssertionError(f"a process exited with {p.returncode}\n{logs}")
+
+    def worker(self, fig: dict[str, Any], name: str) -> dict[str, Any] | None:
+        return next((w for w in fig["per_worker"] if w["name"] == name), None)
+
+
+def start_job(cfg: Any, tmp_path: Path, jobs: list[TestJob], start: bool = True) -> TestJob:
+    """Write ``cfg`` into a fresh run dir under ``tmp_path``, start its broker (and its workers
+    unless ``start`` is False) and append the job to ``jobs`` for the fixture to stop."""
+    run_dir = tmp_path / f"job{len(jobs)}"
+    run_dir.mkdir()
+    cfg_path = run_dir / "config.yaml"
+    cfg_path.write_text(cfg.to_yaml())
+    job = TestJob(cfg, run_dir, cfg_path)
+    jobs.append(job)
+    job.start_broker("tcp://127.0.0.1:0", "tcp://127.0.0.1:0")
+    if start:
+        job.start_all()
+    return job
+
+
+def job_logs(job: TestJob) -> str:
+    """The tail of every log in the job's run dir (for assertion messages)."""
+    return "\n".join(f"--- {f.name}\n{f.read_text()[-2500:]}" for f in sorted(job.run_dir.glob("*.log")))

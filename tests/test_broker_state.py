@@ -1,0 +1,272 @@
+"""The broker's rules on ``BrokerState`` with scripted message sequences (no sockets): dispatch,
+the sync barrier, the async_rollout pause, admission, and re-queueing when a worker dies."""
+
+from __future__ import annotations
+
+import numpy as np
+
+from brokers.outgoing import Out
+from rlvla3 import protocol as P
+from tests.brokerscript import Script, of_type, served
+
+SIM, SIM2, GEN, GEN2, TRAINER = b"sim", b"sim2", b"gen", b"gen2", b"trainer"
+
+
+def one_batch_out(*overrides: str) -> tuple[Script, Out]:
+    """A simulator's request out at GEN (one credit) in a batch of its own; GEN2 joins after."""
+    s = Script("batching.max_batch=2", *overrides)
+    s.simulator(SIM)
+    s.generator(GEN, credits=1)
+    s.obs(SIM, 0)
+    [batch] = of_type(s.tick(1.0), P.BATCH, GEN)
+    s.generator(GEN2, credits=1)
+    return s, batch
+
+
+def test_dispatch_batches_on_size_or_wait_and_routes_actions_back():
+    s = Script("batching.max_batch=4", "batching.max_wait_ms=5")
+    s.simulator(SIM)
+    s.generator(GEN, credits=1)
+    s.obs(SIM, 0)
+    assert of_type(s.tick(0.001), P.BATCH) == []  # 2 envs < 4 and not waited
+    s.obs(SIM, 1)
+    [batch] = of_type(s.tick(), P.BATCH, GEN)  # 4 envs: full
+    assert served(batch) == [(0, 1), (1, 1)]
+    assert set(batch.tensors) == {"r0/image", "r1/image"}
+    acts = s.result(batch, version=3)
+    assert [(a.to, a.fields["slot"], a.fields["req_id"], a.fields["version"]) for a in acts] == \
+        [(SIM, 0, 1, 3), (SIM, 1, 1, 3)]
+    assert np.frombuffer(acts[1].tensors["action"].buffer, np.float32)[0] == 1
+    s.obs(SIM, 0)
+    assert of_type(s.tick(0.004), P.BATCH) == []
+    [late] = of_type(s.tick(0.002), P.BATCH)  # waited max_wait_ms: a batch of one request
+    assert served(late) == [(0, 2)]
+    assert s.state.status(s.now)["batches"] == 2
+
+
+def test_a_generator_takes_no_more_batches_than_its_credits():
+    s = Script("batching.max_batch=2")
+    s.simulator(SIM, slots=4, num_envs=8)
+    s.generator(GEN, credits=0)  # weights not loaded yet
+    for slot in range(4):
+        s.obs(SIM, slot)
+    assert of_type(s.tick(1.0), P.BATCH) == []
+    s.send(GEN, P.HEARTBEAT, {"credits": 2})
+    assert len(of_type(s.tick(), P.BATCH)) == 2
+    assert s.state.status(s.now)["per_worker"][1]["credits"] == 2
+
+
+def test_sync_barrier_waits_for_every_live_training_slot():
+    s = Script("run.mode=sync", "batching.max_batch=64", "env.slots=2", "env.eval_slots=1")
+    s.simulator(SIM, slots=2)
+    s.simulator(SIM2, slots=2)
+    s.generator(GEN, credits=1)
+    s.obs(SIM, 0)
+    s.obs(SIM, 1, eval=True)  # evaluation slots are not waited for, but ride along
+    assert of_type(s.tick(1.0), P.BATCH) == []  # SIM2's training slot has not asked yet
+    s.obs(SIM2, 0)
+    [batch] = of_type(s.tick(), P.BATCH)  # barrier reached: flushed although not full
+    assert sorted(served(batch)) == [(0, 1), (0, 1), (1, 1)]
+    s.obs(SIM, 0)
+    s.obs(SIM2, 0)
+    assert of_type(s.tick(1.0), P.BATCH) == []  # the round's batch is still out
+    s.result(batch)
+    assert len(of_type(s.tick(), P.BATCH)) == 1
+    # A simulator that leaves is no longer waited for.
+    s.obs(SIM, 0)
+    s.send(SIM2, P.DISCONNECT)
+    assert of_type(s.tick(), P.BATCH) == []  # the batch of the previous round is out
+    s.result(of_type(s.sent, P.BATCH)[-1])
+    assert len(of_type(s.tick(), P.BATCH)) == 1
+
+
+def test_async_rollout_pauses_after_a_batch_of_steps_until_new_weights():
+    s = Script("run.mode=async_rollout", "algo.batch_steps=8", "batching.max_batch=2")
+    s.simulator(SIM)
+    s.generator(GEN, credits=4)
+    s.trainer(TRAINER)
+    s.traj(SIM, 1, steps=8)
+    assert s.state.training_pause
+    [frag] = of_type(s.tick(), P.TRAJ, TRAINER)  # fragments still flow to the trainer
+    s.obs(SIM, 0)
+    assert of_type(s.tick(1.0), P.BATCH) == []  # rollouts wait while the trainer trains
+    assert s.state.wait_s(s.now) == s.state.hb_s  # and the loop does not spin on the queue
+    s.send(TRAINER, P.TRAJ_ACK, {"traj_ids": [frag.fields["gid"]]})
+    s.send(TRAINER, P.WEIGHTS, {"version": 1}, {"w": np.zeros(2, np.float32)})
+    assert not s.state.training_pause
+    assert len(of_type(s.tick(), P.BATCH)) == 1
+    # GRPO's trainer asks an alternating broker to go on while its groups are incomplete.
+    s.traj(SIM, 2, steps=8)
+    assert s.state.training_pause
+    s.send(TRAINER, P.TRAIN, {"phase": "starved", "version": 1})
+    assert not s.state.training_pause
+
+
+def test_async_mode_never_pauses():
+    s = Script("run.mode=async", "algo.batch_steps=8")
+    s.simulator(SIM)
+    s.traj(SIM, 1, steps=80)
+    assert not s.state.training_pause
+
+
+def test_admission_holds_work_until_the_trainer_takes_a_batch():
+    s = Script("run.mode=async", "algo.max_staleness=0", "algo.batch_steps=4", "batching.max_batch=2")
+    s.simulator(SIM, slots=2, num_envs=4)
+    s.generator(GEN, credits=4)
+    s.trainer(TRAINER)
+    for slot in (0, 1):
+        s.obs(SIM, slot)
+    assert len(of_type(s.tick(1.0), P.BATCH)) == 2  # 4 steps: the whole capacity
+    for b in of_type(s.sent, P.BATCH):
+        s.result(b)
+    s.traj(SIM, 1, steps=4)  # a batch is finished: no floor any more
+    s.obs(SIM, 0)
+    assert of_type(s.tick(1.0), P.BATCH) == []
+    fig = s.state.status(s.now)
+    assert fig["admission_waits"] == 1 and fig["admission"]["capacity"] == 0
+    assert s.state.wait_s(s.now) == s.state.hb_s
+    s.send(TRAINER, P.TRAIN, {"phase": "begin", "version": 0, "steps": 4})
+    s.send(TRAINER, P.TRAIN, {"phase": "end", "version": 1})
+    assert len(of_type(s.tick(), P.BATCH)) == 1
+    assert s.state.status(s.now)["admission"] == {"capacity": 2, "in_flight": 2, "finished": 0, "consumed": 4,
+                                                  "version": 1, "max_staleness": 0}
+
+
+def test_wire_headers_carry_no_admission_bookkeeping():
+    s = Script("run.mode=async", "batching.max_batch=2")
+    s.simulator(SIM)
+    s.generator(GEN, credits=1)
+    s.obs(SIM, 0)
+    [batch] = of_type(s.tick(1.0), P.BATCH)
+    s.result(batch, error="boom")  # failed once: re-queued
+    [again] = of_type(s.tick(1.0), P.BATCH)
+    assert served(again) == served(batch)
+    req = s.state.dispatcher.batches[again.fields["batch_id"]].requests[0]
+    assert "admitted" not in req.header and "attempts" not in req.header
+    assert s.state.admission.in_flight == 2  # counted once
+
+
+def test_a_request_that_keeps_failing_is_answered_with_an_error():
+    s = Script("batching.max_batch=2")
+    s.simulator(SIM)
+    s.generator(GEN, credits=1)
+    s.obs(SIM, 0)
+    outs = []
+    for _ in range(3):
+        [batch] = of_type(s.tick(1.0), P.BATCH)
+        outs = s.result(batch, error="cuda oom")
+    [act] = outs
+    assert act.to == SIM and act.fields["version"] == -1 and act.fields["error"] == "cuda oom"
+    assert s.state.status(s.now)["requeued"] == 2 and of_type(s.tick(1.0), P.BATCH) == []
+
+
+def test_a_dead_generators_batches_are_served_by_another():
+    s, lost = one_batch_out("broker.heartbeat_s=1", "broker.liveness=3")
+    for _ in range(3):  # GEN falls silent; SIM and GEN2 heartbeat
+        s.send(SIM, P.HEARTBEAT)
+        s.send(GEN2, P.HEARTBEAT)
+        s.tick(1.1)
+    assert GEN not in s.state.registry
+    [again] = of_type(s.sent, P.BATCH, GEN2)
+    assert served(again) == served(lost)
+    assert s.state.status(s.now)["requeued"] == 1
+    [late] = s.result(lost)  # a late answer from the dead generator: refused, nothing delivered
+    assert late.type == P.ERROR and late.fields["code"] == P.E_STATE
+    assert [a.fields["req_id"] for a in s.result(again)] == [1]
+
+
+def test_a_dead_trainers_fragments_go_to_the_next_trainer():
+    s = Script()
+    s.simulator(SIM)
+    s.trainer(TRAINER, credits=2)
+    for i in range(3):
+        s.traj(SIM, i, steps=4)
+    assert len(of_type(s.tick(), P.TRAJ, TRAINER)) == 2  # its credits
+    s.send(TRAINER, P.DISCONNECT)
+    s.trainer(b"trainer2", credits=8)
+    frags = of_type(s.tick(), P.TRAJ, b"trainer2")
+    assert [f.fields["traj_id"] for f in frags] == [0, 1, 2]
+    acks = s.send(b"trainer2", P.TRAJ_ACK, {"traj_ids": [f.fields["gid"] for f in frags]})
+    assert [(a.to, a.fields["traj_ids"]) for a in acks] == [(SIM, [0, 1, 2])]
+
+
+def test_unsent_batches_and_fragments_return_to_their_queues():
+    s = Script("batching.max_batch=2")
+    s.simulator(SIM)
+    s.generator(GEN, credits=1)
+    s.trainer(TRAINER)
+    s.obs(SIM, 0)
+    s.traj(SIM, 7, steps=4)
+    outs = [o for o in s.tick(1.0) if o.type != P.HEARTBEAT]
+    for o in outs:
+        s.state.unsent(o)  # the peers' queues were full
+    again = [o for o in s.tick(1.0) if o.type != P.HEARTBEAT]
+    assert [o.type for o in again] == [o.type for o in outs] == [P.BATCH, P.TRAJ]
+    assert served(again[0]) == served(outs[0]) and again[1].fields["traj_id"] == 7
+
+
+def test_messages_out_of_order_or_role_are_answered_with_errors():
+    s = Script()
+    [err] = s.send(SIM, P.OBS, {"slot": 0, "req_id": 1, "n": 1, "instruction": ["x"], "episode_step": [0]})
+    assert (err.type, err.fields["code"]) == (P.ERROR, P.E_STATE)
+    s.generator(GEN)
+    [err] = s.send(GEN, P.TRAJ, {"traj_id": 1, "slot": 0, "steps": 1})
+    assert err.fields["code"] == P.E_ROLE
+    s.simulator(SIM)
+    [err] = s.send(SIM, P.OBS, {"slot": 9, "req_id": 1, "n": 1, "instruction": ["x"], "episode_step": [0]})
+    assert err.fields["code"] == P.E_FIELD and "slot 9" in err.fields["reason"]
+    assert s.state.status(s.now)["errors"] == 3
+
+
+def test_a_full_trainer_group_is_refused_and_status_answers_anyone():
+    s = Script("workers.trainers=1")
+    s.trainer(TRAINER)
+    [err] = s.send(b"t2", P.READY, {"role": "trainer", "host": "h", "pid": 2})
+    assert err.type == P.ERROR and "trainer group is full" in err.fields["reason"]
+    [st] = s.send(b"anyone", P.STATUS)
+    assert st.fields["figures"]["workers"] == {"simulator": 0, "generator": 0, "trainer": 1}
+
+
+def test_a_result_is_taken_only_from_the_generator_its_batch_went_to():
+    s, batch = one_batch_out()
+    [err] = s.send(GEN2, P.RESULT, {"batch_id": batch.fields["batch_id"], "version": 0},
+                   {"r0/action": np.zeros((2, 4), np.float32)})
+    assert err.type == P.ERROR and err.fields["code"] == P.E_STATE and "another generator" in err.fields["reason"]
+    assert [a.fields["req_id"] for a in s.result(batch)] == [1]  # still out, and served once
+
+
+def test_a_bug_met_by_one_message_is_answered_and_the_broker_goes_on():
+    s = Script("batching.ordering=tests.orderings:explodes")
+    s.simulator(SIM)
+    [err] = s.send(SIM, P.OBS, {"slot": 0, "req_id": 1, "n": 1, "instruction": ["x"], "episode_step": [0]})
+    assert err.type == P.ERROR and err.fields["code"] == "internal" and "RuntimeError" in err.fields["reason"]
+    s.generator(GEN)  # still serving
+    assert s.state.status(s.now)["errors"] == 1
+
+
+def test_a_request_whose_shared_memory_cannot_be_read_is_answered_not_raised():
+    s = Script("batching.max_batch=6")
+    s.simulator(SIM, slots=3, num_envs=6)
+    s.send(GEN, P.READY, {"role": "generator", "host": "elsewhere", "pid": 3, "credits": 1})
+    fields = {"n": 2, "instruction": ["go"] * 2, "episode_step": [1, 1]}
+    far = P.ShmRef("rlvla3_far", 0, 4, "uint8", (2, 2), "faraway")  # on a host the broker cannot read
+    gone = P.ShmRef("rlvla3_gone_segment", 0, 4, "uint8", (2, 2), s.state.host)  # its writer exited
+    s.send(SIM, P.OBS, {"slot": 0, "req_id": 1, **fields}, {"image": far})
+    s.send(SIM, P.OBS, {"slot": 1, "req_id": 1, **fields}, {"image": gone})
+    s.obs(SIM, 2)
+    outs = s.tick(1.0)
+    [batch] = of_type(outs, P.BATCH)
+    assert served(batch) == [(2, 1)]  # the readable one goes
+    errors = sorted((a.fields["slot"], a.fields["error"]) for a in of_type(outs, P.ACT, SIM))
+    assert [slot for slot, _ in errors] == [0, 1] and "faraway" in errors[0][1] and "gone" in errors[1][1]
+
+
+def test_a_batch_past_its_deadline_is_served_elsewhere_and_a_late_result_ignored():
+    s, stuck = one_batch_out("batching.batch_timeout_s=5", "broker.heartbeat_s=100")
+    assert of_type(s.tick(4.0), P.BATCH) == []  # 4 s out: not yet due
+    [again] = of_type(s.tick(1.5), P.BATCH)
+    assert again.to == GEN2 and served(again) == served(stuck)  # GEN keeps its credit until it answers
+    assert s.result(stuck) == []  # the late answer is dropped
+    assert [a.fields["req_id"] for a in s.result(again)] == [1]
+    s.obs(SIM, 0)
+    assert len(of_type(s.tick(1.0), P.BATCH)) == 1  # GEN answered: its credit is back

@@ -1,0 +1,41 @@
+"""STATUS figures: the numpy percentiles match hdrh's own methods, percentiles refresh at most
+once a second while counters are always current, and a live broker reports its loop stall."""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+
+from brokers.stats import BrokerStats, _hist, _pcts
+
+
+@pytest.mark.parametrize("top", [50, 1_000_000, 60_000_000])
+def test_percentiles_match_hdrh(top):
+    rng = random.Random(top)
+    h = _hist()
+    for _ in range(5000):
+        h.record_value(rng.randint(1, top))
+    assert _pcts(h) == {
+        "count": 5000, "p50": h.get_value_at_percentile(50), "p90": h.get_value_at_percentile(90),
+        "p99": h.get_value_at_percentile(99), "max": h.get_max_value(), "mean": round(h.get_mean_value(), 1),
+    }
+    assert _pcts(_hist()) == {"count": 0}
+
+
+def test_percentiles_refresh_once_a_second_and_counters_always():
+    st = BrokerStats(started=0.0)
+    assert st.snapshot(0.5)["generate_us"] == {"count": 0}
+    st.generate_us.record_value(10)
+    assert st.snapshot(0.6)["generate_us"]["p50"] == 10  # was empty: refreshed at once
+    st.generate_us.record_value(2000)
+    st.batches += 1
+    fig = st.snapshot(1.5)
+    assert fig["generate_us"]["count"] == 2 and fig["generate_us"]["max"] == 10 and fig["batches"] == 1
+    assert st.snapshot(1.6)["generate_us"]["max"] > 1000
+
+
+def test_a_live_broker_reports_its_longest_loop_turn(job_factory):
+    job = job_factory(start=False)
+    fig = job.wait(lambda f: "max_loop_stall_ms" in f, 30, "STATUS from the broker")
+    assert 0.0 <= fig["max_loop_stall_ms"] < 10_000
