@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 
-from rlvla3.config import ConfigError, load
+from rlvla3.config import RENAMED, ConfigError, load
 from rlvla3.launch import parse_gpus
 
 
@@ -41,6 +41,14 @@ def test_config_errors_name_the_key():
         load("synthetic.yaml", ["env.num_envs=5", "env.slots=2"])
     cfg = load("synthetic.yaml", ["batching.max_batch=16", "env.options.latency={kind: constant, mean_ms: 3}"])
     assert cfg.batching.max_batch == 16 and cfg.env.options["latency"]["mean_ms"] == 3
+
+
+def test_removed_keys_name_their_replacement():
+    for old, new in RENAMED.items():
+        with pytest.raises(ConfigError, match=f"{old} was removed: set {new} instead"):
+            load("synthetic.yaml", [f"{old}=2"])
+    with pytest.raises(ConfigError, match="env.group_size"):  # GRPO's groups are env.group_size
+        load("synthetic.yaml", ["algo.name=grpo"])
 
 
 def test_cli_rejects_unknown_key_before_starting_anything(tmp_path: Path):
