@@ -23,6 +23,7 @@ ranks decide *together* when to update (``distributed.agree_to_update``, at most
 from __future__ import annotations
 
 import math
+import queue
 import socket
 import time
 from dataclasses import dataclass
@@ -261,6 +262,17 @@ class TrainerWorker(WorkerBase):
             if result.decision == "stop":
                 self._stop = True
             return
+        self._count(result)
+        if result.trained:
+            if self.rank == 0:
+                if self.counters.updates % max(1, self.cfg.algo.publish_every) == 0:
+                    self._publish()
+                every = self.cfg.algo.checkpoint_every
+                if every > 0 and self.version % every == 0:
+                    self._checkpoint()
+        self._report(result)
+
+    def _count(self, result: UpdateResult) -> None:
         self.learner.received_steps = 0
         self.learner.count_dropped(result.dropped_stale)
         self.last_update = time.monotonic()
@@ -269,13 +281,6 @@ class TrainerWorker(WorkerBase):
             self.counters.updates += 1
             self.counters.samples_trained += result.samples
             self.counters.env_steps_consumed += result.env_steps
-            if self.rank == 0:
-                if self.counters.updates % max(1, self.cfg.algo.publish_every) == 0:
-                    self._publish()
-                every = self.cfg.algo.checkpoint_every
-                if every > 0 and self.version % every == 0:
-                    self._checkpoint()
-        self._report(result)
 
     def _publish(self) -> None:
         self.send(P.WEIGHTS, {"version": self.version, "published_at": time.time_ns()}, state_tensors(self.state.policy))
@@ -290,7 +295,7 @@ class TrainerWorker(WorkerBase):
                                self.counters.as_dict(), self.cfg.to_yaml(), keep_last=keep)
         log.info("checkpoint_saved", version=self.version, path=str(path))
 
-    def _report(self, result: UpdateResult) -> None:
+    def _report(self, result: UpdateResult, to_broker: bool = True) -> None:
         """One metrics row: to the broker (rank 0's figures), the log, JSONL and TensorBoard."""
         elapsed = time.monotonic() - self.t_start
         c = self.counters
@@ -307,10 +312,8 @@ class TrainerWorker(WorkerBase):
         fresh_evals = self.evals.take_fresh()
         if fresh_evals:
             figures["eval"] = fresh_evals
-        if self.rank == 0:
-            self.send(P.TRAIN, {"phase": "end", "version": self.version, "stats": figures})
-        else:
-            self.send(P.TRAIN, {"phase": "end", "version": self.version})
+        if to_broker:
+            self.send(P.TRAIN, {"phase": "end", "version": self.version, **({"stats": figures} if self.rank == 0 else {})})
         log.info("update_done", version=self.version, **{k: figures[k] for k in ("policy_loss", "value_loss", "approx_kl", "clip_frac", "update_s", "samples") if k in figures})
         if self.metrics is not None:
             self.metrics.put({"t": time.time(), "elapsed_s": round(elapsed, 3), **figures}, result.staleness, fresh_evals)
@@ -325,6 +328,8 @@ class TrainerWorker(WorkerBase):
             # wait on a rank that is gone, so give up sooner.
             runner.join(timeout=30 if self.world == 1 else 5)
             finished = not runner._thread.is_alive()
+            if finished:
+                self._settle(runner)
         if self.rank == 0 and self.state is not None and self.counters.updates > 0:
             # The preemption hook: whatever stopped us, the last trained version is kept.
             if finished:
@@ -337,3 +342,15 @@ class TrainerWorker(WorkerBase):
             from workers.algorithms.distributed import destroy_trainer_group
 
             destroy_trainer_group()
+
+    def _settle(self, runner: Any) -> None:
+        """An update that finished after the loop stopped still counts: the checkpoint's version
+        must name the weights it holds (the broker is gone from us: metrics only)."""
+        while True:
+            try:
+                _tag, result, error = runner.results.get_nowait()
+            except queue.Empty:
+                return
+            if error is None and isinstance(result, UpdateResult):
+                self._count(result)
+                self._report(result, to_broker=False)
