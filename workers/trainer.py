@@ -263,13 +263,12 @@ class TrainerWorker(WorkerBase):
                 self._stop = True
             return
         self._count(result)
-        if result.trained:
-            if self.rank == 0:
-                if self.counters.updates % max(1, self.cfg.algo.publish_every) == 0:
-                    self._publish()
-                every = self.cfg.algo.checkpoint_every
-                if every > 0 and self.version % every == 0:
-                    self._checkpoint()
+        if result.trained and self.rank == 0:
+            if self.counters.updates % max(1, self.cfg.algo.publish_every) == 0:
+                self._publish()
+            every = self.cfg.algo.checkpoint_every
+            if every > 0 and self.version % every == 0:
+                self._checkpoint()
         self._report(result)
 
     def _count(self, result: UpdateResult) -> None:
