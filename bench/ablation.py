@@ -147,12 +147,10 @@ def trainer_stage_alone(args: argparse.Namespace, seconds: float) -> float:
 
     from workers.algorithms.ppo import make_optimizer, ppo_update
     from workers.model import build_policy
-    from workers.trainer import ppo_config
 
     cfg = load("synthetic.yaml", job_overrides(args))
     policy = build_policy(cfg).train()
-    ppo = ppo_config(cfg)
-    opt = make_optimizer(policy.parameters(), ppo)
+    opt = make_optimizer(policy.parameters(), cfg.algo)
     n = args.batch_steps
     rng = np.random.default_rng(0)
     batch = {
@@ -163,7 +161,7 @@ def trainer_stage_alone(args: argparse.Namespace, seconds: float) -> float:
     }
     done, t0 = 0, time.monotonic()
     while time.monotonic() - t0 < seconds:
-        ppo_update(policy, opt, dict(batch), ppo)
+        ppo_update(policy, opt, dict(batch), cfg.algo)
         done += n
     return done / (time.monotonic() - t0)
 

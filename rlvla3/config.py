@@ -18,6 +18,7 @@ from typing import Any
 import yaml
 
 MODES = ("sync", "async_rollout", "async")
+RATIO_LEVELS = ("unit", "chunk")
 
 
 @dataclass
@@ -87,7 +88,8 @@ class EnvConfig:
     fragment_len: int = 32
     """Decision steps per shipped trajectory fragment of a long episode."""
     group_size: int = 1
-    """Episodes sharing one initial state (GRPO groups)."""
+    """Episodes sharing one initial state: the simulators start them from one seed, and with
+    ``algo.name: grpo`` the trainer scores each such group against itself (>= 2)."""
     group_mode: str = "parallel"
     """``parallel``: a group is ``group_size`` neighbouring envs of a worker starting their n-th
     episodes from one state (groups complete together); ``sequential``: ``group_size``
@@ -107,7 +109,8 @@ class ModelConfig:
     family: str = "mlp"
     """Registered policy family (``mlp``, ``openvla_oft``, ``pi0``, ``pi05``, ``gr00t_n15``)."""
     chunk_size: int = 1
-    """Actions per decision (action chunk length)."""
+    """Actions per decision (action chunk length); the family's builder gets it, so
+    ``model.options`` do not set it."""
     dtype: str = "auto"
     """``auto`` (float32 on CPU, bfloat16 on CUDA), ``float32`` or ``bfloat16``."""
     checkpoint: str = ""
@@ -118,8 +121,11 @@ class ModelConfig:
 
 @dataclass
 class AlgoConfig:
+    """Every algorithm setting, read directly by the update (``workers.algorithms``): one
+    default each, no second layer of PPO/GRPO configs."""
+
     name: str = "ppo"
-    """``ppo`` or ``grpo``."""
+    """``ppo`` or ``grpo`` (groups of ``env.group_size`` episodes from one start, no critic)."""
     lr: float = 3e-4
     """Adam learning rate."""
     batch_steps: int = 512
@@ -127,32 +133,34 @@ class AlgoConfig:
     epochs: int = 4
     """Passes over each batch."""
     minibatch_size: int = 128
-    """Decision steps per gradient step."""
+    """Decision steps per gradient step; the last minibatch of an epoch may be smaller."""
     gamma: float = 0.99
-    """Discount per decision step."""
+    """PPO: discount per decision step (GAE)."""
     lam: float = 0.95
-    """GAE lambda."""
+    """PPO: GAE lambda, the bias/variance trade-off of the advantage estimate."""
     clip_eps: float = 0.2
-    """PPO ratio clip."""
+    """Half-width of the trust region on the proximal -> current ratio: r in [1-eps, 1+eps]."""
     dual_clip: float = 3.0
-    """Dual-clip bound c for negative advantages (0 disables)."""
+    """Dual-clip bound c > 1: for A < 0 the objective is bounded below by c*A (0 disables)."""
+    ratio_level: str = "unit"
+    """``unit``: one clipped ratio per token/action with the advantage broadcast; ``chunk``: sum
+    the log-probs of a decision first and clip one ratio per decision."""
     value_clip_eps: float = 0.2
-    """Value-function clip (0 disables)."""
+    """PPO: new values may move at most this far from the behaviour values before the clipped
+    loss wins (0 disables: plain MSE)."""
     vf_coef: float = 0.5
-    """Value loss weight."""
+    """PPO: value loss weight (GRPO has no value term)."""
     ent_coef: float = 0.0
-    """Entropy bonus weight."""
+    """Entropy bonus weight (subtracted from the loss)."""
     max_grad_norm: float = 1.0
-    """Gradient norm clip."""
+    """Global L2 norm the gradients are clipped to before every optimizer step."""
     behav_weight_cap: float = 2.0
-    """Cap on the behaviour -> proximal importance weight (decoupled PPO)."""
+    """Cap (>= 1) on the detached behaviour -> proximal importance weight of decoupled PPO
+    (0: uncapped)."""
     max_staleness: int = 4
     """Samples from policies more than this many versions old are dropped."""
     publish_every: int = 1
     """Publish a weight version every this many updates."""
-    group_size: int = 8
-    """GRPO: episodes per group (must equal ``env.group_size``, which makes the simulators
-    start that many consecutive episodes of an env from one seed)."""
     grpo_reward: str = "success"
     """GRPO: the episode score compared within a group, ``success`` (0/1, as SimpleVLA-RL) or
     ``return`` (the summed env reward)."""
@@ -180,7 +188,8 @@ class WorkersConfig:
     trainers: int = 1
     """Trainer workers (one torch.distributed group)."""
     device: str = "cpu"
-    """``cpu`` or ``cuda``; ``--gpus`` overrides per worker."""
+    """``cpu`` or ``cuda`` for every model-holding worker (the one device setting: a family's
+    ``model.options`` take none); ``--gpus`` overrides per worker."""
     torch_threads: int = 1
     """torch intra-op threads per worker process."""
 
@@ -211,15 +220,34 @@ class ConfigError(ValueError):
 # ---------------------------------------------------------------------------------------------
 
 
+RENAMED: dict[str, str] = {
+    "algo.group_size": "env.group_size",
+    "model.options.chunk_size": "model.chunk_size",
+    "model.options.device": "workers.device",
+    "model.options.dtype": "model.dtype",
+}
+"""Keys that were removed, and the one key that now holds each setting. A config that still
+uses an old key is refused with an error naming the new one (never silently mapped: a value
+set twice would otherwise have two sources)."""
+
+
+def check_renamed(data: dict[str, Any]) -> None:
+    """Refuse a config that uses a key of :data:`RENAMED`, naming its replacement."""
+    for old, new in RENAMED.items():
+        node: Any = data
+        for part in old.split("."):
+            if not isinstance(node, dict) or part not in node:
+                break
+            node = node[part]
+        else:
+            raise ConfigError(f"{old} was removed: set {new} instead")
+
+
 def from_dict(data: dict[str, Any] | None) -> JobConfig:
+    check_renamed(data or {})
     cfg = _build(JobConfig, data or {}, "")
     validate(cfg)
     return cfg
-
-
-# Keys a config may no longer use: dotted old key -> what to write instead. Loading a config
-# that uses one fails with that replacement in the message.
-RENAMED: dict[str, str] = {}
 
 
 def _build(cls: type, data: Any, path: str) -> Any:
@@ -230,9 +258,6 @@ def _build(cls: type, data: Any, path: str) -> Any:
     unknown = sorted(set(data) - known)
     if unknown:
         where = f"{path}." if path else ""
-        for key in unknown:
-            if f"{where}{key}" in RENAMED:
-                raise ConfigError(f"config key {where}{key} is gone: use {RENAMED[where + key]}")
         raise ConfigError(f"unknown config key {where}{unknown[0]}; known in {path or 'top level'}: {sorted(known)}")
     kwargs = {}
     for name, value in data.items():
@@ -312,14 +337,42 @@ def validate(cfg: JobConfig) -> None:
         raise ConfigError("batching.max_batch must be >= 1")
     if cfg.batching.credits < 1:
         raise ConfigError("batching.credits must be >= 1")
-    if cfg.algo.name not in ("ppo", "grpo"):
-        raise ConfigError(f"algo.name: {cfg.algo.name!r} not in ('ppo', 'grpo')")
     if cfg.model.chunk_size < 1:
         raise ConfigError("model.chunk_size must be >= 1")
+    if cfg.workers.device != "cpu" and not cfg.workers.device.startswith("cuda"):
+        raise ConfigError(f"workers.device: {cfg.workers.device!r} is neither 'cpu' nor 'cuda[:N]'")
+    if min(cfg.workers.simulators, cfg.workers.generators, cfg.workers.trainers) < 0:
+        raise ConfigError("workers.simulators, workers.generators and workers.trainers must be >= 0")
     if cfg.model.dtype not in ("auto", "float32", "bfloat16"):
         raise ConfigError(f"model.dtype: {cfg.model.dtype!r} not in ('auto', 'float32', 'bfloat16')")
-    if cfg.algo.minibatch_size < 1 or cfg.algo.batch_steps < 1:
-        raise ConfigError("algo.batch_steps and algo.minibatch_size must be >= 1")
+    _validate_algo(cfg)
+
+
+def _validate_algo(cfg: JobConfig) -> None:
+    a = cfg.algo
+    if a.name not in ("ppo", "grpo"):
+        raise ConfigError(f"algo.name: {a.name!r} not in ('ppo', 'grpo')")
+    if a.minibatch_size < 1 or a.batch_steps < 1 or a.epochs < 1:
+        raise ConfigError("algo.batch_steps, algo.minibatch_size and algo.epochs must be >= 1")
+    if a.clip_eps <= 0:
+        raise ConfigError(f"algo.clip_eps must be > 0, got {a.clip_eps}")
+    if a.ratio_level not in RATIO_LEVELS:
+        raise ConfigError(f"algo.ratio_level: {a.ratio_level!r} not in {RATIO_LEVELS}")
+    if a.dual_clip != 0 and a.dual_clip <= 1.0:
+        raise ConfigError(f"algo.dual_clip must be > 1 (or 0: off), got {a.dual_clip}")
+    if a.behav_weight_cap != 0 and a.behav_weight_cap < 1.0:
+        # Below 1 it would down-weight even fresh samples, and PPO would no longer be PPO.
+        raise ConfigError(f"algo.behav_weight_cap must be >= 1 (or 0: uncapped), got {a.behav_weight_cap}")
+    if a.value_clip_eps < 0 or a.max_grad_norm <= 0:
+        raise ConfigError("algo.value_clip_eps must be >= 0 and algo.max_grad_norm > 0")
+    if a.max_staleness < 0:
+        raise ConfigError(f"algo.max_staleness must be >= 0, got {a.max_staleness}")
+    if a.grpo_reward not in ("success", "return"):
+        raise ConfigError(f"algo.grpo_reward: {a.grpo_reward!r} not in ('success', 'return')")
+    if a.name == "grpo" and cfg.env.group_size < 2:
+        # A group of one has no variance: nothing would ever be trained on.
+        raise ConfigError(f"algo.name=grpo needs env.group_size >= 2 (episodes compared within a group), "
+                          f"got {cfg.env.group_size}")
 
 
 def apply_overrides(data: dict[str, Any], overrides: list[str] | tuple[str, ...]) -> dict[str, Any]:

@@ -16,7 +16,8 @@ from workers.algorithms.distributed import (
     parameter_checksum,
     wrap_ddp,
 )
-from workers.algorithms.ppo import PPOConfig, make_optimizer, ppo_update
+from rlvla3.config import AlgoConfig
+from workers.algorithms.ppo import make_optimizer, ppo_update
 from workers.envs.base import EnvSpec
 from workers.policies.base import ActOutput, EvalOutput, Policy
 
@@ -79,7 +80,7 @@ def _trainer(rank: int, world_size: int, port: int, out_dir: str) -> None:
             "returns": torch.as_tensor(rng.standard_normal(32).astype(np.float32)),
             "values": out.value,
         }
-        cfg = PPOConfig(epochs=2, minibatch_size=8, lr=1e-2)
+        cfg = AlgoConfig(epochs=2, minibatch_size=8, lr=1e-2)
         stats = ppo_update(ddp, make_optimizer(ddp.parameters(), cfg), batch, cfg)
         after = assert_replicas_identical(ddp)
 

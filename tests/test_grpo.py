@@ -1,11 +1,12 @@
-"""GRPO: group-relative advantages, zero-variance filtering, and the value-free loss."""
+"""GRPO: group-relative advantages, zero-variance filtering, and the value-free update."""
 
 import math
 
 import pytest
 import torch
 
-from workers.algorithms.grpo import GRPOConfig, broadcast_episode_advantages, grpo_advantages, grpo_loss
+from rlvla3.config import AlgoConfig, ConfigError, load
+from workers.algorithms.grpo import broadcast_episode_advantages, grpo_advantages
 from workers.algorithms.ppo import ppo_loss
 
 
@@ -16,7 +17,7 @@ def test_advantages_and_filtering_by_hand():
     # group 9: one episode only -> no variance, filtered
     returns = torch.tensor([1.0, 0.0, 1.0, 0.0, 1, 1, 1, 1, 0, 0, 0, 0, 3, 1, 2, 5])
     groups = torch.tensor([0, 0, 0, 0, 1, 1, 1, 1, 2, 2, 2, 2, 7, 7, 7, 9])
-    adv, keep, stats = grpo_advantages(returns, groups, GRPOConfig(group_size=4, std_eps=0.0))
+    adv, keep, stats = grpo_advantages(returns, groups, std_eps=0.0)
 
     a = 0.5 / math.sqrt(1 / 3)
     assert adv.tolist() == pytest.approx([a, -a, a, -a] + [0.0] * 8 + [1.0, -1.0, 0.0] + [0.0])
@@ -27,7 +28,7 @@ def test_advantages_and_filtering_by_hand():
 def test_interleaved_groups_and_mean_only_variant():
     returns = torch.tensor([1.0, 4.0, 3.0, 0.0])
     groups = torch.tensor([5, 6, 5, 6])
-    adv, keep, _ = grpo_advantages(returns, groups, GRPOConfig(group_size=2, scale_by_std=False))
+    adv, keep, _ = grpo_advantages(returns, groups, scale_by_std=False)
     assert adv.tolist() == pytest.approx([-1.0, 2.0, 1.0, -2.0])
     assert keep.all()
 
@@ -39,20 +40,19 @@ def test_broadcast_to_decision_steps():
 
 
 def test_grpo_loss_is_ppo_surrogate_without_value_term():
+    """The update runs GRPO through ppo_loss with no returns: the value term drops out."""
     g = torch.Generator().manual_seed(0)
     behav = torch.randn(12, 3, generator=g)
     prox = behav + 0.1 * torch.randn(12, 3, generator=g)
     new = (prox + 0.2 * torch.randn(12, 3, generator=g)).requires_grad_(True)
     adv = torch.randn(12, generator=g)
-    cfg = GRPOConfig(group_size=4, ent_coef=0.0)
-    loss, stats = grpo_loss(new, prox, behav, adv, None, cfg)
-    ppo_cfg = cfg.to_ppo()
-    assert ppo_cfg.vf_coef == 0.0 and not ppo_cfg.normalize_advantages
-    ref, _ = ppo_loss(new, prox, behav, adv, torch.zeros(12), torch.zeros(12), torch.ones(12), None, ppo_cfg)
+    cfg = AlgoConfig(name="grpo", ent_coef=0.0)
+    loss, stats = ppo_loss(new, prox, behav, adv, torch.zeros(12), torch.zeros(12), None, None, cfg)
+    ref, _ = ppo_loss(new, prox, behav, adv, None, None, None, None, AlgoConfig(name="grpo", ent_coef=0.0, vf_coef=0.0))
     assert float(loss.detach()) == pytest.approx(float(ref.detach()))
     assert stats["value_loss"] == 0.0
 
 
 def test_group_size_must_allow_variance():
-    with pytest.raises(ValueError):
-        GRPOConfig(group_size=1)
+    with pytest.raises(ConfigError, match="env.group_size"):
+        load("synthetic.yaml", ["algo.name=grpo", "env.group_size=1"])

@@ -7,8 +7,8 @@ import pytest
 import torch
 from torch import nn
 
+from rlvla3.config import AlgoConfig, ConfigError, from_dict
 from workers.algorithms.ppo import (
-    PPOConfig,
     compute_proximal_logprobs,
     index_batch,
     make_optimizer,
@@ -51,7 +51,7 @@ NEW_V = [1.5, 0.1, 0.5, 1.0]
 RET = [2.0, 0.0, 1.0, 1.0]
 ENT = [1.0, 2.0, 3.0, 2.0]
 
-CFG = PPOConfig(
+CFG = AlgoConfig(
     clip_eps=0.2, dual_clip=3.0, behav_weight_cap=2.0, value_clip_eps=0.2, vf_coef=0.5, ent_coef=0.01
 )
 
@@ -100,7 +100,7 @@ def test_hand_computed_decoupled_loss():
 
 
 def test_chunk_level_sums_units_before_the_ratio():
-    cfg = PPOConfig(**{**CFG.__dict__, "ratio_level": "chunk"})
+    cfg = AlgoConfig(**{**CFG.__dict__, "ratio_level": "chunk"})
     loss, stats = ppo_loss(**_hand_tensors(split_units=True), cfg=cfg)
     assert stats["policy_loss"] == pytest.approx(-0.05)
     assert float(loss.detach()) == pytest.approx(0.02625)
@@ -120,7 +120,7 @@ def test_fresh_samples_reduce_to_standard_ppo():
     behav = torch.randn(b, l, generator=g)
     new = (behav + 0.3 * torch.randn(b, l, generator=g)).requires_grad_(True)
     adv = torch.randn(b, generator=g)
-    cfg = PPOConfig(dual_clip=None, behav_weight_cap=1.0, vf_coef=0.0, ent_coef=0.0)
+    cfg = AlgoConfig(dual_clip=0.0, behav_weight_cap=1.0, vf_coef=0.0, ent_coef=0.0)
     loss, stats = ppo_loss(new, behav.clone(), behav, adv, None, None, None, None, cfg)
 
     ratio = torch.exp(new - behav)
@@ -214,7 +214,7 @@ def test_proximal_logprobs_match_behaviour_for_an_unchanged_policy():
 def test_ppo_update_runs_epochs_and_moves_the_policy_toward_the_advantage():
     torch.manual_seed(0)
     policy = TinyPolicy()
-    cfg = PPOConfig(epochs=3, minibatch_size=16, lr=1e-2, ent_coef=0.01)
+    cfg = AlgoConfig(epochs=3, minibatch_size=16, lr=1e-2, ent_coef=0.01)
     opt = make_optimizer(policy.parameters(), cfg)
     batch = make_batch(policy, 64)
     bias_before = float(policy.mean.bias.detach().view(2, 2)[:, 0].mean())
@@ -231,7 +231,7 @@ def test_ppo_update_runs_epochs_and_moves_the_policy_toward_the_advantage():
 def test_first_step_ratio_is_one_with_recomputed_proximal():
     torch.manual_seed(1)
     policy = TinyPolicy()
-    cfg = PPOConfig(epochs=1, minibatch_size=32)
+    cfg = AlgoConfig(epochs=1, minibatch_size=32)
     batch = make_batch(policy, 32)
     stats = ppo_update(policy, make_optimizer(policy.parameters(), cfg), batch, cfg)
     assert stats["ratio_mean"] == pytest.approx(1.0, abs=1e-5)
@@ -239,12 +239,9 @@ def test_first_step_ratio_is_one_with_recomputed_proximal():
 
 
 def test_config_rejects_bad_values():
-    with pytest.raises(ValueError):
-        PPOConfig(ratio_level="token")
-    with pytest.raises(ValueError):
-        PPOConfig(dual_clip=0.9)
-    with pytest.raises(ValueError):
-        PPOConfig(behav_weight_cap=0.5)
+    for bad in ({"ratio_level": "token"}, {"dual_clip": 0.9}, {"behav_weight_cap": 0.5}):
+        with pytest.raises(ConfigError, match=f"algo.{next(iter(bad))}"):
+            from_dict({"algo": bad})
 
 
 def test_bf16_logprobs_are_scored_in_float32():

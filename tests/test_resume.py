@@ -1,6 +1,7 @@
 """``rlvla3 run --resume RUN_DIR`` continues at the checkpoint's version with the same config."""
 
 import json
+import signal
 import subprocess
 import sys
 
@@ -47,3 +48,28 @@ def test_resume_continues_at_same_version(tmp_path):
 def test_resume_refuses_a_run_without_checkpoint(tmp_path):
     out = subprocess.run([sys.executable, "-m", "rlvla3", "run", "--resume", str(tmp_path)], capture_output=True, text=True, timeout=60)
     assert out.returncode != 0 and "no checkpoint" in out.stderr
+
+
+def test_sigterm_leaves_a_checkpoint_that_resume_continues_from(job_factory):
+    """Preemption: a trainer of a running job that gets SIGTERM checkpoints its last trained
+    version before it exits (checkpoint_every=0: no periodic checkpoint to fall back on), and
+    ``rlvla3 run --resume`` continues from exactly that version."""
+    job = job_factory("algo.checkpoint_every=0")
+    job.wait(lambda f: f["trainer_version"] >= 2, 180, "two updates")
+    trainer = job.workers[0]  # start_all starts the trainers first
+    assert "trainer0" in " ".join(map(str, trainer.args))
+    assert not (job.run_dir / "checkpoints").exists()
+    trainer.send_signal(signal.SIGTERM)
+    assert trainer.wait(60) == 0
+    latest = (job.run_dir / "checkpoints" / "latest").read_text().strip()
+    saved = int(latest[1:])
+    assert saved >= 2 and saved == _versions(job.run_dir)[-1]  # the version it had trained to
+    assert "checkpoint_saved" in (job.run_dir / "trainer0.log").read_text()
+    job.stop()
+    n_first = len(_versions(job.run_dir))
+
+    second = _run("--resume", str(job.run_dir), "--steps", "600")
+    assert second["reason"] == "steps_reached"
+    assert f"resumed_from={job.run_dir}/checkpoints/{latest}" in (job.run_dir / "trainer0.log").read_text()
+    resumed = _versions(job.run_dir)[n_first:]
+    assert resumed and resumed == list(range(saved + 1, saved + 1 + len(resumed)))

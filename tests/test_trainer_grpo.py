@@ -8,7 +8,7 @@ all-fail (no signal: filtered and counted) and some are mixed (trained on).
 import json
 
 GRPO = (
-    "algo.name=grpo", "algo.group_size=2", "env.group_size=2", "algo.max_staleness=1000",
+    "algo.name=grpo", "env.group_size=2", "algo.max_staleness=1000",
     "algo.batch_steps=48", "algo.minibatch_size=48", "env.options.max_episode_steps=30",
 )
 

@@ -37,7 +37,7 @@ SMALL = (
     "algo.batch_steps=16", "algo.minibatch_size=8", "algo.epochs=1", "algo.max_staleness=1000",
     "batching.max_batch=4", "batching.max_wait_ms=5",
 )
-GRPO = ("algo.name=grpo", "algo.group_size=2", "algo.grpo_reward=return")  # a random tiny VLA never succeeds
+GRPO = ("algo.name=grpo", "algo.grpo_reward=return")  # a random tiny VLA never succeeds
 
 
 def recipe(family: str) -> str:

@@ -36,12 +36,16 @@ def build_policy(cfg: JobConfig, spec: EnvSpec | None = None, device: str | None
     version-0 weights, so generators can serve before the first publication."""
     spec = spec or job_spec(cfg)
     _import_builtin_policies(cfg.model.family)
+    dev = resolve_device(cfg, device)
+    dtype = resolve_dtype(cfg, dev)
     options = dict(cfg.model.options)
     fam = cfg.model.family
     if fam in _POLICIES:
+        # One source per setting: chunk length, device and dtype come from model.chunk_size,
+        # workers.device (or --gpus) and model.dtype; model.options cannot set them (RENAMED).
         fields = {f.name for f in dataclasses.fields(_POLICIES[fam][1])}
-        if "chunk_size" in fields:
-            options.setdefault("chunk_size", cfg.model.chunk_size)
+        job_wide = {"chunk_size": cfg.model.chunk_size, "device": str(dev), "dtype": str(dtype).removeprefix("torch.")}
+        options.update({k: v for k, v in job_wide.items() if k in fields})
     torch.manual_seed(cfg.run.seed)
     if cfg.model.checkpoint and not _is_rlvla3_checkpoint(cfg.model.checkpoint):
         # A released checkpoint (safetensors + config + tokenizer): the family's own loader.
@@ -50,8 +54,7 @@ def build_policy(cfg: JobConfig, spec: EnvSpec | None = None, device: str | None
         policy = make_policy(fam, options, spec)
         if cfg.model.checkpoint:  # an rlvla3 checkpoint or run folder (sft warm start, resume)
             load_checkpoint_weights(policy, cfg.model.checkpoint)
-    dev = resolve_device(cfg, device)
-    policy.to(device=dev, dtype=resolve_dtype(cfg, dev))
+    policy.to(device=dev, dtype=dtype)
     return policy
 
 

@@ -22,7 +22,8 @@ import structlog
 from rlvla3 import protocol as P
 from rlvla3.shm import ShmPool, sweep_leftovers
 from workers.base import JobRunner, WorkerBase
-from workers.envs.base import EnvAdapter, Obs, make_env
+from workers.envs.base import EnvAdapter, Obs
+from workers.envs.subproc import GuardedEnv, SubprocEnv
 from workers.trajectory import EnvTrajectory, StepRecord, obs_row
 
 log = structlog.get_logger()
@@ -146,10 +147,10 @@ class SimulatorWorker(WorkerBase):
     def _make_adapter(self, k: int, seed: int) -> EnvAdapter:
         env = self.cfg.env
         if env.parallel == "process":
-            from workers.envs.subproc import SubprocEnv
-
             return SubprocEnv(env.name, num_envs=k, seed=seed, options=env.options, step_timeout_s=env.step_timeout_s)
-        return make_env(env.name, num_envs=k, seed=seed, options=env.options)
+        # In the worker's process: an env that raises is rebuilt and its envs end truncated
+        # (info["restarted"], as SubprocEnv reports a crashed child).
+        return GuardedEnv(env.name, num_envs=k, seed=seed, options=env.options)
 
     def _seed_for(self, env: int, episode: int) -> int:
         return episode_seed(self.cfg.run.seed, env, episode, self.cfg.env.group_size, self.cfg.env.group_mode)
@@ -213,18 +214,7 @@ class SimulatorWorker(WorkerBase):
             ids = np.flatnonzero(active)
             if not len(ids):
                 break
-            try:
-                res = slot.adapter.step(ids.tolist(), actions[ids, t])
-            except Exception as exc:  # an env that raises is rebuilt; its episodes end truncated
-                log.warning("env_failed_restarting", slot=slot.index, error=repr(exc)[:300])
-                try:
-                    slot.adapter.close()
-                except Exception:
-                    pass
-                slot.adapter = self._make_adapter(k, int(np.random.randint(2**31)))
-                trunc[active] = True
-                restarts += 1
-                break
+            res = slot.adapter.step(ids.tolist(), actions[ids, t])  # Guarded/SubprocEnv: crashes come back as restarts
             step_reward[ids, t] = res.reward
             steps[ids] += 1
             for c in cur["images"]:

@@ -13,6 +13,7 @@ PPO/GRPO code calls ``policy.evaluate`` either way.
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from datetime import timedelta
 from typing import Any
 
@@ -151,3 +152,35 @@ def assert_replicas_identical(model: nn.Module) -> float:
             f"rank {dist.get_rank()}: replicas differ (checksum {float(local)!r}, range [{float(lo)!r}, {float(hi)!r}])"
         )
     return float(local)
+
+
+# ---------------------------------------------------------------------------------------------
+# Agreeing when to update
+# ---------------------------------------------------------------------------------------------
+
+
+@dataclass
+class Agreement:
+    """The outcome of one round: ``update`` (all ranks train now, padded to ``pad_to``),
+    ``wait`` (the ranks together hold less than a batch, or one holds nothing) or ``stop``."""
+
+    decision: str
+    taken: list[int]
+
+    @property
+    def pad_to(self) -> int:
+        return max(self.taken)
+
+
+def agree_to_update(taken: int, available: int, stopping: bool, batch_steps: int) -> Agreement:
+    """One collective round, on every rank: all-gather (steps taken, steps available, stopping).
+    Ranks update together once they hold ``batch_steps`` between them and each has a share."""
+    local = torch.tensor([taken, available, int(stopping)], dtype=torch.int64)
+    gathered = [torch.zeros_like(local) for _ in range(dist.get_world_size())]
+    dist.all_gather(gathered, local)
+    shares = [int(g[0]) for g in gathered]
+    if any(int(g[2]) for g in gathered):
+        return Agreement("stop", shares)
+    if sum(int(g[1]) for g in gathered) < batch_steps or min(shares) == 0:
+        return Agreement("wait", shares)
+    return Agreement("update", shares)

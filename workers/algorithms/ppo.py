@@ -34,57 +34,15 @@ import numpy as np
 import torch
 from torch import nn
 
-RATIO_LEVELS = ("unit", "chunk")
+from rlvla3.config import AlgoConfig
 
 EvaluateFn = Callable[[Any, torch.Tensor, dict], Any]  # (obs, actions, replay) -> EvalOutput
 
-
-@dataclass
-class PPOConfig:
-    """Hyper-parameters of one PPO update (and of GAE, which the caller runs first)."""
-
-    clip_eps: float = 0.2
-    """Half-width of the trust region on the proximal -> current ratio: r in [1-eps, 1+eps]."""
-    dual_clip: float | None = 3.0
-    """Dual-clip constant c > 1: for A < 0 the objective is bounded below by c*A (None = off)."""
-    value_clip_eps: float | None = 0.2
-    """New values may move at most this far from the old ones before the clipped loss wins (None = plain MSE)."""
-    vf_coef: float = 0.5
-    """Weight of the value loss in the total loss (0 = no value head, as in GRPO)."""
-    ent_coef: float = 0.0
-    """Weight of the entropy bonus (subtracted from the loss)."""
-    max_grad_norm: float = 0.5
-    """Global L2 norm the gradients are clipped to before every optimizer step."""
-    epochs: int = 4
-    """Passes over the batch per update."""
-    minibatch_size: int = 64
-    """Samples (decisions) per optimizer step; the last minibatch of an epoch may be smaller."""
-    gamma: float = 0.99
-    """Discount per decision (per action chunk) used by GAE."""
-    lam: float = 0.95
-    """GAE lambda: bias/variance trade-off of the advantage estimate."""
-    ratio_level: str = "unit"
-    """"unit": one clipped ratio per token/action with the advantage broadcast; "chunk": sum log-probs over L first."""
-    behav_weight_cap: float | None = 5.0
-    """Cap (>= 1) on the detached behaviour -> proximal importance weight (None = uncapped)."""
-    normalize_advantages: bool = True
-    """Standardize advantages over the whole batch (valid samples) before the epochs."""
-    lr: float = 3e-4
-    """Learning rate of the Adam optimizer built by :func:`make_optimizer`."""
-
-    def __post_init__(self) -> None:
-        if self.ratio_level not in RATIO_LEVELS:
-            raise ValueError(f"ratio_level {self.ratio_level!r} not in {RATIO_LEVELS}")
-        if self.dual_clip is not None and self.dual_clip <= 1.0:
-            raise ValueError(f"dual_clip must be > 1 or None, got {self.dual_clip}")
-        if self.behav_weight_cap is not None and self.behav_weight_cap < 1.0:
-            # Below 1 it would down-weight even fresh samples, and PPO would no longer be PPO.
-            raise ValueError(f"behav_weight_cap must be >= 1 or None, got {self.behav_weight_cap}")
-        if self.clip_eps <= 0 or self.epochs < 1 or self.minibatch_size < 1:
-            raise ValueError("clip_eps > 0, epochs >= 1 and minibatch_size >= 1 are required")
+# The settings (clip_eps, dual_clip, behav_weight_cap, epochs, ...) are ``AlgoConfig``'s, read
+# directly: one dataclass, one default each, validated by ``rlvla3.config.validate``.
 
 
-def make_optimizer(params: Iterable[nn.Parameter], cfg: PPOConfig) -> torch.optim.Optimizer:
+def make_optimizer(params: Iterable[nn.Parameter], cfg: AlgoConfig) -> torch.optim.Optimizer:
     """Adam with eps=1e-5, the usual PPO choice (CleanRL, OpenAI baselines)."""
     return torch.optim.Adam(params, lr=cfg.lr, eps=1e-5)
 
@@ -128,14 +86,15 @@ def ppo_loss(
     old_value: torch.Tensor | None,
     returns: torch.Tensor | None,
     entropy: torch.Tensor | None,
-    cfg: PPOConfig,
+    cfg: AlgoConfig,
     mask: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, dict[str, float]]:
     """Decoupled PPO loss for one minibatch and its diagnostics.
 
     Shapes: log-probs ``[B, L]``; advantages, values, returns ``[B]``; entropy ``[B, L]`` or
     ``[B]``; mask ``[B]`` or ``[B, L]`` (true = counts). The value term is skipped when
-    ``cfg.vf_coef == 0`` or ``returns`` is None (GRPO). Policy terms average over valid units.
+    ``cfg.vf_coef == 0`` or ``returns`` is None (GRPO: no critic). Policy terms average over
+    valid units. ``dual_clip``, ``value_clip_eps`` and ``behav_weight_cap`` of 0 are off.
     """
     unit_mask, sample_mask = _unit_and_sample_masks(mask, new_logprob.shape, new_logprob.device)
     # Ratios of bf16 log-probs are too coarse to clip at 1 +- 0.2: compute in at least float32.
@@ -160,7 +119,8 @@ def ppo_loss(
     # ---- Behaviour -> proximal importance weight (detached, capped) ------------------------
     log_w = prox - behav
     w_raw = torch.exp(log_w)
-    w = w_raw if cfg.behav_weight_cap is None else w_raw.clamp(max=cfg.behav_weight_cap)
+    cap = cfg.behav_weight_cap or None
+    w = w_raw if cap is None else w_raw.clamp(max=cap)
 
     # ---- Proximal -> current ratio, clipped surrogate, dual clip ---------------------------
     # Clamp the log-ratio so exp() stays finite; beyond e^20 the sample is clipped anyway.
@@ -170,7 +130,7 @@ def ppo_loss(
     surr_clipped = r.clamp(1.0 - cfg.clip_eps, 1.0 + cfg.clip_eps) * adv
     objective = torch.minimum(surr_unclipped, surr_clipped)
     dual_active = torch.zeros_like(pg_mask)
-    if cfg.dual_clip is not None:
+    if cfg.dual_clip:
         lower = cfg.dual_clip * adv
         dual_active = (adv < 0) & (objective < lower)
         objective = torch.where(adv < 0, torch.maximum(objective, lower), objective)
@@ -181,7 +141,7 @@ def ppo_loss(
     if use_value:
         ret = returns.detach().to(new_value.dtype)
         err_unclipped = (new_value - ret) ** 2
-        if cfg.value_clip_eps is not None and old_value is not None:
+        if cfg.value_clip_eps and old_value is not None:
             old = old_value.detach().to(new_value.dtype)
             v_clipped = old + (new_value - old).clamp(-cfg.value_clip_eps, cfg.value_clip_eps)
             err = torch.maximum(err_unclipped, (v_clipped - ret) ** 2)
@@ -217,8 +177,8 @@ def ppo_loss(
             "ratio_mean": float(_masked_mean(ratio_d, pg_mask)),
             "behav_weight_mean": float(_masked_mean(w.detach(), pg_mask)),
             "behav_weight_capped_frac": float(
-                _masked_mean((w_raw > cfg.behav_weight_cap).float(), pg_mask)
-                if cfg.behav_weight_cap is not None
+                _masked_mean((w_raw > cap).float(), pg_mask)
+                if cap is not None
                 else zero
             ),
         }
@@ -308,13 +268,15 @@ def ppo_update(
     policy: nn.Module,
     optimizer: torch.optim.Optimizer,
     batch: dict[str, Any],
-    cfg: PPOConfig,
+    cfg: AlgoConfig,
     evaluate_fn: EvaluateFn | None = None,
 ) -> dict[str, float]:
     """One PPO update on ``batch``; returns stats averaged over the optimizer steps.
 
     ``policy`` may be a DDP wrapper that exposes ``evaluate`` (see ``distributed.wrap_ddp``);
     every rank must then run the same number of minibatches (equal local batch sizes).
+    Advantages are standardized over the valid samples of the batch, except for GRPO, whose
+    advantages are already standardized within groups.
     """
     evaluate = evaluate_fn or policy.evaluate
     device = next(policy.parameters()).device
@@ -333,7 +295,7 @@ def ppo_update(
     if batch.get("mask") is not None:
         m = batch["mask"].to(advantages.device).bool()
         sample_valid = m if m.dim() == 1 else m.any(dim=-1)
-    if cfg.normalize_advantages and int(sample_valid.sum()) > 1:
+    if cfg.name != "grpo" and int(sample_valid.sum()) > 1:
         valid = advantages[sample_valid]
         advantages = (advantages - valid.mean()) / (valid.std(unbiased=False) + 1e-8)
     batch = {**batch, "advantages": advantages}

@@ -1,0 +1,104 @@
+"""The learner and the update without sockets: GRPO groups assemble and score, staleness drops
+whole groups and masks samples (one rule), and one update on a real policy reports what it did."""
+
+from __future__ import annotations
+
+import numpy as np
+import torch
+
+from rlvla3.config import load
+from tests.jobs import FAST
+from workers.algorithms.update import TrainState, update
+from workers.learner import Fragment, Learner, build_batch
+from workers.metrics import Counters
+from workers.model import build_policy
+
+
+def _cfg(*overrides: str):
+    return load("synthetic.yaml", [*FAST, *overrides])
+
+
+def _fragment(policy, n: int, version: int, *, env: int = 0, episode: int = 0, seed: int = 0,
+              done: bool = True, success: bool = False, ret: float = 0.0) -> Fragment:
+    """A fragment as a simulator ships it: n decisions of the real policy, n + 1 observations."""
+    spec = policy.spec
+    rng = np.random.default_rng(env * 1000 + episode)
+    obs = {"images": {c: rng.integers(0, 255, (n + 1, h, w, 3), dtype=np.uint8) for c, (h, w) in spec.cameras.items()},
+           "state": rng.standard_normal((n + 1, spec.state_dim)).astype(np.float32), "instruction": ["reach"] * (n + 1)}
+    with torch.no_grad():
+        out = policy.act({"images": {c: v[:n] for c, v in obs["images"].items()}, "state": obs["state"][:n],
+                          "instruction": obs["instruction"][:n]})
+    arrays = {f"obs/images/{c}": v for c, v in obs["images"].items()}
+    arrays.update({
+        "obs/state": obs["state"], "actions": out.actions.numpy(), "logprob": out.logprob.numpy(),
+        "value": out.value.numpy(), "reward": rng.standard_normal(n).astype(np.float32),
+        "steps": np.full(n, policy.chunk_size, np.int32), "terminated": np.eye(1, n, n - 1, dtype=bool)[0] & done,
+        "truncated": np.zeros(n, bool), "version": np.full(n, version, np.int64),
+        **{f"replay/{k}": v.numpy() for k, v in out.replay.items()},
+    })
+    header = {"instruction": "reach", "env": env, "episode": episode, "seed": seed, "done": done,
+              "episode_success": success, "episode_return": ret}
+    return Fragment(header, arrays)
+
+
+def test_grpo_groups_assemble_score_and_drop_whole_when_stale():
+    cfg = _cfg("algo.name=grpo", "env.group_size=2", "algo.max_staleness=2")
+    policy = build_policy(cfg)
+    counters = Counters()
+    learner = Learner(cfg, counters)
+
+    # group (reach, seed 1): one episode in two fragments, then the other episode -> one unit
+    learner.add(_fragment(policy, 3, 0, env=0, seed=1, done=False))
+    learner.add(_fragment(policy, 2, 0, env=0, seed=1, success=True))
+    assert learner.ready_steps == 0 and len(learner.pending_groups) == 1
+    learner.add(_fragment(policy, 4, 0, env=1, seed=1, success=False))
+    assert learner.ready_steps == 9 and counters.groups_complete == 1
+    unit = learner.ready[0]
+    assert unit.episodes == 2
+    adv = np.concatenate([f.advantages for f in unit.frags])
+    assert np.allclose(adv[:5], adv[0]) and np.allclose(adv[5:], -adv[0]) and adv[0] > 0  # success vs failure
+
+    # a zero-variance group is discarded and reported, never trained on
+    learner.add(_fragment(policy, 2, 0, env=2, seed=2, success=True))
+    learner.add(_fragment(policy, 2, 0, env=3, seed=2, success=True))
+    assert counters.groups_filtered_zero_variance == 1 and learner.take_unreported() == (0, 4)
+
+    # version 3 makes version-0 samples stale (max_staleness 2): the ready group and a waiting
+    # episode's group go whole; a late episode of the dropped group is dropped on arrival
+    learner.add(_fragment(policy, 3, 0, env=4, seed=3))
+    learner.add(_fragment(policy, 3, 2, env=6, seed=4))
+    learner.prune_stale(3)
+    assert learner.ready_steps == 0 and counters.groups_dropped_stale == 2
+    assert set(learner.pending_groups) == {("reach", 4)}
+    learner.add(_fragment(policy, 5, 3, env=5, seed=3))
+    assert learner.take_unreported() == (9 + 3 + 5, 0) and counters.dropped_stale == 17
+
+
+def test_ppo_batch_masks_stale_samples_and_update_reports_typed_result():
+    cfg = _cfg("algo.max_staleness=1", "algo.check_replicas=true")
+    policy = build_policy(cfg).train()
+    learner = Learner(cfg, Counters())
+    learner.add(_fragment(policy, 4, 1, env=0, done=False))
+    learner.add(_fragment(policy, 3, 3, env=1, ret=2.0, success=True))
+    units = learner.take(cfg.algo.batch_steps)
+    assert learner.ready_steps == 0 and [u.steps for u in units] == [4, 3]
+
+    batch = build_batch(units, 3, cfg)  # the version-1 fragment is 2 behind: masked, not removed
+    assert batch.keep.tolist() == [False] * 4 + [True] * 3 and batch.dropped_stale == 4
+    assert batch.staleness.tolist() == [2] * 4 + [0] * 3 and batch.lengths == [4, 3]
+    assert batch.bootstrap["obs"]["state"].shape == (2, policy.spec.state_dim)
+
+    state = TrainState.build(policy, cfg.algo)
+    before = [p.detach().clone() for p in policy.parameters()]
+    result = update(state, batch, cfg.algo)
+    assert result.trained and result.samples == 3 and result.batch_len == 7 and result.dropped_stale == 4
+    assert result.episodes == 1 and result.return_mean_batch == 2.0 and result.success_mean_batch == 1.0
+    assert result.units == 2 and result.groups is None and result.param_checksum is not None
+    assert np.isfinite(result.diagnostics["policy_loss"]) and "explained_variance" in result.diagnostics
+    assert any(not torch.equal(a, b) for a, b in zip(before, policy.parameters()))
+    row = result.figures()
+    assert row["samples"] == 3 and row["dropped_stale"] == 4 and "skipped" not in row
+
+    # every sample stale, one rank: nothing is stepped and the version must not move
+    stale = update(state, build_batch(units[:1], 3, cfg), cfg.algo)
+    assert not stale.trained and stale.figures()["skipped"] is True and stale.samples == 0

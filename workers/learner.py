@@ -1,0 +1,273 @@
+"""The learner: what arrives becomes *units* ready to train on, and units become a batch.
+
+No sockets and no torch modules: the trainer's shell (``workers.trainer``) hands it fragments
+it already copied out of shared memory, asks it for units when it may update, and reports what
+it dropped to the broker.
+
+Units:
+  * PPO: one fragment (GAE runs per fragment, bootstrapped from its last observation).
+  * GRPO: one complete *group*, ``env.group_size`` complete episodes that share (instruction,
+    seed). Fragments wait in ``pending_eps`` until their episode is done, episodes wait in
+    ``pending_groups`` until their group is full. By default the simulators run a group's
+    episodes side by side in neighbouring envs (``env.group_mode: parallel``); with
+    ``sequential`` a group is ``group_size`` consecutive episodes of one env, its first episode
+    ages while the rest run, and ``algo.max_staleness`` must allow for that.
+
+Staleness is decided here, by one function (:func:`~workers.algorithms.staleness.filter_stale`):
+GRPO groups holding a too-stale sample are dropped whole before they are taken
+(:meth:`Learner.prune_stale`), and the samples of a batch staler than ``max_staleness`` are
+masked (:func:`build_batch`). Both count into ``dropped_stale``.
+"""
+
+from __future__ import annotations
+
+from collections import OrderedDict, deque
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+import torch
+
+from rlvla3.config import JobConfig
+from workers.algorithms.grpo import broadcast_episode_advantages, grpo_advantages
+from workers.algorithms.staleness import filter_stale
+from workers.algorithms.update import TrainBatch
+from workers.metrics import Counters
+
+FORGET_GROUPS = 100_000
+"""Dropped GRPO groups remembered (so their late episodes are dropped too)."""
+
+
+class Fragment:
+    """A received trajectory fragment, copied into process memory."""
+
+    def __init__(self, header: dict[str, Any], arrays: dict[str, np.ndarray]) -> None:
+        self.header = header
+        self.arrays = arrays
+        self.steps = int(arrays["reward"].shape[0])
+        self.advantages: np.ndarray | None = None  # GRPO: filled when the group completes
+
+    @property
+    def episode_key(self) -> tuple[Any, Any]:
+        return (self.header.get("env"), self.header.get("episode"))
+
+    @property
+    def group_key(self) -> tuple[Any, Any]:
+        return (self.header.get("instruction", ""), self.header.get("seed"))
+
+    @property
+    def oldest_version(self) -> int:
+        return int(self.arrays["version"].min())
+
+    @property
+    def newest_version(self) -> int:
+        return int(self.arrays["version"].max())
+
+
+@dataclass
+class Unit:
+    """What one update takes whole: a fragment (PPO) or a complete group of episodes (GRPO)."""
+
+    frags: list[Fragment]
+    steps: int
+    episodes: int = 0
+
+    @property
+    def oldest_version(self) -> int:
+        return min(f.oldest_version for f in self.frags)
+
+
+class Learner:
+    """Group assembly, staleness pruning and the queue of units ready to train on."""
+
+    def __init__(self, cfg: JobConfig, counters: Counters) -> None:
+        self.algo = cfg.algo
+        self.grpo = cfg.algo.name == "grpo"
+        self.group_size = cfg.env.group_size
+        self.counters = counters
+        self.ready: deque[Unit] = deque()
+        self.ready_steps = 0
+        self.received_steps = 0
+        """Decision steps received since the last update (the shell resets it)."""
+        self.pending_eps: dict[tuple, list[Fragment]] = {}
+        self.pending_groups: dict[tuple, list[list[Fragment]]] = {}
+        self.dropped_groups: OrderedDict[tuple, None] = OrderedDict()  # their later episodes are discarded
+        self.dropped_unreported = 0  # steps dropped as stale, not yet reported to the broker
+        self.discarded_unreported = 0  # steps never trained on for another reason (zero-variance groups)
+
+    # -- arrivals -----------------------------------------------------------------------------
+
+    def add(self, frag: Fragment) -> None:
+        """A training fragment (evaluation fragments never come here)."""
+        self.received_steps += frag.steps
+        if self.grpo:
+            self._add_to_group(frag)
+        else:
+            self._ready(Unit([frag], frag.steps, int(bool(frag.header.get("done")))))
+
+    def _ready(self, unit: Unit) -> None:
+        self.ready.append(unit)
+        self.ready_steps += unit.steps
+
+    def _add_to_group(self, frag: Fragment) -> None:
+        gkey = frag.group_key
+        if gkey in self.dropped_groups:
+            self._drop_steps(frag.steps)
+            return
+        ep = self.pending_eps.setdefault(frag.episode_key, [])
+        ep.append(frag)
+        if not frag.header.get("done"):
+            return
+        del self.pending_eps[frag.episode_key]
+        group = self.pending_groups.setdefault(gkey, [])
+        group.append(ep)
+        if len(group) >= self.group_size:
+            del self.pending_groups[gkey]
+            self._complete_group(group[: self.group_size])
+
+    def _complete_group(self, episodes: list[list[Fragment]]) -> None:
+        """Score the group's episodes against each other; zero-variance groups carry no signal."""
+        self.counters.groups_complete += 1
+        use_success = self.algo.grpo_reward == "success"
+        last = [ep[-1].header for ep in episodes]
+        scores = torch.tensor([float(h.get("episode_success", False)) if use_success else float(h.get("episode_return", 0.0))
+                               for h in last])
+        adv, _keep, stats = grpo_advantages(scores, torch.zeros(len(episodes), dtype=torch.long))
+        if stats["groups_filtered_zero_variance"]:
+            self.counters.groups_filtered_zero_variance += 1
+            # Never trained on: hand the steps back to the broker's admission budget, or once
+            # every group succeeds nothing is consumed and rollouts stall.
+            self.discarded_unreported += sum(f.steps for ep in episodes for f in ep)
+            return
+        frags = [f for ep in episodes for f in ep]
+        episode_of_step = torch.cat([torch.full((f.steps,), e, dtype=torch.long)
+                                     for e, ep in enumerate(episodes) for f in ep])
+        steps_adv = broadcast_episode_advantages(adv.float(), episode_of_step).numpy()
+        start = 0
+        for f in frags:
+            f.advantages = steps_adv[start:start + f.steps]
+            start += f.steps
+        self._ready(Unit(frags, start, len(episodes)))
+
+    # -- staleness ----------------------------------------------------------------------------
+
+    def prune_stale(self, version: int) -> None:
+        """GRPO: drop groups (waiting or ready) holding a sample staler than ``max_staleness``:
+        a group trains whole or not at all."""
+        if not self.grpo:
+            return  # PPO masks stale samples in build_batch
+        waiting = [(frags[0].group_key, min(f.oldest_version for f in frags)) for frags in self.pending_eps.values()]
+        waiting += [(gkey, min(f.oldest_version for ep in eps for f in ep)) for gkey, eps in self.pending_groups.items()]
+        ready = list(self.ready)
+        oldest = [v for _, v in waiting] + [u.oldest_version for u in ready]
+        if not oldest:
+            return
+        keep, dropped = filter_stale(torch.tensor(oldest, dtype=torch.int64), version, self.algo.max_staleness)
+        if not dropped:
+            return
+        keep_list = keep.tolist()
+        stale_keys = {gkey for (gkey, _), k in zip(waiting, keep_list) if not k}
+        for gkey in stale_keys:
+            self._forget_group(gkey)
+            self.counters.groups_dropped_stale += 1
+        for key in [k for k, frags in self.pending_eps.items() if frags[0].group_key in stale_keys]:
+            self._drop_steps(sum(f.steps for f in self.pending_eps.pop(key)))
+        for gkey in stale_keys:
+            for ep in self.pending_groups.pop(gkey, []):
+                self._drop_steps(sum(f.steps for f in ep))
+        self.ready = deque()
+        self.ready_steps = 0
+        for u, k in zip(ready, keep_list[len(waiting):]):
+            if k:
+                self._ready(u)
+            else:
+                self.counters.groups_dropped_stale += 1
+                self._drop_steps(u.steps)
+
+    def _forget_group(self, gkey: tuple) -> None:
+        self.dropped_groups[gkey] = None
+        while len(self.dropped_groups) > FORGET_GROUPS:
+            self.dropped_groups.popitem(last=False)
+
+    def _drop_steps(self, n: int) -> None:
+        self.counters.dropped_stale += n
+        self.dropped_unreported += n
+
+    def count_dropped(self, n: int) -> None:
+        """Samples an update masked as stale (its :class:`UpdateResult` says how many)."""
+        self._drop_steps(n)
+
+    def take_unreported(self) -> tuple[int, int]:
+        """(dropped as stale, discarded) steps since the last call, for the broker's TRAJ_ACK."""
+        out = (self.dropped_unreported, self.discarded_unreported)
+        self.dropped_unreported = self.discarded_unreported = 0
+        return out
+
+    # -- taking units -------------------------------------------------------------------------
+
+    def take(self, steps: int) -> list[Unit]:
+        """Whole units from the front until they hold at least ``steps`` (or none are left)."""
+        units, n = [], 0
+        while self.ready and n < steps:
+            u = self.ready.popleft()
+            units.append(u)
+            n += u.steps
+        self.ready_steps -= n
+        return units
+
+    def put_back(self, units: list[Unit]) -> None:
+        """Units taken for an update that did not happen go back to the front, in order."""
+        for u in reversed(units):
+            self.ready.appendleft(u)
+        self.ready_steps += sum(u.steps for u in units)
+
+
+# ---------------------------------------------------------------------------------------------
+# Units -> one batch (runs on the update thread: reads the units, touches no learner state)
+# ---------------------------------------------------------------------------------------------
+
+
+def build_batch(units: list[Unit], version: int, cfg: JobConfig) -> TrainBatch:
+    """Concatenate the units' fragments into one :class:`TrainBatch`, stale samples masked."""
+    frags = [f for u in units for f in u.frags]
+    grpo = cfg.algo.name == "grpo"
+    versions = torch.as_tensor(np.concatenate([f.arrays["version"] for f in frags]), dtype=torch.int64)
+    keep, _dropped = filter_stale(versions, version, cfg.algo.max_staleness)
+    cams = [k for k in frags[0].arrays if k.startswith("obs/images/")]
+    replay_keys = [k for k in frags[0].arrays if k.startswith("replay/")]
+    samples = {
+        "obs": {
+            "images": {k[len("obs/images/"):]: np.concatenate([f.arrays[k][:-1] for f in frags]) for k in cams},
+            "state": np.concatenate([f.arrays["obs/state"][:-1] for f in frags]),
+            "instruction": [f.header.get("instruction", "") for f in frags for _ in range(f.steps)],
+        },
+        "actions": torch.as_tensor(np.concatenate([f.arrays["actions"] for f in frags])),
+        "replay": {k[len("replay/"):]: torch.as_tensor(np.concatenate([f.arrays[k] for f in frags])) for k in replay_keys},
+        "behav_logprob": torch.as_tensor(np.concatenate([f.arrays["logprob"] for f in frags])),
+        "values": torch.as_tensor(np.concatenate([f.arrays["value"] for f in frags])),
+    }
+    bootstrap = None
+    if not grpo:  # each fragment's observation after its last step, for V(s_N)
+        bootstrap = {
+            "obs": {
+                "images": {k[len("obs/images/"):]: np.stack([f.arrays[k][-1] for f in frags]) for k in cams},
+                "state": np.stack([f.arrays["obs/state"][-1] for f in frags]),
+                "instruction": [f.header.get("instruction", "") for f in frags],
+            },
+            "actions": torch.as_tensor(np.stack([f.arrays["actions"][-1] for f in frags])),
+            "replay": {k[len("replay/"):]: torch.as_tensor(np.stack([f.arrays[k][-1] for f in frags])) for k in replay_keys},
+        }
+    return TrainBatch(
+        samples=samples,
+        keep=keep.numpy(),
+        staleness=(version - versions).numpy(),
+        rewards=torch.as_tensor(np.concatenate([f.arrays["reward"] for f in frags])),
+        terminated=torch.as_tensor(np.concatenate([f.arrays["terminated"] for f in frags])),
+        lengths=[f.steps for f in frags],
+        bootstrap=bootstrap,
+        advantages=torch.as_tensor(np.concatenate([f.advantages for f in frags])) if grpo else None,
+        env_steps=int(sum(int(f.arrays["steps"].sum()) for f in frags)),
+        finished=[f.header for f in frags if f.header.get("done")],
+        units=sum(u.episodes for u in units) if grpo else len(frags),
+        groups=len(units) if grpo else None,
+    )
