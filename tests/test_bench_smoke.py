@@ -4,9 +4,12 @@ object carrying the keys the issue asks for. No timing assertions: this machine 
 from __future__ import annotations
 
 import json
+import os
 import subprocess
 import sys
 from pathlib import Path
+
+from rlvla3.lifetime import launcher_env
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -14,7 +17,7 @@ ROOT = Path(__file__).resolve().parents[1]
 def run_bench(script: str, out: Path, timeout: float) -> dict:
     proc = subprocess.run(
         [sys.executable, str(ROOT / "bench" / script), "--smoke", "--out", str(out)],
-        cwd=ROOT, capture_output=True, text=True, timeout=timeout,
+        cwd=ROOT, capture_output=True, text=True, timeout=timeout, env={**os.environ, **launcher_env()},
     )
     assert proc.returncode == 0, f"{script} exited {proc.returncode}\n{proc.stderr[-3000:]}"
     lines = [ln for ln in proc.stdout.splitlines() if ln.strip()]

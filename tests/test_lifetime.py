@@ -29,8 +29,9 @@ pytestmark = pytest.mark.slow
 ROOT = Path(__file__).resolve().parents[1]
 GONE_WITHIN_S = 5.0
 SMALL = ("env.num_envs=4", "env.slots=2", "env.fragment_len=8", "env.options.image_size=8",
-         "env.options.latency={kind: constant, mean_ms: 1.0}", "run.progress_every_s=0.5",
-         "workers.simulators=1", "workers.generators=1", "workers.trainers=1")
+         "env.options.latency={kind: constant, mean_ms: 1.0}",
+         "workers.simulators=1", "workers.generators=1", "workers.trainers=1",
+         "broker.liveness=30")  # a loaded 2-core machine can starve a process for seconds: not what these test
 SLOW_UPDATES = ("algo.batch_steps=128", "algo.minibatch_size=8", "algo.epochs=400")
 """Updates of several seconds: a kill lands inside one."""
 
@@ -157,7 +158,7 @@ def test_sigkill_run_while_the_trainer_updates_leaves_nothing(tmp_path: Path):
             ok = fig["workers"]["trainer"] == 1 and inside_update(fig, 128) and segments_of_run(run_id)
             return fig if ok else None
 
-        wait_until(mid_update, 240, "the trainer inside an update, the simulator's segments in /dev/shm", 0.1)
+        wait_until(mid_update, 240, "the trainer inside an update, the simulator's segments in /dev/shm", 0.5)
         procs = descendants(proc.pid)
         roles = " ".join(procs.values())
         for what in ("broker", "--role simulator", "--role generator", "--role trainer", "resource_tracker"):
@@ -221,7 +222,7 @@ def test_sigterm_and_sighup_stop_run_cleanly_with_a_checkpoint(tmp_path: Path, s
             except TimeoutError:
                 return False
 
-        wait_until(trained, 240, "a first policy version", 0.1)
+        wait_until(trained, 240, "a first policy version", 0.5)
         procs = descendants(proc.pid)
         proc.send_signal(sig)
         out, err = proc.communicate(timeout=90)
