@@ -58,6 +58,17 @@ def _cmdline(pid: int) -> str:
         return "?"
 
 
+def _threads(pid: int) -> list[str]:
+    """Each thread's state and kernel wait channel (what a process that will not end is doing)."""
+    out = []
+    try:
+        for t in Path(f"/proc/{pid}/task").iterdir():
+            out.append(f"{(t / 'stat').read_text().rsplit(')', 1)[1].split()[0]}:{(t / 'wchan').read_text()}")
+    except OSError:
+        pass
+    return out
+
+
 def descendants(root: int) -> dict[tuple[int, int], str]:
     """Every process below ``root`` now: (pid, start time) -> command line."""
     children: dict[int, list[tuple[int, int]]] = {}
@@ -91,14 +102,15 @@ def assert_all_gone(procs: dict[tuple[int, int], str], run_id: str, logs: Path) 
         time.sleep(0.05)  # polling /proc and /dev/shm with a deadline
     left, segs = alive(procs), segments_of_run(run_id)
     if left or segs:
+        states = {pid: _threads(pid) for (pid, _) in left}
         for (pid, _), _cmd in left.items():  # do not leak them into the next test
             try:
                 os.kill(pid, signal.SIGKILL)
             except ProcessLookupError:
                 pass
         tails = "\n".join(f"--- {f.name}\n{f.read_text()[-1500:]}" for f in sorted(logs.rglob("*.log")))
-        raise AssertionError(f"{GONE_WITHIN_S:.0f} s after the kill: still running {sorted(left.values())}, "
-                             f"segments {segs}\n{tails}")
+        raise AssertionError(f"{GONE_WITHIN_S:.0f} s after the kill: still running {sorted(left.values())} "
+                             f"(threads: state, wchan {states}), segments {segs}\n{tails}")
 
 
 def start_run(run_dir: Path, *overrides: str) -> subprocess.Popen:
@@ -169,6 +181,35 @@ def test_sigkill_run_while_the_trainer_updates_leaves_nothing(tmp_path: Path):
         assert_all_gone(procs, run_id, run_dir)
         # The trainer was stuck in its update: it was forced out once its grace was over.
         assert "forced_exit" in (run_dir / "trainer0.log").read_text()
+    finally:
+        kill_quietly(proc)
+
+
+def test_a_stuck_simulator_unlinks_its_shared_memory_before_it_is_forced_out(tmp_path: Path):
+    run_dir = tmp_path / "run"
+    proc = start_run(run_dir, "env.options.latency={kind: constant, mean_ms: 0.0}", "env.options.hang_on_step=1")
+    try:
+        info = broker_of(run_dir, proc)
+        sim = wait_until(lambda: next((k for k, cmd in descendants(proc.pid).items() if "--role simulator" in cmd), None),
+                         120, "the simulator process")
+
+        def hung() -> bool:  # a slot thread asleep in its (hour-long) first step, pools allocated
+            assert proc.poll() is None, proc.stderr.read()[-3000:]
+            tasks = Path(f"/proc/{sim[0]}/task")
+            try:
+                chans = [(t / "wchan").read_text() for t in tasks.iterdir()]
+            except (FileNotFoundError, ProcessLookupError):
+                return False
+            return "hrtimer_nanosleep" in chans and bool(segments_of_run(info["run_id"]))
+
+        wait_until(hung, 120, "a simulator slot stuck in a step", 0.2)
+        procs = descendants(proc.pid)
+        proc.kill()
+        proc.wait(10)
+        assert_all_gone(procs, info["run_id"], run_dir)
+        log = (run_dir / "simulator0.log").read_text()
+        assert "forced_exit" in log, log[-3000:]  # teardown waited on the stuck slot: forced out ...
+        assert "leaked shared_memory" not in log, log[-3000:]  # ... having unlinked its pools itself
     finally:
         kill_quietly(proc)
 
