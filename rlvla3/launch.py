@@ -80,7 +80,8 @@ def stop_processes(procs: list[subprocess.Popen], timeout_s: float | None = None
             except ProcessLookupError:
                 pass
     t0 = time.monotonic()
-    while any(p.poll() is None for p in procs) and time.monotonic() - t0 < min(STOP_TIMEOUT_S if timeout_s is None else timeout_s, stop_timeout_s()):
+    bound = STOP_TIMEOUT_S if timeout_s is None else timeout_s
+    while any(p.poll() is None for p in procs) and time.monotonic() - t0 < min(bound, stop_timeout_s()):
         time.sleep(0.05)  # polling exit codes with a deadline that shrinks if we are orphaned
     for p in procs:
         if p.poll() is None:
