@@ -20,7 +20,7 @@ import pytest
 
 from rlvla3.launch import request_status
 from rlvla3.lifetime import LAUNCHER_ENV, launcher_env
-from rlvla3.shm import segments_of_run
+from rlvla3.shm import SHM_DIR, segments_of_run
 from tests.conftest import job_logs, wait_until
 from workers.checkpoint import latest_checkpoint
 
@@ -108,6 +108,8 @@ def assert_all_gone(procs: dict[tuple[int, int], str], run_id: str, logs: Path) 
                 os.kill(pid, signal.SIGKILL)
             except ProcessLookupError:
                 pass
+        for seg in segs:
+            (SHM_DIR / seg).unlink(missing_ok=True)
         tails = "\n".join(f"--- {f.name}\n{f.read_text()[-1500:]}" for f in sorted(logs.rglob("*.log")))
         raise AssertionError(f"{GONE_WITHIN_S:.0f} s after the kill: still running {sorted(left.values())} "
                              f"(threads: state, wchan {states}), segments {segs}\n{tails}")
