@@ -14,11 +14,13 @@ launchers start children from their main thread only (:func:`launcher_env` check
 Stop signals (:func:`on_stop_signals`) only set a flag; the process's own loop then stops and
 cleans up. A process whose launcher is gone also arms a timer: after :data:`ORPHAN_GRACE_S` it
 runs the registered exit cleanups (a simulator unlinks its shared memory) and ``os._exit`` s,
-so a worker stuck in a torch op or a gloo collective still ends in time.
+so a worker stuck in a torch op or a gloo collective still ends in time. An orphan that stopped
+cleanly skips the interpreter's teardown (an ``atexit`` hook that runs last).
 """
 
 from __future__ import annotations
 
+import atexit
 import ctypes
 import os
 import signal
@@ -73,6 +75,7 @@ def follow_launcher() -> int | None:
     if not value.isdigit():
         return None
     _launcher = int(value)
+    atexit.register(_skip_teardown_if_orphaned)  # registered first: runs after every other handler
     if not _set_parent_death_signal(signal.SIGTERM):
         threading.Thread(target=_watch_parent, args=(_launcher,), daemon=True, name="launcher-watchdog").start()
     if os.getppid() != _launcher:  # it died before the signal was armed
@@ -99,6 +102,15 @@ def _set_parent_death_signal(sig: int) -> bool:
         return libc.prctl(_PR_SET_PDEATHSIG, int(sig), 0, 0, 0) == 0
     except (OSError, AttributeError):
         return False
+
+
+def _skip_teardown_if_orphaned() -> None:
+    """An orphan that stopped cleanly leaves without the interpreter's teardown: seconds on a
+    loaded machine once torch is imported, during which the forced-exit timer cannot run."""
+    if orphaned():
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(0)
 
 
 def _watch_parent(launcher: int) -> None:
