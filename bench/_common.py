@@ -28,6 +28,8 @@ git-ignored ``bench/out/``."""
 if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
 
+from rlvla3.lifetime import launcher_env  # noqa: E402
+
 # ---------------------------------------------------------------------------------------------
 # Histograms
 # ---------------------------------------------------------------------------------------------
@@ -135,9 +137,10 @@ def wait_readable(sock: zmq.Socket, timeout_s: float, spin_s: float = 0.0) -> bo
 
 
 def start_child(args: list[str], timeout_s: float = 30.0) -> tuple[subprocess.Popen, str]:
-    """Start ``python args...``; it must print one line (its endpoint) on stdout at once."""
+    """Start ``python args...``; it must print one line (its endpoint) on stdout at once, and call
+    ``rlvla3.lifetime.follow_launcher()`` first so that it ends with this process."""
     proc = subprocess.Popen([sys.executable, *args], stdout=subprocess.PIPE, stdin=subprocess.DEVNULL,
-                            cwd=str(ROOT), env={**os.environ, "PYTHONPATH": str(ROOT)})
+                            cwd=str(ROOT), env={**os.environ, "PYTHONPATH": str(ROOT), **launcher_env()})
     deadline = time.monotonic() + timeout_s
     buf = b""
     fd = proc.stdout.fileno()
@@ -166,10 +169,6 @@ def stop_child(proc: subprocess.Popen, timeout_s: float = 5.0) -> None:
             proc.wait(5)
     if proc.stdout is not None:
         proc.stdout.close()
-
-
-def parent_gone(ppid: int) -> bool:
-    return os.getppid() != ppid
 
 
 # ---------------------------------------------------------------------------------------------

@@ -40,13 +40,14 @@ import zmq
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from _common import (  # noqa: E402
-    OUT_DIR, emit, merged, new_hist, note, parent_gone, percentile_plot, record_us, start_child, stop_child,
+    OUT_DIR, emit, merged, new_hist, note, percentile_plot, record_us, start_child, stop_child,
     summary, wait_readable,
 )
 
 from rlvla3 import protocol as P  # noqa: E402
 from rlvla3.config import load  # noqa: E402
 from rlvla3.launch import LocalJob  # noqa: E402
+from rlvla3.lifetime import follow_launcher  # noqa: E402
 from rlvla3.shm import ShmPool, host_id  # noqa: E402
 
 IMAGE = 16
@@ -59,7 +60,7 @@ STATE_DIM = 4
 
 
 def echo_server() -> None:
-    ppid = os.getppid()
+    follow_launcher()  # SIGTERM (default action: exit) when the benchmark dies
     ctx = zmq.Context()
     sock = ctx.socket(zmq.ROUTER)
     sock.setsockopt(zmq.LINGER, 0)
@@ -69,7 +70,7 @@ def echo_server() -> None:
     print(sock.getsockopt(zmq.LAST_ENDPOINT).decode(), flush=True)
     poller = zmq.Poller()
     poller.register(sock, zmq.POLLIN)
-    while not parent_gone(ppid):
+    while True:
         if not poller.poll(200):
             continue
         for _ in range(256):

@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import shutil
 import signal
 import subprocess
@@ -33,6 +34,10 @@ import numpy as np
 from _common import OUT_DIR  # (bench/, the script's folder, is first on sys.path)
 
 ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT))
+
+from rlvla3.lifetime import launcher_env  # noqa: E402
+
 MODES = ("sync", "async")
 MIN_EPISODES = 200
 """The broker's success rate is over its last 200 episodes; before that many have finished it is
@@ -48,7 +53,9 @@ def run_job(mode: str, seed: int, steps: int, run_dir: Path, overrides: list[str
             "--set", f"run.mode={mode}", "--set", f"run.seed={seed}", "--set", "run.progress_every_s=0.5"]
     for o in overrides:
         args += ["--set", o]
-    proc = subprocess.Popen(args, cwd=ROOT, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+    # The job ends with this script (rlvla3/lifetime.py), also when it is killed.
+    proc = subprocess.Popen(args, cwd=ROOT, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True,
+                            env={**os.environ, **launcher_env()})
     metrics = run_dir / "metrics.jsonl"
     deadline = time.monotonic() + timeout_s
     try:

@@ -39,9 +39,10 @@ import numpy as np
 import zmq
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from _common import OUT_DIR, emit, note, parent_gone, start_child, stop_child  # noqa: E402
+from _common import OUT_DIR, emit, note, start_child, stop_child  # noqa: E402
 
 from rlvla3 import protocol as P  # noqa: E402
+from rlvla3.lifetime import follow_launcher  # noqa: E402
 from rlvla3.shm import ShmAttachments, ShmPool, host_id  # noqa: E402
 
 
@@ -51,7 +52,7 @@ from rlvla3.shm import ShmAttachments, ShmPool, host_id  # noqa: E402
 
 
 def receiver(images: int, size: int) -> None:
-    ppid = os.getppid()
+    follow_launcher()  # SIGTERM (default action: exit) when the benchmark dies
     ctx = zmq.Context()
     sock = ctx.socket(zmq.ROUTER)
     sock.setsockopt(zmq.LINGER, 0)
@@ -61,7 +62,7 @@ def receiver(images: int, size: int) -> None:
     own = np.ones((images, size, size, 3), np.uint8)  # touched: no page faults in the timed copy
     att = ShmAttachments()
     try:
-        while not parent_gone(ppid):
+        while True:
             if not sock.poll(200):
                 continue
             frames = sock.recv_multipart(copy=False)

@@ -5,7 +5,6 @@ from __future__ import annotations
 import json
 import math
 import os
-import signal
 import sys
 import time
 from datetime import datetime
@@ -17,6 +16,7 @@ import structlog
 
 from rlvla3 import logging as rlog
 from rlvla3.config import ConfigError, load
+from rlvla3.lifetime import on_stop_signals
 
 log = structlog.get_logger()
 
@@ -71,8 +71,7 @@ def broker(config: str | None, bind: str | None, pub: str | None, overrides: tup
     cfg = _load(config, overrides)
     rlog.configure(role="broker", pid=os.getpid())
     b = Broker(cfg, bind=bind, pub=pub)
-    signal.signal(signal.SIGTERM, lambda *_: b.stop())
-    signal.signal(signal.SIGINT, lambda *_: b.stop())
+    on_stop_signals(b.stop)
     if info_file:
         tmp = Path(info_file + ".tmp")
         tmp.write_text(json.dumps({"bind": b.bound, "pub": b.pub_bound, "run_id": b.run_id, "pid": os.getpid()}))
@@ -126,8 +125,7 @@ def worker(role: str, broker_url: str, gpus: str | None, count: int, num_envs: i
                 args += ["--set", o]
             procs.append(spawn(args))
         stopping = {"flag": False}
-        signal.signal(signal.SIGTERM, lambda *_: stopping.update(flag=True))
-        signal.signal(signal.SIGINT, lambda *_: stopping.update(flag=True))
+        on_stop_signals(lambda: stopping.update(flag=True))
         while not stopping["flag"] and any(p.poll() is None for p in procs):
             time.sleep(0.2)  # supervising children; nothing to synchronise with
         stop_processes(procs)
@@ -197,7 +195,7 @@ def status(broker_url: str, as_json: bool, timeout: float) -> None:
 def run(ctx: click.Context, config: str | None, steps: int | None, overrides: tuple[str, ...], run_dir: str | None,
         bind: str, pub: str, resume: str | None) -> None:
     """Run broker and all workers on this machine from one config, with live progress."""
-    from rlvla3.launch import LocalJob
+    from rlvla3.launch import JobInterrupted, LocalJob
     from rlvla3.shm import segments_of_run
 
     if resume:
@@ -226,9 +224,7 @@ def run(ctx: click.Context, config: str | None, steps: int | None, overrides: tu
     cfg_path.write_text(cfg.to_yaml())
     log_json = ctx.parent.params.get("log_json", False) if ctx.parent else False
     job = LocalJob(cfg, folder, cfg_path, log_json=log_json, resume=str(folder) if resume else None)
-    interrupted = {"flag": False}
-    signal.signal(signal.SIGINT, lambda *_: interrupted.update(flag=True))
-    signal.signal(signal.SIGTERM, lambda *_: interrupted.update(flag=True))
+    on_stop_signals(job.request_stop)  # Ctrl-C, preemption (SIGTERM), a closed terminal (SIGHUP)
     click.echo(f"run folder {folder}  mode={cfg.run.mode}  env={cfg.env.name}  model={cfg.model.family}  steps={total}")
     metrics = open(folder / "metrics.jsonl", "a", buffering=1)
     t0 = time.monotonic()
@@ -241,7 +237,7 @@ def run(ctx: click.Context, config: str | None, steps: int | None, overrides: tu
         job.start_all()
         next_print = time.monotonic()
         while True:
-            if interrupted["flag"]:
+            if job.stop_requested:
                 reason = "interrupted"
                 break
             dead = [p for p in [job.broker_proc, *job.workers] if p.poll() is not None]
@@ -262,6 +258,8 @@ def run(ctx: click.Context, config: str | None, steps: int | None, overrides: tu
                 if fig["env_steps"] >= total:
                     break
             time.sleep(0.1)  # the controller only polls STATUS; nothing waits on this
+    except JobInterrupted:
+        reason = "interrupted"
     finally:
         job.stop()
         metrics.close()

@@ -14,13 +14,14 @@ import subprocess
 import sys
 import time
 from pathlib import Path
-from typing import Any
+from typing import Any, Callable
 
 import structlog
 import zmq
 
 from rlvla3 import protocol as P
 from rlvla3.config import JobConfig
+from rlvla3.lifetime import STOP_TIMEOUT_S, launcher_env, stop_timeout_s
 
 log = structlog.get_logger()
 
@@ -49,34 +50,41 @@ def parse_gpus(spec: str | None) -> list[int]:
 
 
 def python_cmd(*args: str) -> list[str]:
+    """``python -m rlvla3 ...``: ``rlvla3/__main__.py`` follows the launcher before anything else."""
     return [sys.executable, "-m", "rlvla3", *args]
 
 
 def spawn(args: list[str], log_path: Path | None = None, env: dict[str, str] | None = None) -> subprocess.Popen:
-    """Start one rlvla3 process; its stderr (the structlog stream) goes to ``log_path``."""
+    """Start one rlvla3 process that ends with this one (``rlvla3/lifetime.py``); its stderr (the
+    structlog stream) goes to ``log_path``. Main thread only. The child gets its own session, so
+    a terminal's Ctrl-C or hang-up reaches only this launcher, which then stops its children in
+    order (:func:`stop_processes`)."""
     out = open(log_path, "ab") if log_path else None
     proc = subprocess.Popen(
         python_cmd(*args), stdout=out or subprocess.DEVNULL, stderr=subprocess.STDOUT if out else None,
-        env={**os.environ, **(env or {})}, start_new_session=True,
+        env={**os.environ, **(env or {}), **launcher_env()}, start_new_session=True,
     )
     if out:
         out.close()
     return proc
 
 
-def stop_processes(procs: list[subprocess.Popen], timeout_s: float = 10.0) -> None:
-    """SIGTERM every process, wait, then SIGKILL what is left."""
+def stop_processes(procs: list[subprocess.Popen], timeout_s: float | None = None) -> None:
+    """SIGTERM every process and wait for them (``timeout_s``, by default
+    ``lifetime.STOP_TIMEOUT_S``: long enough for a trainer to finish its update and checkpoint;
+    much shorter once our own launcher is gone), then SIGKILL what is left."""
     for p in procs:
         if p.poll() is None:
             try:
                 p.send_signal(signal.SIGTERM)
             except ProcessLookupError:
                 pass
-    deadline = time.monotonic() + timeout_s
+    t0 = time.monotonic()
+    bound = STOP_TIMEOUT_S if timeout_s is None else timeout_s
+    while any(p.poll() is None for p in procs) and time.monotonic() - t0 < min(bound, stop_timeout_s()):
+        time.sleep(0.05)  # polling exit codes with a deadline that shrinks if we are orphaned
     for p in procs:
-        try:
-            p.wait(max(0.1, deadline - time.monotonic()))
-        except subprocess.TimeoutExpired:
+        if p.poll() is None:
             p.kill()
             p.wait(5)
 
@@ -103,9 +111,16 @@ def request_status(broker: str, timeout_s: float = 5.0, ctx: zmq.Context | None 
             ctx.term()
 
 
-def wait_for_file(path: Path, timeout_s: float, procs: list[subprocess.Popen]) -> dict[str, Any]:
+class JobInterrupted(RuntimeError):
+    """A stop was requested (a signal) while the job was still starting."""
+
+
+def wait_for_file(path: Path, timeout_s: float, procs: list[subprocess.Popen],
+                  cancelled: Callable[[], bool] = lambda: False) -> dict[str, Any]:
     deadline = time.monotonic() + timeout_s
     while time.monotonic() < deadline:
+        if cancelled():
+            raise JobInterrupted(f"stopped while waiting for {path.name}")
         if path.is_file():
             try:
                 return json.loads(path.read_text())
@@ -131,6 +146,11 @@ class LocalJob:
         self.broker_proc: subprocess.Popen | None = None
         self.workers: list[subprocess.Popen] = []
         self.endpoint = ""
+        self.stop_requested = False
+        """Set from a signal handler (``request_stop``); start-up waits give up when it is set."""
+
+    def request_stop(self) -> None:
+        self.stop_requested = True
 
     def _log_flags(self) -> list[str]:
         return ["--log-json"] if self.log_json else []
@@ -145,7 +165,7 @@ class LocalJob:
         if pub:
             args += ["--pub", pub]
         self.broker_proc = spawn(args, self.run_dir / "broker.log")
-        data = wait_for_file(info, 30.0, [self.broker_proc])
+        data = wait_for_file(info, 30.0, [self.broker_proc], lambda: self.stop_requested)
         self.endpoint = data["bind"]
         return self.endpoint
 
@@ -176,6 +196,8 @@ class LocalJob:
         """Poll STATUS until ``pred(figures)`` holds (deadline; a dead process fails at once)."""
         deadline = time.monotonic() + timeout_s
         while time.monotonic() < deadline:
+            if self.stop_requested:
+                raise JobInterrupted(f"stopped while waiting for {what}")
             dead = [p for p in [self.broker_proc, *self.workers] if p is not None and p.poll() is not None]
             if dead:
                 raise RuntimeError(f"a process exited with code {dead[0].returncode} while waiting for {what}; logs in {self.run_dir}")
@@ -189,6 +211,7 @@ class LocalJob:
         raise TimeoutError(f"{what} did not happen within {timeout_s:.0f} s")
 
     def stop(self) -> None:
+        """Workers first (SIGTERM, bounded wait: the trainer checkpoints), the broker last."""
         stop_processes(self.workers)
         if self.broker_proc is not None:
             stop_processes([self.broker_proc])

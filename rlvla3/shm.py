@@ -20,6 +20,7 @@ import os
 import re
 import socket
 import threading
+import weakref
 from bisect import insort
 from multiprocessing import resource_tracker, shared_memory
 from pathlib import Path
@@ -28,6 +29,7 @@ from typing import Any
 import numpy as np
 import structlog
 
+from rlvla3.lifetime import add_exit_cleanup
 from rlvla3.protocol import SHM_PREFIX, InlineTensor, ShmRef, _itemsize, _np_dtype, as_numpy, dtype_name, inline_array
 
 log = structlog.get_logger()
@@ -134,6 +136,7 @@ class ShmPool:
         self._used: dict[int, int] = {}
         self.lock = threading.Lock()
         self._closed = False
+        _OWNED.add(self)
 
     # -- allocation --------------------------------------------------------------------------
 
@@ -214,10 +217,29 @@ class ShmPool:
             self.shm.close()
         except BufferError:
             pass  # a view is still alive; unlinking below still frees the name
+        self.unlink()
+
+    def unlink(self) -> None:
+        """Remove the segment's name (the memory goes when the last mapping does). Safe while
+        other threads still write through their views, unlike ``close``."""
+        _OWNED.discard(self)
         try:
             self.shm.unlink()
         except FileNotFoundError:
             pass
+
+
+_OWNED: "weakref.WeakSet[ShmPool]" = weakref.WeakSet()
+
+
+def unlink_owned() -> None:
+    """Unlink every segment this process still owns: run before a forced exit, which cannot
+    wait for the threads that use the pools."""
+    for pool in list(_OWNED):
+        pool.unlink()
+
+
+add_exit_cleanup(unlink_owned)
 
 
 class ShmAttachments:

@@ -19,6 +19,8 @@ from typing import Any, Callable
 
 import pytest
 
+from rlvla3.lifetime import launcher_env
+
 ROOT = Path(__file__).resolve().parents[1]
 
 
@@ -135,7 +137,7 @@ def test_readme_bench_command_runs(argv: list[str], tmp_path: Path) -> None:
     script = ROOT / argv[1]
     proc = subprocess.run(
         [sys.executable, str(script), *argv[2:], "--smoke"], cwd=tmp_path, capture_output=True, text=True,
-        timeout=540, env={**os.environ, "MUJOCO_GL": os.environ.get("MUJOCO_GL", "egl")},
+        timeout=540, env={**os.environ, **launcher_env(), "MUJOCO_GL": os.environ.get("MUJOCO_GL", "egl")},
     )
     cmd = f"{shlex.join(argv)} --smoke"
     assert proc.returncode == 0, f"{cmd} exited {proc.returncode}\n{proc.stderr[-3000:]}"

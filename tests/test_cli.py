@@ -5,7 +5,7 @@
 from __future__ import annotations
 
 import json
-import re
+import os
 import subprocess
 import sys
 from pathlib import Path
@@ -14,10 +14,13 @@ import pytest
 
 from rlvla3.config import RENAMED, ConfigError, load
 from rlvla3.launch import parse_gpus
+from rlvla3.lifetime import launcher_env
 
 
 def rlvla3(*args: str, timeout: float = 240) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-m", "rlvla3", *args], capture_output=True, text=True, timeout=timeout)
+    """The real entry point, ending with this test process (``rlvla3/lifetime.py``)."""
+    return subprocess.run([sys.executable, "-m", "rlvla3", *args], capture_output=True, text=True, timeout=timeout,
+                          env={**os.environ, **launcher_env()})
 
 
 def test_parse_gpus():
@@ -89,14 +92,14 @@ def test_status_json_and_worker_count(job_factory):
 
 @pytest.mark.slow
 def test_ctrl_c_stops_every_process(tmp_path: Path):
-    import os
     import signal
     import time
 
     run_dir = tmp_path / "run"
     proc = subprocess.Popen([sys.executable, "-m", "rlvla3", "run", "synthetic.yaml", "--steps", "10000000",
                              "--run-dir", str(run_dir), "--set", "run.progress_every_s=0.5",
-                             "--set", "workers.simulators=1"], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+                             "--set", "workers.simulators=1"], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                            env={**os.environ, **launcher_env()})
     try:
         deadline = time.monotonic() + 120
         while time.monotonic() < deadline:  # poll the metrics file for progress

@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import os
 import queue
-import signal
 import sys
 import threading
 import time
@@ -23,6 +22,7 @@ import zmq
 
 from rlvla3 import protocol as P
 from rlvla3.config import ConfigError, JobConfig, apply_overrides, from_dict
+from rlvla3.lifetime import on_stop_signals
 from rlvla3.shm import ShmAttachments, host_id
 
 log = structlog.get_logger()
@@ -329,11 +329,8 @@ class WorkerBase:
         self.on_message(msg)
 
     def _install_signals(self) -> None:
+        """SIGTERM/SIGINT/SIGHUP stop the loop (a flag); a launched worker whose launcher died is
+        forced out after a short grace if teardown hangs (``rlvla3/lifetime.py``)."""
         if threading.current_thread() is not threading.main_thread():
             return
-
-        def _term(signum: int, frame: Any) -> None:
-            self._stop = True
-
-        signal.signal(signal.SIGTERM, _term)
-        signal.signal(signal.SIGINT, _term)
+        on_stop_signals(self.stop)

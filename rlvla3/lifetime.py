@@ -1,0 +1,173 @@
+"""Process lifetime: a launched process ends with its launcher, and every process stops on a flag.
+
+A launcher (``rlvla3 run``, ``rlvla3 worker --count``, a bench script, a test) puts its pid in
+``RLVLA3_LAUNCHER_PID`` when it starts a child (:func:`launcher_env`). The child calls
+:func:`follow_launcher` first thing: Linux's ``PR_SET_PDEATHSIG`` delivers SIGTERM to it when
+the launcher dies by any signal, SIGKILL included; a ``getppid()`` check right after closes the
+race with a launcher that died first. Where prctl is missing, a watchdog thread polls
+``getppid()`` and sends the same SIGTERM. A process started by hand has no launcher and keeps
+today's behaviour (a worker reconnects to its broker for ever).
+
+The kernel sends the parent-death signal when the *thread* that forked the child exits, so
+launchers start children from their main thread only (:func:`launcher_env` checks).
+
+Stop signals (:func:`on_stop_signals`) only set a flag; the process's own loop then stops and
+cleans up. A process whose launcher is gone also arms a timer: after :data:`ORPHAN_GRACE_S` it
+runs the registered exit cleanups (a simulator unlinks its shared memory) and ``os._exit`` s,
+so a worker stuck in a torch op or a gloo collective still ends in time. An orphan that stopped
+cleanly skips the interpreter's teardown (an ``atexit`` hook that runs last).
+"""
+
+from __future__ import annotations
+
+import atexit
+import ctypes
+import os
+import signal
+import sys
+import threading
+import time
+from typing import Callable
+
+LAUNCHER_ENV = "RLVLA3_LAUNCHER_PID"
+"""Set by a launcher in its children's environment: the pid they follow."""
+STOP_TIMEOUT_S = 30.0
+"""How long a launcher waits for its children after forwarding SIGTERM (a trainer finishes its
+update and writes a checkpoint) before it kills them: Slurm's and Kubernetes' default grace."""
+ORPHAN_GRACE_S = 2.0
+"""How long a process whose launcher died may take to stop cleanly before it is forced out."""
+WATCHDOG_INTERVAL_S = 0.25
+"""How often the fallback watchdog (no prctl) checks the parent pid."""
+
+_PR_SET_PDEATHSIG = 1
+_launcher: int | None = None
+_cleanups: list[Callable[[], None]] = []
+_forced: threading.Timer | None = None
+_lock = threading.Lock()
+
+
+# ---------------------------------------------------------------------------------------------
+# Launcher side
+# ---------------------------------------------------------------------------------------------
+
+
+def launcher_env() -> dict[str, str]:
+    """Environment entries that make a child started now follow this process.
+
+    Raises RuntimeError off the main thread: the kernel would signal the child as soon as the
+    starting thread exits, not when this process does."""
+    if threading.current_thread() is not threading.main_thread():
+        raise RuntimeError("start launched processes from the main thread: PR_SET_PDEATHSIG fires when "
+                           "the thread that started the child exits")
+    return {LAUNCHER_ENV: str(os.getpid())}
+
+
+# ---------------------------------------------------------------------------------------------
+# Child side
+# ---------------------------------------------------------------------------------------------
+
+
+def follow_launcher() -> int | None:
+    """If a launcher started this process, end with it (SIGTERM when it dies). Call it before
+    anything else. Returns the launcher's pid, or None for a process started by hand."""
+    global _launcher
+    value = os.environ.pop(LAUNCHER_ENV, "")  # our own children get their own launcher
+    if not value.isdigit():
+        return None
+    _launcher = int(value)
+    atexit.register(_skip_teardown_if_orphaned)  # registered first: runs after every other handler
+    if not _set_parent_death_signal(signal.SIGTERM):
+        threading.Thread(target=_watch_parent, args=(_launcher,), daemon=True, name="launcher-watchdog").start()
+    if os.getppid() != _launcher:  # it died before the signal was armed
+        os.kill(os.getpid(), signal.SIGTERM)
+    return _launcher
+
+
+def orphaned() -> bool:
+    """True when this process was launched and its launcher is gone."""
+    return _launcher is not None and os.getppid() != _launcher
+
+
+def stop_timeout_s() -> float:
+    """How long this process may wait for its own children to stop: short once orphaned (it has
+    :data:`ORPHAN_GRACE_S` itself), :data:`STOP_TIMEOUT_S` otherwise."""
+    return ORPHAN_GRACE_S * 0.75 if orphaned() else STOP_TIMEOUT_S
+
+
+def _set_parent_death_signal(sig: int) -> bool:
+    if not sys.platform.startswith("linux"):
+        return False
+    try:
+        libc = ctypes.CDLL(None, use_errno=True)
+        return libc.prctl(_PR_SET_PDEATHSIG, int(sig), 0, 0, 0) == 0
+    except (OSError, AttributeError):
+        return False
+
+
+def _skip_teardown_if_orphaned() -> None:
+    """An orphan that stopped cleanly leaves without the interpreter's teardown: seconds on a
+    loaded machine once torch is imported, during which the forced-exit timer cannot run."""
+    if orphaned():
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(0)
+
+
+def _watch_parent(launcher: int) -> None:
+    while os.getppid() == launcher:
+        time.sleep(WATCHDOG_INTERVAL_S)  # polling a pid; only where prctl is missing
+    os.kill(os.getpid(), signal.SIGTERM)
+
+
+# ---------------------------------------------------------------------------------------------
+# Stopping
+# ---------------------------------------------------------------------------------------------
+
+
+def on_stop_signals(stop: Callable[[], None]) -> None:
+    """SIGTERM, SIGINT and SIGHUP (a closed terminal) call ``stop`` (which only sets a flag) and,
+    once the launcher is gone, arm the forced exit. A SIGHUP ignored at start (``nohup``) stays
+    ignored. Main thread only (Python's rule for signal handlers)."""
+
+    def handler(signum: int, frame: object) -> None:
+        stop()
+        if orphaned():
+            force_exit_after(ORPHAN_GRACE_S)
+
+    signal.signal(signal.SIGTERM, handler)
+    signal.signal(signal.SIGINT, handler)
+    if signal.getsignal(signal.SIGHUP) is not signal.SIG_IGN:
+        signal.signal(signal.SIGHUP, handler)
+
+
+def add_exit_cleanup(fn: Callable[[], None]) -> None:
+    """Run ``fn`` before a forced exit (it must be quick and safe from any thread)."""
+    if fn not in _cleanups:
+        _cleanups.append(fn)
+
+
+def force_exit_after(seconds: float) -> None:
+    """Arm (once) a timer that runs the exit cleanups and ends the process with ``os._exit``."""
+    global _forced
+    with _lock:
+        if _forced is not None:
+            return
+        _forced = threading.Timer(seconds, _force_exit)
+        _forced.daemon = True
+        _forced.name = "forced-exit"
+        _forced.start()
+
+
+def _force_exit() -> None:
+    for fn in _cleanups:
+        try:
+            fn()
+        except Exception:  # noqa: BLE001 - leaving anyway; the next cleanup may still work
+            pass
+    try:
+        import structlog
+
+        structlog.get_logger().warning("forced_exit", reason="launcher_gone", grace_s=ORPHAN_GRACE_S)
+        sys.stderr.flush()
+    finally:
+        os._exit(1)
