@@ -210,12 +210,14 @@ def save_local(
     tokenizer: Any,
     rules: Sequence[tuple[str, str]] = (),
     extra_config: dict[str, Any] | None = None,
+    skip: Sequence[str] = (),
 ) -> None:
-    """Write ``config.json``, ``model.safetensors`` (names as the release spells them) and the tokenizer."""
+    """Write ``config.json``, ``model.safetensors`` (names as the release spells them, ``skip``
+    prefixes left out) and the tokenizer."""
     from safetensors.torch import save_file
 
     os.makedirs(local_dir, exist_ok=True)
-    sd = {k: v.detach().cpu().contiguous().clone() for k, v in module.state_dict().items()}
+    sd = {k: v.detach().cpu().contiguous().clone() for k, v in module.state_dict().items() if not k.startswith(tuple(skip))}
     names = rename_keys(sd, invert_rules(rules)) if rules else {k: k for k in sd}
     save_file({names[k]: v for k, v in sd.items()}, os.path.join(local_dir, WEIGHTS_FILE))
     with open(os.path.join(local_dir, CONFIG_FILE), "w") as f:
@@ -307,12 +309,10 @@ class ReleaseCheckpointMixin:
         return None
 
     def save_pretrained(self, local_dir: str) -> None:
-        save_local(self, local_dir, self.family, self.opts, self.tokenizer, self.RELEASE_RULES,  # type: ignore[attr-defined,arg-type]
-                   self._release_config())
+        """The family's release folder (``workers.release.vla_release``)."""
+        from workers.release import vla_release
 
-    @classmethod
-    def _read_release(cls, local_dir: str) -> LocalCheckpoint:
-        return read_local(local_dir, cls.family)  # type: ignore[attr-defined]
+        vla_release.save(self, local_dir)
 
     @classmethod
     def _build_loaded(cls, ck: LocalCheckpoint, opts: Any, spec: EnvSpec, overrides: dict[str, Any]) -> Any:
@@ -321,11 +321,9 @@ class ReleaseCheckpointMixin:
 
     @classmethod
     def from_pretrained(cls, local_dir: str, spec: EnvSpec, **overrides: Any) -> Any:
-        ck = cls._read_release(local_dir)
-        opts = options_from_config(ck.config, cls.OPTIONS, cls.family, overrides)  # type: ignore[attr-defined]
-        policy = cls._build_loaded(ck, opts, spec, overrides)
-        load_mapped(policy, ck.state_dict, cls.RELEASE_RULES, cls.FRESH, cls.family)  # type: ignore[attr-defined]
-        return policy
+        from workers.release.layouts import load_release
+
+        return load_release(local_dir, cls.family, spec, overrides)  # type: ignore[attr-defined]
 
 
 def freeze(params: Iterable[nn.Parameter]) -> None:
