@@ -167,8 +167,9 @@ class Pi0Policy(FlowPolicy):
 
     # -- observation -> prefix ------------------------------------------------------------------
 
-    def _context(self, obs: Obs) -> dict[str, Any]:
-        """Run the VLM over images + instruction once; the cache serves every denoising step."""
+    def model_inputs(self, obs: Obs) -> dict[str, torch.Tensor]:
+        """The upstream model's inputs for ``obs`` (already normalised): what
+        ``PI0ForConditionalGeneration.sample_actions`` takes, so exports can be checked against it."""
         dev, dt = self.device, self.pi0.dtype
         pixels = preprocess_images(obs["images"], self.cameras, self.image_size, IMAGE_MEAN, IMAGE_STD, dev, dt)
         b, ncam = pixels.shape[:2]
@@ -176,8 +177,15 @@ class Pi0Policy(FlowPolicy):
         n_img = ncam * self.tokens_per_image
         ids = torch.cat([torch.full((b, n_img), self.image_token_id), ids], 1).to(dev)
         mask = torch.cat([torch.ones(b, n_img, dtype=torch.long), mask], 1).to(dev)
-        cam_mask = torch.ones(b, ncam, dtype=torch.bool, device=dev)
-        embeds = self.pi0.model.embed_prefix(ids, pixels, cam_mask)
+        return {"input_ids": ids, "pixel_values": pixels, "attention_mask": mask,
+                "pixel_attention_mask": torch.ones(b, ncam, dtype=torch.bool, device=dev),
+                "state": state_tensor(obs, self.state_dim, dev).to(dt)}
+
+    def _context(self, obs: Obs) -> dict[str, Any]:
+        """Run the VLM over images + instruction once; the cache serves every denoising step."""
+        inp = self.model_inputs(obs)
+        mask = inp["attention_mask"]
+        embeds = self.pi0.model.embed_prefix(inp["input_ids"], inp["pixel_values"], inp["pixel_attention_mask"])
         out = self.pi0.model.vlm(
             inputs_embeds=embeds,
             attention_mask=mask,
@@ -185,8 +193,7 @@ class Pi0Policy(FlowPolicy):
             token_type_ids=torch.zeros_like(mask),
             use_cache=True,
         )
-        state = state_tensor(obs, self.state_dim, dev).to(dt)
-        ctx = {"cache": out.cache, "mask": mask, "state": state, "prefix_len": out.cache.get_seq_length()}
+        ctx = {"cache": out.cache, "mask": mask, "state": inp["state"], "prefix_len": out.cache.get_seq_length()}
         ctx["value"] = self._value(ctx)
         return ctx
 
