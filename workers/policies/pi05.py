@@ -42,7 +42,9 @@ from workers.policies.vla_common import (
     state_tensor,
 )
 
-SIZES = PI0_SIZES  # same backbone and expert dimensions as pi0
+# pi0's backbone and expert dimensions; "tiny" is pi0's tiny_release, whose head layout LeRobot's
+# pi0.5 config (the family's export format) can describe.
+SIZES = {**PI0_SIZES, "tiny": PI0_SIZES["tiny_release"]}
 
 
 

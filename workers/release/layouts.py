@@ -30,8 +30,12 @@ def load_release(local_dir: str, family: str, spec: Any, overrides: dict[str, An
     """The family's policy from a released (or exported) checkpoint folder."""
     import os
 
-    if not os.path.isfile(os.path.join(local_dir, "config.json")):
-        raise FileNotFoundError(f"{family}: checkpoint dir {local_dir!r} is missing: config.json")
+    has = lambda name: os.path.isfile(os.path.join(local_dir, name))  # noqa: E731
+    missing = [n for n in ("config.json", "tokenizer.json") if not has(n)]
+    if not has("model.safetensors") and not (os.path.isdir(local_dir) and any(n.endswith(".safetensors.index.json") for n in os.listdir(local_dir))):
+        missing.append("model.safetensors (or an index with its shards)")
+    if "config.json" in missing or len(missing) > 1:
+        raise FileNotFoundError(f"{family}: checkpoint dir {local_dir!r} is missing: {', '.join(missing)}")
     layout = detect(local_dir, family)
     if layout == "lerobot":
         from workers.release import lerobot_pi

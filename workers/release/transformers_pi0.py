@@ -40,8 +40,8 @@ def load(local_dir: str, spec: Any, overrides: dict[str, Any]) -> Any:
     opts = options_for(Pi0Options, release, saved_opts, overrides)
     upstream, info = PI0ForConditionalGeneration.from_pretrained(local_dir, output_loading_info=True)
     if info.get("missing_keys") or info.get("mismatched_keys"):
-        raise ValueError(f"pi0: {local_dir} lacks weights: missing {sorted(info['missing_keys'])[:20]}, "
-                         f"mismatched {list(info.get('mismatched_keys', []))[:20]}")
+        raise ValueError(f"pi0: checkpoint does not match the model: missing parameters ({len(info['missing_keys'])}): "
+                         f"{sorted(info['missing_keys'])[:20]}; mismatched: {list(info.get('mismatched_keys', []))[:20]}")
     policy = Pi0Policy(opts, spec, pi0_config=pcfg, tokenizer=load_tokenizer(local_dir, "pi0", TOKENIZER_NAME))
     sd = {f"pi0.{k}": v.to(policy.device) for k, v in upstream.state_dict().items()}
     sd.update(heads)
