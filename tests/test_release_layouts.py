@@ -224,3 +224,67 @@ def test_released_pi05_names_and_shapes_map_one_to_one_but_the_expert_table():
     left = {k for k in ours if not k.startswith(("value_head.", "sampler.", "norm."))} - set(names.values())
     assert left == {"expert.embed_tokens.weight"}
     assert [k for k in rel if rel[k].shape != ours[names[k]].shape] == []
+
+
+class NotATensor:
+    """Anything a pickle could carry besides tensors."""
+
+
+def test_openvla_oft_folder_reads_pt_heads_weights_only_and_its_statistics(tmp_path):
+    """OFT's folder: proprio projector as fc1/fc2 in a .pt (DDP prefix), action head .pt listed,
+    dataset_statistics.json (q01/q99, masked gripper) applied; a .pt holding objects is refused."""
+    from workers.policies.openvla_oft import OpenVLAOFTPolicy
+
+    policy = build("openvla_oft", "openvla_oft_tiny.yaml", {})
+    d = tmp_path / "oft"
+    policy.save_pretrained(str(d))
+    os.remove(d / "proprio_projector--0_checkpoint.pt")
+    sd = policy.state_dict()
+    torch.save({"module.fc1.weight": sd["proprio_proj.0.weight"] * 2, "module.fc1.bias": sd["proprio_proj.0.bias"],
+                "module.fc2.weight": sd["proprio_proj.2.weight"], "module.fc2.bias": sd["proprio_proj.2.bias"]},
+               d / "proprio_projector--150000_checkpoint.pt")
+    torch.save({"model.fc1.weight": torch.zeros(2, 2)}, d / "action_head--150000_checkpoint.pt")
+    q01, q99 = -np.linspace(0.5, 1.0, SPEC.action_dim), np.linspace(0.5, 1.5, SPEC.action_dim)
+    mask = [True] * (SPEC.action_dim - 1) + [False]
+    stats = {"libero_spatial_no_noops": {
+        "action": {"q01": q01.tolist(), "q99": q99.tolist(), "mask": mask, "mean": [0.0] * SPEC.action_dim},
+        "proprio": {"q01": [-2.0] * SPEC.state_dim, "q99": [2.0] * SPEC.state_dim}, "num_transitions": 10}}
+    (d / "dataset_statistics.json").write_text(json.dumps(stats))
+    loaded = OpenVLAOFTPolicy.from_pretrained(str(d), SPEC, device="cpu", dtype="float32")
+    assert torch.equal(loaded.state_dict()["proprio_proj.0.weight"], sd["proprio_proj.0.weight"] * 2)
+    (s_shift, s_scale), (a_shift, a_scale) = loaded.norm.affines()
+    assert torch.allclose(s_scale, torch.full((SPEC.state_dim,), 2.0)) and torch.allclose(s_shift, torch.zeros(SPEC.state_dim))
+    want_scale = torch.tensor((q99 - q01) / 2, dtype=torch.float32)
+    assert torch.allclose(a_scale[:-1], want_scale[:-1]) and a_scale[-1] == 1 and a_shift[-1] == 0  # masked: passes through
+
+    torch.save({"fc1.weight": torch.zeros(1), "payload": NotATensor()}, d / "proprio_projector--150000_checkpoint.pt")
+    with pytest.raises(Exception, match="(?i)weights_only|unpickl|not an allowed|global"):
+        OpenVLAOFTPolicy.from_pretrained(str(d), SPEC, device="cpu")
+
+
+def test_gr00t_folder_reads_sharded_weights_and_metadata_statistics(tmp_path):
+    from safetensors.torch import load_file, save_file
+
+    from workers.policies.gr00t import Gr00tPolicy
+
+    policy = build("gr00t_n15", "gr00t_n15_tiny.yaml", {})
+    d = tmp_path / "gr00t"
+    policy.save_pretrained(str(d))
+    sd = load_file(d / "model.safetensors")
+    os.remove(d / "model.safetensors")
+    keys = sorted(sd)
+    shards = {"model-00001-of-00002.safetensors": keys[: len(keys) // 2], "model-00002-of-00002.safetensors": keys[len(keys) // 2:]}
+    for name, ks in shards.items():
+        save_file({k: sd[k] for k in ks}, d / name)
+    (d / "model.safetensors.index.json").write_text(json.dumps({"weight_map": {k: n for n, ks in shards.items() for k in ks}}))
+    lo = lambda n, v: {"min": [-v] * n, "max": [v] * n, "mean": [0.0] * n, "std": [1.0] * n, "q01": [-v] * n, "q99": [v] * n}  # noqa: E731
+    meta = {"new_embodiment": {"statistics": {
+        "state": {"joints": lo(SPEC.state_dim - 1, 2.0), "gripper": lo(1, 4.0)},
+        "action": {"arm": lo(SPEC.action_dim - 1, 0.5), "gripper": lo(1, 1.0)}}, "embodiment_tag": "new_embodiment"}}
+    (d / "experiment_cfg" / "metadata.json").write_text(json.dumps(meta))
+    loaded = Gr00tPolicy.from_pretrained(str(d), SPEC, device="cpu", dtype="float32")
+    obs = make_obs(2, seed=9)
+    (s_shift, s_scale), (a_shift, a_scale) = loaded.norm.affines()
+    assert s_scale.tolist() == [2.0] * (SPEC.state_dim - 1) + [4.0] and a_scale.tolist() == [0.5] * (SPEC.action_dim - 1) + [1.0]
+    loaded.norm.set(state=(torch.zeros(SPEC.state_dim), torch.ones(SPEC.state_dim)), action=(torch.zeros(SPEC.action_dim), torch.ones(SPEC.action_dim)))
+    assert torch.equal(act(loaded, obs, True).actions, act(policy, obs, True).actions)  # same weights through the shards

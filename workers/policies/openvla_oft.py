@@ -66,6 +66,9 @@ RELEASE_RULES = [
     ("language_model.", "llm."),
     ("vision_backbone.fused_featurizer.", "siglip."),
     ("vision_backbone.featurizer.", "dinov2."),
+    ("projector.fc1.", "projector.0."),
+    ("projector.fc2.", "projector.2."),
+    ("projector.fc3.", "projector.4."),
 ]  # the proprio projector ships in its own .pt file (workers.release.vla_release)
 FRESH = ("value_head.", "action_queries")
 
@@ -114,7 +117,8 @@ class OpenVLAOFTPolicy(ReleaseCheckpointMixin, Policy):
             if opts.use_dinov2:
                 self.dinov2 = Dinov2Model(Dinov2Config(image_size=a["image_size"], patch_size=a["patch_size"], **a["dinov2"]))
                 vis_dim += a["dinov2"]["hidden_size"]
-            self.projector = nn.Sequential(nn.Linear(vis_dim, hidden), nn.GELU(), nn.Linear(hidden, hidden),
+            # OpenVLA's fused-backbone PrismaticProjector: vision -> 4 x vision -> LLM -> LLM.
+            self.projector = nn.Sequential(nn.Linear(vis_dim, 4 * vis_dim), nn.GELU(), nn.Linear(4 * vis_dim, hidden),
                                            nn.GELU(), nn.Linear(hidden, hidden))
             self.llm = LlamaForCausalLM(LlamaConfig(tie_word_embeddings=False, **a["llm"]))
             self.proprio_proj = nn.Sequential(nn.Linear(spec.state_dim, hidden), nn.GELU(), nn.Linear(hidden, hidden))
@@ -139,7 +143,7 @@ class OpenVLAOFTPolicy(ReleaseCheckpointMixin, Policy):
         if self.dinov2 is not None:
             dino = preprocess_images(obs["images"], self.cameras, self.image_size, DINO_MEAN, DINO_STD, dev, dt)
             d = self.dinov2(pixel_values=dino.flatten(0, 1)).last_hidden_state[:, 1:]  # drop CLS
-            feats = torch.cat([feats, d], dim=-1)
+            feats = torch.cat([d, feats], dim=-1)  # DINOv2 first, as OpenVLA's fused backbone
         return self.projector(feats).reshape(b, ncam * feats.shape[1], -1)
 
     def _forward(self, obs: Obs) -> tuple[torch.Tensor, torch.Tensor]:
