@@ -248,8 +248,6 @@ def write_processors(policy: Any, out_dir: str, new_line_step: str | None, max_l
 
 def load(local_dir: str, family: str, spec: Any, overrides: dict[str, Any]) -> Any:
     """A LeRobot pi0 / pi0.5 folder -> our policy (weights, normalisation, RL heads if exported)."""
-    from workers.policies.base import Policy  # noqa: F401  (registry import order)
-
     with open(os.path.join(local_dir, "config.json")) as f:
         config = json.load(f)
     if config.get("type") != family:

@@ -115,16 +115,20 @@ def _write_stats(policy: Any, out_dir: str) -> None:
 # ---------------------------------------------------------------------------------------------
 
 
+MODEL_TYPES = {"gr00t_n15": "gr00t_n1_5", "openvla_oft": "openvla"}
+"""``config.json``'s ``model_type`` in each release; rlvla3's options ride along under ``options``."""
+
+
 def load(local_dir: str, family: str, spec: Any, overrides: dict[str, Any]) -> Any:
+    """A GR00T N1.5 / OpenVLA-OFT folder -> the family's policy (weights, statistics)."""
     from workers.model import policy_class
-    from workers.policies.vla_common import load_mapped, options_from_config, read_local
+    from workers.release.common import load_tokenizer, options_for, read_safetensors, rename, strict_load
 
     cls = policy_class(family)
-    ck = read_local(local_dir, family)
-    sd = dict(ck.state_dict)
+    with open(os.path.join(local_dir, "config.json")) as f:
+        config = json.load(f)
+    sd = read_safetensors(local_dir, family)
     if family == "openvla_oft":
-        from workers.release.common import rename
-
         proprio = _component(local_dir, "proprio_projector")
         if proprio:
             part = read_pt(proprio)
@@ -133,9 +137,10 @@ def load(local_dir: str, family: str, spec: Any, overrides: dict[str, Any]) -> A
         head = _component(local_dir, "action_head")
         if head:
             log.warning("release_keys_unmapped", family=family, file=os.path.basename(head), keys=sorted(read_pt(head)))
-    opts = options_from_config(ck.config, cls.OPTIONS, family, overrides)
-    policy = cls._build_loaded(ck, opts, spec, overrides)
-    load_mapped(policy, sd, cls.RELEASE_RULES, tuple(cls.FRESH) + ("norm.",), family)
+    opts = options_for(cls.OPTIONS, config.get("options", {}), overrides)
+    policy = cls(opts, spec, tokenizer=load_tokenizer(local_dir, family))
+    names = rename(sd, cls.RELEASE_RULES)
+    strict_load(policy, {names[k]: v.to(policy.device) for k, v in sd.items()}, family, tuple(cls.FRESH) + ("norm.",))
     state, action = (_gr00t_stats if family == "gr00t_n15" else _oft_stats)(local_dir)
     policy.norm.set(state=state, action=action)
     return policy
@@ -143,17 +148,22 @@ def load(local_dir: str, family: str, spec: Any, overrides: dict[str, Any]) -> A
 
 def save(policy: Any, out_dir: str) -> None:
     """The release folder: weights under release names, statistics, tokenizer, rlvla3 options."""
-    from workers.policies.vla_common import save_local
-    from workers.release.common import inverted, rename
+    import dataclasses
 
-    skip: tuple[str, ...] = ("norm.",)
-    if policy.family == "openvla_oft":
-        skip += ("proprio_proj.",)
-    save_local(policy, out_dir, policy.family, policy.opts, policy.tokenizer, policy.RELEASE_RULES,
-               policy._release_config(), skip=skip)
-    if policy.family == "openvla_oft":
-        part = {k[len("proprio_proj."):]: v for k, v in policy.state_dict().items() if k.startswith("proprio_proj.")}
-        names = rename(["proprio_proj." + k for k in part], inverted(OFT_PROPRIO_RULES))
-        torch.save({names["proprio_proj." + k]: v.detach().cpu().clone() for k, v in part.items()},
-                   os.path.join(out_dir, OFT_PROPRIO))
+    from safetensors.torch import save_file
+
+    from workers.release.common import export_state, inverted, rename
+
+    family = policy.family
+    os.makedirs(out_dir, exist_ok=True)
+    sd = export_state(policy, skip=("norm.", "proprio_proj.") if family == "openvla_oft" else ("norm.",))
+    names = rename(sd, inverted(policy.RELEASE_RULES))
+    save_file({names[k]: v for k, v in sd.items()}, os.path.join(out_dir, "model.safetensors"))
+    with open(os.path.join(out_dir, "config.json"), "w") as f:
+        json.dump({"model_type": MODEL_TYPES[family], "options": dataclasses.asdict(policy.opts)}, f, indent=2)
+    policy.tokenizer.save_pretrained(out_dir)
+    if family == "openvla_oft":
+        part = {k: v.detach().cpu().clone() for k, v in policy.state_dict().items() if k.startswith("proprio_proj.")}
+        back = rename(part, inverted(OFT_PROPRIO_RULES))
+        torch.save({back[k]: v for k, v in part.items()}, os.path.join(out_dir, OFT_PROPRIO))
     _write_stats(policy, out_dir)
