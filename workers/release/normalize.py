@@ -51,6 +51,13 @@ class StatsNorm(nn.Module):
         self.register_buffer("action_shift", torch.zeros(action_dim))
         self.register_buffer("action_scale", torch.ones(action_dim))
 
+    def _apply(self, fn: Any, recurse: bool = True) -> "StatsNorm":
+        """Follow the policy's device moves but stay float32: a bf16 policy keeps exact statistics."""
+        for name, buf in self._buffers.items():
+            if buf is not None:
+                self._buffers[name] = buf.to(device=fn(buf[:0]).device, dtype=torch.float32)
+        return self
+
     def set(self, state: Affine | None = None, action: Affine | None = None) -> None:
         """Install release statistics; a width that differs from the env's is a clear error."""
         for side, pair in (("state", state), ("action", action)):
