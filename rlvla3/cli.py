@@ -1,4 +1,4 @@
-"""The ``rlvla3`` command line: broker, worker, run, status, sft."""
+"""The ``rlvla3`` command line: broker, worker, run, status, sft, export."""
 
 from __future__ import annotations
 
@@ -297,6 +297,27 @@ def sft(config: str | None, out: str, episodes: int, epochs: int, lr: float, dem
     fig = run_sft(cfg, out, episodes=episodes, epochs=epochs, demos_path=demos, save_demos_to=save_demos,
                   eval_episodes=eval_episodes, lr=lr)
     click.echo(json.dumps(fig))
+
+
+# ---------------------------------------------------------------------------------------------
+# export
+# ---------------------------------------------------------------------------------------------
+
+
+@main.command()
+@click.argument("run_dir", type=click.Path(exists=True, file_okay=False))
+@click.option("--format", "fmt", required=True, type=click.Choice(["lerobot", "transformers", "release"]),
+              help="lerobot (pi0, pi0.5), transformers (pi0), release (GR00T N1.5, OpenVLA-OFT).")
+@click.option("--out", "out_dir", required=True, type=click.Path(file_okay=False), help="Folder to write (created).")
+def export(run_dir: str, fmt: str, out_dir: str) -> None:
+    """Write RUN_DIR's trained policy (its latest checkpoint) in the family's own format."""
+    from workers.release.export import export_run
+
+    try:
+        summary = export_run(run_dir, fmt, out_dir)
+    except (ValueError, FileNotFoundError, ConfigError) as exc:
+        raise click.ClickException(str(exc)) from None
+    click.echo(json.dumps(summary))
 
 
 def _progress_row(fig: dict[str, Any], elapsed: float) -> dict[str, Any]:

@@ -114,7 +114,8 @@ class ModelConfig:
     dtype: str = "auto"
     """``auto`` (float32 on CPU, bfloat16 on CUDA), ``float32`` or ``bfloat16``."""
     checkpoint: str = ""
-    """Local directory of a released checkpoint, or a run folder to warm-start from."""
+    """Local directory of a released checkpoint (LeRobot pi0/pi0.5, transformers pi0, GR00T N1.5 or
+    OpenVLA-OFT folder; see docs/checkpoints.md), or a run folder to warm-start from."""
     options: dict = field(default_factory=dict)
     """The family's own options (validated by the family's config dataclass)."""
 

@@ -207,6 +207,7 @@ class FlowPolicy(Policy):
     logprob_level = "action"
     sampler: FlowSampler
     model_action_dim: int
+    norm: Any  # workers.release.normalize.StatsNorm: the release's state-in / action-out maps
 
     @abstractmethod
     def _context(self, obs: Obs) -> dict[str, Any]:
@@ -218,15 +219,16 @@ class FlowPolicy(Policy):
 
     def act(self, obs: Obs, deterministic: bool = False) -> ActOutput:
         with torch.no_grad():
-            ctx = self._context(obs)
+            ctx = self._context(self.norm.state_in(obs))
             shape = (ctx["value"].shape[0], self.chunk_size, self.model_action_dim)
             x0 = torch.zeros(shape, device=self.device) if deterministic else torch.randn(shape, device=self.device)
             res = self.sampler.sample(self._velocity_fn(ctx), x0, deterministic)
-        return ActOutput(actions=res.actions[..., : self.action_dim].contiguous(), logprob=res.logprob,
+        actions = self.norm.action_out(res.actions[..., : self.action_dim])
+        return ActOutput(actions=actions.contiguous(), logprob=res.logprob,
                          value=ctx["value"], replay={"chain": res.chain, "stochastic": res.mask})
 
     def evaluate(self, obs: Obs, actions: torch.Tensor, replay: dict[str, torch.Tensor]) -> EvalOutput:
-        ctx = self._context(obs)
+        ctx = self._context(self.norm.state_in(obs))
         chain = replay["chain"].to(self.device).clone()  # clone: may come from inference_mode
         lp, ent = self.sampler.score(self._velocity_fn(ctx), chain, replay["stochastic"].to(self.device))
         return EvalOutput(logprob=lp, entropy=ent, value=ctx["value"])

@@ -23,6 +23,7 @@ from torch import nn
 from workers.envs.base import EnvSpec, Obs
 from workers.policies.base import Policy, register_policy
 from workers.policies.flow_sampler import FlowOptions, FlowPolicy, FlowSampler
+from workers.release.normalize import StatsNorm
 from workers.policies.vla_common import (
     SIGLIP_SO400M,
     TINY_VIT,
@@ -187,6 +188,7 @@ class Gr00tPolicy(ReleaseCheckpointMixin, FlowPolicy):
         self.model_state_dim = 64 if a["pad_dims"] else spec.state_dim
         self.model_action_dim = 32 if a["pad_dims"] else spec.action_dim
         lm_dim, vis_dim, d = a["llm"]["hidden_size"], a["vision"]["hidden_size"], a["dit"]
+        self.norm = StatsNorm(spec.state_dim, spec.action_dim)
         with seeded_init(opts.init_seed):
             self.vision = SiglipVisionModel(SiglipVisionConfig(image_size=a["image_size"], patch_size=a["patch_size"],
                                                                vision_use_head=False, **a["vision"]))

@@ -23,6 +23,7 @@ from torch import nn
 
 from workers.envs.base import EnvSpec, Obs
 from workers.policies.base import ActOutput, EvalOutput, Policy, register_policy
+from workers.release.normalize import StatsNorm
 from workers.policies.vla_common import (
     SIGLIP_SO400M,
     TINY_VIT,
@@ -65,8 +66,10 @@ RELEASE_RULES = [
     ("language_model.", "llm."),
     ("vision_backbone.fused_featurizer.", "siglip."),
     ("vision_backbone.featurizer.", "dinov2."),
-    ("proprio_projector.", "proprio_proj."),
-]
+    ("projector.fc1.", "projector.0."),
+    ("projector.fc2.", "projector.2."),
+    ("projector.fc3.", "projector.4."),
+]  # the proprio projector ships in its own .pt file (workers.release.vla_release)
 FRESH = ("value_head.", "action_queries")
 
 SIGLIP_MEAN, SIGLIP_STD = (0.5, 0.5, 0.5), (0.5, 0.5, 0.5)
@@ -105,6 +108,7 @@ class OpenVLAOFTPolicy(ReleaseCheckpointMixin, Policy):
         if opts.n_bins > vocab - len(self.tokenizer):
             raise ValueError(f"openvla_oft: {opts.n_bins} bins overlap the tokenizer's {len(self.tokenizer)} ids")
         hidden = a["llm"]["hidden_size"]
+        self.norm = StatsNorm(spec.state_dim, spec.action_dim)
         with seeded_init(opts.init_seed):
             self.siglip = SiglipVisionModel(SiglipVisionConfig(image_size=a["image_size"], patch_size=a["patch_size"],
                                                                vision_use_head=False, **a["siglip"]))
@@ -113,7 +117,8 @@ class OpenVLAOFTPolicy(ReleaseCheckpointMixin, Policy):
             if opts.use_dinov2:
                 self.dinov2 = Dinov2Model(Dinov2Config(image_size=a["image_size"], patch_size=a["patch_size"], **a["dinov2"]))
                 vis_dim += a["dinov2"]["hidden_size"]
-            self.projector = nn.Sequential(nn.Linear(vis_dim, hidden), nn.GELU(), nn.Linear(hidden, hidden),
+            # OpenVLA's fused-backbone PrismaticProjector: vision -> 4 x vision -> LLM -> LLM.
+            self.projector = nn.Sequential(nn.Linear(vis_dim, 4 * vis_dim), nn.GELU(), nn.Linear(4 * vis_dim, hidden),
                                            nn.GELU(), nn.Linear(hidden, hidden))
             self.llm = LlamaForCausalLM(LlamaConfig(tie_word_embeddings=False, **a["llm"]))
             self.proprio_proj = nn.Sequential(nn.Linear(spec.state_dim, hidden), nn.GELU(), nn.Linear(hidden, hidden))
@@ -138,7 +143,7 @@ class OpenVLAOFTPolicy(ReleaseCheckpointMixin, Policy):
         if self.dinov2 is not None:
             dino = preprocess_images(obs["images"], self.cameras, self.image_size, DINO_MEAN, DINO_STD, dev, dt)
             d = self.dinov2(pixel_values=dino.flatten(0, 1)).last_hidden_state[:, 1:]  # drop CLS
-            feats = torch.cat([feats, d], dim=-1)
+            feats = torch.cat([d, feats], dim=-1)  # DINOv2 first, as OpenVLA's fused backbone
         return self.projector(feats).reshape(b, ncam * feats.shape[1], -1)
 
     def _forward(self, obs: Obs) -> tuple[torch.Tensor, torch.Tensor]:
@@ -167,18 +172,18 @@ class OpenVLAOFTPolicy(ReleaseCheckpointMixin, Policy):
 
     def act(self, obs: Obs, deterministic: bool = False) -> ActOutput:
         with torch.no_grad():
-            logits, value = self._forward(obs)
+            logits, value = self._forward(self.norm.state_in(obs))
             logp = logits.log_softmax(-1)
             if deterministic:
                 tok = logits.argmax(-1)
             else:
                 tok = torch.distributions.Categorical(logits=logits).sample()
             lp = logp.gather(-1, tok[..., None]).squeeze(-1)
-        actions = self.bin_centers[tok].view(-1, self.chunk_size, self.action_dim).float()
+        actions = self.norm.action_out(self.bin_centers[tok].view(-1, self.chunk_size, self.action_dim).float())
         return ActOutput(actions=actions, logprob=lp, value=value, replay={"action_bins": tok})
 
     def evaluate(self, obs: Obs, actions: torch.Tensor, replay: dict[str, torch.Tensor]) -> EvalOutput:
-        logits, value = self._forward(obs)
+        logits, value = self._forward(self.norm.state_in(obs))
         logp = logits.log_softmax(-1)
         tok = replay["action_bins"].to(self.device).long().clone()  # clone: may come from inference_mode
         lp = logp.gather(-1, tok[..., None]).squeeze(-1)

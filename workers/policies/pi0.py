@@ -2,8 +2,8 @@
 
 transformers provides the model (PaliGemma prefix, Gemma action expert, flow-matching velocity).
 This module adds: observation -> prompt/pixels, the stochastic flow sampler with log-probs
-(``flow_sampler``), a critic on the action expert's state token, and a loader for a local
-transformers-format pi0 release.
+(``flow_sampler``) and a critic on the action expert's state token. Checkpoints in and out
+(transformers' and LeRobot's layouts) live in ``workers.release``.
 
 The critic reads the expert's hidden state at the *state token*: in pi0's attention layout that
 token sees the prefix and itself only, never the noisy actions, so the value does not depend on
@@ -20,10 +20,10 @@ import torch
 from workers.envs.base import EnvSpec, Obs
 from workers.policies.base import Policy, register_policy
 from workers.policies.flow_sampler import FlowOptions, FlowPolicy, FlowSampler
+from workers.release.normalize import StatsNorm
 from workers.policies.vla_common import (
     SIGLIP_SO400M,
     TINY_VIT,
-    ReleaseCheckpointMixin,
     VLAOptions,
     ValueHead,
     char_tokenizer,
@@ -32,7 +32,6 @@ from workers.policies.vla_common import (
     pick_cameras,
     place,
     preprocess_images,
-    read_local,
     seeded_init,
     size_preset,
     state_tensor,
@@ -51,6 +50,19 @@ SIZES: dict[str, dict[str, Any]] = {
         "image_token_id": 127,
         "pad_dims": False,
     },
+    # tiny with the released head layout (Gemma 8 heads / 1 KV head, SigLIP 16 heads): the only
+    # tiny shape LeRobot's config (whose variants fix the heads) can describe.
+    "tiny_release": {
+        "image_size": 32,
+        "patch_size": 8,
+        "vision": dict(TINY_VIT, num_attention_heads=16),
+        "text": dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=8,
+                     num_key_value_heads=1, head_dim=16, vocab_size=128),
+        "expert": dict(hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=8,
+                       num_key_value_heads=1, head_dim=16),
+        "image_token_id": 127,
+        "pad_dims": False,
+    },
     "3b": {
         "image_size": 224,
         "patch_size": 14,
@@ -64,14 +76,6 @@ SIZES: dict[str, dict[str, Any]] = {
     },
 }
 
-# transformers-format release names -> ours (the wrapped model lives under ``pi0.``).
-RELEASE_RULES = [
-    ("model.", "pi0.model."),
-    ("embed_action_time.", "pi0.embed_action_time."),
-    ("action_out_proj.", "pi0.action_out_proj."),
-]
-FRESH = ("value_head.", "sampler.noise_head.")  # RL additions, not in a release
-
 IMAGE_MEAN = (0.5, 0.5, 0.5)  # PaliGemma / SigLIP normalise to [-1, 1]
 IMAGE_STD = (0.5, 0.5, 0.5)
 
@@ -81,10 +85,11 @@ class Pi0Options(VLAOptions, FlowOptions):
     """Options of the pi0 family (``model.options`` in the job config)."""
 
 
-def build_pi0_config(size: str, spec: EnvSpec, chunk_size: int, num_steps: int) -> Any:
+def build_pi0_config(size: str | dict[str, Any], spec: EnvSpec, chunk_size: int, num_steps: int) -> Any:
+    """transformers' ``PI0Config`` of a size preset (or of a preset-shaped dict read off a release)."""
     from transformers import PI0Config
 
-    a = size_preset("pi0", SIZES, size)
+    a = size if isinstance(size, dict) else size_preset("pi0", SIZES, size)
     width = 32 if a["pad_dims"] else None
     if width is not None and (spec.action_dim > width or spec.state_dim > width):
         raise ValueError(f"pi0 {size}: state/action dims above {width} are not supported")
@@ -99,19 +104,30 @@ def build_pi0_config(size: str, spec: EnvSpec, chunk_size: int, num_steps: int) 
         ),
         dit_config=dict(model_type="gemma", **a["expert"]),
         chunk_size=chunk_size,
-        max_state_dim=width or spec.state_dim,
-        max_action_dim=width or spec.action_dim,
+        max_state_dim=a.get("max_state_dim") or width or spec.state_dim,
+        max_action_dim=a.get("max_action_dim") or width or spec.action_dim,
         num_inference_steps=num_steps,
     )
 
 
-class Pi0Policy(ReleaseCheckpointMixin, FlowPolicy):
+def arch_of(pcfg: Any) -> dict[str, Any]:
+    """The size-preset dict a ``PI0Config`` describes (what LeRobot's config must express)."""
+    vlm, vis = pcfg.vlm_config, pcfg.vlm_config.vision_config
+    gemma = lambda c: {k: getattr(c, k) for k in ("hidden_size", "intermediate_size", "num_hidden_layers",  # noqa: E731
+                                                  "num_attention_heads", "num_key_value_heads", "head_dim", "vocab_size")}
+    return {
+        "image_size": vis.image_size, "patch_size": vis.patch_size,
+        "vision": {k: getattr(vis, k) for k in ("hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads")},
+        "text": gemma(vlm.text_config), "expert": gemma(pcfg.dit_config), "image_token_id": vlm.image_token_id,
+        "pad_dims": True, "max_state_dim": pcfg.max_state_dim, "max_action_dim": pcfg.max_action_dim,
+    }
+
+
+class Pi0Policy(FlowPolicy):
     """pi0 with a stochastic sampler; log-probs per action step (summed over dims and steps)."""
 
     family = "pi0"
     OPTIONS = Pi0Options
-    RELEASE_RULES = RELEASE_RULES
-    FRESH = FRESH
 
     def __init__(self, opts: Pi0Options, spec: EnvSpec, pi0_config: Any = None, tokenizer: Any = None) -> None:
         from transformers import PI0ForConditionalGeneration
@@ -128,6 +144,8 @@ class Pi0Policy(ReleaseCheckpointMixin, FlowPolicy):
         self.state_dim = int(pcfg.max_state_dim)
         self.model_action_dim = int(pcfg.max_action_dim)
         hidden = int(pcfg.dit_config.hidden_size)
+        self.arch = arch_of(pcfg)
+        self.norm = StatsNorm(spec.state_dim, spec.action_dim)
         with seeded_init(opts.init_seed):
             self.pi0 = PI0ForConditionalGeneration(pcfg)
             self.value_head = ValueHead(hidden)
@@ -149,8 +167,9 @@ class Pi0Policy(ReleaseCheckpointMixin, FlowPolicy):
 
     # -- observation -> prefix ------------------------------------------------------------------
 
-    def _context(self, obs: Obs) -> dict[str, Any]:
-        """Run the VLM over images + instruction once; the cache serves every denoising step."""
+    def model_inputs(self, obs: Obs) -> dict[str, torch.Tensor]:
+        """The upstream model's inputs for ``obs`` (already normalised): what
+        ``PI0ForConditionalGeneration.sample_actions`` takes, so exports can be checked against it."""
         dev, dt = self.device, self.pi0.dtype
         pixels = preprocess_images(obs["images"], self.cameras, self.image_size, IMAGE_MEAN, IMAGE_STD, dev, dt)
         b, ncam = pixels.shape[:2]
@@ -158,8 +177,15 @@ class Pi0Policy(ReleaseCheckpointMixin, FlowPolicy):
         n_img = ncam * self.tokens_per_image
         ids = torch.cat([torch.full((b, n_img), self.image_token_id), ids], 1).to(dev)
         mask = torch.cat([torch.ones(b, n_img, dtype=torch.long), mask], 1).to(dev)
-        cam_mask = torch.ones(b, ncam, dtype=torch.bool, device=dev)
-        embeds = self.pi0.model.embed_prefix(ids, pixels, cam_mask)
+        return {"input_ids": ids, "pixel_values": pixels, "attention_mask": mask,
+                "pixel_attention_mask": torch.ones(b, ncam, dtype=torch.bool, device=dev),
+                "state": state_tensor(obs, self.state_dim, dev).to(dt)}
+
+    def _context(self, obs: Obs) -> dict[str, Any]:
+        """Run the VLM over images + instruction once; the cache serves every denoising step."""
+        inp = self.model_inputs(obs)
+        mask = inp["attention_mask"]
+        embeds = self.pi0.model.embed_prefix(inp["input_ids"], inp["pixel_values"], inp["pixel_attention_mask"])
         out = self.pi0.model.vlm(
             inputs_embeds=embeds,
             attention_mask=mask,
@@ -167,8 +193,7 @@ class Pi0Policy(ReleaseCheckpointMixin, FlowPolicy):
             token_type_ids=torch.zeros_like(mask),
             use_cache=True,
         )
-        state = state_tensor(obs, self.state_dim, dev).to(dt)
-        ctx = {"cache": out.cache, "mask": mask, "state": state, "prefix_len": out.cache.get_seq_length()}
+        ctx = {"cache": out.cache, "mask": mask, "state": inp["state"], "prefix_len": out.cache.get_seq_length()}
         ctx["value"] = self._value(ctx)
         return ctx
 
@@ -194,26 +219,18 @@ class Pi0Policy(ReleaseCheckpointMixin, FlowPolicy):
 
     # -- checkpoints --------------------------------------------------------------------------------
 
-    def _release_config(self) -> dict[str, Any]:
-        """A transformers-format pi0 directory: its ``PI0Config`` leads ``config.json``."""
-        return self.pi0.config.to_dict()
+    def save_pretrained(self, local_dir: str) -> None:
+        """transformers' layout (the upstream ``save_pretrained``), with tokenizer and statistics."""
+        from workers.release import transformers_pi0
+
+        transformers_pi0.save(self, local_dir)
 
     @classmethod
-    def _read_release(cls, local_dir: str) -> Any:
-        """A local transformers-format pi0 release (``config.json`` with ``model_type: pi0``)."""
-        ck = read_local(local_dir, cls.family)
-        if ck.config.get("model_type") != "pi0":
-            raise ValueError(f"pi0: {local_dir}/config.json is not a pi0 config (model_type={ck.config.get('model_type')!r})")
-        return ck
+    def from_pretrained(cls, local_dir: str, spec: EnvSpec, **overrides: Any) -> "Pi0Policy":
+        """A transformers-format or LeRobot pi0 folder (told apart by its ``config.json``)."""
+        from workers.release.layouts import load_release
 
-    @classmethod
-    def _build_loaded(cls, ck: Any, opts: Pi0Options, spec: EnvSpec, overrides: dict[str, Any]) -> "Pi0Policy":
-        from transformers import PI0Config
-
-        pcfg = PI0Config.from_dict({k: v for k, v in ck.config.items() if k not in ("rlvla3_family", "options")})
-        if "chunk_size" not in overrides and "options" not in ck.config:
-            opts.chunk_size = pcfg.chunk_size  # a plain release: its chunk size
-        return cls(opts, spec, pi0_config=pcfg, tokenizer=ck.tokenizer)
+        return load_release(local_dir, "pi0", spec, overrides)
 
 
 @register_policy("pi0", config=Pi0Options)

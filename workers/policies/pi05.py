@@ -24,8 +24,8 @@ from workers.policies.base import Policy, register_policy
 from workers.policies.flow_sampler import FlowOptions, FlowPolicy, FlowSampler
 from workers.policies.pi0 import IMAGE_MEAN, IMAGE_STD
 from workers.policies.pi0 import SIZES as PI0_SIZES
+from workers.release.normalize import StatsNorm
 from workers.policies.vla_common import (
-    ReleaseCheckpointMixin,
     VLAOptions,
     ValueHead,
     char_tokenizer,
@@ -42,15 +42,10 @@ from workers.policies.vla_common import (
     state_tensor,
 )
 
-SIZES = PI0_SIZES  # same backbone and expert dimensions as pi0
+# pi0's backbone and expert dimensions; "tiny" is pi0's tiny_release, whose head layout LeRobot's
+# pi0.5 config (the family's export format) can describe.
+SIZES = {**PI0_SIZES, "tiny": PI0_SIZES["tiny_release"]}
 
-# openpi / lerobot PyTorch pi0.5 names -> ours.
-RELEASE_RULES = [
-    ("paligemma_with_expert.paligemma.model.vision_tower.vision_model.", "vlm.vision_tower."),
-    ("paligemma_with_expert.paligemma.model.", "vlm."),
-    ("paligemma_with_expert.gemma_expert.model.", "expert."),
-]
-FRESH = ("value_head.", "sampler.noise_head.")
 
 
 @dataclass
@@ -89,10 +84,9 @@ class AdaRMSNorm(nn.Module):
         return (normed * (1 + scale[:, None]) + shift[:, None]).to(x.dtype)
 
 
-def _configs(size: str) -> tuple[Any, Any]:
+def _configs(a: dict[str, Any]) -> tuple[Any, Any]:
     from transformers import GemmaConfig, PaliGemmaConfig
 
-    a = size_preset("pi05", SIZES, size)
     vlm = PaliGemmaConfig(
         text_config=dict(model_type="gemma", **a["text"]),
         vision_config=dict(model_type="siglip_vision_model", image_size=a["image_size"], patch_size=a["patch_size"],
@@ -101,28 +95,29 @@ def _configs(size: str) -> tuple[Any, Any]:
         image_token_id=a["image_token_id"],
     )
     vlm.text_config.use_bidirectional_attention = True  # the prefix attends both ways
-    expert = GemmaConfig(vocab_size=8, **a["expert"])  # token table unused: expert reads embeddings
+    expert = GemmaConfig(**{**a["expert"], "vocab_size": 8})  # token table unused: expert reads embeddings
     expert.is_causal = True
     expert.use_bidirectional_attention = True
     return vlm, expert
 
 
-class Pi05Policy(ReleaseCheckpointMixin, FlowPolicy):
+class Pi05Policy(FlowPolicy):
     family = "pi05"
     OPTIONS = Pi05Options
-    RELEASE_RULES = RELEASE_RULES
-    FRESH = FRESH
 
-    def __init__(self, opts: Pi05Options, spec: EnvSpec, tokenizer: Any = None) -> None:
+    def __init__(self, opts: Pi05Options, spec: EnvSpec, tokenizer: Any = None, arch: dict[str, Any] | None = None) -> None:
         from transformers import AutoModel
 
         super().__init__(spec, opts.chunk_size)
         self.opts = opts
         self.cameras = pick_cameras(spec, opts.cameras, opts.max_cameras)
-        vcfg, ecfg = _configs(opts.size)
-        a = SIZES[opts.size]
+        a = arch or size_preset("pi05", SIZES, opts.size)
+        vcfg, ecfg = _configs(a)
+        self.arch = {**a, "max_state_dim": a.get("max_state_dim") or (32 if a["pad_dims"] else spec.state_dim),
+                     "max_action_dim": a.get("max_action_dim") or (32 if a["pad_dims"] else spec.action_dim)}
         self.image_size = a["image_size"]
-        self.model_action_dim = 32 if a["pad_dims"] else spec.action_dim
+        self.model_action_dim = self.arch["max_action_dim"]
+        self.norm = StatsNorm(spec.state_dim, spec.action_dim)
         self.state_dim = spec.state_dim
         width = ecfg.hidden_size
         self._cond = _Cond()
@@ -188,6 +183,19 @@ class Pi05Policy(ReleaseCheckpointMixin, FlowPolicy):
             return self.action_out_proj(out).float(), out
 
         return velocity
+
+
+    def save_pretrained(self, local_dir: str) -> None:
+        """LeRobot's pi0.5 layout (config, weights, processor statistics), tokenizer and RL heads."""
+        from workers.release import lerobot_pi
+
+        lerobot_pi.save(self, local_dir)
+
+    @classmethod
+    def from_pretrained(cls, local_dir: str, spec: EnvSpec, **overrides: Any) -> "Pi05Policy":
+        from workers.release.layouts import load_release
+
+        return load_release(local_dir, "pi05", spec, overrides)
 
 
 @register_policy("pi05", config=Pi05Options)

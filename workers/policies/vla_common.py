@@ -1,5 +1,5 @@
 """Pieces every VLA family shares: observation -> tensors, a tokenizer built in code, value heads,
-device/dtype choice and the local checkpoint reader.
+device/dtype choice, and the hook to its release layout (``workers.release``).
 
 Kept free of any one family so OpenVLA-OFT, pi0, pi0.5 and GR00T read observations the same way
 and load releases with the same missing-file / missing-parameter messages.
@@ -7,10 +7,6 @@ and load releases with the same missing-file / missing-parameter messages.
 
 from __future__ import annotations
 
-import dataclasses
-import json
-import os
-import re
 from dataclasses import dataclass
 from typing import Any, ClassVar, Iterable, Sequence
 
@@ -66,12 +62,6 @@ def char_tokenizer() -> Any:
     return PreTrainedTokenizerFast(
         tokenizer_object=tok, pad_token="<pad>", bos_token="<bos>", eos_token="<eos>", unk_token="<unk>"
     )
-
-
-def load_tokenizer(local_dir: str) -> Any:
-    from transformers import PreTrainedTokenizerFast
-
-    return PreTrainedTokenizerFast.from_pretrained(local_dir)
 
 
 def encode_text(tokenizer: Any, texts: Sequence[str], max_len: int, bos: bool = True) -> tuple[torch.Tensor, torch.Tensor]:
@@ -178,120 +168,6 @@ def sinusoid(t: torch.Tensor, dim: int, min_period: float = 4e-3, max_period: fl
 # Checkpoints
 # ---------------------------------------------------------------------------------------------
 
-CONFIG_FILE = "config.json"
-WEIGHTS_FILE = "model.safetensors"
-WEIGHTS_INDEX = "model.safetensors.index.json"
-TOKENIZER_FILE = "tokenizer.json"
-
-
-def rename_keys(keys: Iterable[str], rules: Sequence[tuple[str, str]]) -> dict[str, str]:
-    """Map release names to ours with the first matching ``(release_prefix, our_prefix)`` rule."""
-    out = {}
-    for k in keys:
-        new = k
-        for src, dst in rules:
-            if k.startswith(src):
-                new = dst + k[len(src) :]
-                break
-        out[k] = new
-    return out
-
-
-def invert_rules(rules: Sequence[tuple[str, str]]) -> list[tuple[str, str]]:
-    """Our names -> release names (used to write release-shaped test checkpoints)."""
-    return sorted(((d, s) for s, d in rules), key=lambda r: -len(r[0]))
-
-
-def save_local(
-    module: nn.Module,
-    local_dir: str,
-    family: str,
-    cfg: Any,
-    tokenizer: Any,
-    rules: Sequence[tuple[str, str]] = (),
-    extra_config: dict[str, Any] | None = None,
-) -> None:
-    """Write ``config.json``, ``model.safetensors`` (names as the release spells them) and the tokenizer."""
-    from safetensors.torch import save_file
-
-    os.makedirs(local_dir, exist_ok=True)
-    sd = {k: v.detach().cpu().contiguous().clone() for k, v in module.state_dict().items()}
-    names = rename_keys(sd, invert_rules(rules)) if rules else {k: k for k in sd}
-    save_file({names[k]: v for k, v in sd.items()}, os.path.join(local_dir, WEIGHTS_FILE))
-    with open(os.path.join(local_dir, CONFIG_FILE), "w") as f:
-        config = dict(extra_config or {})
-        config.update({"rlvla3_family": family, "options": dataclasses.asdict(cfg)})
-        json.dump(config, f, indent=2)
-    tokenizer.save_pretrained(local_dir)
-
-
-@dataclass
-class LocalCheckpoint:
-    config: dict[str, Any]
-    state_dict: dict[str, torch.Tensor]
-    tokenizer: Any
-
-
-def read_local(local_dir: str, family: str) -> LocalCheckpoint:
-    """Read a release-shaped directory, failing with every missing file named at once."""
-    need = [CONFIG_FILE, TOKENIZER_FILE]
-    missing = [f for f in need if not os.path.isfile(os.path.join(local_dir, f))]
-    has_single = os.path.isfile(os.path.join(local_dir, WEIGHTS_FILE))
-    has_index = os.path.isfile(os.path.join(local_dir, WEIGHTS_INDEX))
-    shards: list[str] = []
-    if has_single:
-        shards = [WEIGHTS_FILE]
-    elif has_index:
-        with open(os.path.join(local_dir, WEIGHTS_INDEX)) as f:
-            shards = sorted(set(json.load(f)["weight_map"].values()))
-        missing += [s for s in shards if not os.path.isfile(os.path.join(local_dir, s))]
-    else:
-        missing.append(f"{WEIGHTS_FILE} (or {WEIGHTS_INDEX} with its shards)")
-    if missing:
-        raise FileNotFoundError(f"{family}: checkpoint dir {local_dir!r} is missing: {', '.join(missing)}")
-    from safetensors.torch import load_file
-
-    sd: dict[str, torch.Tensor] = {}
-    for s in shards:
-        sd.update(load_file(os.path.join(local_dir, s)))
-    with open(os.path.join(local_dir, CONFIG_FILE)) as f:
-        config = json.load(f)
-    return LocalCheckpoint(config, sd, load_tokenizer(local_dir))
-
-
-def load_mapped(
-    module: nn.Module,
-    state_dict: dict[str, torch.Tensor],
-    rules: Sequence[tuple[str, str]],
-    fresh: Sequence[str],
-    family: str,
-) -> None:
-    """Load release weights under our names; parameters outside ``fresh`` (RL heads) must all be there."""
-    names = rename_keys(state_dict, rules)
-    mapped = {names[k]: v for k, v in state_dict.items()}
-    res = module.load_state_dict(mapped, strict=False)
-    fresh_re = re.compile("|".join(re.escape(p) for p in fresh)) if fresh else None
-    missing = [k for k in res.missing_keys if not (fresh_re and fresh_re.match(k))]
-    problems = []
-    if missing:
-        problems.append(f"missing parameters ({len(missing)}): {', '.join(missing[:20])}" + (" ..." if len(missing) > 20 else ""))
-    if res.unexpected_keys:
-        u = res.unexpected_keys
-        problems.append(f"unexpected parameters ({len(u)}): {', '.join(u[:20])}" + (" ..." if len(u) > 20 else ""))
-    if problems:
-        raise ValueError(f"{family}: checkpoint does not match the model: " + "; ".join(problems))
-
-
-def options_from_config(config: dict[str, Any], cfg_cls: type, family: str, overrides: dict[str, Any]) -> Any:
-    """Our ``config.json`` carries the options dataclass; overrides (device, dtype, sampler) win."""
-    if config.get("rlvla3_family") not in (None, family):
-        raise ValueError(f"{family}: checkpoint is for family {config['rlvla3_family']!r}")
-    known = {f.name for f in dataclasses.fields(cfg_cls)}
-    opts = {k: v for k, v in config.get("options", {}).items() if k in known}
-    opts.update(overrides)
-    return cfg_cls(**opts)
-
-
 class ReleaseCheckpointMixin:
     """``save_pretrained`` / ``from_pretrained`` of a family whose release names map onto ours by
     ``RELEASE_RULES``; ``FRESH`` names the RL additions a release lacks. Put it before ``Policy``
@@ -302,30 +178,17 @@ class ReleaseCheckpointMixin:
     RELEASE_RULES: ClassVar[Sequence[tuple[str, str]]] = ()
     FRESH: ClassVar[Sequence[str]] = ()
 
-    def _release_config(self) -> dict[str, Any] | None:
-        """Extra ``config.json`` entries (a release's own model config), if the family has any."""
-        return None
-
     def save_pretrained(self, local_dir: str) -> None:
-        save_local(self, local_dir, self.family, self.opts, self.tokenizer, self.RELEASE_RULES,  # type: ignore[attr-defined,arg-type]
-                   self._release_config())
+        """The family's release folder (``workers.release.vla_release``)."""
+        from workers.release import vla_release
 
-    @classmethod
-    def _read_release(cls, local_dir: str) -> LocalCheckpoint:
-        return read_local(local_dir, cls.family)  # type: ignore[attr-defined]
-
-    @classmethod
-    def _build_loaded(cls, ck: LocalCheckpoint, opts: Any, spec: EnvSpec, overrides: dict[str, Any]) -> Any:
-        """The policy to load ``ck``'s weights into."""
-        return cls(opts, spec, tokenizer=ck.tokenizer)  # type: ignore[call-arg]
+        vla_release.save(self, local_dir)
 
     @classmethod
     def from_pretrained(cls, local_dir: str, spec: EnvSpec, **overrides: Any) -> Any:
-        ck = cls._read_release(local_dir)
-        opts = options_from_config(ck.config, cls.OPTIONS, cls.family, overrides)  # type: ignore[attr-defined]
-        policy = cls._build_loaded(ck, opts, spec, overrides)
-        load_mapped(policy, ck.state_dict, cls.RELEASE_RULES, cls.FRESH, cls.family)  # type: ignore[attr-defined]
-        return policy
+        from workers.release.layouts import load_release
+
+        return load_release(local_dir, cls.family, spec, overrides)  # type: ignore[attr-defined]
 
 
 def freeze(params: Iterable[nn.Parameter]) -> None:

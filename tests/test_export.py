@@ -1,0 +1,105 @@
+"""Trained checkpoints out: ``rlvla3 export RUN_DIR --format F --out DIR`` (a real process) writes a
+run's policy in its family's format; loading it back - with rlvla3's loader, and for pi0 also with
+transformers' own ``PI0ForConditionalGeneration`` - gives the same actions, bit for bit.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+import yaml
+
+from workers.envs.base import env_spec
+from workers.policies.base import make_policy
+
+ROOT = Path(__file__).resolve().parents[1]
+ENV = {"name": "synthetic", "options": {"image_size": 32, "max_episode_steps": 16}}
+
+CASES = [  # (id, family, format, options)
+    ("pi0-transformers", "pi0", "transformers", {"size": "tiny"}),
+    ("pi0-lerobot", "pi0", "lerobot", {"size": "tiny_release"}),
+    ("pi05-lerobot", "pi05", "lerobot", {"size": "tiny_release"}),
+    ("gr00t-release", "gr00t_n15", "release", {"size": "tiny"}),
+    ("openvla_oft-release", "openvla_oft", "release", {"size": "tiny"}),
+]
+
+
+def obs_for(spec, batch: int = 3, seed: int = 0) -> dict:
+    rng = np.random.default_rng(seed)
+    return {"images": {c: rng.integers(0, 256, (batch, h, w, 3), dtype=np.uint8) for c, (h, w) in spec.cameras.items()},
+            "state": rng.uniform(-1, 1, (batch, spec.state_dim)).astype(np.float32),
+            "instruction": ["reach the red target", "push", "reach"][:batch]}
+
+
+def make_run(run_dir: Path, family: str, options: dict):
+    """A run folder as the trainer leaves it: weights moved off their init, statistics set."""
+    from workers.checkpoint import save_checkpoint
+
+    spec = env_spec(ENV["name"], ENV["options"])
+    opts = {**options, "device": "cpu", "dtype": "float32"}
+    if family != "openvla_oft":
+        opts["num_steps"] = 4  # flow families: a power of two, so upstream's time grid is exact too
+    policy = make_policy(family, {**opts, "chunk_size": 4}, spec)
+    torch.manual_seed(5)
+    with torch.no_grad():
+        for p in policy.parameters():
+            p.add_(torch.randn_like(p) * 1e-3)
+    # Exactly representable statistics (powers of two), so every file format stores them exactly.
+    policy.norm.set(state=(torch.full((spec.state_dim,), 0.25), torch.full((spec.state_dim,), 2.0)),
+                    action=(torch.full((spec.action_dim,), -0.5), torch.full((spec.action_dim,), 0.5)))
+    cfg = {"env": ENV, "model": {"family": family, "chunk_size": 4, "options": opts}}
+    save_checkpoint(run_dir, policy, None, version=7, step_counters={"env_steps": 100}, config_yaml=yaml.safe_dump(cfg))
+    return policy, spec
+
+
+def export(run_dir: Path, fmt: str, out: Path) -> subprocess.CompletedProcess:
+    env = {**os.environ, "PYTHONPATH": str(ROOT)}
+    return subprocess.run([sys.executable, "-m", "rlvla3.cli", "export", str(run_dir), "--format", fmt, "--out", str(out)],
+                          capture_output=True, text=True, env=env, timeout=600, cwd=ROOT)
+
+
+@pytest.mark.parametrize("case", CASES, ids=[c[0] for c in CASES])
+def test_export_round_trip_gives_identical_actions(case, tmp_path):
+    from workers.release.layouts import load_release
+
+    _, family, fmt, options = case
+    policy, spec = make_run(tmp_path / "run", family, options)
+    res = export(tmp_path / "run", fmt, tmp_path / "out")
+    assert res.returncode == 0, res.stderr[-3000:]
+    summary = json.loads(res.stdout.strip().splitlines()[-1])
+    assert summary["family"] == family and summary["checkpoint"].endswith("v00000007")
+    loaded = load_release(str(tmp_path / "out"), family, spec, {"device": "cpu", "dtype": "float32"})
+    obs = obs_for(spec)
+    a, b = policy.act(obs, deterministic=True), loaded.act(obs, deterministic=True)
+    assert torch.equal(a.actions, b.actions)
+    assert torch.equal(a.value, b.value)  # the critic travels in the rlvla3 side file
+    assert not torch.equal(policy.norm.action_out(torch.zeros(1)), torch.zeros(1))
+
+
+def test_pi0_export_loads_in_upstream_transformers(tmp_path):
+    from transformers import PI0ForConditionalGeneration
+
+    policy, spec = make_run(tmp_path / "run", "pi0", {"size": "tiny"})
+    assert export(tmp_path / "run", "transformers", tmp_path / "out").returncode == 0
+    upstream = PI0ForConditionalGeneration.from_pretrained(str(tmp_path / "out")).eval()
+    obs = obs_for(spec, seed=4)
+    with torch.no_grad():
+        raw = upstream.sample_actions(noise=torch.zeros(3, 4, policy.model_action_dim), **policy.model_inputs(policy.norm.state_in(obs)))
+    assert torch.equal(policy.act(obs, deterministic=True).actions, policy.norm.action_out(raw[..., : spec.action_dim]))
+
+
+def test_export_refuses_what_the_format_cannot_hold(tmp_path):
+    make_run(tmp_path / "run", "pi0", {"size": "tiny"})  # tiny: 2 heads, which LeRobot's variants cannot name
+    res = export(tmp_path / "run", "lerobot", tmp_path / "out")
+    assert res.returncode != 0 and "8 heads" in res.stderr
+    res = export(tmp_path / "run", "release", tmp_path / "out2")
+    assert res.returncode != 0 and "pi0 exports as ['transformers', 'lerobot']" in res.stderr
+    res = export(tmp_path / "nothing", "lerobot", tmp_path / "out3")
+    assert res.returncode != 0
