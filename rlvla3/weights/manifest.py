@@ -35,7 +35,7 @@ REGIONS = (FROZEN, *SLOTS)
 ALIGN = 256
 """Every tensor starts on this boundary (cache lines, and aligned device copies)."""
 MAX_ENTRIES = 100_000
-HASH_CHUNK = 4 * 2**20
+HASH_CHUNK = 2**20
 """Copies are hashed chunk by chunk right after each chunk lands, while it is still in cache."""
 
 
