@@ -25,7 +25,8 @@ staging tensors; the swap re-points parameters, no copy). ``memcpy_ms`` is ``np.
 the same number of bytes between two pre-touched buffers, ``hash_ms`` xxh3-64 over them (the
 path hashes on both sides). ``ratio`` = publish_to_swap / (memcpy x copies).
 ``max_serving_gap_ms`` is the longest time between two forward passes of a reader after its
-first swap (the swap itself is ``max_swap_ms``), to compare with ``forward_ms``.
+first swap (the swap itself is ``max_swap_ms``, first swap excluded), to compare with
+``forward_ms``. ``copy_threads`` threads copy and hash on each side (``weights.copy_threads``).
 
 Last line of stdout: one JSON object, the headline run's keys (largest size, most readers)
 plus ``runs`` (every size x readers). The machine this runs on may be shared and noisy.
@@ -151,7 +152,8 @@ def reader(args: argparse.Namespace) -> None:
     torch.set_num_threads(1)
     sys.setswitchinterval(0.0005)  # as the workers do
     model = build_model(args.size, init=False).eval()
-    rx = WeightReceiver(model, host_id())
+    rx = WeightReceiver(model, host_id(), copy_threads=args.copy_threads)
+    ppid = os.getppid()
     ctx = zmq.Context()
     sub, ctl, report = ctx.socket(zmq.SUB), ctx.socket(zmq.SUB), ctx.socket(zmq.PUSH)
     for s, ep in ((sub, args.pub), (ctl, args.ctl)):
@@ -168,7 +170,7 @@ def reader(args: argparse.Namespace) -> None:
     work = [layer.q.weight for layer in model.layers[:4]]
     forward_ms: list[float] = []
     gaps: list[float] = []
-    swaps: list[float] = []
+    swaps: list[float] = []  # after the first: the first also lets the seeded build go
     last_end = None
     swapped_once = False
     offered: dict[int, int] = {}
@@ -190,7 +192,7 @@ def reader(args: argparse.Namespace) -> None:
         if not swapped_once and time.monotonic() - ready_sent > 0.2:
             tell("ready")
             ready_sent = time.monotonic()
-        if ctl.poll(0, zmq.POLLIN):
+        if ctl.poll(0, zmq.POLLIN) or os.getppid() != ppid:
             break
         while sub.poll(0, zmq.POLLIN):
             frames = sub.recv_multipart(copy=False)
@@ -205,9 +207,11 @@ def reader(args: argparse.Namespace) -> None:
         staged = rx.swap()  # between two forward passes
         if staged is not None:
             s1 = time.monotonic_ns()
-            swaps.append((s1 - s0) / 1e6)
+            if swapped_once:
+                swaps.append((s1 - s0) / 1e6)
             swapped_once = True
-            tell("swapped", version=staged.version, t_ns=s1, offer_ns=offered.get(staged.version, s1),
+            pool.submit(rx.release)  # the old version's storage is freed off the serving thread
+            tell("swapped", version=staged.version, t_ns=s1, swap_ms=(s1 - s0) / 1e6, offer_ns=offered.get(staged.version, s1),
                  fetch_ms=staged.fetch_ms, nbytes=staged.nbytes, source=staged.source)
         if job is None:
             ann = rx.next_fetch(now)
@@ -242,7 +246,7 @@ def baseline(nbytes: int, reps: int = 3) -> tuple[float, float]:
 
 
 class Bench:
-    def __init__(self) -> None:
+    def __init__(self, copy_threads: int) -> None:
         self.ctx = zmq.Context()
         self.broker_proc, eps = start_child([__file__, "--child", "broker"])
         router_ep, self.pub_ep = eps.split()
@@ -254,6 +258,8 @@ class Bench:
         self.ctl.bind("tcp://127.0.0.1:*")
         self.events: list[dict[str, Any]] = []
         self.broker_rss: list[float] = []
+        self.next_version = 0  # one broker for every run: versions keep increasing
+        self.copy_threads = copy_threads
 
     def announce(self, fields: dict[str, Any]) -> None:
         self.broker.send_multipart(P.encode(P.WEIGHTS, fields))
@@ -278,18 +284,19 @@ class Bench:
         rid = "wb" + os.urandom(4).hex()
         names = [f"{size}-{n_readers}-{i}" for i in range(n_readers)]
         procs = [start_child([__file__, "--child", "reader", "--size", size, "--name", n, "--pub", self.pub_ep,
-                              "--ctl", self.ctl.getsockopt_string(zmq.LAST_ENDPOINT),
+                              "--ctl", self.ctl.getsockopt_string(zmq.LAST_ENDPOINT), "--copy-threads", str(self.copy_threads),
                               "--report", self.pull.getsockopt_string(zmq.LAST_ENDPOINT)], timeout_s=120)[0]
                  for n in names]
-        pub = WeightPublisher(model, rid, stream_bind="")
+        pub = WeightPublisher(model, rid, stream_bind="", copy_threads=self.copy_threads)
         swapped = lambda v: [e for e in self.events if e["event"] == "swapped" and e["version"] == v]  # noqa: E731
         try:
             self.drain(lambda: {e["name"] for e in self.events if e["event"] == "ready"} >= set(names), 120, "readers ready")
             per_version = []
             publish_ms = []
             announce_ms = []
-            for v in range(versions + 1):
-                if v:
+            first = self.next_version
+            for v in range(first, first + versions + 1):
+                if v > first:
                     with torch.no_grad():  # an "update": every trainable tensor changes
                         for p in model.parameters():
                             if p.requires_grad:
@@ -299,11 +306,12 @@ class Bench:
                 t1 = time.monotonic_ns()
                 publish_ms.append((t1 - t0) / 1e6)
                 self.announce(fields)
-                if v == 0:
+                if v == first:
                     ann_bytes = len(P.encode(P.WEIGHTS, fields)[0])
                 self.drain(lambda: len(swapped(v)) >= n_readers, 120, f"version {v} swapped by every reader")
                 per_version.append((max(e["t_ns"] for e in swapped(v)) - t0) / 1e6)
                 announce_ms.append((max(e["offer_ns"] for e in swapped(v)) - t1) / 1e6)
+            self.next_version = first + versions + 1
             self.ctl.send(b"stop")
             self.drain(lambda: len([e for e in self.events if e["event"] == "stats"]) >= n_readers, 60, "reader stats")
         finally:
@@ -315,16 +323,16 @@ class Bench:
             pub.close()
         stats = [e for e in self.events if e["event"] == "stats"]
         steady = per_version[1:] or per_version
-        nbytes = swapped(versions)[0]["nbytes"]
+        nbytes = swapped(first + versions)[0]["nbytes"]
         memcpy_ms, hash_ms = baseline(nbytes)
         p2s = statistics.median(steady)
         return {
-            "size": size, "readers": n_readers, "params_m": round(params_m(model), 2),
-            "bytes_mb": round(nbytes / 1e6, 2), "first_version_mb": round(swapped(0)[0]["nbytes"] / 1e6, 2),
+            "size": size, "readers": n_readers, "copy_threads": self.copy_threads, "params_m": round(params_m(model), 2),
+            "bytes_mb": round(nbytes / 1e6, 2), "first_version_mb": round(swapped(first)[0]["nbytes"] / 1e6, 2),
             "publish_to_swap_ms": round(p2s, 2), "publish_to_swap_ms_all": [round(x, 2) for x in per_version],
             "first_version_ms": round(per_version[0], 2), "publish_write_ms": round(statistics.median(publish_ms[1:] or publish_ms), 2),
             "announce_ms": round(statistics.median(announce_ms[1:] or announce_ms), 2),
-            "reader_fetch_ms": round(statistics.median(e["fetch_ms"] for e in self.events if e["event"] == "swapped" and e["version"] > 0), 2),
+            "reader_fetch_ms": round(statistics.median(e["fetch_ms"] for e in self.events if e["event"] == "swapped" and e["version"] > first), 2),
             "memcpy_ms": round(memcpy_ms, 2), "copies": COPIES, "ratio": round(p2s / (memcpy_ms * COPIES), 3),
             "hash_ms": round(hash_ms, 2), "gb_per_s_to_every_reader": round(nbytes / 1e9 / (p2s / 1000), 3),
             "max_serving_gap_ms": round(max(s["max_gap_ms"] or 0 for s in stats), 3),
@@ -355,6 +363,7 @@ def main() -> None:
     ap.add_argument("--sizes", default="tiny,medium")
     ap.add_argument("--readers", default="1,2")
     ap.add_argument("--versions", type=int, default=4)
+    ap.add_argument("--copy-threads", type=int, default=2, help="weights.copy_threads, both sides")
     ap.add_argument("--quick", action="store_true", help="2 versions per run (under a minute)")
     ap.add_argument("--smoke", action="store_true", help="tiny, 1 reader, 2 versions (seconds)")
     ap.add_argument("--out", default="")
@@ -367,7 +376,7 @@ def main() -> None:
     readers = [1] if args.smoke else [int(r) for r in args.readers.split(",")]
     versions = 2 if (args.quick or args.smoke) else args.versions
     torch.set_num_threads(1)
-    bench = Bench()
+    bench = Bench(args.copy_threads)
     runs = []
     try:
         for size in sizes:

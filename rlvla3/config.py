@@ -194,6 +194,8 @@ class WeightsConfig:
     """Host name announced for a wildcard ``stream_bind`` (empty: this machine's host name)."""
     bucket_mb: int = 128
     """Bytes (MiB) per bucket on the stream: one FETCH, one reply frame (1-256)."""
+    copy_threads: int = 2
+    """Threads that copy and hash weights into the store (trainer) and out of it (generator)."""
 
 
 @dataclass
@@ -324,6 +326,8 @@ def validate(cfg: JobConfig) -> None:
         raise ConfigError(f"model.dtype: {cfg.model.dtype!r} not in ('auto', 'float32', 'bfloat16')")
     if cfg.algo.minibatch_size < 1 or cfg.algo.batch_steps < 1:
         raise ConfigError("algo.batch_steps and algo.minibatch_size must be >= 1")
+    if cfg.weights.copy_threads < 1:
+        raise ConfigError("weights.copy_threads must be >= 1")
     if not 1 <= cfg.weights.bucket_mb <= 256:
         raise ConfigError(f"weights.bucket_mb: {cfg.weights.bucket_mb} not in 1..256")
     if not cfg.weights.shm and not cfg.weights.stream_bind:

@@ -45,3 +45,14 @@ def test_transfer_smoke(tmp_path: Path) -> None:
     assert r["shm_mb_s"] > 0 and r["inline_mb_s"] > 0 and r["ratio"] > 0
     assert r["batch_bytes"] == r["images"] * r["size"] * r["size"] * 3
     assert (tmp_path / "transfer.png").stat().st_size > 0
+
+
+def test_weights_smoke(tmp_path: Path) -> None:
+    r = run_bench("weights.py", tmp_path, timeout=180)
+    for key in ("params_m", "bytes_mb", "publish_to_swap_ms", "memcpy_ms", "ratio", "max_serving_gap_ms",
+                "broker_rss_mb", "copies", "hash_ms", "runs"):
+        assert key in r, key
+    assert r["copies"] == 2 and r["publish_to_swap_ms"] > 0 and r["memcpy_ms"] > 0
+    assert r["bytes_mb"] < r["first_version_mb"]  # later versions carry trainable tensors only
+    assert r["rejected"] == 0 and r["shm_left"] == [] and r["source"] == ["shm"]
+    assert (tmp_path / "weights.json").is_file()

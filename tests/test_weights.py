@@ -250,6 +250,23 @@ def test_stream_serves_readers_when_shared_memory_is_off(relay):
     assert segments_of_run(rid) == []
 
 
+def test_a_killed_publishers_store_is_swept_by_the_next_one():
+    rid = run_id()
+    code = ("import sys, time; from rlvla3.weights.store import WeightStore; "
+            f"s = WeightStore('{rid}', 4096, 4096); print(s.name, flush=True); time.sleep(60)")
+    p = subprocess.Popen([sys.executable, "-c", code], stdout=subprocess.PIPE, text=True, start_new_session=True,
+                         env={**os.environ, "PYTHONPATH": str(ROOT)})
+    name = p.stdout.readline().strip()
+    assert segments_of_run(rid) == [name]
+    os.killpg(p.pid, 9)  # its resource_tracker dies with it: nobody unlinks the store
+    p.wait(10)
+    p.stdout.close()
+    assert segments_of_run(rid) == [name]  # left behind
+    pub = WeightPublisher(tiny_model(4), run_id(), stream_bind="")  # sweeps at start
+    pub.close()
+    assert segments_of_run(rid) == []
+
+
 # -- pure rules --------------------------------------------------------------------------------
 
 

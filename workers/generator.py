@@ -74,7 +74,8 @@ class GeneratorWorker(WorkerBase):
         torch.set_num_threads(max(1, cfg.workers.torch_threads))
         self.policy = build_policy(cfg, device=self.device)
         self.policy.eval()
-        self.receiver = WeightReceiver(self.policy, self.host, shm=cfg.weights.shm, bucket_mb=cfg.weights.bucket_mb)
+        self.receiver = WeightReceiver(self.policy, self.host, shm=cfg.weights.shm, bucket_mb=cfg.weights.bucket_mb,
+                                       copy_threads=cfg.weights.copy_threads)
 
     def start(self) -> None:
         cfg = self.cfg
@@ -152,6 +153,7 @@ class GeneratorWorker(WorkerBase):
             self.version = staged.version
             log.info("weights_swapped", version=self.version, source=staged.source, mb=round(staged.nbytes / 1e6, 2),
                      fetch_ms=round(staged.fetch_ms, 2), swap_ms=round((time.perf_counter() - t0) * 1000, 3))
+            self.weights_runner.submit(self.receiver.release, ("weights_released", None))
             self._fetch_next()
         msg, self.pending_weights = self.pending_weights, None
         if msg is not None:
@@ -252,6 +254,8 @@ class GeneratorWorker(WorkerBase):
         return res, time.perf_counter() - t0
 
     def on_job_done(self, tag: Any, result: Any, error: BaseException | None) -> None:
+        if tag[0] == "weights_released":
+            return
         if tag[0] == "weights":
             self.receiver.fetched(tag[1], result, error, time.monotonic())
             if self.receiver.staged is not None and not self.busy:

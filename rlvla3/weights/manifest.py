@@ -19,6 +19,7 @@ the broker's authenticated channel, and its checksums vouch for bytes read from 
 from __future__ import annotations
 
 import math
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Any, Iterable
 
@@ -186,3 +187,11 @@ def copy_and_hash(dst: np.ndarray, src: np.ndarray) -> int:
         np.copyto(dst[a:b], src[a:b])
         h.update(dst[a:b])
     return h.intdigest()
+
+
+def copy_many(pairs: list[tuple[np.ndarray, np.ndarray]], pool: ThreadPoolExecutor | None) -> list[int]:
+    """:func:`copy_and_hash` over (dst, src) pairs, spread over ``pool``'s threads (numpy's copy
+    and xxhash leave the GIL, so a few threads reach more of the memory bandwidth)."""
+    if pool is None:
+        return [copy_and_hash(d, s) for d, s in pairs]
+    return list(pool.map(lambda p: copy_and_hash(*p), pairs))

@@ -13,6 +13,7 @@ store whatever the number of generators.
 from __future__ import annotations
 
 import time
+from concurrent.futures import ThreadPoolExecutor
 from typing import Any, Iterator
 
 import numpy as np
@@ -20,9 +21,9 @@ import structlog
 import torch
 
 from rlvla3.protocol import as_numpy, dtype_name
-from rlvla3.shm import host_id
+from rlvla3.shm import host_id, sweep_leftovers
 from rlvla3.weights.announce import Announcement
-from rlvla3.weights.manifest import FROZEN, SLOTS, Entry, Layout, Manifest, checksum, copy_and_hash
+from rlvla3.weights.manifest import FROZEN, SLOTS, Entry, Layout, Manifest, checksum, copy_many
 from rlvla3.weights.store import WeightStore
 from rlvla3.weights.stream import StreamServer
 
@@ -41,18 +42,22 @@ class WeightPublisher:
     """Publishes a module's versions through a shared-memory store (and a stream for other hosts).
 
     ``shm``: announce the store to same-host generators; ``stream_bind``: serve other hosts (or
-    every generator when ``shm`` is off) from this endpoint; empty disables the stream."""
+    every generator when ``shm`` is off) from this endpoint; empty disables the stream;
+    ``copy_threads``: threads that copy and hash tensors into the store."""
 
     def __init__(self, module: torch.nn.Module, run_id: str, *, shm: bool = True,
-                 stream_bind: str = "tcp://127.0.0.1:0", advertise_host: str = "", host: str | None = None) -> None:
+                 stream_bind: str = "tcp://127.0.0.1:0", advertise_host: str = "", host: str | None = None,
+                 copy_threads: int = 2) -> None:
         if not shm and not stream_bind:
             raise ValueError("weights: with shm off, a stream endpoint is needed (weights.stream_bind)")
         self.module = module
+        sweep_leftovers()  # stores (and pools) of processes that died without unlinking
         self.layout = Layout.plan((n, dtype_name(t), tuple(t.shape), tr) for n, t, tr in module_tensors(module))
         self.store = WeightStore(run_id, self.layout.frozen_bytes, self.layout.slot_bytes)
         self.stream = StreamServer(self.store, stream_bind, advertise_host) if stream_bind else None
         self.shm = shm
         self.host = host or host_id()
+        self.pool = ThreadPoolExecutor(copy_threads, thread_name_prefix="weights-copy") if copy_threads > 1 else None
         self.version = -1
         self._count = 0
         self._frozen: list[Entry] = []
@@ -83,8 +88,7 @@ class WeightPublisher:
 
     def _write(self, region: int, version: int, current: dict[str, tuple[torch.Tensor, bool]], trainable: bool) -> list[Entry]:
         base = self.store.region_offset(region)
-        out = []
-        self.store.write_begin(region)
+        todo = []
         for spec in self.layout.specs:
             if spec.trainable != trainable:
                 continue
@@ -93,9 +97,13 @@ class WeightPublisher:
                 raise ValueError(f"weights: {spec.name} changed since the store was laid out "
                                  f"(now {None if t is None else (tuple(t.shape), dtype_name(t), tr)}); "
                                  "a model's tensors and their requires_grad must stay fixed")
-            dst = self.store.view(base + spec.rel_offset, spec.nbytes)
-            out.append(Entry(spec.name, spec.dtype, spec.shape, region, base + spec.rel_offset, spec.nbytes,
-                             _write_tensor(dst, t), version, spec.trainable))
+            todo.append((spec, self.store.view(base + spec.rel_offset, spec.nbytes), t.detach()))
+        self.store.write_begin(region)
+        on_host = [(dst, as_numpy(t).reshape(-1).view(np.uint8)) for _, dst, t in todo if t.device.type == "cpu"]
+        sums = iter(copy_many(on_host, self.pool))
+        out = [Entry(spec.name, spec.dtype, spec.shape, region, base + spec.rel_offset, spec.nbytes,
+                     next(sums) if t.device.type == "cpu" else _from_device(dst, t), version, spec.trainable)
+               for spec, dst, t in todo]
         self.store.write_end(region, version)
         return out
 
@@ -103,16 +111,13 @@ class WeightPublisher:
         """Stop the stream and unlink the store (readers keep what they copied)."""
         if self.stream is not None:
             self.stream.close()
+        if self.pool is not None:
+            self.pool.shutdown()
         self.store.close()
 
 
-def _write_tensor(dst: np.ndarray, t: torch.Tensor) -> int:
-    """Copy a tensor's bytes into ``dst`` (flat uint8) and return their checksum."""
-    if dst.nbytes == 0:
-        return checksum(dst)
-    t = t.detach()
-    if t.device.type == "cpu":
-        return copy_and_hash(dst, as_numpy(t).reshape(-1).view(np.uint8))
-    # On a device: one device-to-host copy straight into the store, then hash what landed.
-    torch.from_numpy(dst).view(t.dtype).view(t.shape).copy_(t)
+def _from_device(dst: np.ndarray, t: torch.Tensor) -> int:
+    """A device tensor: one device-to-host copy straight into the store, then hash what landed."""
+    if dst.nbytes:
+        torch.from_numpy(dst).view(t.dtype).view(t.shape).copy_(t)
     return checksum(dst)

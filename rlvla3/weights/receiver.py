@@ -23,6 +23,7 @@ serving what it has.
 from __future__ import annotations
 
 import time
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -32,7 +33,7 @@ import torch
 import zmq
 
 from rlvla3.weights.announce import Announcement, parse_announcement
-from rlvla3.weights.manifest import Entry, ManifestError, copy_and_hash
+from rlvla3.weights.manifest import Entry, ManifestError, copy_many
 from rlvla3.weights.publisher import module_tensors
 from rlvla3.weights.store import StoreReader, TornRead
 from rlvla3.weights.stream import stream_read
@@ -61,7 +62,8 @@ class Staged:
 
 
 class WeightReceiver:
-    def __init__(self, module: torch.nn.Module, host: str, *, shm: bool = True, bucket_mb: int = 128) -> None:
+    def __init__(self, module: torch.nn.Module, host: str, *, shm: bool = True, bucket_mb: int = 128,
+                 copy_threads: int = 2) -> None:
         self.module = module
         self.host = host
         self.use_shm = shm
@@ -78,8 +80,10 @@ class WeightReceiver:
         self.rejected = 0
         self._spare: dict[str, torch.Tensor] = {}
         self._pinned: dict[str, torch.Tensor] = {}
+        self._release: list[torch.Tensor] = []  # storage the last swap let go: freed on the weights thread
         self._stores: dict[str, StoreReader] = {}
         self._ctx: zmq.Context | None = None
+        self.pool = ThreadPoolExecutor(copy_threads, thread_name_prefix="weights-copy") if copy_threads > 1 else None
 
     # -- the state machine (generator's thread) -------------------------------------------
 
@@ -131,14 +135,21 @@ class WeightReceiver:
             old.data = new
             if name in staged.trainable and held.shape == new.shape and held.dtype == new.dtype:
                 self._spare[name] = held  # the next version lands here
+            else:
+                self._release.append(held)  # freeing a GB takes a while: not between two batches
         self.version = staged.version
         return staged
 
     # -- the fetch (worker thread) ---------------------------------------------------------
 
+    def release(self) -> None:
+        """Free the storage the last swap let go (on the weights thread, not the serving one)."""
+        self._release.clear()
+
     def fetch(self, ann: Announcement) -> Staged:
         """Copy and verify what changed since the held version. Touches no served tensor."""
         t0 = time.perf_counter()
+        self.release()
         entries = ann.manifest.changed_since(self.version)
         self._check_fits(ann, entries)
         host = {e.name: self._host_buffer(e) for e in entries}
@@ -197,7 +208,8 @@ class WeightReceiver:
         for e in entries:
             if e.region not in seqs:
                 seqs[e.region] = reader.read_begin(e.region, e.since)
-        sums = {e.name: copy_and_hash(flat[e.name], reader.view(e.offset, e.nbytes)) for e in entries}
+        sums = dict(zip((e.name for e in entries),
+                        copy_many([(flat[e.name], reader.view(e.offset, e.nbytes)) for e in entries], self.pool)))
         for region, seq in seqs.items():
             reader.read_end(region, seq)
         return sums
@@ -207,6 +219,8 @@ class WeightReceiver:
         buffers themselves). CUDA: pinned -> device on a side stream, finished before return."""
         out: dict[str, torch.Tensor] = {}
         stream = torch.cuda.Stream(self.device) if self.device.type == "cuda" else None
+        if stream is not None:  # the spares were served until the last swap: let those kernels end
+            stream.wait_stream(torch.cuda.current_stream(self.device))
         for e in entries:
             target, src = self.targets[e.name], host[e.name]
             if target.device == src.device and target.dtype == src.dtype:
@@ -231,6 +245,9 @@ class WeightReceiver:
         self._stores.clear()
         self._spare.clear()
         self._pinned.clear()
+        self._release.clear()
+        if self.pool is not None:
+            self.pool.shutdown()
         if self._ctx is not None:
             self._ctx.term()
             self._ctx = None
