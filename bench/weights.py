@@ -22,8 +22,9 @@ store) to the moment the last reader has swapped (CLOCK_MONOTONIC, shared by pro
 host); median over versions 1.. (version 0 carries the frozen tensors too and pays the readers'
 first page faults: ``first_version_ms``). ``copies`` = 2 (model -> store, store -> the reader's
 staging tensors; the swap re-points parameters, no copy). ``memcpy_ms`` is ``np.copyto`` of
-the same number of bytes between two pre-touched buffers, ``hash_ms`` xxh3-64 over them (the
-path hashes on both sides). ``ratio`` = publish_to_swap / (memcpy x copies).
+the same number of bytes between two pre-touched buffers, one thread, timed right after each
+version's swap (median), ``hash_ms`` xxh3-64 over them (the path hashes on both sides).
+``ratio`` = publish_to_swap / (memcpy x copies), from the medians (``ratio_per_version`` too).
 ``max_serving_gap_ms`` is the longest time between two forward passes of a reader after its
 first swap (the swap itself is ``max_swap_ms``, first swap excluded), to compare with
 ``forward_ms``. ``copy_threads`` threads copy and hash on each side (``weights.copy_threads``).
@@ -230,19 +231,21 @@ def reader(args: argparse.Namespace) -> None:
 # -- the benchmark -----------------------------------------------------------------------------
 
 
-def baseline(nbytes: int, reps: int = 3) -> tuple[float, float]:
-    """(memcpy_ms, hash_ms): medians over ``reps`` of np.copyto and xxh3-64 of ``nbytes``."""
-    src = np.ones(nbytes, dtype=np.uint8)
-    dst = np.zeros(nbytes, dtype=np.uint8)  # both touched: no page faults in the timing
-    cp, hs = [], []
-    for _ in range(reps):
+class Baseline:
+    """A plain memcpy (np.copyto, one thread) and an xxh3-64 of the bytes one version moves,
+    timed right after each version's swap so that both see the same load."""
+
+    def __init__(self, nbytes: int) -> None:
+        self.src = np.ones(nbytes, dtype=np.uint8)
+        self.dst = np.zeros(nbytes, dtype=np.uint8)  # both touched: no page faults in the timing
+        np.copyto(self.dst, self.src)
+
+    def measure(self) -> tuple[float, float]:
         t = time.perf_counter()
-        np.copyto(dst, src)
-        cp.append((time.perf_counter() - t) * 1000)
-        t = time.perf_counter()
-        xxhash.xxh3_64_intdigest(src)
-        hs.append((time.perf_counter() - t) * 1000)
-    return statistics.median(cp), statistics.median(hs)
+        np.copyto(self.dst, self.src)
+        t1 = time.perf_counter()
+        xxhash.xxh3_64_intdigest(self.src)
+        return (t1 - t) * 1000, (time.perf_counter() - t1) * 1000
 
 
 class Bench:
@@ -288,6 +291,9 @@ class Bench:
                               "--report", self.pull.getsockopt_string(zmq.LAST_ENDPOINT)], timeout_s=120)[0]
                  for n in names]
         pub = WeightPublisher(model, rid, stream_bind="", copy_threads=self.copy_threads)
+        base = Baseline(pub.layout.trainable_bytes)
+        memcpy_ms: list[float] = []
+        hash_ms: list[float] = []
         swapped = lambda v: [e for e in self.events if e["event"] == "swapped" and e["version"] == v]  # noqa: E731
         try:
             self.drain(lambda: {e["name"] for e in self.events if e["event"] == "ready"} >= set(names), 120, "readers ready")
@@ -310,6 +316,10 @@ class Bench:
                     ann_bytes = len(P.encode(P.WEIGHTS, fields)[0])
                 self.drain(lambda: len(swapped(v)) >= n_readers, 120, f"version {v} swapped by every reader")
                 per_version.append((max(e["t_ns"] for e in swapped(v)) - t0) / 1e6)
+                if v > first:
+                    cp, hs = base.measure()
+                    memcpy_ms.append(cp)
+                    hash_ms.append(hs)
                 announce_ms.append((max(e["offer_ns"] for e in swapped(v)) - t1) / 1e6)
             self.next_version = first + versions + 1
             self.ctl.send(b"stop")
@@ -324,8 +334,7 @@ class Bench:
         stats = [e for e in self.events if e["event"] == "stats"]
         steady = per_version[1:] or per_version
         nbytes = swapped(first + versions)[0]["nbytes"]
-        memcpy_ms, hash_ms = baseline(nbytes)
-        p2s = statistics.median(steady)
+        p2s, memcpy = statistics.median(steady), statistics.median(memcpy_ms)
         return {
             "size": size, "readers": n_readers, "copy_threads": self.copy_threads, "params_m": round(params_m(model), 2),
             "bytes_mb": round(nbytes / 1e6, 2), "first_version_mb": round(swapped(first)[0]["nbytes"] / 1e6, 2),
@@ -333,8 +342,10 @@ class Bench:
             "first_version_ms": round(per_version[0], 2), "publish_write_ms": round(statistics.median(publish_ms[1:] or publish_ms), 2),
             "announce_ms": round(statistics.median(announce_ms[1:] or announce_ms), 2),
             "reader_fetch_ms": round(statistics.median(e["fetch_ms"] for e in self.events if e["event"] == "swapped" and e["version"] > first), 2),
-            "memcpy_ms": round(memcpy_ms, 2), "copies": COPIES, "ratio": round(p2s / (memcpy_ms * COPIES), 3),
-            "hash_ms": round(hash_ms, 2), "gb_per_s_to_every_reader": round(nbytes / 1e9 / (p2s / 1000), 3),
+            "memcpy_ms": round(memcpy, 2), "memcpy_ms_all": [round(x, 2) for x in memcpy_ms], "copies": COPIES,
+            "ratio": round(p2s / (memcpy * COPIES), 3),
+            "ratio_per_version": [round(a / (b * COPIES), 3) for a, b in zip(steady, memcpy_ms)],
+            "hash_ms": round(statistics.median(hash_ms), 2), "gb_per_s_to_every_reader": round(nbytes / 1e9 / (p2s / 1000), 3),
             "max_serving_gap_ms": round(max(s["max_gap_ms"] or 0 for s in stats), 3),
             "max_swap_ms": round(max(s["max_swap_ms"] or 0 for s in stats), 3),
             "forward_ms": round(statistics.median(s["forward_ms"] or 0 for s in stats), 3),
