@@ -28,10 +28,10 @@ import torch
 import zmq
 
 from rlvla3 import protocol as P
-from workers.base import WorkerBase
-from workers.envs.base import concat_obs, slice_obs
 from rlvla3.weights.manifest import ManifestError
 from rlvla3.weights.receiver import WeightReceiver
+from workers.base import WorkerBase
+from workers.envs.base import concat_obs, slice_obs
 from workers.model import build_policy, load_state_from_message
 
 log = structlog.get_logger()
