@@ -1,7 +1,8 @@
 """Publish -> every reader swapped: weight versions through the shared-memory store, against a
 plain memcpy of the same bytes measured in the same run.
 
-    python bench/weights.py [--sizes tiny,medium] [--readers 1,2] [--versions 4] [--quick | --smoke] [--out DIR]
+    python bench/weights.py [--sizes tiny,medium] [--readers 1,2] [--versions 4] [--copy-threads 2]
+                            [--quick | --smoke] [--out DIR]
 
 Processes, all on this host:
 
@@ -375,7 +376,7 @@ def main() -> None:
     ap.add_argument("--readers", default="1,2")
     ap.add_argument("--versions", type=int, default=4)
     ap.add_argument("--copy-threads", type=int, default=2, help="weights.copy_threads, both sides")
-    ap.add_argument("--quick", action="store_true", help="2 versions per run (under a minute)")
+    ap.add_argument("--quick", action="store_true", help="the last of --sizes only, 1 reader, 2 versions (about a minute)")
     ap.add_argument("--smoke", action="store_true", help="tiny, 1 reader, 2 versions (seconds)")
     ap.add_argument("--out", default="")
     args = ap.parse_args()
@@ -383,8 +384,8 @@ def main() -> None:
         return broker_stand_in()
     if args.child == "reader":
         return reader(args)
-    sizes = ["tiny"] if args.smoke else args.sizes.split(",")
-    readers = [1] if args.smoke else [int(r) for r in args.readers.split(",")]
+    sizes = ["tiny"] if args.smoke else args.sizes.split(",")[-1:] if args.quick else args.sizes.split(",")
+    readers = [1] if (args.smoke or args.quick) else [int(r) for r in args.readers.split(",")]
     versions = 2 if (args.quick or args.smoke) else args.versions
     torch.set_num_threads(1)
     bench = Bench(args.copy_threads)
