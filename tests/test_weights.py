@@ -24,10 +24,11 @@ import torch
 import zmq
 
 from rlvla3 import protocol as P
-from rlvla3.shm import segments_of_run
+from rlvla3.shm import host_id, segments_of_run
 from rlvla3.weights.announce import LatestWeights, parse_announcement
 from rlvla3.weights.manifest import Entry, ManifestError, Manifest
 from rlvla3.weights.publisher import WeightPublisher
+from rlvla3.weights.receiver import WeightReceiver
 from rlvla3.weights.stream import plan_buckets
 from tests.conftest import wait_until
 from tests.weights_peer import digest, tiny_model
@@ -264,6 +265,27 @@ def test_a_killed_publishers_store_is_swept_by_the_next_one():
     assert segments_of_run(rid) == [name]  # left behind
     pub = WeightPublisher(tiny_model(4), run_id(), stream_bind="")  # sweeps at start
     pub.close()
+    assert segments_of_run(rid) == []
+
+
+def test_a_version_that_does_not_fit_is_dropped_and_the_weights_stay():
+    rid = run_id()
+    other = torch.nn.Sequential(tiny_model(5), torch.nn.Linear(4, 4))  # other names
+    pub = WeightPublisher(other, rid, stream_bind="")
+    model = tiny_model(None)
+    before = digest(model)
+    rx = WeightReceiver(model, host_id())
+    try:
+        assert rx.offer(pub.publish(0))
+        ann = rx.next_fetch(time.monotonic())
+        with pytest.raises(ManifestError, match="lacks|this model lacks") as err:
+            rx.fetch(ann)
+        rx.fetched(ann, None, err.value, time.monotonic())
+        assert rx.next_fetch(time.monotonic() + 60) is None  # not retried
+        assert rx.swap() is None and rx.version == -1 and digest(model) == before
+    finally:
+        rx.close()
+        pub.close()
     assert segments_of_run(rid) == []
 
 
