@@ -196,6 +196,22 @@ class WorkersConfig:
 
 
 @dataclass
+class WeightsConfig:
+    shm: bool = True
+    """Generators on trainer rank 0's host read each version from its shared-memory weight
+    store; off: every generator fetches from the stream."""
+    stream_bind: str = "tcp://127.0.0.1:0"
+    """Where trainer rank 0 serves versions to generators on other hosts (``tcp://0.0.0.0:0``
+    across hosts); empty: no stream (then ``shm`` must be on)."""
+    advertise_host: str = ""
+    """Host name announced for a wildcard ``stream_bind`` (empty: this machine's host name)."""
+    bucket_mb: int = 128
+    """Bytes (MiB) per bucket on the stream: one FETCH, one reply frame (1-256)."""
+    copy_threads: int = 2
+    """Threads that copy and hash weights into the store (trainer) and out of it (generator)."""
+
+
+@dataclass
 class JobConfig:
     run: RunConfig = field(default_factory=RunConfig)
     broker: BrokerConfig = field(default_factory=BrokerConfig)
@@ -204,6 +220,7 @@ class JobConfig:
     model: ModelConfig = field(default_factory=ModelConfig)
     algo: AlgoConfig = field(default_factory=AlgoConfig)
     workers: WorkersConfig = field(default_factory=WorkersConfig)
+    weights: WeightsConfig = field(default_factory=WeightsConfig)
 
     def to_dict(self) -> dict[str, Any]:
         return dataclasses.asdict(self)
@@ -346,6 +363,12 @@ def validate(cfg: JobConfig) -> None:
         raise ConfigError("workers.simulators, workers.generators and workers.trainers must be >= 0")
     if cfg.model.dtype not in ("auto", "float32", "bfloat16"):
         raise ConfigError(f"model.dtype: {cfg.model.dtype!r} not in ('auto', 'float32', 'bfloat16')")
+    if cfg.weights.copy_threads < 1:
+        raise ConfigError("weights.copy_threads must be >= 1")
+    if not 1 <= cfg.weights.bucket_mb <= 256:
+        raise ConfigError(f"weights.bucket_mb: {cfg.weights.bucket_mb} not in 1..256")
+    if not cfg.weights.shm and not cfg.weights.stream_bind:
+        raise ConfigError("weights.stream_bind: empty with weights.shm off leaves generators no way to fetch weights")
     _validate_algo(cfg)
 
 

@@ -24,8 +24,12 @@ Message types and who sends them (``->B`` = to the broker, ``B->`` = from the br
     RESULT      gen ->B   the outputs of one BATCH, per request
     TRAJ        sim ->B, B-> trainer   a finished trajectory fragment
     TRAJ_ACK    trainer ->B, B-> sim   trajectories taken (the sim may free their buffers)
-    WEIGHTS     trainer ->B, B-> gen (PUB and snapshot reply)   a policy version
+    WEIGHTS     trainer ->B, B-> gen (PUB and snapshot reply)   a policy version: an
+                announcement (version, manifest, where the bytes are), never the bytes
+                (rlvla3/weights/); the inline-tensor form is what today's trainer still sends
     SNAPSHOT    gen ->B   ask for the latest WEIGHTS (Clone pattern: subscribe first, then ask)
+    FETCH       gen -> trainer rank 0's weight stream (not the broker): one bucket of a version
+    BUCKET      weight stream -> gen   that bucket's bytes (one inline uint8 tensor) or an error
     TRAIN       trainer ->B   phase of the trainer (begin/end of an update), for alternating modes
     STATUS      any ->B   live figures; B-> reply with them
     ERROR       B-> any   the sender's message was bad: code + reason; the message is dropped
@@ -63,10 +67,12 @@ SNAPSHOT = "SNAPSHOT"
 TRAIN = "TRAIN"
 STATUS = "STATUS"
 ERROR = "ERROR"
+FETCH = "FETCH"
+BUCKET = "BUCKET"
 
 MESSAGE_TYPES = (
     READY, HEARTBEAT, DISCONNECT, OBS, ACT, BATCH, RESULT, TRAJ, TRAJ_ACK,
-    WEIGHTS, SNAPSHOT, TRAIN, STATUS, ERROR,
+    WEIGHTS, SNAPSHOT, TRAIN, STATUS, ERROR, FETCH, BUCKET,
 )
 
 ROLES = ("simulator", "generator", "trainer", "client")
@@ -129,6 +135,8 @@ SCHEMA: dict[str, dict[str, tuple[type, ...]]] = {
     TRAIN: {"phase": _STR, "version": _INT},
     STATUS: {},
     ERROR: {"code": _STR, "reason": _STR},
+    FETCH: {"version": _INT, "region": _INT, "offset": _INT, "nbytes": _INT},
+    BUCKET: {"version": _INT, "region": _INT, "offset": _INT},
 }
 
 

@@ -38,7 +38,8 @@ ALIGN = 64
 POISON = np.float32(-42.42)
 """Unwritten pool memory reads as this (Sample Factory's marker), so stale reads show up."""
 SHM_DIR = Path("/dev/shm")
-_NAME_RE = re.compile(rf"^{SHM_PREFIX}([A-Za-z0-9]+)_(\d+)_(\d+)$")
+_NAME_RE = re.compile(rf"^{SHM_PREFIX}([A-Za-z0-9]+)_(\d+)_(w?\d+)$")
+"""Pools are ``rlvla3_<run>_<pid>_<k>``, weight stores (rlvla3/weights/store.py) ``..._w<k>``."""
 
 
 def host_id() -> str:

@@ -110,9 +110,19 @@ def check_learning(r: dict[str, Any], out: Path) -> None:
     assert json.loads((folder / "results.json").read_text()) == r
 
 
+def check_weights(r: dict[str, Any], out: Path) -> None:
+    for key in ("params_m", "bytes_mb", "publish_to_swap_ms", "memcpy_ms", "ratio", "max_serving_gap_ms",
+                "broker_rss_mb", "copies", "hash_ms", "runs"):
+        assert key in r, key
+    assert r["copies"] == 2 and r["publish_to_swap_ms"] > 0 and r["memcpy_ms"] > 0
+    assert r["bytes_mb"] < r["first_version_mb"]  # later versions carry trainable tensors only
+    assert r["rejected"] == 0 and r["shm_left"] == [] and r["source"] == ["shm"]
+    assert (out / "weights.json").is_file()
+
+
 CHECKS: dict[str, Callable[[dict[str, Any], Path], None]] = {
     "latency": check_latency, "transfer": check_transfer, "ablation": check_ablation,
-    "sim_latency": check_sim_latency, "generator": check_generator, "learning": check_learning,
+    "sim_latency": check_sim_latency, "generator": check_generator, "learning": check_learning, "weights": check_weights,
 }
 
 

@@ -3,8 +3,16 @@ between batches, never during one.
 
 Weights follow the ZeroMQ Guide's Clone pattern: subscribe to the broker's PUB first, then ask
 the broker for its snapshot (SNAPSHOT), then apply only updates newer than what we hold. Until
-the snapshot reply arrives the generator announces no credits, so it takes no batches with
+the snapshot's version is in, the generator announces no credits, so it takes no batches with
 weights older than the job's.
+
+A WEIGHTS announcement (version + manifest + where the bytes are) goes to a
+:class:`~rlvla3.weights.receiver.WeightReceiver`: a "weights" thread copies and verifies the
+version beside the served weights (from the trainer's shared-memory store on this host, or its
+stream), and the loop swaps it in at the next gap between batches. A torn or corrupt version is
+fetched again; one that cannot be had leaves the served weights as they are. A WEIGHTS with
+inline tensors (what the trainer sends until it publishes through ``WeightPublisher``) is
+loaded as before.
 """
 
 from __future__ import annotations
@@ -20,6 +28,8 @@ import torch
 import zmq
 
 from rlvla3 import protocol as P
+from rlvla3.weights.manifest import ManifestError
+from rlvla3.weights.receiver import WeightReceiver
 from workers.base import WorkerBase
 from workers.envs.base import concat_obs, slice_obs
 from workers.model import build_policy, load_state_from_message
@@ -49,6 +59,8 @@ class GeneratorWorker(WorkerBase):
         self.version = 0
         self.serving = False
         self.pending_weights: P.Message | None = None
+        self.receiver: WeightReceiver | None = None
+        self.serve_after: int | None = None  # serving starts once this (snapshot) version is in
         self.batches: deque[tuple] = deque()
         self.busy = False
         self.served = 0
@@ -62,10 +74,13 @@ class GeneratorWorker(WorkerBase):
         torch.set_num_threads(max(1, cfg.workers.torch_threads))
         self.policy = build_policy(cfg, device=self.device)
         self.policy.eval()
+        self.receiver = WeightReceiver(self.policy, self.host, shm=cfg.weights.shm, bucket_mb=cfg.weights.bucket_mb,
+                                       copy_threads=cfg.weights.copy_threads)
 
     def start(self) -> None:
         cfg = self.cfg
         self.runner = self.new_runner("forward")
+        self.weights_runner = self.new_runner("weights")
         self.sub = self.ctx.socket(zmq.SUB)
         self.sub.setsockopt(zmq.SUBSCRIBE, b"W")
         self.sub.setsockopt(zmq.RCVHWM, 4)
@@ -96,7 +111,34 @@ class GeneratorWorker(WorkerBase):
                 log.warning("bad_weights_message", code=err.code, reason=err.reason)
                 continue
             if msg.type == P.WEIGHTS:
-                self._offer_weights(msg)
+                self._on_weights(msg)
+
+    def _on_weights(self, msg: P.Message) -> None:
+        """A version from PUB or the snapshot reply."""
+        if "manifest" not in msg.header:
+            self._offer_weights(msg)
+            return
+        try:
+            self.receiver.offer(msg.header)
+        except ManifestError as err:
+            log.warning("bad_weights_announcement", version=msg.get("version"), error=str(err)[:300])
+            return
+        self._fetch_next()
+
+    def _fetch_next(self) -> None:
+        ann = self.receiver.next_fetch(time.monotonic())
+        if ann is not None:
+            self.weights_runner.submit(lambda: self.receiver.fetch(ann), ("weights", ann))
+
+    def _weights_waiting(self) -> bool:
+        return self.pending_weights is not None or (self.receiver is not None and self.receiver.staged is not None)
+
+    def tick(self, now: float) -> None:
+        self._fetch_next()  # a retry whose back-off has passed
+
+    def teardown(self) -> None:
+        if self.receiver is not None:
+            self.receiver.close()
 
     def _offer_weights(self, msg: P.Message) -> None:
         if msg["version"] > max(self.version, self.pending_weights["version"] if self.pending_weights else -1):
@@ -105,24 +147,39 @@ class GeneratorWorker(WorkerBase):
                 self._swap_weights()
 
     def _swap_weights(self) -> None:
-        msg, self.pending_weights = self.pending_weights, None
-        if msg is None:
-            return
         t0 = time.perf_counter()
-        load_state_from_message(self.policy, msg, self.attach)
-        self.version = msg["version"]
-        log.info("weights_swapped", version=self.version, ms=round((time.perf_counter() - t0) * 1000, 2))
+        staged = self.receiver.swap() if self.receiver is not None else None
+        if staged is not None:
+            self.version = staged.version
+            log.info("weights_swapped", version=self.version, source=staged.source, mb=round(staged.nbytes / 1e6, 2),
+                     fetch_ms=round(staged.fetch_ms, 2), swap_ms=round((time.perf_counter() - t0) * 1000, 3))
+            self.weights_runner.submit(self.receiver.release, ("weights_released", None))
+            self._fetch_next()
+        msg, self.pending_weights = self.pending_weights, None
+        if msg is not None:
+            load_state_from_message(self.policy, msg, self.attach)
+            self.version = msg["version"]
+            log.info("weights_swapped", version=self.version, source="inline", ms=round((time.perf_counter() - t0) * 1000, 2))
+        if self.serve_after is not None and self.receiver.version >= self.serve_after:
+            self.serve_after = None
+            self._start_serving()
+
+    def _start_serving(self) -> None:
+        if not self.serving:
+            self.serving = True
+            self.send(P.HEARTBEAT, self.heartbeat_fields())
+            log.info("generator_serving", version=self.version)
 
     # -- batches ------------------------------------------------------------------------------
 
     def on_message(self, msg: P.Message) -> None:
         if msg.type == P.WEIGHTS:  # snapshot reply
             if msg["version"] >= 0:
-                self._offer_weights(msg)
-            if not self.serving:
-                self.serving = True
-                self.send(P.HEARTBEAT, self.heartbeat_fields())
-                log.info("generator_serving", version=self.version)
+                self._on_weights(msg)
+            if self.receiver.version < msg["version"] <= self.receiver.newest():
+                self.serve_after = msg["version"]  # serve once it is fetched and swapped in
+            else:
+                self._start_serving()
         elif msg.type == P.BATCH:
             # Gather now, even while a forward pass runs: the next batch is ready the moment
             # the current one finishes (its slots do not rewrite their observations before ACT).
@@ -138,7 +195,7 @@ class GeneratorWorker(WorkerBase):
     def _next_batch(self) -> None:
         if self.busy or not self.batches:
             return
-        if self.pending_weights is not None:
+        if self._weights_waiting():
             self._swap_weights()
         batch_id, obs, sizes, det, queue_us = self.batches.popleft()
         self.busy = True
@@ -197,9 +254,20 @@ class GeneratorWorker(WorkerBase):
         return res, time.perf_counter() - t0
 
     def on_job_done(self, tag: Any, result: Any, error: BaseException | None) -> None:
+        if tag[0] == "weights_released":
+            return
+        if tag[0] == "weights":
+            self.receiver.fetched(tag[1], result, error, time.monotonic())
+            if self.receiver.staged is not None and not self.busy:
+                self._swap_weights()
+            if self.serve_after is not None and self.receiver.newest() < self.serve_after:
+                self.serve_after = None  # the snapshot's version was dropped: serve what we have
+                self._start_serving()
+            self._fetch_next()
+            return
         batch_id, sizes, version, queue_us = tag
         self.busy = False
-        if self.pending_weights is not None:
+        if self._weights_waiting():
             self._swap_weights()  # between batches, never during one
         threaded = self.forward_ema_s >= INLINE_FORWARD_S
         if threaded:

@@ -99,7 +99,9 @@ def load_checkpoint_weights(policy: Policy, path: str) -> None:
 
 
 def state_tensors(policy: torch.nn.Module) -> dict[str, torch.Tensor]:
-    """The state dict as CPU tensors ready to travel (bf16 stays bf16)."""
+    """The state dict as CPU tensors ready to travel (bf16 stays bf16). Inline WEIGHTS only:
+    goes, with :func:`load_state_from_message`, once the trainer publishes through
+    ``rlvla3.weights.publisher.WeightPublisher``."""
     return {k: v.detach().to("cpu").contiguous() for k, v in policy.state_dict().items()}
 
 

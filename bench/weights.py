@@ -1,0 +1,416 @@
+"""Publish -> every reader swapped: weight versions through the shared-memory store, against a
+plain memcpy of the same bytes measured in the same run.
+
+    python bench/weights.py [--sizes tiny,medium] [--readers 1,2] [--versions 4] [--copy-threads 2]
+                            [--quick | --smoke] [--out DIR]
+
+Processes, all on this host:
+
+- this process plays trainer rank 0: a :class:`WeightPublisher` over a transformer-shaped bf16
+  model (``medium``: Qwen2-0.5B's shapes, 494M parameters, the 136M-parameter embedding frozen;
+  built on the meta device and materialised in bf16, never as an fp32 copy). Each version
+  changes every trainable tensor, is written into the store and announced;
+- a broker stand-in process runs the broker's weight rule (:class:`LatestWeights`) behind a
+  ROUTER (WEIGHTS in) and a PUB (WEIGHTS out), as the broker will: its RSS is
+  ``broker_rss_mb`` (max over the run; not the whole broker, only the part that used to hold
+  the weights);
+- 1 or 2 reader processes, each a :class:`WeightReceiver` beside a serving loop that runs
+  "forward passes" (bf16 matmuls through the model's first layers) back to back; a weights
+  thread fetches and verifies, the loop swaps between two passes.
+
+Per version: ``publish_to_swap_ms`` runs from the start of ``publish()`` (the copy into the
+store) to the moment the last reader has swapped (CLOCK_MONOTONIC, shared by processes on one
+host); median over versions 1.. (version 0 carries the frozen tensors too and pays the readers'
+first page faults: ``first_version_ms``). ``copies`` = 2 (model -> store, store -> the reader's
+staging tensors; the swap re-points parameters, no copy). ``memcpy_ms`` is ``np.copyto`` of
+the same number of bytes between two pre-touched buffers, one thread, timed right after each
+version's swap (median), ``hash_ms`` xxh3-64 over them (the path hashes on both sides).
+``ratio`` = publish_to_swap / (memcpy x copies), from the medians (``ratio_per_version`` too).
+``max_serving_gap_ms`` is the longest time between two forward passes of a reader after its
+first swap (the swap itself is ``max_swap_ms``, first swap excluded), to compare with
+``forward_ms``. ``copy_threads`` threads copy and hash on each side (``weights.copy_threads``).
+
+Last line of stdout: one JSON object, the headline run's keys (largest size, most readers)
+plus ``runs`` (every size x readers). The machine this runs on may be shared and noisy.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import sys
+import time
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+import xxhash
+import zmq
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from bench._common import emit, note, start_child, stop_child  # noqa: E402
+from rlvla3 import protocol as P  # noqa: E402
+from rlvla3.shm import host_id, segments_of_run  # noqa: E402
+from rlvla3.weights.announce import LatestWeights  # noqa: E402
+from rlvla3.weights.publisher import WeightPublisher  # noqa: E402
+from rlvla3.weights.receiver import WeightReceiver  # noqa: E402
+
+SIZES = {
+    # name: (hidden, ffn, layers, vocab, kv)
+    "tiny": (64, 256, 2, 1000, 16),
+    "medium": (896, 4864, 24, 151936, 128),  # Qwen2-0.5B's shapes: 494M parameters
+}
+COPIES = 2
+BATCH_MS = 5.0
+"""A reader's forward pass lasts at least this long (matmuls, then a sleep for the rest)."""
+
+
+# -- the model: transformer-shaped, bf16, built on meta ------------------------------------------
+
+
+class Layer(torch.nn.Module):
+    def __init__(self, h: int, ffn: int, kv: int) -> None:
+        super().__init__()
+        self.q = torch.nn.Linear(h, h)
+        self.k = torch.nn.Linear(h, kv)
+        self.v = torch.nn.Linear(h, kv)
+        self.o = torch.nn.Linear(h, h, bias=False)
+        self.gate = torch.nn.Linear(h, ffn, bias=False)
+        self.up = torch.nn.Linear(h, ffn, bias=False)
+        self.down = torch.nn.Linear(ffn, h, bias=False)
+        self.norm1 = torch.nn.RMSNorm(h)
+        self.norm2 = torch.nn.RMSNorm(h)
+
+
+class TransformerShaped(torch.nn.Module):
+    def __init__(self, hidden: int, ffn: int, layers: int, vocab: int, kv: int) -> None:
+        super().__init__()
+        self.embed = torch.nn.Embedding(vocab, hidden)
+        self.layers = torch.nn.ModuleList(Layer(hidden, ffn, kv) for _ in range(layers))
+        self.norm = torch.nn.RMSNorm(hidden)
+        self.register_buffer("rope_inv_freq", torch.ones(hidden // 28 or 1))
+
+
+def build_model(size: str, init: bool) -> torch.nn.Module:
+    """On the meta device, then materialised in bf16 (no fp32 copy ever exists). ``init``:
+    fill with small random values (the publisher); otherwise zeros (a reader, whose version 0
+    arrives through the store; zeroing touches its pages as a real build would)."""
+    with torch.device("meta"):
+        m = TransformerShaped(*SIZES[size]).to(torch.bfloat16)
+    m = m.to_empty(device="cpu")
+    m.embed.weight.requires_grad_(False)  # a frozen tower: sent once
+    g = torch.Generator().manual_seed(0)
+    with torch.no_grad():
+        for t in [*m.parameters(), *m.buffers()]:
+            t.uniform_(-0.02, 0.02, generator=g) if init else t.zero_()
+    return m
+
+
+def params_m(m: torch.nn.Module) -> float:
+    return sum(p.numel() for p in m.parameters()) / 1e6
+
+
+# -- children ----------------------------------------------------------------------------------
+
+
+def rss_mb() -> float:
+    for line in Path("/proc/self/status").read_text().splitlines():
+        if line.startswith("VmRSS:"):
+            return int(line.split()[1]) / 1024
+    return float("nan")
+
+
+def broker_stand_in() -> None:
+    """The broker's weight duty: LatestWeights behind ROUTER (in) and PUB (out)."""
+    ctx = zmq.Context()
+    router, pub = ctx.socket(zmq.ROUTER), ctx.socket(zmq.PUB)
+    router.bind("tcp://127.0.0.1:*")
+    pub.bind("tcp://127.0.0.1:*")
+    print(router.getsockopt_string(zmq.LAST_ENDPOINT), pub.getsockopt_string(zmq.LAST_ENDPOINT), flush=True)
+    rule = LatestWeights()
+    ppid = os.getppid()
+    while os.getppid() == ppid:
+        if not router.poll(500, zmq.POLLIN):
+            continue
+        ident, *frames = router.recv_multipart(copy=False)
+        try:
+            msg = P.decode(frames)
+            out = rule.offer(msg) if msg.type == P.WEIGHTS else None
+            if out is not None:
+                pub.send_multipart([b"W", *P.encode(P.WEIGHTS, out)], zmq.DONTWAIT)
+            reply = {"version": rule.version, "rss_mb": rss_mb()}
+        except P.ProtocolError as err:
+            reply = {"error": err.reason, "rss_mb": rss_mb()}
+        router.send_multipart([ident, json.dumps(reply).encode()])
+
+
+def reader(args: argparse.Namespace) -> None:
+    """A serving loop with a WeightReceiver; reports swaps and serving figures over PUSH."""
+    torch.set_num_threads(1)
+    sys.setswitchinterval(0.0005)  # as the workers do
+    model = build_model(args.size, init=False).eval()
+    rx = WeightReceiver(model, host_id(), copy_threads=args.copy_threads)
+    ppid = os.getppid()
+    ctx = zmq.Context()
+    sub, ctl, report = ctx.socket(zmq.SUB), ctx.socket(zmq.SUB), ctx.socket(zmq.PUSH)
+    for s, ep in ((sub, args.pub), (ctl, args.ctl)):
+        s.setsockopt(zmq.SUBSCRIBE, b"")
+        s.connect(ep)
+    report.setsockopt(zmq.LINGER, 5000)
+    report.connect(args.report)
+    print(args.name, flush=True)  # start_child waits for one line
+    tell = lambda event, **kw: report.send_json({"event": event, "name": args.name, **kw})  # noqa: E731
+    pool = ThreadPoolExecutor(1)
+    job = None
+    hidden = SIZES[args.size][0]
+    x = torch.randn(16, hidden, dtype=torch.bfloat16)
+    work = [layer.q.weight for layer in model.layers[:4]]
+    forward_ms: list[float] = []
+    gaps: list[float] = []
+    swaps: list[float] = []  # after the first: the first also lets the seeded build go
+    last_end = None
+    swapped_once = False
+    offered: dict[int, int] = {}
+    ready_sent = time.monotonic() + 0.3  # PUB/SUB: give the subscription time to reach the PUB
+    while True:
+        t0 = time.monotonic_ns()
+        if last_end is not None and swapped_once:
+            gaps.append((t0 - last_end) / 1e6)
+        with torch.inference_mode():  # one "forward pass": matmuls, then the rest of BATCH_MS
+            h = x
+            for w in work:
+                h = h @ w.T
+        rest = BATCH_MS / 1000 - (time.monotonic_ns() - t0) / 1e9
+        if rest > 0:
+            time.sleep(rest)  # (a real forward pass also leaves the GIL to the weights thread)
+        t1 = last_end = time.monotonic_ns()
+        if swapped_once:
+            forward_ms.append((t1 - t0) / 1e6)
+        if not swapped_once and time.monotonic() - ready_sent > 0.2:
+            tell("ready")
+            ready_sent = time.monotonic()
+        if ctl.poll(0, zmq.POLLIN) or os.getppid() != ppid:
+            break
+        while sub.poll(0, zmq.POLLIN):
+            frames = sub.recv_multipart(copy=False)
+            if rx.offer(P.decode(frames[1:]).header):
+                offered[rx.wanted.version] = time.monotonic_ns()
+        now = time.monotonic()
+        if job is not None and job[1].done():
+            ann, fut = job
+            job = None
+            rx.fetched(ann, None if fut.exception() else fut.result(), fut.exception(), now)
+        s0 = time.monotonic_ns()
+        staged = rx.swap()  # between two forward passes
+        if staged is not None:
+            s1 = time.monotonic_ns()
+            if swapped_once:
+                swaps.append((s1 - s0) / 1e6)
+            swapped_once = True
+            pool.submit(rx.release)  # the old version's storage is freed off the serving thread
+            tell("swapped", version=staged.version, t_ns=s1, swap_ms=(s1 - s0) / 1e6, offer_ns=offered.get(staged.version, s1),
+                 fetch_ms=staged.fetch_ms, nbytes=staged.nbytes, source=staged.source)
+        if job is None:
+            ann = rx.next_fetch(now)
+            if ann is not None:
+                job = (ann, pool.submit(rx.fetch, ann))
+    pool.shutdown(wait=True)
+    tell("stats", forward_ms=statistics.median(forward_ms) if forward_ms else None,
+         forward_ms_max=max(forward_ms, default=None), max_gap_ms=max(gaps, default=None),
+         max_swap_ms=max(swaps, default=None), rejected=rx.rejected, rss_mb=rss_mb())
+    rx.close()
+    for s in (sub, ctl, report):
+        s.close()
+    ctx.term()
+
+
+# -- the benchmark -----------------------------------------------------------------------------
+
+
+class Baseline:
+    """A plain memcpy (np.copyto, one thread) and an xxh3-64 of the bytes one version moves,
+    timed right after each version's swap so that both see the same load."""
+
+    def __init__(self, nbytes: int) -> None:
+        self.src = np.ones(nbytes, dtype=np.uint8)
+        self.dst = np.zeros(nbytes, dtype=np.uint8)  # both touched: no page faults in the timing
+        np.copyto(self.dst, self.src)
+
+    def measure(self) -> tuple[float, float]:
+        t = time.perf_counter()
+        np.copyto(self.dst, self.src)
+        t1 = time.perf_counter()
+        xxhash.xxh3_64_intdigest(self.src)
+        return (t1 - t) * 1000, (time.perf_counter() - t1) * 1000
+
+
+class Bench:
+    def __init__(self, copy_threads: int) -> None:
+        self.ctx = zmq.Context()
+        self.broker_proc, eps = start_child([__file__, "--child", "broker"])
+        router_ep, self.pub_ep = eps.split()
+        self.broker = self.ctx.socket(zmq.DEALER)
+        self.broker.connect(router_ep)
+        self.pull = self.ctx.socket(zmq.PULL)
+        self.pull.bind("tcp://127.0.0.1:*")
+        self.ctl = self.ctx.socket(zmq.PUB)
+        self.ctl.bind("tcp://127.0.0.1:*")
+        self.events: list[dict[str, Any]] = []
+        self.broker_rss: list[float] = []
+        self.next_version = 0  # one broker for every run: versions keep increasing
+        self.copy_threads = copy_threads
+
+    def announce(self, fields: dict[str, Any]) -> None:
+        self.broker.send_multipart(P.encode(P.WEIGHTS, fields))
+        if not self.broker.poll(30_000, zmq.POLLIN):
+            raise RuntimeError("the broker stand-in did not answer")
+        reply = json.loads(self.broker.recv())
+        if "error" in reply:
+            raise RuntimeError(f"the broker stand-in refused WEIGHTS: {reply['error']}")
+        self.broker_rss.append(reply["rss_mb"])
+
+    def drain(self, until: Any, timeout: float, what: str) -> None:
+        deadline = time.monotonic() + timeout
+        while not until():
+            if time.monotonic() > deadline:
+                raise RuntimeError(f"timed out waiting for {what}")
+            if self.pull.poll(100, zmq.POLLIN):
+                while self.pull.poll(0, zmq.POLLIN):
+                    self.events.append(json.loads(self.pull.recv()))
+
+    def run(self, size: str, model: torch.nn.Module, n_readers: int, versions: int) -> dict[str, Any]:
+        self.events = []
+        rid = "wb" + os.urandom(4).hex()
+        names = [f"{size}-{n_readers}-{i}" for i in range(n_readers)]
+        procs = [start_child([__file__, "--child", "reader", "--size", size, "--name", n, "--pub", self.pub_ep,
+                              "--ctl", self.ctl.getsockopt_string(zmq.LAST_ENDPOINT), "--copy-threads", str(self.copy_threads),
+                              "--report", self.pull.getsockopt_string(zmq.LAST_ENDPOINT)], timeout_s=120)[0]
+                 for n in names]
+        pub = WeightPublisher(model, rid, stream_bind="", copy_threads=self.copy_threads)
+        base = Baseline(pub.layout.trainable_bytes)
+        memcpy_ms: list[float] = []
+        hash_ms: list[float] = []
+        swapped = lambda v: [e for e in self.events if e["event"] == "swapped" and e["version"] == v]  # noqa: E731
+        try:
+            self.drain(lambda: {e["name"] for e in self.events if e["event"] == "ready"} >= set(names), 120, "readers ready")
+            per_version = []
+            publish_ms = []
+            announce_ms = []
+            first = self.next_version
+            for v in range(first, first + versions + 1):
+                if v > first:
+                    with torch.no_grad():  # an "update": every trainable tensor changes
+                        for p in model.parameters():
+                            if p.requires_grad:
+                                p.view(-1)[0] += 1
+                t0 = time.monotonic_ns()
+                fields = pub.publish(v)
+                t1 = time.monotonic_ns()
+                publish_ms.append((t1 - t0) / 1e6)
+                self.announce(fields)
+                if v == first:
+                    ann_bytes = len(P.encode(P.WEIGHTS, fields)[0])
+                self.drain(lambda: len(swapped(v)) >= n_readers, 120, f"version {v} swapped by every reader")
+                per_version.append((max(e["t_ns"] for e in swapped(v)) - t0) / 1e6)
+                if v > first:
+                    cp, hs = base.measure()
+                    memcpy_ms.append(cp)
+                    hash_ms.append(hs)
+                announce_ms.append((max(e["offer_ns"] for e in swapped(v)) - t1) / 1e6)
+            self.next_version = first + versions + 1
+            self.ctl.send(b"stop")
+            self.drain(lambda: len([e for e in self.events if e["event"] == "stats"]) >= n_readers, 60, "reader stats")
+        finally:
+            for p in procs:
+                try:
+                    p.wait(30)
+                except Exception:
+                    stop_child(p)
+            pub.close()
+        stats = [e for e in self.events if e["event"] == "stats"]
+        steady = per_version[1:] or per_version
+        nbytes = swapped(first + versions)[0]["nbytes"]
+        p2s, memcpy = statistics.median(steady), statistics.median(memcpy_ms)
+        return {
+            "size": size, "readers": n_readers, "copy_threads": self.copy_threads, "params_m": round(params_m(model), 2),
+            "bytes_mb": round(nbytes / 1e6, 2), "first_version_mb": round(swapped(first)[0]["nbytes"] / 1e6, 2),
+            "publish_to_swap_ms": round(p2s, 2), "publish_to_swap_ms_all": [round(x, 2) for x in per_version],
+            "first_version_ms": round(per_version[0], 2), "publish_write_ms": round(statistics.median(publish_ms[1:] or publish_ms), 2),
+            "announce_ms": round(statistics.median(announce_ms[1:] or announce_ms), 2),
+            "reader_fetch_ms": round(statistics.median(e["fetch_ms"] for e in self.events if e["event"] == "swapped" and e["version"] > first), 2),
+            "memcpy_ms": round(memcpy, 2), "memcpy_ms_all": [round(x, 2) for x in memcpy_ms], "copies": COPIES,
+            "ratio": round(p2s / (memcpy * COPIES), 3),
+            "ratio_per_version": [round(a / (b * COPIES), 3) for a, b in zip(steady, memcpy_ms)],
+            "hash_ms": round(statistics.median(hash_ms), 2), "gb_per_s_to_every_reader": round(nbytes / 1e9 / (p2s / 1000), 3),
+            "max_serving_gap_ms": round(max(s["max_gap_ms"] or 0 for s in stats), 3),
+            "max_swap_ms": round(max(s["max_swap_ms"] or 0 for s in stats), 3),
+            "forward_ms": round(statistics.median(s["forward_ms"] or 0 for s in stats), 3),
+            "forward_ms_max": round(max(s["forward_ms_max"] or 0 for s in stats), 3),
+            "broker_rss_mb": round(max(self.broker_rss), 1), "announcement_bytes": ann_bytes,
+            "reader_rss_mb": round(max(s["rss_mb"] for s in stats), 1),
+            "rejected": sum(s["rejected"] for s in stats), "shm_left": segments_of_run(rid),
+            "source": sorted({e["source"] for e in self.events if e["event"] == "swapped"}),
+        }
+
+    def close(self) -> None:
+        stop_child(self.broker_proc)
+        for s in (self.broker, self.pull, self.ctl):
+            s.close(linger=0)
+        self.ctx.term()
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--child", choices=["broker", "reader"])
+    ap.add_argument("--size", default="tiny")
+    ap.add_argument("--name", default="")
+    ap.add_argument("--pub", default="")
+    ap.add_argument("--ctl", default="")
+    ap.add_argument("--report", default="")
+    ap.add_argument("--sizes", default="tiny,medium")
+    ap.add_argument("--readers", default="1,2")
+    ap.add_argument("--versions", type=int, default=4)
+    ap.add_argument("--copy-threads", type=int, default=2, help="weights.copy_threads, both sides")
+    ap.add_argument("--quick", action="store_true", help="the last of --sizes only, 1 reader, 2 versions (about a minute)")
+    ap.add_argument("--smoke", action="store_true", help="tiny, 1 reader, 2 versions (seconds)")
+    ap.add_argument("--out", default="")
+    args = ap.parse_args()
+    if args.child == "broker":
+        return broker_stand_in()
+    if args.child == "reader":
+        return reader(args)
+    sizes = ["tiny"] if args.smoke else args.sizes.split(",")[-1:] if args.quick else args.sizes.split(",")
+    readers = [1] if (args.smoke or args.quick) else [int(r) for r in args.readers.split(",")]
+    versions = 2 if (args.quick or args.smoke) else args.versions
+    torch.set_num_threads(1)
+    bench = Bench(args.copy_threads)
+    runs = []
+    try:
+        for size in sizes:
+            t = time.perf_counter()
+            model = build_model(size, init=True)
+            note(f"{size}: {params_m(model):.1f}M parameters built in {time.perf_counter() - t:.1f} s")
+            for n in readers:
+                r = bench.run(size, model, n, versions)
+                note(json.dumps(r))
+                runs.append(r)
+            del model
+    finally:
+        bench.close()
+    head = dict(runs[-1])
+    result = {**head, "runs": runs, "host_cpus": os.cpu_count(),
+              "note": "broker_rss_mb: RSS of a process running the broker's weight rule (LatestWeights) behind "
+                      "ROUTER+PUB, not the whole broker; shared, noisy machine"}
+    if args.out:
+        Path(args.out).mkdir(parents=True, exist_ok=True)
+        (Path(args.out) / "weights.json").write_text(json.dumps(result, indent=1))
+    emit(result)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,94 @@
+"""The WEIGHTS announcement (a version, its manifest and where its bytes are; never the bytes)
+and the broker's one rule about it.
+
+Header fields of WEIGHTS (besides ``v`` and ``type``):
+
+    version       int    the policy version
+    manifest      map    :class:`rlvla3.weights.manifest.Manifest` on the wire
+    store         map    {"host": host id, "seg": segment name, "size": bytes} of the trainer's
+                         shared-memory store, or nil when same-host reads are off
+    stream        str    rank 0's weight stream endpoint (FETCH/BUCKET), or nil
+    published_at  int    trainer's wall clock (ns) when the version was published
+
+The broker keeps the newest announcement as its snapshot (the ZeroMQ Guide's Clone pattern),
+accepts only increasing versions and refuses a WEIGHTS that carries tensors: its memory no
+longer depends on the model's size.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+from rlvla3 import protocol as P
+from rlvla3.weights.manifest import Manifest, ManifestError
+
+MAX_ANNOUNCEMENT_BYTES = P.MAX_HEADER_BYTES
+
+
+@dataclass(frozen=True)
+class Announcement:
+    version: int
+    manifest: Manifest
+    store: dict[str, Any] | None
+    stream: str | None
+    published_at: int | None
+
+    def fields(self) -> dict[str, Any]:
+        """The WEIGHTS header fields that announce this version."""
+        return {"version": self.version, "manifest": self.manifest.to_wire(), "store": self.store,
+                "stream": self.stream, "published_at": self.published_at}
+
+
+def parse_announcement(header: dict[str, Any]) -> Announcement:
+    """Validate a WEIGHTS header as an announcement; raises ManifestError naming the problem."""
+    version = header.get("version")
+    if not isinstance(version, int) or isinstance(version, bool) or version < 0:
+        raise ManifestError(f"announcement version {version!r} is not a non-negative integer")
+    store, stream, at = header.get("store"), header.get("stream"), header.get("published_at")
+    size = None
+    if store is not None:
+        if not isinstance(store, dict) or not isinstance(store.get("host"), str) \
+                or not isinstance(store.get("seg"), str) or not str(store.get("seg")).startswith(P.SHM_PREFIX) \
+                or "/" in store["seg"] or not isinstance(store.get("size"), int):
+            raise ManifestError("announcement store must be {host: str, seg: rlvla3_..., size: int}")
+        size = store["size"]
+    if stream is not None and (not isinstance(stream, str) or "://" not in stream or len(stream) > 1000):
+        raise ManifestError(f"announcement stream {stream!r} is not an endpoint")
+    if store is None and stream is None:
+        raise ManifestError("announcement says neither store nor stream: nowhere to fetch from")
+    if at is not None and not isinstance(at, int):
+        raise ManifestError("published_at must be an integer")
+    manifest = Manifest.from_wire(header.get("manifest"), store_size=size)
+    if manifest.version != version:
+        raise ManifestError(f"manifest is for version {manifest.version}, announcement for {version}")
+    return Announcement(version, manifest, store, stream, at)
+
+
+class LatestWeights:
+    """The broker's weight rule: keep the newest announcement, accept only increasing versions,
+    never hold tensor bytes. Pure logic (no sockets): the broker calls :meth:`offer` on WEIGHTS
+    from a trainer and publishes what it returns; SNAPSHOT answers with :meth:`snapshot`."""
+
+    def __init__(self) -> None:
+        self.version = -1
+        self._fields: dict[str, Any] | None = None
+
+    def offer(self, msg: P.Message) -> dict[str, Any] | None:
+        """The fields to publish on PUB, or None when the version is not newer. A bad
+        announcement raises ProtocolError (the broker answers ERROR and drops it)."""
+        if msg.tensors:
+            raise P.ProtocolError(P.E_TENSOR, "WEIGHTS announces a version; its bytes go through the weight store or stream, never the broker")
+        try:
+            ann = parse_announcement(msg.header)
+        except ManifestError as err:
+            raise P.ProtocolError(P.E_FIELD, str(err)) from None
+        if ann.version <= self.version:
+            return None
+        self.version = ann.version
+        self._fields = ann.fields()
+        return self._fields
+
+    def snapshot(self) -> dict[str, Any]:
+        """The WEIGHTS fields answering SNAPSHOT: the newest announcement, or version -1."""
+        return self._fields if self._fields is not None else {"version": -1}

@@ -1,0 +1,123 @@
+"""Trainer rank 0's side of weight publication: write a version into the store, return the
+announcement to send as WEIGHTS.
+
+The first publication (normally version 0, right after the trainer has built or loaded its
+policy) writes every tensor: the frozen ones (parameters without ``requires_grad``, and
+buffers) go to the store's frozen region once and for all; later publications write only the
+trainable parameters, into the slot the previous publication did not use. Each tensor is
+hashed (xxh3) chunk by chunk as it lands. The same store feeds same-host generators (they map
+it) and other hosts (the stream server reads it), so rank 0 holds one copy of the model in the
+store whatever the number of generators.
+"""
+
+from __future__ import annotations
+
+import time
+from concurrent.futures import ThreadPoolExecutor
+from typing import Any, Iterator
+
+import numpy as np
+import structlog
+import torch
+
+from rlvla3.protocol import as_numpy, dtype_name
+from rlvla3.shm import host_id, sweep_leftovers
+from rlvla3.weights.announce import Announcement
+from rlvla3.weights.manifest import FROZEN, SLOTS, Entry, Layout, Manifest, checksum, copy_many
+from rlvla3.weights.store import WeightStore
+from rlvla3.weights.stream import StreamServer
+
+log = structlog.get_logger()
+
+
+def module_tensors(module: torch.nn.Module) -> Iterator[tuple[str, torch.Tensor, bool]]:
+    """(name, tensor, trainable) for every parameter (tied ones once) and buffer."""
+    for name, p in module.named_parameters():
+        yield name, p, p.requires_grad
+    for name, b in module.named_buffers():
+        yield name, b, False
+
+
+class WeightPublisher:
+    """Publishes a module's versions through a shared-memory store (and a stream for other hosts).
+
+    ``shm``: announce the store to same-host generators; ``stream_bind``: serve other hosts (or
+    every generator when ``shm`` is off) from this endpoint; empty disables the stream;
+    ``copy_threads``: threads that copy and hash tensors into the store."""
+
+    def __init__(self, module: torch.nn.Module, run_id: str, *, shm: bool = True,
+                 stream_bind: str = "tcp://127.0.0.1:0", advertise_host: str = "", host: str | None = None,
+                 copy_threads: int = 2) -> None:
+        if not shm and not stream_bind:
+            raise ValueError("weights: with shm off, a stream endpoint is needed (weights.stream_bind)")
+        self.module = module
+        sweep_leftovers()  # stores (and pools) of processes that died without unlinking
+        self.layout = Layout.plan((n, dtype_name(t), tuple(t.shape), tr) for n, t, tr in module_tensors(module))
+        self.store = WeightStore(run_id, self.layout.frozen_bytes, self.layout.slot_bytes)
+        self.stream = StreamServer(self.store, stream_bind, advertise_host) if stream_bind else None
+        self.shm = shm
+        self.host = host or host_id()
+        self.pool = ThreadPoolExecutor(copy_threads, thread_name_prefix="weights-copy") if copy_threads > 1 else None
+        self.version = -1
+        self._count = 0
+        self._frozen: list[Entry] = []
+        self.last_write_ms = 0.0
+        log.info("weight_store_created", seg=self.store.name, mb=round(self.store.size / 1e6, 1),
+                 trainable_mb=round(self.layout.trainable_bytes / 1e6, 1), stream=self.stream and self.stream.endpoint)
+
+    def publish(self, version: int) -> dict[str, Any]:
+        """Write ``version`` into the store and return the WEIGHTS fields announcing it.
+        Call it where no optimizer step runs at the same time (the copy reads the parameters)."""
+        if version <= self.version:
+            raise ValueError(f"version {version} is not newer than the last published ({self.version})")
+        t0 = time.perf_counter()
+        current = {n: (t, tr) for n, t, tr in module_tensors(self.module)}
+        if self._count == 0:
+            self._frozen = self._write(FROZEN, version, current, trainable=False)
+        slot = SLOTS[self._count % 2]
+        entries = self._write(slot, version, current, trainable=True)
+        self._count += 1
+        self.version = version
+        self.last_write_ms = (time.perf_counter() - t0) * 1000
+        store = {"host": self.host, "seg": self.store.name, "size": self.store.size} if self.shm else None
+        ann = Announcement(version, Manifest(version, tuple(self._frozen + entries)), store,
+                           self.stream.endpoint if self.stream else None, time.time_ns())
+        log.info("weights_written", version=version, slot=slot, tensors=len(entries),
+                 ms=round(self.last_write_ms, 2))
+        return ann.fields()
+
+    def _write(self, region: int, version: int, current: dict[str, tuple[torch.Tensor, bool]], trainable: bool) -> list[Entry]:
+        base = self.store.region_offset(region)
+        todo = []
+        for spec in self.layout.specs:
+            if spec.trainable != trainable:
+                continue
+            t, tr = current.get(spec.name, (None, None))
+            if t is None or tr != spec.trainable or tuple(t.shape) != spec.shape or dtype_name(t) != spec.dtype:
+                raise ValueError(f"weights: {spec.name} changed since the store was laid out "
+                                 f"(now {None if t is None else (tuple(t.shape), dtype_name(t), tr)}); "
+                                 "a model's tensors and their requires_grad must stay fixed")
+            todo.append((spec, self.store.view(base + spec.rel_offset, spec.nbytes), t.detach()))
+        self.store.write_begin(region)
+        on_host = [(dst, as_numpy(t).reshape(-1).view(np.uint8)) for _, dst, t in todo if t.device.type == "cpu"]
+        sums = iter(copy_many(on_host, self.pool))
+        out = [Entry(spec.name, spec.dtype, spec.shape, region, base + spec.rel_offset, spec.nbytes,
+                     next(sums) if t.device.type == "cpu" else _from_device(dst, t), version, spec.trainable)
+               for spec, dst, t in todo]
+        self.store.write_end(region, version)
+        return out
+
+    def close(self) -> None:
+        """Stop the stream and unlink the store (readers keep what they copied)."""
+        if self.stream is not None:
+            self.stream.close()
+        if self.pool is not None:
+            self.pool.shutdown()
+        self.store.close()
+
+
+def _from_device(dst: np.ndarray, t: torch.Tensor) -> int:
+    """A device tensor: one device-to-host copy straight into the store, then hash what landed."""
+    if dst.nbytes:
+        torch.from_numpy(dst).view(t.dtype).view(t.shape).copy_(t)
+    return checksum(dst)

@@ -1,0 +1,258 @@
+"""A generator's side of weight publication: fetch an announced version next to the serving
+weights, verify it, and swap it in between batches.
+
+The generator's loop drives it without blocking:
+
+    receiver.offer(header)            # on WEIGHTS (PUB or snapshot reply); newer versions only
+    ann = receiver.next_fetch(now)    # when idle: the version to fetch now, if any
+    staged = receiver.fetch(ann)      # on a worker thread: copy + checksum, raises on a bad read
+    receiver.fetched(ann, staged, error, now)
+    receiver.swap()                   # between batches: the staged version becomes the served one
+
+``fetch`` copies each changed tensor into a staging tensor (pinned host memory when the model
+is on CUDA, then a device copy made on a side stream), reading from the trainer's shared-memory
+store on this host, or from rank 0's stream otherwise. It checks the store's seqlock and every
+checksum; a torn or corrupt read raises and :meth:`fetched` schedules a retry with back-off
+(1/20 s doubling to 2 s) unless a newer version was announced meanwhile. The served weights are
+never touched until :meth:`swap`, which only re-points each parameter at its staged tensor
+(``param.data = staged``); the old storage becomes the next fetch's staging. A version that
+does not fit the model (unknown names, other shapes) is dropped for good: the generator keeps
+serving what it has.
+"""
+
+from __future__ import annotations
+
+import time
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+import structlog
+import torch
+import zmq
+
+from rlvla3.weights.announce import Announcement, parse_announcement
+from rlvla3.weights.manifest import Entry, ManifestError, copy_many
+from rlvla3.weights.publisher import module_tensors
+from rlvla3.weights.store import StoreReader, TornRead
+from rlvla3.weights.stream import stream_read
+
+log = structlog.get_logger()
+
+RETRY_MIN_S = 0.05
+RETRY_MAX_S = 2.0
+
+
+class CorruptVersion(RuntimeError):
+    """A tensor's bytes do not match the manifest's checksum."""
+
+
+@dataclass
+class Staged:
+    """A fetched, verified version waiting for the next gap between batches."""
+
+    version: int
+    tensors: dict[str, torch.Tensor]
+    source: str
+    nbytes: int
+    fetch_ms: float
+    published_at: int | None = None
+    trainable: set[str] = field(default_factory=set)
+
+
+class WeightReceiver:
+    def __init__(self, module: torch.nn.Module, host: str, *, shm: bool = True, bucket_mb: int = 128,
+                 copy_threads: int = 2) -> None:
+        self.module = module
+        self.host = host
+        self.use_shm = shm
+        self.bucket_bytes = int(bucket_mb) * 2**20
+        self.targets = {n: t for n, t, _ in module_tensors(module)}
+        self.device = next(iter(self.targets.values())).device if self.targets else torch.device("cpu")
+        self.version = -1
+        """The version this receiver last swapped in (-1: none yet)."""
+        self.wanted: Announcement | None = None
+        self.fetching: Announcement | None = None
+        self.staged: Staged | None = None
+        self.retry_at = 0.0
+        self._backoff = RETRY_MIN_S
+        self.rejected = 0
+        self._spare: dict[str, torch.Tensor] = {}
+        self._pinned: dict[str, torch.Tensor] = {}
+        self._release: list[torch.Tensor] = []  # storage the last swap let go: freed on the weights thread
+        self._stores: dict[str, StoreReader] = {}
+        self._ctx: zmq.Context | None = None
+        self.pool = ThreadPoolExecutor(copy_threads, thread_name_prefix="weights-copy") if copy_threads > 1 else None
+
+    # -- the state machine (generator's thread) -------------------------------------------
+
+    def newest(self) -> int:
+        """The newest version held, staged, being fetched or wanted."""
+        return max([self.version] + [a.version for a in (self.wanted, self.fetching, self.staged) if a is not None])
+
+    def offer(self, header: dict[str, Any]) -> bool:
+        """Take an announcement; True when it is newer than anything held or under way.
+        A malformed one raises ManifestError."""
+        ann = parse_announcement(header)
+        if ann.version <= self.newest():
+            return False
+        self.wanted = ann
+        self.retry_at = 0.0
+        self._backoff = RETRY_MIN_S
+        return True
+
+    def next_fetch(self, now: float) -> Announcement | None:
+        """The announcement to fetch now, or None (one fetch at a time, none while a staged
+        version waits to be swapped, none before a retry's back-off has passed)."""
+        if self.fetching is not None or self.staged is not None or self.wanted is None or now < self.retry_at:
+            return None
+        self.fetching, self.wanted = self.wanted, None
+        return self.fetching
+
+    def fetched(self, ann: Announcement, staged: Staged | None, error: BaseException | None, now: float) -> None:
+        """Record a fetch's outcome: stage it, or schedule it again after a back-off."""
+        self.fetching = None
+        if error is None and staged is not None:
+            self.staged = staged
+            return
+        self.rejected += 1
+        retry = isinstance(error, (TornRead, CorruptVersion))
+        log.warning("weights_rejected", version=ann.version, error=str(error)[:300], retry=retry and self.wanted is None)
+        if retry and self.wanted is None:
+            self.wanted = ann
+            self.retry_at = now + self._backoff
+            self._backoff = min(self._backoff * 2, RETRY_MAX_S)
+
+    def swap(self) -> Staged | None:
+        """Serve the staged version from now on (call between batches). Returns it, or None."""
+        staged, self.staged = self.staged, None
+        if staged is None:
+            return None
+        for name, new in staged.tensors.items():
+            old = self.targets[name]
+            held = old.data
+            old.data = new
+            if name in staged.trainable and held.shape == new.shape and held.dtype == new.dtype:
+                self._spare[name] = held  # the next version lands here
+            else:
+                self._release.append(held)  # freeing a GB takes a while: not between two batches
+        self.version = staged.version
+        return staged
+
+    # -- the fetch (worker thread) ---------------------------------------------------------
+
+    def release(self) -> None:
+        """Free the storage the last swap let go (on the weights thread, not the serving one)."""
+        self._release.clear()
+
+    def fetch(self, ann: Announcement) -> Staged:
+        """Copy and verify what changed since the held version. Touches no served tensor."""
+        t0 = time.perf_counter()
+        self.release()
+        entries = ann.manifest.changed_since(self.version)
+        self._check_fits(ann, entries)
+        host = {e.name: self._host_buffer(e) for e in entries}
+        flat = {n: _bytes_of(t) for n, t in host.items()}
+        store = ann.store
+        if self.use_shm and store is not None and store["host"] == self.host:
+            source, sums = "shm", self._read_store(store["seg"], entries, flat)
+        elif ann.stream is not None:
+            if self._ctx is None:
+                self._ctx = zmq.Context()
+            source, sums = "stream", stream_read(self._ctx, ann.stream, entries, flat, self.bucket_bytes)
+        else:
+            raise ManifestError(f"version {ann.version}: its store is on another host and no stream is announced")
+        bad = [e.name for e in entries if sums[e.name] != e.checksum]
+        if bad:
+            raise CorruptVersion(f"version {ann.version}: {len(bad)} tensor(s) fail their checksum, e.g. {bad[:3]}")
+        tensors = self._to_device(host, entries)
+        return Staged(ann.version, tensors, source, sum(e.nbytes for e in entries), (time.perf_counter() - t0) * 1000,
+                      ann.published_at, {e.name for e in entries if e.trainable})
+
+    def _check_fits(self, ann: Announcement, entries: list[Entry]) -> None:
+        names = {e.name for e in ann.manifest.entries}
+        unknown = sorted(names - set(self.targets))
+        if unknown:
+            raise ManifestError(f"version {ann.version} has tensors this model lacks, e.g. {unknown[:3]}")
+        missing = sorted(set(self.targets) - names)
+        if missing:
+            raise ManifestError(f"version {ann.version} lacks {len(missing)} of this model's tensors, e.g. {missing[:3]}")
+        for e in entries:
+            if tuple(self.targets[e.name].shape) != e.shape:
+                raise ManifestError(f"{e.name}: shape {e.shape} in version {ann.version}, {tuple(self.targets[e.name].shape)} here")
+
+    def _host_buffer(self, e: Entry) -> torch.Tensor:
+        """Where an entry's bytes land on the host: the spare tensor of a CPU model (the old
+        version's storage), or a reusable pinned buffer for a CUDA model."""
+        dtype = getattr(torch, e.dtype)
+        if self.device.type == "cpu":
+            t = self._spare.get(e.name)
+            if t is not None and t.dtype == dtype and tuple(t.shape) == e.shape:
+                return self._spare.pop(e.name)
+            return torch.empty(e.shape, dtype=dtype)
+        t = self._pinned.get(e.name)
+        if t is None or t.dtype != dtype or tuple(t.shape) != e.shape:
+            t = torch.empty(e.shape, dtype=dtype, pin_memory=True)
+            if e.trainable:
+                self._pinned[e.name] = t
+        return t
+
+    def _read_store(self, seg: str, entries: list[Entry], flat: dict[str, np.ndarray]) -> dict[str, int]:
+        reader = self._stores.get(seg)
+        if reader is None:
+            for old in self._stores.values():  # a restarted trainer made a new store
+                old.close()
+            self._stores = {seg: (reader := StoreReader(seg))}
+        seqs = {}
+        for e in entries:
+            if e.region not in seqs:
+                seqs[e.region] = reader.read_begin(e.region, e.since)
+        sums = dict(zip((e.name for e in entries),
+                        copy_many([(flat[e.name], reader.view(e.offset, e.nbytes)) for e in entries], self.pool)))
+        for region, seq in seqs.items():
+            reader.read_end(region, seq)
+        return sums
+
+    def _to_device(self, host: dict[str, torch.Tensor], entries: list[Entry]) -> dict[str, torch.Tensor]:
+        """Staged tensors in the served tensors' device and dtype (CPU, same dtype: the host
+        buffers themselves). CUDA: pinned -> device on a side stream, finished before return."""
+        out: dict[str, torch.Tensor] = {}
+        stream = torch.cuda.Stream(self.device) if self.device.type == "cuda" else None
+        if stream is not None:  # the spares were served until the last swap: let those kernels end
+            stream.wait_stream(torch.cuda.current_stream(self.device))
+        for e in entries:
+            target, src = self.targets[e.name], host[e.name]
+            if target.device == src.device and target.dtype == src.dtype:
+                out[e.name] = src
+                continue
+            dst = self._spare.pop(e.name, None)
+            if dst is None or dst.dtype != target.dtype or dst.shape != target.shape or dst.device != target.device:
+                dst = torch.empty_like(target)
+            if stream is not None:
+                with torch.cuda.stream(stream):
+                    dst.copy_(src, non_blocking=True)
+            else:
+                dst.copy_(src)
+            out[e.name] = dst
+        if stream is not None:
+            stream.synchronize()
+        return out
+
+    def close(self) -> None:
+        for r in self._stores.values():
+            r.close()
+        self._stores.clear()
+        self._spare.clear()
+        self._pinned.clear()
+        self._release.clear()
+        if self.pool is not None:
+            self.pool.shutdown()
+        if self._ctx is not None:
+            self._ctx.term()
+            self._ctx = None
+
+
+def _bytes_of(t: torch.Tensor) -> np.ndarray:
+    """A flat uint8 numpy view of a contiguous CPU tensor."""
+    return t.reshape(-1).view(torch.uint8).numpy()
