@@ -21,7 +21,7 @@ import pytest
 from rlvla3.launch import request_status
 from rlvla3.lifetime import LAUNCHER_ENV, launcher_env
 from rlvla3.shm import SHM_DIR, segments_of_run
-from tests.conftest import job_logs, wait_until
+from tests.jobs import job_logs, wait_until
 from workers.checkpoint import latest_checkpoint
 
 pytestmark = pytest.mark.slow
