@@ -11,9 +11,9 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 
 
-def run_bench(script: str, out: Path, timeout: float) -> dict:
+def run_bench(script: str, out: Path, timeout: float, flag: str = "--smoke") -> dict:
     proc = subprocess.run(
-        [sys.executable, str(ROOT / "bench" / script), "--smoke", "--out", str(out)],
+        [sys.executable, str(ROOT / "bench" / script), flag, "--out", str(out)],
         cwd=ROOT, capture_output=True, text=True, timeout=timeout,
     )
     assert proc.returncode == 0, f"{script} exited {proc.returncode}\n{proc.stderr[-3000:]}"
@@ -45,3 +45,12 @@ def test_transfer_smoke(tmp_path: Path) -> None:
     assert r["shm_mb_s"] > 0 and r["inline_mb_s"] > 0 and r["ratio"] > 0
     assert r["batch_bytes"] == r["images"] * r["size"] * r["size"] * 3
     assert (tmp_path / "transfer.png").stat().st_size > 0
+
+
+def test_fuzz_quick(tmp_path: Path) -> None:
+    r = run_bench("fuzz.py", tmp_path, timeout=600, flag="--quick")
+    for key in ("sent", "errors", "broker_alive", "job_advanced", "rss_growth_mb"):
+        assert key in r, key
+    assert r["sent"] == 5000 and r["errors"] > 0 and not r["client_failures"]
+    assert r["broker_alive"] and r["workers_alive"]
+    assert (tmp_path / "fuzz.json").is_file()
