@@ -20,6 +20,7 @@ import zmq
 
 from brokers.queue import BatchRule, GeneratorState, PendingRequest, RequestQueue, form_batches
 from brokers.stats import BrokerStats
+from rlvla3 import auth
 from rlvla3 import protocol as P
 from rlvla3.config import JobConfig
 from rlvla3.ordering import get_ordering
@@ -68,19 +69,26 @@ class Broker:
         self.mode = cfg.run.mode
 
         self.ctx = zmq.Context.instance()
+        # -- auth (h-wire): CURVE + ZAP allowlist with a key folder; ipc:// files owner-only --
+        keys = cfg.broker.keys_dir
+        self.authenticator = auth.start_authenticator(self.ctx, keys) if keys else None
         self.router = self.ctx.socket(zmq.ROUTER)
+        if keys:
+            auth.configure_server(self.router, keys)
         self.router.setsockopt(zmq.ROUTER_MANDATORY, 1)
         self.router.setsockopt(zmq.ROUTER_HANDOVER, 1)
         self.router.setsockopt(zmq.LINGER, P.LINGER_MS)
         self.router.setsockopt(zmq.SNDHWM, P.SOCKET_HWM)
         self.router.setsockopt(zmq.RCVHWM, P.SOCKET_HWM)
         self.router.setsockopt(zmq.MAXMSGSIZE, P.MAX_MESSAGE_BYTES)
-        self.router.bind(self.bind)
+        auth.bind_private(self.router, self.bind)
         self.bound = self.router.getsockopt(zmq.LAST_ENDPOINT).decode()
         self.pub = self.ctx.socket(zmq.PUB)
         self.pub.setsockopt(zmq.LINGER, P.LINGER_MS)
         self.pub.setsockopt(zmq.SNDHWM, 16)
-        self.pub.bind(self.pub_addr)
+        if keys:
+            auth.configure_server(self.pub, keys)
+        auth.bind_private(self.pub, self.pub_addr)
         self.pub_bound = self.pub.getsockopt(zmq.LAST_ENDPOINT).decode()
 
         self.workers: dict[bytes, Worker] = {}
@@ -110,7 +118,7 @@ class Broker:
         self.traj_owner: dict[tuple[bytes, Any], bytes] = {}  # GRPO: (sim, env) -> trainer
         self._stop = False
         self._last_hb = time.monotonic()
-        log.info("broker_started", bind=self.bound, pub=self.pub_bound, run_id=self.run_id, mode=self.mode)
+        log.info("broker_started", bind=self.bound, pub=self.pub_bound, run_id=self.run_id, mode=self.mode, curve=bool(keys))
 
     # =========================================================================================
     # Main loop
@@ -144,6 +152,8 @@ class Broker:
         self.attach.close()
         self.router.close(linger=P.LINGER_MS)
         self.pub.close(linger=0)
+        if self.authenticator is not None:  # auth (h-wire)
+            self.authenticator.stop()
         log.info("broker_stopped", **{k: v for k, v in self.stats.snapshot().items() if isinstance(v, int)})
 
     def _poll_timeout_ms(self) -> int:

@@ -19,6 +19,7 @@ import structlog
 import torch
 import zmq
 
+from rlvla3 import auth
 from rlvla3 import protocol as P
 from workers.base import WorkerBase
 from workers.envs.base import concat_obs, slice_obs
@@ -70,6 +71,7 @@ class GeneratorWorker(WorkerBase):
         self.sub.setsockopt(zmq.SUBSCRIBE, b"W")
         self.sub.setsockopt(zmq.RCVHWM, 4)
         self.sub.setsockopt(zmq.MAXMSGSIZE, P.MAX_MESSAGE_BYTES)
+        auth.configure_client(self.sub, self.keys_dir, self.key_name)
         self.sub.connect(pub_address(self.welcome["pub"], self.broker_url))
         self.send(P.SNAPSHOT, {})
         log.info("generator_ready", family=cfg.model.family, device=str(self.policy.device),
