@@ -111,7 +111,11 @@ class GeneratorWorker(WorkerBase):
         if msg is None:
             return
         t0 = time.perf_counter()
-        load_state_from_message(self.policy, msg, self.attach)
+        try:
+            load_state_from_message(self.policy, msg, self.attach)
+        except (ValueError, KeyError, P.ProtocolError) as err:  # keep serving the weights we have
+            log.error("weights_rejected", version=msg["version"], current=self.version, error=str(err)[:500])
+            return
         self.version = msg["version"]
         log.info("weights_swapped", version=self.version, ms=round((time.perf_counter() - t0) * 1000, 2))
 
