@@ -282,6 +282,9 @@ def run(ctx: click.Context, config: str | None, steps: int | None, overrides: tu
     from rlvla3.launch import LocalJob
     from rlvla3.shm import segments_of_run
 
+    if os.environ.get("RLVLA3_KEYS"):  # its processes would inherit it, its STATUS polls would not
+        raise click.ClickException("rlvla3 run polls STATUS without CURVE keys: unset RLVLA3_KEYS (a local run "
+                                   "binds loopback), or start `rlvla3 broker --keys` and workers by hand")
     if resume:
         from workers.checkpoint import latest_checkpoint
 
