@@ -108,7 +108,6 @@ class Fuzzer(threading.Thread):
         super().__init__(daemon=True, name=f"fuzz-{role}")
         self.sock = ctx.socket(zmq.DEALER)
         self.sock.setsockopt(zmq.LINGER, 0)
-        self.sock.setsockopt(zmq.SNDTIMEO, 10_000)
         self.sock.connect(endpoint)
         self.role, self.count, self.rng = role, count, random.Random(seed)
         self.sent = self.errors = self.replies = 0
@@ -120,10 +119,20 @@ class Fuzzer(threading.Thread):
             self.replies += 1
             self.errors += msg.type == P.ERROR
 
+    def _send(self, frames: list) -> None:
+        """Send when the broker takes more (its queue for us is bounded: back-pressure is fair
+        play), reading its replies meanwhile; a broker that takes nothing for 120 s fails us."""
+        deadline = time.monotonic() + 120
+        while not self.sock.poll(100, zmq.POLLOUT):
+            self._drain()
+            if time.monotonic() > deadline:
+                raise TimeoutError("the broker took no message for 120 s")
+        self.sock.send_multipart(frames, zmq.DONTWAIT)
+
     def run(self) -> None:
         try:
             if self.role is not None:
-                self.sock.send_multipart(P.encode(P.READY, {**VALID[P.READY], "role": self.role, "credits": 0, "slots": 0}))
+                self._send(P.encode(P.READY, {**VALID[P.READY], "role": self.role, "credits": 0, "slots": 0}))
             for i in range(self.count):
                 pick = self.rng.random()
                 if pick < 0.45:
@@ -136,7 +145,7 @@ class Fuzzer(threading.Thread):
                     frames = confused(self.rng)
                 else:
                     frames = P.encode(P.STATUS, {})
-                self.sock.send_multipart(frames)
+                self._send(frames)
                 self.sent += 1
                 if i % 64 == 0:
                     self._drain()
