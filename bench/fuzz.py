@@ -11,7 +11,9 @@ while a few fuzzing clients send, as fast as the broker takes them:
 
 The clients join as roles that cannot feed work to the job's real workers (a generator with no
 credits, a simulator whose OBS are all malformed, a ``client``) plus one stranger that never
-joins. Output: one JSON object with ``sent``, ``errors`` (ERROR replies received),
+joins; each ends with a STATUS whose reply proves the broker read all its messages
+(``all_read``). Output: one JSON object with ``sent``, ``errors`` (messages the broker answered
+with ERROR, from its own counter; some replies are dropped when a client's queue is full),
 ``broker_alive``, ``job_advanced`` (env steps and the policy version grew while fuzzing) and
 ``rss_growth_mb`` (the broker's resident memory after fuzzing minus before). Targets: alive,
 advancing, RSS growth <= 64 MB.
@@ -111,13 +113,30 @@ class Fuzzer(threading.Thread):
         self.sock.connect(endpoint)
         self.role, self.count, self.rng = role, count, random.Random(seed)
         self.sent = self.errors = self.replies = 0
+        self.confirmed = False
         self.failure = ""
 
-    def _drain(self) -> None:
+    def _drain(self) -> bool:
+        """Read every waiting reply; True if one was a STATUS."""
+        status = False
         while self.sock.poll(0):
             msg = P.decode(self.sock.recv_multipart())
             self.replies += 1
             self.errors += msg.type == P.ERROR
+            status |= msg.type == P.STATUS
+        return status
+
+    def _confirm(self) -> bool:
+        """A STATUS after everything: its reply proves the broker has read all our messages
+        (one peer's messages are read in order). Re-asked every 10 s: a reply can be dropped
+        while our receive queue is full."""
+        for _ in range(12):
+            self._send(P.encode(P.STATUS, {}))
+            deadline = time.monotonic() + 10
+            while time.monotonic() < deadline:
+                if self.sock.poll(200) and self._drain():
+                    return True
+        return False
 
     def _send(self, frames: list) -> None:
         """Send when the broker takes more (its queue for us is bounded: back-pressure is fair
@@ -149,8 +168,8 @@ class Fuzzer(threading.Thread):
                 self.sent += 1
                 if i % 64 == 0:
                     self._drain()
-            deadline = time.monotonic() + 10
-            while time.monotonic() < deadline and self.sock.poll(500):
+            self.confirmed = self._confirm()
+            while self.sock.poll(500):
                 self._drain()
         except Exception as exc:  # reported in the JSON: a fuzzer that stops early is a finding
             self.failure = f"{type(exc).__name__}: {exc}"
@@ -212,13 +231,14 @@ def main() -> None:
         ctx.term()
         result = {
             "sent": sum(f.sent for f in fuzzers),
-            "errors": sum(f.errors for f in fuzzers),
+            "errors": (after.get("errors", 0) - before.get("errors", 0)) if after else None,
             "broker_alive": alive,
             "job_advanced": bool(after) and after["env_steps"] > before["env_steps"] and after["policy_version"] > before["policy_version"],
             "rss_growth_mb": round(rss1 - rss0, 1),
             "rss_peak_growth_mb": round(rss_peak - rss0, 1),
+            "all_read": all(f.confirmed for f in fuzzers),
+            "error_replies_received": sum(f.errors for f in fuzzers),
             "replies": sum(f.replies for f in fuzzers),
-            "broker_errors_counted": (after.get("errors", 0) - before.get("errors", 0)) if after else None,
             "messages_per_s": round(sum(f.sent for f in fuzzers) / max(seconds, 1e-9)),
             "env_steps": [before["env_steps"], after.get("env_steps")],
             "policy_version": [before["policy_version"], after.get("policy_version")],

@@ -52,5 +52,5 @@ def test_fuzz_quick(tmp_path: Path) -> None:
     for key in ("sent", "errors", "broker_alive", "job_advanced", "rss_growth_mb"):
         assert key in r, key
     assert r["sent"] == 5000 and r["errors"] > 0 and not r["client_failures"]
-    assert r["broker_alive"] and r["workers_alive"]
+    assert r["broker_alive"] and r["workers_alive"] and r["all_read"]
     assert (tmp_path / "fuzz.json").is_file()
