@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import argparse
 import random
+import shutil
 import sys
 import tempfile
 import threading
@@ -247,6 +248,10 @@ def main() -> None:
         }
     finally:
         job.stop()
+    if result.get("broker_alive") and result.get("job_advanced"):
+        shutil.rmtree(root, ignore_errors=True)  # ~20 MB of rejection logs
+    else:
+        note(f"logs kept in {root}")
     if args.out:
         out = Path(args.out)
         out = out / "fuzz.json" if out.is_dir() else out
