@@ -44,7 +44,8 @@ class AuthError(RuntimeError):
 
 def make_keys(keys_dir: str | Path, clients: tuple[str, ...] = DEFAULT_CLIENTS) -> list[Path]:
     """Create the broker's key pair (unless present) and one pair per client name. Existing
-    pairs are kept, so the command can add clients to a running job's allowlist folder."""
+    pairs are kept, so the command can add clients to a folder; a broker reads the allowlist
+    when it starts (restart it to admit a new client)."""
     root = Path(keys_dir)
     (root / "clients").mkdir(parents=True, exist_ok=True)
     os.chmod(root, 0o700)

@@ -364,7 +364,7 @@ def _check_fields(msg_type: str, header: dict[str, Any]) -> None:
                     raise F.FieldError(f"request {r['req_id']}: lists disagree with n={r['n']}")
         elif msg_type == TRAIN and "stats" in header:
             for key, count in (header["stats"].get("staleness_counts") or {}).items():
-                if not key.isdigit() or len(key) > 16:
+                if not key.lstrip("-").isdigit() or len(key) > 16:
                     raise F.FieldError(f"stats.staleness_counts key {key[:32]!r} is not a staleness")
                 F.checked_int(count, 0, F.MAX_ID, f"stats.staleness_counts[{key}]")
     except F.FieldError as err:
