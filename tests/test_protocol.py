@@ -11,7 +11,7 @@ import numpy as np
 import pytest
 import torch
 import zmq
-from hypothesis import HealthCheck, given, settings
+from hypothesis import HealthCheck, example, given, settings
 from hypothesis import strategies as st
 
 from rlvla3 import protocol as P
@@ -222,6 +222,28 @@ def test_type_confusion_every_field(t, name, spec):
         with pytest.raises(P.ProtocolError) as exc:
             P.decode([_hostile_header(t, name, value)])
         assert exc.value.code == P.E_FIELD, (t, name, value)
+
+
+_any_value = st.recursive(
+    st.none() | st.booleans() | st.integers(-(2**63), 2**64 - 1) | st.floats() | st.text(max_size=8) | st.binary(max_size=8),
+    lambda inner: st.lists(inner, max_size=4) | st.dictionaries(st.text(max_size=6), inner, max_size=4),
+    max_leaves=10,
+)
+
+
+@settings(max_examples=400, deadline=None)
+@given(case=st.sampled_from(_FIELDS), value=_any_value)
+@example(case=(P.READY, "slots", None), value=float("inf"))
+@example(case=(P.RESULT, "queue_us", None), value=[float("inf")])
+def test_decode_raises_nothing_but_protocol_error(case, value):
+    """Whatever a field holds (inf, NaN, 2^64, nested lists and maps), decode either accepts
+    it or raises ProtocolError: no other exception can reach a receive loop."""
+    t, name, _ = case
+    try:
+        msg = P.decode([_hostile_header(t, name, value)])
+    except P.ProtocolError:
+        return
+    assert msg.type == t
 
 
 _SENDER = {P.OBS: "simulator", P.TRAJ: "simulator", P.RESULT: "generator", P.SNAPSHOT: "generator",
