@@ -248,7 +248,7 @@ def main() -> None:
         }
     finally:
         job.stop()
-    if result.get("broker_alive") and result.get("job_advanced"):
+    if result.get("broker_alive") and result.get("job_advanced") and result.get("workers_alive"):
         shutil.rmtree(root, ignore_errors=True)  # ~20 MB of rejection logs
     else:
         note(f"logs kept in {root}")
