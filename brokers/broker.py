@@ -18,6 +18,7 @@ import zmq
 
 from brokers.outgoing import Out
 from brokers.state import BrokerState
+from rlvla3 import auth
 from rlvla3 import protocol as P
 from rlvla3.config import JobConfig
 from rlvla3.shm import host_id
@@ -30,21 +31,29 @@ DRAIN = 256  # messages read per turn before the timers run again
 class Broker:
     def __init__(self, cfg: JobConfig, bind: str | None = None, pub: str | None = None, run_id: str | None = None) -> None:
         self.ctx = zmq.Context.instance()
+        # CURVE + a ZAP allowlist when the job has a key folder; ipc:// files are owner-only.
+        keys = cfg.broker.keys_dir
+        self.authenticator = auth.start_authenticator(self.ctx, keys) if keys else None
         self.router = self.ctx.socket(zmq.ROUTER)
+        if keys:
+            auth.configure_server(self.router, keys)
         for opt, value in ((zmq.ROUTER_MANDATORY, 1), (zmq.ROUTER_HANDOVER, 1), (zmq.LINGER, P.LINGER_MS),
                            (zmq.SNDHWM, P.SOCKET_HWM), (zmq.RCVHWM, P.SOCKET_HWM), (zmq.MAXMSGSIZE, P.MAX_MESSAGE_BYTES)):
             self.router.setsockopt(opt, value)
-        self.router.bind(bind or cfg.broker.bind)
+        auth.bind_private(self.router, bind or cfg.broker.bind)
         self.bound = self.router.getsockopt(zmq.LAST_ENDPOINT).decode()
         self.pub = self.ctx.socket(zmq.PUB)
         self.pub.setsockopt(zmq.LINGER, P.LINGER_MS)
         self.pub.setsockopt(zmq.SNDHWM, 16)
-        self.pub.bind(pub or cfg.broker.pub)
+        if keys:
+            auth.configure_server(self.pub, keys)
+        auth.bind_private(self.pub, pub or cfg.broker.pub)
         self.pub_bound = self.pub.getsockopt(zmq.LAST_ENDPOINT).decode()
         self.run_id = run_id or uuid.uuid4().hex[:10]
         self.state = BrokerState(cfg, time.monotonic(), self.run_id, host_id(), os.getpid(), self.pub_bound)
         self._stop = False
-        log.info("broker_started", bind=self.bound, pub=self.pub_bound, run_id=self.run_id, mode=cfg.run.mode)
+        log.info("broker_started", bind=self.bound, pub=self.pub_bound, run_id=self.run_id, mode=cfg.run.mode,
+                 curve=bool(keys))
 
     def run(self, until: float | None = None) -> None:
         poller = zmq.Poller()
@@ -98,5 +107,7 @@ class Broker:
         self.state.bridge.close()
         self.router.close(linger=P.LINGER_MS)
         self.pub.close(linger=0)
+        if self.authenticator is not None:
+            self.authenticator.stop()
         figures = self.state.stats.snapshot(time.monotonic())
         log.info("broker_stopped", **{k: v for k, v in figures.items() if isinstance(v, int)})

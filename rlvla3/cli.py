@@ -64,11 +64,23 @@ def _require_simulator(cfg: Any) -> None:
 @click.option("--pub", default=None, help="PUB address for weights, e.g. tcp://*:5556 (default: broker.pub).")
 @click.option("--set", "overrides", multiple=True, help="Override a config key: --set batching.max_batch=16.")
 @click.option("--info-file", default=None, help="Write the bound endpoints here as JSON once listening.")
-def broker(config: str | None, bind: str | None, pub: str | None, overrides: tuple[str, ...], info_file: str | None) -> None:
+@click.option("--keys", "keys_dir", default=None, envvar="RLVLA3_KEYS",
+              help="CURVE key folder from `rlvla3 keys` (default: broker.keys_dir): only allowlisted clients join.")
+@click.option("--auth", "require_auth", is_flag=True, help="Refuse to start without keys, loopback included.")
+@click.option("--insecure", is_flag=True, help="Allow a non-loopback bind without keys (a trusted network only).")
+def broker(config: str | None, bind: str | None, pub: str | None, overrides: tuple[str, ...], info_file: str | None,
+           keys_dir: str | None, require_auth: bool, insecure: bool) -> None:
     """Run the broker: the job's config, slot registry, batcher and weight snapshot."""
     from brokers.broker import Broker
+    from rlvla3.auth import AuthError, check_bind
 
     cfg = _load(config, overrides)
+    if keys_dir:
+        cfg.broker.keys_dir = str(Path(keys_dir).resolve())
+    try:
+        check_bind([bind or cfg.broker.bind, pub or cfg.broker.pub], cfg.broker.keys_dir, require_auth, insecure)
+    except AuthError as exc:
+        raise click.ClickException(str(exc)) from None
     rlog.configure(role="broker", pid=os.getpid())
     b = Broker(cfg, bind=bind, pub=pub)
     on_stop_signals(b.stop)
@@ -96,8 +108,12 @@ def broker(config: str | None, bind: str | None, pub: str | None, overrides: tup
 @click.option("--run-dir", default=None, help="Where the trainer writes metrics and checkpoints.")
 @click.option("--set", "overrides", multiple=True, help="Local config override for this worker.")
 @click.option("--resume", default=None, help="Trainer: continue from this run folder's latest checkpoint.")
+@click.option("--keys", "keys_dir", default=None, envvar="RLVLA3_KEYS",
+              help="CURVE key folder (needs broker.key and clients/NAME.key_secret) when the broker has keys.")
+@click.option("--key-name", default=None, envvar="RLVLA3_KEY_NAME", help="Client key pair to use (default: the role).")
 def worker(role: str, broker_url: str, gpus: str | None, count: int, num_envs: int | None, slots: int | None,
-           index: int, name: str | None, run_dir: str | None, overrides: tuple[str, ...], resume: str | None) -> None:
+           index: int, name: str | None, run_dir: str | None, overrides: tuple[str, ...], resume: str | None,
+           keys_dir: str | None, key_name: str | None) -> None:
     """Run simulator, generator or trainer workers that join a broker (at any time)."""
     from rlvla3.launch import parse_gpus, spawn, stop_processes
 
@@ -123,6 +139,10 @@ def worker(role: str, broker_url: str, gpus: str | None, count: int, num_envs: i
                 args += ["--resume", resume]
             for o in overrides:
                 args += ["--set", o]
+            if keys_dir:
+                args += ["--keys", keys_dir]
+            if key_name:
+                args += ["--key-name", key_name]
             procs.append(spawn(args))
         stopping = {"flag": False}
         on_stop_signals(lambda: stopping.update(flag=True))
@@ -133,7 +153,8 @@ def worker(role: str, broker_url: str, gpus: str | None, count: int, num_envs: i
 
     device = f"cuda:{devices[0]}" if devices else None
     rlog.configure(role=role, pid=os.getpid(), name=name or f"{role}{index}")
-    kw: dict[str, Any] = dict(name=name or f"{role}{index}", overrides=overrides, device=device)
+    kw: dict[str, Any] = dict(name=name or f"{role}{index}", overrides=overrides, device=device,
+                              keys_dir=keys_dir, key_name=key_name)
     if role == "simulator":
         from workers.simulator import SimulatorWorker
 
@@ -158,13 +179,15 @@ def worker(role: str, broker_url: str, gpus: str | None, count: int, num_envs: i
 @click.option("--broker", "broker_url", default="tcp://127.0.0.1:5555", show_default=True)
 @click.option("--json", "as_json", is_flag=True, help="Print one JSON object.")
 @click.option("--timeout", default=5.0, show_default=True, help="Seconds to wait for the reply.")
-def status(broker_url: str, as_json: bool, timeout: float) -> None:
+@click.option("--keys", "keys_dir", default=None, envvar="RLVLA3_KEYS", help="CURVE key folder when the broker has keys.")
+@click.option("--key-name", default="client", show_default=True, envvar="RLVLA3_KEY_NAME", help="Client key pair to use.")
+def status(broker_url: str, as_json: bool, timeout: float, keys_dir: str | None, key_name: str) -> None:
     """Print a broker's live figures."""
-    from rlvla3.launch import request_status
+    from rlvla3.auth import AuthError
 
     try:
-        fig = request_status(broker_url, timeout)
-    except TimeoutError as exc:
+        fig = _ask_status(broker_url, timeout, keys_dir, key_name)
+    except (TimeoutError, AuthError) as exc:
         raise click.ClickException(str(exc)) from None
     if as_json:
         click.echo(json.dumps(fig))
@@ -175,6 +198,65 @@ def status(broker_url: str, as_json: bool, timeout: float) -> None:
                f"return={fig['return_recent']}")
     for k in ("batch_size", "queue_wait_us", "generate_us", "staleness"):
         click.echo(f"{k}: {fig[k]}")
+
+
+def _ask_status(broker_url: str, timeout_s: float, keys_dir: str | None, key_name: str) -> dict[str, Any]:
+    """One STATUS round trip, as a CURVE client when a key folder is given (an unreadable reply
+    is skipped, not raised)."""
+    import zmq
+
+    from rlvla3 import auth
+    from rlvla3 import protocol as P
+
+    ctx = zmq.Context()
+    sock = ctx.socket(zmq.DEALER)
+    sock.setsockopt(zmq.LINGER, 0)
+    try:
+        auth.configure_client(sock, keys_dir, key_name)
+        sock.connect(broker_url)
+        sock.send_multipart(P.encode(P.STATUS, {}))
+        deadline = time.monotonic() + timeout_s
+        while sock.poll(int(max(1, (deadline - time.monotonic()) * 1000))):
+            try:
+                msg = P.decode(sock.recv_multipart())
+            except P.ProtocolError as err:
+                log.warning("bad_status_reply", code=err.code, reason=err.reason)
+                continue
+            if msg.type == P.STATUS:
+                return dict(msg["figures"])
+            if time.monotonic() >= deadline:
+                break
+        raise TimeoutError(f"no STATUS reply from {broker_url} within {timeout_s} s"
+                           + (" (with CURVE keys: is this client's key in the broker's allowlist?)" if keys_dir else ""))
+    finally:
+        sock.close()
+        ctx.term()
+
+
+# ---------------------------------------------------------------------------------------------
+# keys
+# ---------------------------------------------------------------------------------------------
+
+
+@main.command()
+@click.argument("keys_dir")
+@click.option("--client", "clients", multiple=True,
+              help="A client key pair to make (repeatable; default: simulator, generator, trainer, client).")
+def keys(keys_dir: str, clients: tuple[str, ...]) -> None:
+    """Make CURVE key pairs: the broker's, and one per client (existing pairs are kept).
+
+    Give the broker the whole folder; give each worker host broker.key and its own
+    clients/NAME.key_secret. Start with `rlvla3 broker --keys DIR` and `rlvla3 worker --keys DIR`.
+    """
+    from rlvla3.auth import DEFAULT_CLIENTS, AuthError, make_keys
+
+    try:
+        made = make_keys(keys_dir, clients or DEFAULT_CLIENTS)
+    except AuthError as exc:
+        raise click.ClickException(str(exc)) from None
+    for path in made:
+        click.echo(f"made {path} (+ {path.name}_secret)")
+    click.echo(f"allowlist: {Path(keys_dir) / 'clients'}/*.key")
 
 
 # ---------------------------------------------------------------------------------------------
@@ -198,6 +280,9 @@ def run(ctx: click.Context, config: str | None, steps: int | None, overrides: tu
     from rlvla3.launch import JobInterrupted, LocalJob
     from rlvla3.shm import segments_of_run
 
+    if os.environ.get("RLVLA3_KEYS"):  # its processes would inherit it, its STATUS polls would not
+        raise click.ClickException("rlvla3 run polls STATUS without CURVE keys: unset RLVLA3_KEYS (a local run "
+                                   "binds loopback), or start `rlvla3 broker --keys` and workers by hand")
     if resume:
         from workers.checkpoint import latest_checkpoint
 

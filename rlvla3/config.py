@@ -54,6 +54,10 @@ class BrokerConfig:
     """Heartbeat interval; a peer silent for ``liveness`` intervals is dead."""
     liveness: int = 3
     """Missed heartbeats before a peer is declared dead."""
+    keys_dir: str = ""
+    """CURVE key folder made by ``rlvla3 keys DIR`` (rlvla3/auth.py): the broker's ROUTER and PUB
+    become CURVE servers that admit only the public keys in ``DIR/clients``. Empty: no CURVE, and
+    a non-loopback bind is refused unless the broker is started with ``--insecure``."""
 
 
 @dataclass

@@ -47,6 +47,8 @@ from typing import Any, Sequence
 import msgpack
 import numpy as np
 
+from rlvla3 import fields as F
+
 # ---------------------------------------------------------------------------------------------
 # Constants and limits
 # ---------------------------------------------------------------------------------------------
@@ -90,6 +92,8 @@ MAX_MESSAGE_BYTES = 2 * 1024**3 - 1
 """ZMQ_MAXMSGSIZE on every socket that receives from peers: one frame can never exceed it."""
 MAX_TENSOR_DIMS = 8
 MAX_NAME_LEN = 256
+MAX_SHM_OFFSET = 2**40
+"""No shared-memory segment is larger than 1 TiB: offsets and sizes beyond it are hostile."""
 SOCKET_HWM = 10_000
 LINGER_MS = 500
 
@@ -114,30 +118,67 @@ E_TENSOR = "bad_tensor"
 E_STATE = "out_of_order"
 E_ROLE = "wrong_role"
 
-# Required header fields per message type: name -> accepted python types. Extra fields pass.
-_INT = (int,)
-_STR = (str,)
-_LIST = (list, tuple)
-_MAP = (dict,)
-_NUM = (int, float)
-SCHEMA: dict[str, dict[str, tuple[type, ...]]] = {
-    READY: {"role": _STR, "host": _STR, "pid": _INT},
-    HEARTBEAT: {},
-    DISCONNECT: {},
-    OBS: {"slot": _INT, "req_id": _INT, "n": _INT, "instruction": _LIST, "episode_step": _LIST},
-    ACT: {"slot": _INT, "req_id": _INT, "version": _INT},
-    BATCH: {"batch_id": _INT, "requests": _LIST},
-    RESULT: {"batch_id": _INT, "version": _INT},
-    TRAJ: {"traj_id": _INT, "slot": _INT, "steps": _INT},
-    TRAJ_ACK: {"traj_ids": _LIST},
-    WEIGHTS: {"version": _INT},
-    SNAPSHOT: {},
-    TRAIN: {"phase": _STR, "version": _INT},
-    STATUS: {},
-    ERROR: {"code": _STR, "reason": _STR},
-    FETCH: {"version": _INT, "region": _INT, "offset": _INT, "nbytes": _INT},
-    BUCKET: {"version": _INT, "region": _INT, "offset": _INT},
+# Every header field of every message type: name -> spec (rlvla3/fields.py). ``required`` must
+# be present; the others are checked when present. Both directions of a type share one entry.
+# Unknown extra fields are allowed but must be bounded, finite msgpack data.
+_ID = F.Int(0, F.MAX_ID)
+_VERSION = F.Int(-1, F.MAX_ID)
+_SLOT = F.Int(0, F.MAX_COUNT)
+_COUNT = F.Int(0, F.MAX_COUNT)
+_STEPS = F.Int(0, F.MAX_STEPS)
+_TEXT = F.Str(F.MAX_TEXT)
+_NAME = F.Str(MAX_NAME_LEN)
+_REASON = F.Str(F.MAX_TEXT)
+_US = F.Int(0, F.MAX_ID)
+_INFO = F.Map((("dist", F.Free()), ("env_steps", F.Int(0, F.MAX_ID)), ("version", _VERSION), ("served", F.Int(0, F.MAX_ID))),
+              closed=True, nullable=True)  # closed: the broker keeps it per worker, so no key may grow it
+_REQUEST = F.Map((("req_id", _ID), ("slot", _SLOT), ("n", F.Int(1, F.MAX_COUNT)), ("instruction", F.List(_TEXT)),
+                  ("episode_step", F.List(_ID)), ("deterministic", F.List(F.Bool()))),
+                 required=("req_id", "slot", "n", "instruction", "episode_step"), closed=True)
+_TRAIN_STATS = F.Map((("staleness_counts", F.Map(finite=True)),), finite=False)
+_STALENESS_KEY = F.Int(0, F.MAX_ID)
+
+SCHEMA: dict[str, tuple[dict[str, Any], dict[str, Any]]] = {  # type -> (required, optional)
+    READY: (
+        {"role": F.Str(32), "host": _NAME, "pid": F.Int(0, 2**31)},
+        {"name": _NAME, "info": _INFO, "slots": _COUNT, "num_envs": _COUNT, "credits": _COUNT,
+         # the broker's reply
+         "worker_id": _ID, "run_id": _NAME, "config": F.Map(finite=False), "broker_host": _NAME, "pub": _NAME,
+         "heartbeat_s": F.Num(1e-3, 3600.0), "liveness": F.Int(1, 1000), "version": _VERSION,
+         "rank": _COUNT, "world_size": F.Int(1, F.MAX_COUNT), "trainer_version": _ID, "dist": F.Free()},
+    ),
+    HEARTBEAT: ({}, {"credits": _COUNT, "version": _VERSION, "served": _ID, "env_steps": _ID, "info": _INFO}),
+    DISCONNECT: ({}, {"reason": _REASON}),
+    OBS: (
+        {"slot": _SLOT, "req_id": _ID, "n": F.Int(1, F.MAX_COUNT), "instruction": F.List(_TEXT),
+         "episode_step": F.List(_ID)},
+        {"version": _VERSION, "env_steps": _STEPS, "decision_steps": _STEPS, "env_restarts": _STEPS,
+         "eval": F.Bool(), "deterministic": F.List(F.Bool())},
+    ),
+    ACT: ({"slot": _SLOT, "req_id": _ID, "version": _VERSION}, {"queue_us": _US, "forward_us": _US, "error": _REASON}),
+    BATCH: ({"batch_id": _ID, "requests": F.List(_REQUEST)}, {"queue_us": F.List(_US)}),
+    RESULT: ({"batch_id": _ID, "version": _VERSION}, {"error": _REASON, "forward_us": _US, "queue_us": F.List(_US)}),
+    TRAJ: (
+        {"traj_id": _ID, "slot": _SLOT, "steps": _STEPS},
+        {"instruction": _TEXT, "env": _ID, "episode": _ID, "seed": F.Int(0, 2**63), "done": F.Bool(),
+         "episode_return": F.Num(), "episode_success": F.Bool(), "episode_length": _STEPS,
+         "episode_returns": F.List(F.Num()), "episode_successes": F.List(F.Bool()), "eval": F.Bool(),
+         "eval_version": _VERSION, "gid": _ID},
+    ),
+    TRAJ_ACK: ({"traj_ids": F.List(_ID)}, {"dropped_stale": _STEPS, "discarded": _STEPS}),
+    WEIGHTS: ({"version": _VERSION}, {"published_at": F.Int(0, 2**63, nullable=True), "manifest": F.Free(),
+                                      "store": F.Free(), "stream": F.Free()}),  # checked deep by rlvla3.weights
+    SNAPSHOT: ({}, {}),
+    TRAIN: ({"phase": F.Str(16, ("begin", "end", "starved")), "version": _ID},
+            {"steps": _STEPS, "ready_steps": _STEPS, "stats": _TRAIN_STATS}),
+    STATUS: ({}, {"figures": F.Map(finite=False)}),
+    ERROR: ({"code": F.Str(64), "reason": _REASON}, {"ref_type": F.Str(32, nullable=True)}),
+    FETCH: ({"version": _VERSION, "region": F.Int(0, 2), "offset": F.Int(0, 2**40), "nbytes": F.Int(1, 2**30)}, {}),
+    BUCKET: ({"version": _VERSION, "region": F.Int(0, 2), "offset": F.Int(0, 2**40)},
+             {"error": F.Str(64), "reason": _REASON}),
 }
+BROKER_PRIVATE = ("attempts", "admitted")
+"""Header fields the broker writes into a queued request; a peer may not send them."""
 
 
 class ProtocolError(ValueError):
@@ -295,16 +336,49 @@ def decode(frames: Sequence[Any]) -> Message:
     if type(v) is not int or v != PROTOCOL_VERSION:
         raise ProtocolError(E_VERSION, f"protocol version {v!r}, this peer speaks {PROTOCOL_VERSION}")
     msg_type = header.get("type")
-    if msg_type not in SCHEMA:
-        raise ProtocolError(E_TYPE, f"unknown message type {msg_type!r}")
-    for name, types in SCHEMA[msg_type].items():
-        if name not in header:
-            raise ProtocolError(E_FIELD, f"{msg_type} lacks field {name!r}")
-        val = header[name]
-        if not isinstance(val, types) or (types == _INT and isinstance(val, bool)):
-            raise ProtocolError(E_FIELD, f"{msg_type}.{name} has type {type(val).__name__}")
+    if type(msg_type) is not str or msg_type not in SCHEMA:
+        raise ProtocolError(E_TYPE, f"unknown message type {str(msg_type)[:64]!r}")
+    _check_fields(msg_type, header)
     tensors = _decode_tensors(header.get("tensors", []), frames[1:])
     return Message(type=msg_type, header=header, tensors=tensors)
+
+
+def _check_fields(msg_type: str, header: dict[str, Any]) -> None:
+    """Every field against SCHEMA (type, range, finiteness), then the cross-field rules."""
+    required, optional = SCHEMA[msg_type]
+    try:
+        for name, spec in required.items():
+            if name not in header:
+                raise F.FieldError(f"lacks field {name!r}")
+            spec.check(header[name], name)
+        for name, value in header.items():
+            if type(name) is not str:
+                raise F.FieldError(f"a field name of type {type(name).__name__}")
+            if name in required or name in ("v", "type", "tensors"):
+                continue
+            if name in BROKER_PRIVATE:
+                raise F.FieldError(f"{name!r} is set by the broker, not sent")
+            spec = optional.get(name)
+            if spec is not None:
+                spec.check(value, name)
+            else:
+                F.Free().check(value, name)
+        if msg_type == OBS:
+            n = header["n"]
+            for name in ("instruction", "episode_step", "deterministic"):
+                if name in header and len(header[name]) != n:
+                    raise F.FieldError(f"{name} has {len(header[name])} items, n={n}")
+        elif msg_type == BATCH:
+            for r in header["requests"]:
+                if len(r["instruction"]) != r["n"] or len(r["episode_step"]) != r["n"] or len(r.get("deterministic", [0] * r["n"])) != r["n"]:
+                    raise F.FieldError(f"request {r['req_id']}: lists disagree with n={r['n']}")
+        elif msg_type == TRAIN and "stats" in header:
+            for key, count in (header["stats"].get("staleness_counts") or {}).items():
+                if not key.lstrip("-").isdigit() or len(key) > 16:
+                    raise F.FieldError(f"stats.staleness_counts key {key[:32]!r} is not a staleness")
+                F.checked_int(count, 0, F.MAX_ID, f"stats.staleness_counts[{key}]")
+    except F.FieldError as err:
+        raise ProtocolError(E_FIELD, f"{msg_type}: {err}") from None
 
 
 def _bytes_of(frame: Any) -> bytes | memoryview:
@@ -319,6 +393,8 @@ def _bytes_of(frame: Any) -> bytes | memoryview:
 def _decode_tensors(descs: Any, frames: Sequence[Any]) -> dict[str, InlineTensor | ShmRef]:
     if not isinstance(descs, list):
         raise ProtocolError(E_TENSOR, "tensors is not a list")
+    if len(descs) > MAX_FRAMES:
+        raise ProtocolError(E_OVERSIZE, f"{len(descs)} tensors > {MAX_FRAMES}")
     out: dict[str, InlineTensor | ShmRef] = {}
     next_frame = 0
     for d in descs:
@@ -338,6 +414,8 @@ def _decode_tensors(descs: Any, frames: Sequence[Any]) -> dict[str, InlineTensor
         ):
             raise ProtocolError(E_TENSOR, f"tensor {name!r}: bad shape {shape!r}")
         nbytes = math.prod(shape) * _itemsize(dtype)
+        if nbytes > MAX_SHM_OFFSET:
+            raise ProtocolError(E_TENSOR, f"tensor {name!r}: {nbytes} bytes is more than any segment")
         if where == "inline":
             if next_frame >= len(frames):
                 raise ProtocolError(E_TENSOR, f"tensor {name!r}: no frame left for it")
@@ -350,11 +428,11 @@ def _decode_tensors(descs: Any, frames: Sequence[Any]) -> dict[str, InlineTensor
             seg, offset, nb, host = d.get("seg"), d.get("offset"), d.get("nbytes"), d.get("host")
             if not isinstance(seg, str) or not seg.startswith(SHM_PREFIX) or len(seg) > MAX_NAME_LEN or "/" in seg:
                 raise ProtocolError(E_TENSOR, f"tensor {name!r}: bad segment name {seg!r}")
-            if not isinstance(offset, int) or isinstance(offset, bool) or offset < 0:
+            if type(offset) is not int or not 0 <= offset <= MAX_SHM_OFFSET:
                 raise ProtocolError(E_TENSOR, f"tensor {name!r}: bad offset {offset!r}")
             if nb != nbytes:
                 raise ProtocolError(E_TENSOR, f"tensor {name!r}: nbytes {nb!r} != shape's {nbytes}")
-            if not isinstance(host, str):
+            if not isinstance(host, str) or not host or len(host) > MAX_NAME_LEN:
                 raise ProtocolError(E_TENSOR, f"tensor {name!r}: shm descriptor without host")
             out[name] = ShmRef(seg=seg, offset=offset, nbytes=nbytes, dtype=dtype, shape=tuple(shape), host=host)
         else:

@@ -120,9 +120,18 @@ def check_weights(r: dict[str, Any], out: Path) -> None:
     assert (out / "weights.json").is_file()
 
 
+def check_fuzz(r: dict[str, Any], out: Path) -> None:
+    for key in ("sent", "errors", "broker_alive", "job_advanced", "rss_growth_mb"):
+        assert key in r, key
+    assert r["errors"] > 0 and not r["client_failures"]
+    assert r["broker_alive"] and r["workers_alive"] and r["all_read"]
+    assert (out / "fuzz.json").is_file()
+
+
 CHECKS: dict[str, Callable[[dict[str, Any], Path], None]] = {
     "latency": check_latency, "transfer": check_transfer, "ablation": check_ablation,
     "sim_latency": check_sim_latency, "generator": check_generator, "learning": check_learning, "weights": check_weights,
+    "fuzz": check_fuzz,
 }
 
 

@@ -20,6 +20,7 @@ from typing import Any, Callable
 import structlog
 import zmq
 
+from rlvla3 import auth
 from rlvla3 import protocol as P
 from rlvla3.config import ConfigError, JobConfig, apply_overrides, from_dict
 from rlvla3.lifetime import on_stop_signals
@@ -74,8 +75,11 @@ class WorkerBase:
 
     role: str = ""
 
-    def __init__(self, broker: str, name: str | None = None, overrides: tuple[str, ...] = (), device: str | None = None) -> None:
+    def __init__(self, broker: str, name: str | None = None, overrides: tuple[str, ...] = (), device: str | None = None,
+                 keys_dir: str | None = None, key_name: str | None = None) -> None:
         self.broker_url = broker
+        self.keys_dir = keys_dir  # CURVE key folder (rlvla3/auth.py); None: plain sockets
+        self.key_name = key_name or self.role
         self.name = name or f"{self.role}-{os.getpid()}"
         self.overrides = tuple(overrides)
         self.device = device
@@ -149,6 +153,7 @@ class WorkerBase:
         self.sock.setsockopt(zmq.SNDHWM, P.SOCKET_HWM)
         self.sock.setsockopt(zmq.RCVHWM, P.SOCKET_HWM)
         self.sock.setsockopt(zmq.MAXMSGSIZE, P.MAX_MESSAGE_BYTES)
+        auth.configure_client(self.sock, self.keys_dir, self.key_name)
         self.sock.connect(self.broker_url)
         self.poller.register(self.sock, zmq.POLLIN)
 

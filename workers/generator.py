@@ -27,6 +27,7 @@ import structlog
 import torch
 import zmq
 
+from rlvla3 import auth
 from rlvla3 import protocol as P
 from rlvla3.weights.manifest import ManifestError
 from rlvla3.weights.receiver import WeightReceiver
@@ -85,6 +86,7 @@ class GeneratorWorker(WorkerBase):
         self.sub.setsockopt(zmq.SUBSCRIBE, b"W")
         self.sub.setsockopt(zmq.RCVHWM, 4)
         self.sub.setsockopt(zmq.MAXMSGSIZE, P.MAX_MESSAGE_BYTES)
+        auth.configure_client(self.sub, self.keys_dir, self.key_name)
         self.sub.connect(pub_address(self.welcome["pub"], self.broker_url))
         self.send(P.SNAPSHOT, {})
         log.info("generator_ready", family=cfg.model.family, device=str(self.policy.device),
@@ -157,9 +159,14 @@ class GeneratorWorker(WorkerBase):
             self._fetch_next()
         msg, self.pending_weights = self.pending_weights, None
         if msg is not None:
-            load_state_from_message(self.policy, msg, self.attach)
-            self.version = msg["version"]
-            log.info("weights_swapped", version=self.version, source="inline", ms=round((time.perf_counter() - t0) * 1000, 2))
+            try:
+                load_state_from_message(self.policy, msg, self.attach)
+            except (ValueError, KeyError, P.ProtocolError) as err:  # keep serving the weights we have
+                log.error("weights_rejected", version=msg["version"], current=self.version, error=str(err)[:500])
+            else:
+                self.version = msg["version"]
+                log.info("weights_swapped", version=self.version, source="inline",
+                         ms=round((time.perf_counter() - t0) * 1000, 2))
         if self.serve_after is not None and self.receiver.version >= self.serve_after:
             self.serve_after = None
             self._start_serving()

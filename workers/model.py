@@ -106,15 +106,26 @@ def state_tensors(policy: torch.nn.Module) -> dict[str, torch.Tensor]:
 
 
 def load_state_from_message(policy: torch.nn.Module, msg: P.Message, attach: Any) -> None:
-    """Apply a WEIGHTS message's tensors to a policy (strict: every parameter must be there)."""
+    """Apply a WEIGHTS message's tensors to a policy (strict: every parameter must be there).
+
+    Everything is checked before the policy is touched (names, shapes, finiteness; dtypes are cast):
+    torch's ``load_state_dict`` copies the tensors that fit before it raises on the ones that do
+    not, which would leave a policy half old and half new. On ValueError the policy is as it was.
+    """
+    current = policy.state_dict()
+    names = set(msg.tensors)
+    if names != set(current):
+        missing, extra = sorted(set(current) - names), sorted(names - set(current))
+        raise ValueError(f"WEIGHTS has {len(missing)} missing tensors (e.g. {missing[:3]}) and "
+                         f"{len(extra)} unknown ones (e.g. {extra[:3]})")
     sd = {}
     for name, t in msg.tensors.items():
         arr = attach.materialize(t, copy=True)
-        if t.dtype == "bfloat16":
-            sd[name] = torch.from_numpy(arr.view(np.int16)).view(torch.bfloat16)
-        else:
-            sd[name] = torch.from_numpy(arr)
-    missing = set(policy.state_dict()) - set(sd)
-    if missing:
-        raise ValueError(f"WEIGHTS lacks {len(missing)} tensors, e.g. {sorted(missing)[:3]}")
+        value = torch.from_numpy(arr.view(np.int16)).view(torch.bfloat16) if t.dtype == "bfloat16" else torch.from_numpy(arr)
+        want = current[name]
+        if tuple(value.shape) != tuple(want.shape):
+            raise ValueError(f"WEIGHTS {name}: shape {tuple(value.shape)}, the policy has {tuple(want.shape)}")
+        if value.is_floating_point() and not bool(torch.isfinite(value).all()):
+            raise ValueError(f"WEIGHTS {name}: holds inf or NaN")
+        sd[name] = value
     policy.load_state_dict(sd, strict=True)

@@ -1,0 +1,264 @@
+"""Throw >= 100,000 hostile messages at a live job and check that it shrugs them off.
+
+A synthetic job (broker, simulator, generator, trainer: real processes on tcp://127.0.0.1) runs
+while a few fuzzing clients send, as fast as the broker takes them:
+
+- frames that are not msgpack, or not a map, or carry a wrong version;
+- type confusion: a real message type with one field replaced by a list, a map, a bool, inf,
+  NaN, a huge or negative int, a 5,000-character string (every field of SCHEMA in turn);
+- valid but hostile messages: unknown batch ids, re-READY as another role, extreme counters,
+  SNAPSHOT requests, DISCONNECT and join again (no STATUS: the one STATUS each client sends last
+  is how it knows the broker has read everything; STATUS floods are bench material of their own).
+
+The clients join as roles that cannot feed work to the job's real workers (a generator with no
+credits, a simulator whose OBS are all malformed, a ``client``) plus one stranger that never
+joins; each ends with a STATUS whose reply proves the broker read all its messages
+(``all_read``). Output: one JSON object with ``sent``, ``errors`` (messages the broker answered
+with ERROR, from its own counter; some replies are dropped when a client's queue is full),
+``broker_alive``, ``job_advanced`` (env steps and the policy version grew while fuzzing) and
+``rss_growth_mb`` (the broker's resident memory after fuzzing minus before). Targets: alive,
+advancing, RSS growth <= 64 MB.
+
+    python bench/fuzz.py            # 100,000 messages
+    python bench/fuzz.py --quick    # 5,000 messages
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import random
+import shutil
+import sys
+import tempfile
+import threading
+import time
+from pathlib import Path
+
+import msgpack
+import zmq
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+from bench._common import OUT_DIR, emit, note  # noqa: E402
+from rlvla3 import protocol as P  # noqa: E402
+from rlvla3.config import load  # noqa: E402
+from rlvla3.launch import LocalJob, request_status  # noqa: E402
+
+JOB = (
+    "run.mode=async", "env.num_envs=4", "env.slots=2", "env.fragment_len=8",
+    "env.options.latency={kind: constant, mean_ms: 1.0}", "env.options.image_size=8",
+    "algo.batch_steps=64", "algo.minibatch_size=32", "algo.epochs=1",
+    "batching.max_batch=8", "batching.max_wait_ms=2", "model.options.hidden=32",
+    "workers.simulators=1", "workers.generators=1", "workers.trainers=1",
+)
+
+VALID = {  # one valid header per message type a peer may send to the broker
+    P.READY: {"role": "client", "host": "fuzzhost", "pid": 1},
+    P.HEARTBEAT: {}, P.DISCONNECT: {}, P.SNAPSHOT: {},
+    P.OBS: {"slot": 0, "req_id": 1, "n": 1, "instruction": ["x"], "episode_step": [0]},
+    P.RESULT: {"batch_id": 1, "version": 0},
+    P.TRAJ: {"traj_id": 1, "slot": 0, "steps": 8},
+    P.TRAJ_ACK: {"traj_ids": [1]},
+    P.WEIGHTS: {"version": 0},
+    P.TRAIN: {"phase": "end", "version": 0},
+}
+HOSTILE = [[1], {"a": [1]}, True, float("inf"), float("-inf"), float("nan"), 2**64 - 1, -(2**40), "x" * 5000, None]
+FIELDS = [(t, name) for t in VALID for name in {**P.SCHEMA[t][0], **P.SCHEMA[t][1]}]
+
+
+def confused(rng: random.Random) -> list[bytes]:
+    """A real message type with one field replaced by a hostile value (never a valid message)."""
+    while True:
+        t, name = rng.choice(FIELDS)
+        frames = [msgpack.packb({"v": 1, "type": t, **VALID[t], name: rng.choice(HOSTILE)})]
+        try:
+            P.decode(frames)
+        except P.ProtocolError:
+            return frames
+
+
+def garbage(rng: random.Random) -> list[bytes]:
+    kind = rng.randrange(4)
+    if kind == 0:
+        return [rng.randbytes(rng.randrange(1, 64))]
+    if kind == 1:
+        return [msgpack.packb([1, 2, {"type": "OBS"}])]
+    if kind == 2:
+        return [msgpack.packb({"v": 2, "type": "READY"})]
+    return [msgpack.packb({"v": 1, "type": rng.choice([["OBS"], {"t": 1}, 7, None, "NOPE"])})]
+
+
+def hostile_valid(rng: random.Random, role: str) -> list:
+    """Well-formed messages no honest worker sends (none of them feeds work to the job)."""
+    kind = rng.randrange(6)
+    if kind == 0:
+        return P.encode(P.RESULT, {"batch_id": rng.randrange(2**53), "version": 2**53, "queue_us": [2**53] * 8})
+    if kind == 1:
+        return P.encode(P.HEARTBEAT, {"credits": 0, "version": 2**53, "info": {"env_steps": 2**53, "dist": {"x": [1] * 50}}})
+    if kind == 2:
+        return P.encode(P.TRAJ_ACK, {"traj_ids": [rng.randrange(2**53) for _ in range(50)], "dropped_stale": 2**32})
+    if kind == 3:
+        return P.encode(P.SNAPSHOT if role == "generator" else P.TRAIN, {} if role == "generator" else
+                        {"phase": "starved", "version": 2**53})
+    if kind == 4:
+        return P.encode(P.READY, {"role": role, "host": "fuzzhost", "pid": 2**31, "name": "x" * 256, "credits": 0,
+                                  "slots": 0, "info": {"version": 2**53}})
+    return P.encode(P.DISCONNECT, {"reason": "x" * 4000})
+
+
+class Fuzzer(threading.Thread):
+    """One client: joins as ``role`` (or never, for the stranger) and sends ``count`` messages."""
+
+    def __init__(self, ctx: zmq.Context, endpoint: str, role: str | None, count: int, seed: int) -> None:
+        super().__init__(daemon=True, name=f"fuzz-{role}")
+        self.sock = ctx.socket(zmq.DEALER)
+        self.sock.setsockopt(zmq.LINGER, 0)
+        self.sock.connect(endpoint)
+        self.role, self.count, self.rng = role, count, random.Random(seed)
+        self.sent = self.errors = self.replies = 0
+        self.confirmed = False
+        self.failure = ""
+
+    def _drain(self) -> bool:
+        """Read every waiting reply; True if one was a STATUS."""
+        status = False
+        while self.sock.poll(0):
+            msg = P.decode(self.sock.recv_multipart())
+            self.replies += 1
+            self.errors += msg.type == P.ERROR
+            status |= msg.type == P.STATUS
+        return status
+
+    def _confirm(self) -> bool:
+        """A STATUS after everything: its reply proves the broker has read all our messages
+        (one peer's messages are read in order). Re-asked every 10 s: a reply can be dropped
+        while our receive queue is full."""
+        for _ in range(12):
+            self._send(P.encode(P.STATUS, {}))
+            deadline = time.monotonic() + 10
+            while time.monotonic() < deadline:
+                if self.sock.poll(200) and self._drain():
+                    return True
+        return False
+
+    def _send(self, frames: list) -> None:
+        """Send when the broker takes more (its queue for us is bounded: back-pressure is fair
+        play), reading its replies meanwhile; a broker that takes nothing for 120 s fails us."""
+        deadline = time.monotonic() + 120
+        while not self.sock.poll(100, zmq.POLLOUT):
+            self._drain()
+            if time.monotonic() > deadline:
+                raise TimeoutError("the broker took no message for 120 s")
+        self.sock.send_multipart(frames, zmq.DONTWAIT)
+
+    def run(self) -> None:
+        try:
+            if self.role is not None:
+                self._send(P.encode(P.READY, {**VALID[P.READY], "role": self.role, "credits": 0, "slots": 0}))
+            for i in range(self.count):
+                pick = self.rng.random()
+                if pick < 0.45:
+                    frames = confused(self.rng)
+                elif pick < 0.65:
+                    frames = garbage(self.rng)
+                elif self.role is not None:
+                    frames = hostile_valid(self.rng, self.role)
+                else:
+                    frames = confused(self.rng)
+                self._send(frames)
+                self.sent += 1
+                if i % 64 == 0:
+                    self._drain()
+            self.confirmed = self._confirm()
+            while self.sock.poll(500):
+                self._drain()
+        except Exception as exc:  # reported in the JSON: a fuzzer that stops early is a finding
+            self.failure = f"{type(exc).__name__}: {exc}"
+        finally:
+            self.sock.close()
+
+
+def rss_mb(pid: int) -> float:
+    for line in Path(f"/proc/{pid}/status").read_text().splitlines():
+        if line.startswith("VmRSS:"):
+            return int(line.split()[1]) / 1024
+    return 0.0
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--messages", type=int, default=100_000, help="Messages in all, split over the clients.")
+    ap.add_argument("--clients", type=int, default=4, help="Fuzzing clients (simulator, generator, client, stranger...).")
+    ap.add_argument("--quick", action="store_true", help="5,000 messages: a short run.")
+    ap.add_argument("--smoke", action="store_true", help="1,000 messages: checks the script runs, measures nothing.")
+    ap.add_argument("--out", default=OUT_DIR, help="Folder for fuzz.json (default ./bench/out).")
+    ap.add_argument("--seed", type=int, default=0)
+    args = ap.parse_args()
+    total = 1_000 if args.smoke else 5_000 if args.quick else args.messages
+
+    root = Path(tempfile.mkdtemp(prefix="rlvla3-fuzz-"))
+    cfg = load("synthetic.yaml", list(JOB))
+    cfg_path = root / "config.yaml"
+    cfg_path.write_text(cfg.to_yaml())
+    job = LocalJob(cfg, root, cfg_path)
+    result: dict = {}
+    try:
+        endpoint = job.start_broker("tcp://127.0.0.1:0", "tcp://127.0.0.1:0")
+        job.start_all()
+        before = job.wait_status(lambda f: f["env_steps"] > 0 and f["policy_version"] >= 1, 300.0, "the job to train once")
+        rss0 = rss_mb(job.broker_proc.pid)
+        note(f"job running (env_steps={before['env_steps']}, version={before['policy_version']}); fuzzing with {total} messages")
+        ctx = zmq.Context()
+        roles = ["simulator", "generator", "client", None]
+        fuzzers = [Fuzzer(ctx, endpoint, roles[i % len(roles)], total // args.clients + (i < total % args.clients), args.seed + i)
+                   for i in range(args.clients)]
+        t0 = time.monotonic()
+        for f in fuzzers:
+            f.start()
+        rss_peak = rss0
+        while any(f.is_alive() for f in fuzzers):
+            rss_peak = max(rss_peak, rss_mb(job.broker_proc.pid)) if job.broker_proc.poll() is None else rss_peak
+            time.sleep(0.2)  # sampling RSS while the clients send
+        seconds = time.monotonic() - t0
+        alive = job.broker_proc.poll() is None
+        after = {}
+        if alive:  # the job must go on advancing after the storm, not only survive it
+            try:
+                after = job.wait_status(lambda f: f["env_steps"] > before["env_steps"] and
+                                        f["policy_version"] > before["policy_version"], 120.0, "the job to advance")
+            except (TimeoutError, RuntimeError) as exc:
+                note(f"job did not advance: {exc}")
+                after = request_status(endpoint)
+        rss1 = rss_mb(job.broker_proc.pid) if alive else 0.0
+        ctx.term()
+        result = {
+            "sent": sum(f.sent for f in fuzzers),
+            "errors": (after.get("errors", 0) - before.get("errors", 0)) if after else None,
+            "broker_alive": alive,
+            "job_advanced": bool(after) and after["env_steps"] > before["env_steps"] and after["policy_version"] > before["policy_version"],
+            "rss_growth_mb": round(rss1 - rss0, 1),
+            "rss_peak_growth_mb": round(rss_peak - rss0, 1),
+            "all_read": all(f.confirmed for f in fuzzers),
+            "error_replies_received": sum(f.errors for f in fuzzers),
+            "replies": sum(f.replies for f in fuzzers),
+            "messages_per_s": round(sum(f.sent for f in fuzzers) / max(seconds, 1e-9)),
+            "env_steps": [before["env_steps"], after.get("env_steps")],
+            "policy_version": [before["policy_version"], after.get("policy_version")],
+            "workers_alive": all(p.poll() is None for p in job.workers),
+            "client_failures": [f.failure for f in fuzzers if f.failure],
+            "targets": {"broker_alive": True, "job_advanced": True, "rss_growth_mb_max": 64},
+        }
+    finally:
+        job.stop()
+    if result.get("broker_alive") and result.get("job_advanced") and result.get("workers_alive"):
+        shutil.rmtree(root, ignore_errors=True)  # ~20 MB of rejection logs
+    else:
+        note(f"logs kept in {root}")
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    (out / "fuzz.json").write_text(json.dumps(result, indent=1))
+    emit(result)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,180 @@
+"""Field specs for the wire: what each header field may hold, checked before anything reads it.
+
+A peer is untrusted: a field can arrive as a list where an int belongs, as ``true`` (bool is a
+subclass of int in Python), as ``1e400`` (msgpack turns it into inf) or as 2^64. Every int goes
+through :func:`checked_int`, every float through :func:`checked_num`; free-form maps (config,
+STATUS figures, trainer stats) are bounded in depth and size. A failed check raises
+``ProtocolError(E_FIELD)``, which the receiver answers with ERROR.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import Any
+
+MAX_ID = 2**53
+"""Ids, counters and versions stay exactly representable as a double (JSON, JavaScript)."""
+MAX_COUNT = 2**16
+"""Slots, envs per request, credits, list lengths in one message."""
+MAX_STEPS = 2**32
+"""Env steps or trajectory steps reported in one message."""
+MAX_TEXT = 4096
+MAX_FREE_DEPTH = 8
+MAX_FREE_NODES = 100_000
+
+
+class FieldError(ValueError):
+    """A field that fails its spec (protocol.decode turns it into ProtocolError(E_FIELD))."""
+
+
+def checked_int(value: Any, lo: int, hi: int, what: str) -> int:
+    """``value`` if it is a true int (not a bool, not a float) with lo <= value <= hi."""
+    if type(value) is not int:
+        raise FieldError(f"{what} must be an integer, not {type(value).__name__}")
+    if not lo <= value <= hi:
+        raise FieldError(f"{what}={value} outside [{lo}, {hi}]")
+    return value
+
+
+def checked_num(value: Any, lo: float, hi: float, what: str) -> float:
+    """A finite int or float (not a bool) with lo <= value <= hi."""
+    if type(value) not in (int, float):
+        raise FieldError(f"{what} must be a number, not {type(value).__name__}")
+    if isinstance(value, float) and not math.isfinite(value):
+        raise FieldError(f"{what} is {value} (not finite)")
+    if not lo <= value <= hi:
+        raise FieldError(f"{what}={value} outside [{lo}, {hi}]")
+    return value
+
+
+# ---------------------------------------------------------------------------------------------
+# Specs: each has check(value, what) that raises FieldError
+# ---------------------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class Int:
+    lo: int = 0
+    hi: int = MAX_ID
+    nullable: bool = False
+
+    def check(self, value: Any, what: str) -> None:
+        if value is None and self.nullable:
+            return
+        checked_int(value, self.lo, self.hi, what)
+
+
+@dataclass(frozen=True)
+class Num:
+    lo: float = -1e300
+    hi: float = 1e300
+
+    def check(self, value: Any, what: str) -> None:
+        checked_num(value, self.lo, self.hi, what)
+
+
+@dataclass(frozen=True)
+class Str:
+    max_len: int = MAX_TEXT
+    choices: tuple[str, ...] = ()
+    nullable: bool = False
+
+    def check(self, value: Any, what: str) -> None:
+        if value is None and self.nullable:
+            return
+        if type(value) is not str:
+            raise FieldError(f"{what} must be a string, not {type(value).__name__}")
+        if len(value) > self.max_len:
+            raise FieldError(f"{what} is {len(value)} characters long (at most {self.max_len})")
+        if self.choices and value not in self.choices:
+            raise FieldError(f"{what}={value!r} is not one of {self.choices}")
+
+
+@dataclass(frozen=True)
+class Bool:
+    def check(self, value: Any, what: str) -> None:
+        if type(value) is not bool:
+            raise FieldError(f"{what} must be true or false, not {type(value).__name__}")
+
+
+@dataclass(frozen=True)
+class List:
+    item: Any
+    max_len: int = MAX_COUNT
+
+    def check(self, value: Any, what: str) -> None:
+        if type(value) not in (list, tuple):
+            raise FieldError(f"{what} must be a list, not {type(value).__name__}")
+        if len(value) > self.max_len:
+            raise FieldError(f"{what} has {len(value)} items (at most {self.max_len})")
+        for i, v in enumerate(value):
+            self.item.check(v, f"{what}[{i}]")
+
+
+@dataclass(frozen=True)
+class Map:
+    """A map with known keys (each checked when present) and, unless ``closed``, other keys
+    checked as free-form data."""
+
+    fields: tuple[tuple[str, Any], ...] = ()
+    required: tuple[str, ...] = ()
+    closed: bool = False
+    finite: bool = True
+    nullable: bool = False
+
+    def check(self, value: Any, what: str) -> None:
+        if value is None and self.nullable:
+            return
+        if type(value) is not dict:
+            raise FieldError(f"{what} must be a map, not {type(value).__name__}")
+        known = dict(self.fields)
+        for key in self.required:
+            if key not in value:
+                raise FieldError(f"{what} lacks {key!r}")
+        budget = [MAX_FREE_NODES]
+        for key, v in value.items():
+            if type(key) is not str:
+                raise FieldError(f"{what} has a key of type {type(key).__name__}")
+            spec = known.get(key)
+            if spec is not None:
+                spec.check(v, f"{what}.{key}")
+            elif self.closed:
+                raise FieldError(f"{what} has an unexpected key {key[:64]!r}")
+            else:
+                _free(v, f"{what}.{key[:64]}", 1, budget, self.finite)
+
+
+@dataclass(frozen=True)
+class Free:
+    """Any msgpack data bounded in depth and size (optionally: no inf or NaN)."""
+
+    finite: bool = True
+
+    def check(self, value: Any, what: str) -> None:
+        _free(value, what, 0, [MAX_FREE_NODES], self.finite)
+
+
+def _free(value: Any, what: str, depth: int, budget: list[int], finite: bool) -> None:
+    budget[0] -= 1
+    if budget[0] < 0:
+        raise FieldError(f"{what}: more than {MAX_FREE_NODES} values")
+    if depth > MAX_FREE_DEPTH:
+        raise FieldError(f"{what}: nested deeper than {MAX_FREE_DEPTH}")
+    t = type(value)
+    if t is float:
+        if finite and not math.isfinite(value):
+            raise FieldError(f"{what} is {value} (not finite)")
+    elif t is int:
+        if not -(2**63) <= value < 2**64:
+            raise FieldError(f"{what} is an integer out of 64-bit range")
+    elif t is dict:
+        for k, v in value.items():
+            if type(k) is not str:
+                raise FieldError(f"{what} has a key of type {type(k).__name__}")
+            _free(v, f"{what}.{k[:64]}", depth + 1, budget, finite)
+    elif t in (list, tuple):
+        for i, v in enumerate(value):
+            _free(v, f"{what}[{i}]", depth + 1, budget, finite)
+    elif t not in (str, bytes, bool, type(None)):
+        raise FieldError(f"{what} has type {t.__name__}")
