@@ -19,7 +19,7 @@ from rlvla3 import protocol as P
 from rlvla3.cli import _ask_status, main
 from rlvla3.config import load
 from rlvla3.launch import LocalJob
-from tests.conftest import FAST, wait_until
+from tests.jobs import FAST, wait_until
 
 ROOT = Path(__file__).resolve().parents[1]
 

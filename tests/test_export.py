@@ -54,7 +54,8 @@ def make_run(run_dir: Path, family: str, options: dict):
     # Exactly representable statistics (powers of two), so every file format stores them exactly.
     policy.norm.set(state=(torch.full((spec.state_dim,), 0.25), torch.full((spec.state_dim,), 2.0)),
                     action=(torch.full((spec.action_dim,), -0.5), torch.full((spec.action_dim,), 0.5)))
-    cfg = {"env": ENV, "model": {"family": family, "chunk_size": 4, "options": opts}}
+    cfg = {"env": ENV, "model": {"family": family, "chunk_size": 4, "dtype": "float32",
+                                 "options": {k: v for k, v in opts.items() if k not in ("device", "dtype")}}}
     save_checkpoint(run_dir, policy, None, version=7, step_counters={"env_steps": 100}, config_yaml=yaml.safe_dump(cfg))
     return policy, spec
 

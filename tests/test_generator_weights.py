@@ -9,7 +9,7 @@ import torch
 import zmq
 
 from rlvla3 import protocol as P
-from tests.conftest import wait_until
+from tests.jobs import wait_until
 from workers.model import build_policy, state_tensors
 
 

@@ -340,15 +340,13 @@ def test_message_before_ready_and_wrong_role(broker_sock):
     assert r.type == P.ERROR and r["code"] == P.E_ROLE
 
 
-@pytest.mark.xfail(strict=True, reason="issue 10: the broker's batch dispatch raises on an unreadable shm "
-                   "reference; the fix belongs to the restructured broker (drop the request, answer ACT error)")
 def test_obs_naming_an_unknown_shm_host_is_answered(joined):
     """A request whose shm lives on a host the broker cannot read is dropped and answered."""
     job, peers = joined
     ref = P.ShmRef(seg=P.SHM_PREFIX + "nosuch", offset=0, nbytes=12, dtype="float32", shape=(1, 3), host="nowhere")
     peers["simulator"].send_multipart(P.encode(P.OBS, {"slot": 0, "req_id": 1, "n": 1, "instruction": ["x"],
                                                        "episode_step": [0]}, {"state": ref}))
-    from tests.conftest import wait_until
+    from tests.jobs import wait_until
 
     wait_until(lambda: job.broker_proc.poll() is not None or job.fig()["queue_depth"] == 0, 10, "the request to leave the queue")
     _still_serves(peers[None])

@@ -125,7 +125,7 @@ def test_lerobot_release_loads_through_model_checkpoint(family, tmp_path):
 
     sd = write_lerobot_release(tmp_path / "release", family)
     cfg = from_dict({"env": {"name": "synthetic"}, "model": {"family": family, "chunk_size": 5, "checkpoint": str(tmp_path / "release"),
-                                                             "options": {"device": "cpu", "dtype": "float32", "num_steps": 3}}})
+                                                             "dtype": "float32", "options": {"num_steps": 3}}})
     policy = build_policy(cfg, spec=SPEC, device="cpu")
     ours = policy.state_dict()
     vis = "model.paligemma_with_expert.paligemma.model.vision_tower.vision_model.embeddings.patch_embedding.weight"

@@ -32,7 +32,7 @@ def trained_policy(run_dir: str | Path) -> tuple[Any, Path]:
     cfg = from_dict(yaml.safe_load((ck / "config.yaml").read_text(encoding="utf-8")))
     if cfg.model.family == "mlp":
         raise ValueError("the mlp policy has no release format to export to")
-    cfg.model.options = {**cfg.model.options, "device": "cpu", "dtype": "float32"}
+    cfg.model.dtype = "float32"
     policy = build_policy(cfg, device="cpu")
     from safetensors.torch import load_model
 
