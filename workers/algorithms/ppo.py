@@ -34,6 +34,8 @@ import numpy as np
 import torch
 from torch import nn
 
+from rlvla3.observation import Observation
+
 RATIO_LEVELS = ("unit", "chunk")
 
 EvaluateFn = Callable[[Any, torch.Tensor, dict], Any]  # (obs, actions, replay) -> EvalOutput
@@ -230,7 +232,8 @@ def ppo_loss(
 # ---------------------------------------------------------------------------------------------
 #
 #   batch = {
-#       "obs": {"images": {cam: uint8 [N,H,W,3]}, "state": [N,D], "instruction": [N strings]},
+#       "obs": an rlvla3.observation.Observation of N rows (or the same as a dict of
+#              "images" {cam: uint8 [N,H,W,3]}, "state" [N,D], "instruction" [N strings]),
 #       "actions": [N,T,A], "replay": {name: [N,...]},
 #       "behav_logprob": [N,L], "prox_logprob": [N,L] (optional: recomputed when absent),
 #       "advantages": [N], "returns": [N], "values": [N] (behaviour values; returns/values
@@ -240,6 +243,8 @@ def ppo_loss(
 
 def _take(x: Any, idx: torch.Tensor) -> Any:
     """Index the leading (sample) axis of tensors, arrays and lists, recursing into dicts."""
+    if isinstance(x, Observation):
+        return x.select(idx.cpu().numpy())
     if isinstance(x, dict):
         return {k: _take(v, idx) for k, v in x.items()}
     if isinstance(x, torch.Tensor):

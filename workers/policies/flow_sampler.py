@@ -29,7 +29,7 @@ from typing import Any, Callable
 import torch
 from torch import nn
 
-from workers.envs.base import Obs
+from rlvla3.observation import Observation, as_observation
 from workers.policies.base import ActOutput, EvalOutput, Policy
 
 MODES = ("ode", "sde", "noise")
@@ -209,24 +209,24 @@ class FlowPolicy(Policy):
     model_action_dim: int
 
     @abstractmethod
-    def _context(self, obs: Obs) -> dict[str, Any]:
+    def _context(self, obs: Observation) -> dict[str, Any]:
         """Per-observation tensors every denoising step reads, including ``"value"``."""
 
     @abstractmethod
     def _velocity_fn(self, ctx: dict[str, Any]) -> VelocityFn:
         """The velocity ``v(x_t, t)`` (pi0's time convention) given the context."""
 
-    def act(self, obs: Obs, deterministic: bool = False) -> ActOutput:
+    def act(self, obs: Observation, deterministic: bool = False) -> ActOutput:
         with torch.no_grad():
-            ctx = self._context(obs)
+            ctx = self._context(as_observation(obs))
             shape = (ctx["value"].shape[0], self.chunk_size, self.model_action_dim)
             x0 = torch.zeros(shape, device=self.device) if deterministic else torch.randn(shape, device=self.device)
             res = self.sampler.sample(self._velocity_fn(ctx), x0, deterministic)
         return ActOutput(actions=res.actions[..., : self.action_dim].contiguous(), logprob=res.logprob,
                          value=ctx["value"], replay={"chain": res.chain, "stochastic": res.mask})
 
-    def evaluate(self, obs: Obs, actions: torch.Tensor, replay: dict[str, torch.Tensor]) -> EvalOutput:
-        ctx = self._context(obs)
+    def evaluate(self, obs: Observation, actions: torch.Tensor, replay: dict[str, torch.Tensor]) -> EvalOutput:
+        ctx = self._context(as_observation(obs))
         chain = replay["chain"].to(self.device).clone()  # clone: may come from inference_mode
         lp, ent = self.sampler.score(self._velocity_fn(ctx), chain, replay["stochastic"].to(self.device))
         return EvalOutput(logprob=lp, entropy=ent, value=ctx["value"])

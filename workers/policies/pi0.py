@@ -17,7 +17,8 @@ from typing import Any
 
 import torch
 
-from workers.envs.base import EnvSpec, Obs
+from rlvla3.observation import Observation
+from workers.envs.base import EnvSpec
 from workers.policies.base import Policy, register_policy
 from workers.policies.flow_sampler import FlowOptions, FlowPolicy, FlowSampler
 from workers.policies.vla_common import (
@@ -149,12 +150,13 @@ class Pi0Policy(ReleaseCheckpointMixin, FlowPolicy):
 
     # -- observation -> prefix ------------------------------------------------------------------
 
-    def _context(self, obs: Obs) -> dict[str, Any]:
+    def _context(self, obs: Observation) -> dict[str, Any]:
         """Run the VLM over images + instruction once; the cache serves every denoising step."""
         dev, dt = self.device, self.pi0.dtype
-        pixels = preprocess_images(obs["images"], self.cameras, self.image_size, IMAGE_MEAN, IMAGE_STD, dev, dt)
+        obs = obs.to_torch(dev, self.cameras)
+        pixels = preprocess_images(obs.images, self.cameras, self.image_size, IMAGE_MEAN, IMAGE_STD, dev, dt)
         b, ncam = pixels.shape[:2]
-        ids, mask = encode_text(self.tokenizer, [f"{s}\n" for s in obs["instruction"]], self.opts.max_text_len)
+        ids, mask = encode_text(self.tokenizer, [f"{s}\n" for s in obs.instruction], self.opts.max_text_len)
         n_img = ncam * self.tokens_per_image
         ids = torch.cat([torch.full((b, n_img), self.image_token_id), ids], 1).to(dev)
         mask = torch.cat([torch.ones(b, n_img, dtype=torch.long), mask], 1).to(dev)
@@ -167,7 +169,7 @@ class Pi0Policy(ReleaseCheckpointMixin, FlowPolicy):
             token_type_ids=torch.zeros_like(mask),
             use_cache=True,
         )
-        state = state_tensor(obs, self.state_dim, dev).to(dt)
+        state = state_tensor(obs.state, self.state_dim).to(dt)
         ctx = {"cache": out.cache, "mask": mask, "state": state, "prefix_len": out.cache.get_seq_length()}
         ctx["value"] = self._value(ctx)
         return ctx
