@@ -32,9 +32,10 @@ STATE = "state"
 """Name of the proprio state tensor."""
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, eq=False)
 class Observation:
-    """The observations of ``n`` envs, row ``i`` of every field belonging to env ``i``."""
+    """The observations of ``n`` envs, row ``i`` of every field belonging to env ``i``
+    (compared by identity: arrays have no single truth value)."""
 
     images: dict[str, Any]
     """Camera -> uint8 ``[n, H, W, 3]`` (numpy; torch after :meth:`to_torch`)."""
