@@ -122,8 +122,10 @@ class Observation:
     @classmethod
     def from_tensors(cls, tensors: Mapping[str, Any], instruction: Sequence[str], prefix: str = "") -> "Observation":
         """Wrap named arrays (as :meth:`to_tensors` names them) without copying; other names
-        in ``tensors`` are ignored. Raises ValueError when the state is missing or a shape
-        disagrees with the number of instructions."""
+        in ``tensors`` are ignored. Raises ValueError when the instructions are not strings,
+        the state is missing or a shape disagrees with the number of instructions."""
+        if not isinstance(instruction, (list, tuple)) or not all(isinstance(s, str) for s in instruction):
+            raise ValueError("observation: the instructions are not a list of strings")
         state = tensors.get(tensor_name(prefix, STATE))
         if state is None:
             raise ValueError(f"observation: no tensor {tensor_name(prefix, STATE)!r}")

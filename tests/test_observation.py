@@ -134,6 +134,8 @@ def test_gather_rejects_tensors_that_disagree_with_n(pool):
         gather(batch_message([(obs, refs)]), ShmAttachments())
     with pytest.raises(ValueError, match="no tensor 'state'"):
         gather(batch_message([(obs, {})]), ShmAttachments())
+    with pytest.raises(ValueError, match="not a list of strings"):
+        Observation.from_tensors(obs.to_tensors(), 3)
 
 
 def test_wire_names_are_one_scheme():
