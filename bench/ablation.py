@@ -33,6 +33,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from rlvla3.config import load  # noqa: E402
 from rlvla3.launch import LocalJob  # noqa: E402
+from rlvla3.observation import Observation  # noqa: E402
 
 from _common import OUT_DIR  # noqa: E402  (bench/, the script's folder, is first on sys.path)
 
@@ -131,8 +132,7 @@ def generator_stage_alone(args: argparse.Namespace, seconds: float) -> float:
     cfg = load("synthetic.yaml", job_overrides(args))
     policy = build_policy(cfg).eval()
     n = args.max_batch
-    obs = {"images": {"top": np.zeros((n, 16, 16, 3), np.uint8)}, "state": np.zeros((n, 4), np.float32),
-           "instruction": ["reach the red dot"] * n}
+    obs = Observation({"top": np.zeros((n, 16, 16, 3), np.uint8)}, np.zeros((n, 4), np.float32), ["reach the red dot"] * n)
     done, t0 = 0, time.monotonic()
     with torch.inference_mode():
         while time.monotonic() - t0 < seconds:
@@ -154,8 +154,8 @@ def trainer_stage_alone(args: argparse.Namespace, seconds: float) -> float:
     n = args.batch_steps
     rng = np.random.default_rng(0)
     batch = {
-        "obs": {"images": {"top": rng.integers(0, 255, (n, 16, 16, 3), dtype=np.uint8)},
-                "state": rng.random((n, 4), dtype=np.float32), "instruction": ["x"] * n},
+        "obs": Observation({"top": rng.integers(0, 255, (n, 16, 16, 3), dtype=np.uint8)},
+                           rng.random((n, 4), dtype=np.float32), ["x"] * n),
         "actions": torch.randn(n, 1, 2), "replay": {}, "behav_logprob": torch.zeros(n, 1) - 1.0,
         "advantages": torch.randn(n), "returns": torch.randn(n), "values": torch.zeros(n),
     }

@@ -26,6 +26,7 @@ import yaml
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
+from rlvla3.observation import Observation  # noqa: E402
 from workers.envs.base import EnvSpec  # noqa: E402
 from workers.policies.base import make_policy  # noqa: E402
 
@@ -40,12 +41,12 @@ def build(family: str, spec: EnvSpec):
     return make_policy(family, opts, spec)
 
 
-def synthetic_obs(spec: EnvSpec, batch: int, rng: np.random.Generator) -> dict:
-    return {
-        "images": {c: rng.integers(0, 256, (batch, h, w, 3), dtype=np.uint8) for c, (h, w) in spec.cameras.items()},
-        "state": rng.uniform(-1, 1, (batch, spec.state_dim)).astype(np.float32),
-        "instruction": ["pick up the red cup and put it in the sink"] * batch,
-    }
+def synthetic_obs(spec: EnvSpec, batch: int, rng: np.random.Generator) -> Observation:
+    return Observation(
+        {c: rng.integers(0, 256, (batch, h, w, 3), dtype=np.uint8) for c, (h, w) in spec.cameras.items()},
+        rng.uniform(-1, 1, (batch, spec.state_dim)).astype(np.float32),
+        ["pick up the red cup and put it in the sink"] * batch,
+    )
 
 
 def time_act(policy, obs: dict, reps: int) -> float:

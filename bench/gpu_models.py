@@ -23,6 +23,7 @@ import torch
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
+from rlvla3.observation import Observation  # noqa: E402
 from workers.envs.base import EnvSpec  # noqa: E402
 from workers.policies.base import make_policy  # noqa: E402
 
@@ -36,13 +37,13 @@ REAL = {
 TINY = {f: ("tiny", 4, {}) for f in REAL}
 
 
-def synthetic_obs(spec: EnvSpec, batch: int) -> dict:
+def synthetic_obs(spec: EnvSpec, batch: int) -> Observation:
     rng = np.random.default_rng(batch)
-    return {
-        "images": {c: rng.integers(0, 256, (batch, h, w, 3), dtype=np.uint8) for c, (h, w) in spec.cameras.items()},
-        "state": rng.uniform(-1, 1, (batch, spec.state_dim)).astype(np.float32),
-        "instruction": ["put the bowl on the plate and close the drawer"] * batch,
-    }
+    return Observation(
+        {c: rng.integers(0, 256, (batch, h, w, 3), dtype=np.uint8) for c, (h, w) in spec.cameras.items()},
+        rng.uniform(-1, 1, (batch, spec.state_dim)).astype(np.float32),
+        ["put the bowl on the plate and close the drawer"] * batch,
+    )
 
 
 def sync(device: torch.device) -> None:

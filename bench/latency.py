@@ -48,6 +48,7 @@ from rlvla3 import protocol as P  # noqa: E402
 from rlvla3.config import load  # noqa: E402
 from rlvla3.launch import LocalJob  # noqa: E402
 from rlvla3.lifetime import follow_launcher  # noqa: E402
+from rlvla3.observation import IMAGES, STATE, Observation  # noqa: E402
 from rlvla3.shm import ShmPool, host_id  # noqa: E402
 
 IMAGE = 16
@@ -112,9 +113,10 @@ class Client:
             oi, os_ = self.blocks[slot]
             self.pool.view(oi, "uint8", img.shape)[...] = img
             self.pool.view(os_, "float32", st.shape)[...] = st
-            tensors = {"images/top": self.pool.ref(oi, "uint8", img.shape), "state": self.pool.ref(os_, "float32", st.shape)}
+            tensors = {P.tensor_name(IMAGES, "top"): self.pool.ref(oi, "uint8", img.shape),
+                       STATE: self.pool.ref(os_, "float32", st.shape)}
         else:
-            tensors = {"images/top": img, "state": st}
+            tensors = Observation({"top": img}, st, ["reach the goal"] * self.n).to_tensors()
         fields = {"slot": slot, "req_id": req_id, "n": self.n, "instruction": ["reach the goal"] * self.n,
                   "episode_step": [1] * self.n, "env_steps": 0}
         return P.encode(P.OBS, fields, tensors)

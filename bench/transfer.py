@@ -43,7 +43,11 @@ from _common import OUT_DIR, emit, note, start_child, stop_child  # noqa: E402
 
 from rlvla3 import protocol as P  # noqa: E402
 from rlvla3.lifetime import follow_launcher  # noqa: E402
+from rlvla3.observation import IMAGES  # noqa: E402
 from rlvla3.shm import ShmAttachments, ShmPool, host_id  # noqa: E402
+
+TENSOR = P.tensor_name(IMAGES, "front")
+"""The batch travels as one camera's images of an OBS, named as the simulator names it."""
 
 
 # =============================================================================================
@@ -72,7 +76,7 @@ def receiver(images: int, size: int) -> None:
             t0 = time.perf_counter_ns()
             msg = P.decode(body)
             t1 = time.perf_counter_ns()
-            arr = att.materialize(msg.tensors["images"])
+            arr = att.materialize(msg.tensors[TENSOR])
             if msg.get("copy", True):
                 np.copyto(own, arr)
             t2 = time.perf_counter_ns()
@@ -160,9 +164,9 @@ def main() -> None:
             t0 = time.perf_counter_ns()
             if mode in ("shm", "shm_view"):
                 pool.view(off, "uint8", shape)[...] = batch
-                frames = P.encode(P.OBS, fields(args.images, rep, mode == "shm"), {"images": pool.ref(off, "uint8", shape)})
+                frames = P.encode(P.OBS, fields(args.images, rep, mode == "shm"), {TENSOR: pool.ref(off, "uint8", shape)})
             else:
-                frames = P.encode(P.OBS, fields(args.images, rep), {"images": batch})
+                frames = P.encode(P.OBS, fields(args.images, rep), {TENSOR: batch})
             t1 = time.perf_counter_ns()
             sock.send_multipart(frames, copy=False)
             ack = wait_ack(sock)

@@ -100,8 +100,7 @@ class Dispatcher:
         tensors: dict[str, Any] = {}
         meta = []
         for i, (r, req_tensors) in enumerate(ready):
-            for name, t in req_tensors.items():
-                tensors[f"r{i}/{name}"] = t
+            tensors.update(P.with_prefix(P.request_prefix(i), req_tensors))
             meta.append({
                 "req_id": r.req_id, "slot": r.slot, "n": r.n, "instruction": r.header["instruction"],
                 "episode_step": r.episode_step, "deterministic": r.header.get("deterministic", [False] * r.n),

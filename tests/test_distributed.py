@@ -8,6 +8,7 @@ import torch
 import torch.multiprocessing as mp
 from torch import nn
 
+from rlvla3.observation import Observation
 from workers.algorithms.distributed import (
     assert_replicas_identical,
     broadcast_parameters,
@@ -37,7 +38,7 @@ class SmallPolicy(Policy):
         self.value_head = nn.Linear(3, 1)
 
     def _dist(self, obs):
-        s = torch.as_tensor(obs["state"])
+        s = torch.as_tensor(obs.state)
         mu = self.mean(s).view(-1, 2, 2)
         return torch.distributions.Normal(mu, self.log_std.exp().expand_as(mu)), s
 
@@ -69,7 +70,7 @@ def _trainer(rank: int, world_size: int, port: int, out_dir: str) -> None:
 
         # Each rank trains on its own data (as the broker spreads trajectories across ranks).
         rng = np.random.default_rng(rank)
-        obs = {"images": {}, "state": rng.standard_normal((32, 3)).astype(np.float32), "instruction": [""] * 32}
+        obs = Observation({}, rng.standard_normal((32, 3)).astype(np.float32), [""] * 32)
         out = ddp.act(obs)
         batch = {
             "obs": obs,

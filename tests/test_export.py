@@ -16,6 +16,7 @@ import pytest
 import torch
 import yaml
 
+from rlvla3.observation import Observation
 from workers.envs.base import env_spec
 from workers.policies.base import make_policy
 
@@ -31,11 +32,11 @@ CASES = [  # (id, family, format, options)
 ]
 
 
-def obs_for(spec, batch: int = 3, seed: int = 0) -> dict:
+def obs_for(spec, batch: int = 3, seed: int = 0) -> Observation:
     rng = np.random.default_rng(seed)
-    return {"images": {c: rng.integers(0, 256, (batch, h, w, 3), dtype=np.uint8) for c, (h, w) in spec.cameras.items()},
-            "state": rng.uniform(-1, 1, (batch, spec.state_dim)).astype(np.float32),
-            "instruction": ["reach the red target", "push", "reach"][:batch]}
+    return Observation({c: rng.integers(0, 256, (batch, h, w, 3), dtype=np.uint8) for c, (h, w) in spec.cameras.items()},
+                       rng.uniform(-1, 1, (batch, spec.state_dim)).astype(np.float32),
+                       ["reach the red target", "push", "reach"][:batch])
 
 
 def make_run(run_dir: Path, family: str, options: dict):

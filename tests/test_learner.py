@@ -7,6 +7,7 @@ import numpy as np
 import torch
 
 from rlvla3.config import load
+from rlvla3.observation import Observation
 from tests.jobs import FAST
 from workers.algorithms.update import TrainState, update
 from workers.learner import Fragment, Learner, build_batch
@@ -26,8 +27,8 @@ def _fragment(policy, n: int, version: int, *, env: int = 0, episode: int = 0, s
     obs = {"images": {c: rng.integers(0, 255, (n + 1, h, w, 3), dtype=np.uint8) for c, (h, w) in spec.cameras.items()},
            "state": rng.standard_normal((n + 1, spec.state_dim)).astype(np.float32), "instruction": ["reach"] * (n + 1)}
     with torch.no_grad():
-        out = policy.act({"images": {c: v[:n] for c, v in obs["images"].items()}, "state": obs["state"][:n],
-                          "instruction": obs["instruction"][:n]})
+        out = policy.act(Observation({c: v[:n] for c, v in obs["images"].items()}, obs["state"][:n],
+                                     obs["instruction"][:n]))
     arrays = {f"obs/images/{c}": v for c, v in obs["images"].items()}
     arrays.update({
         "obs/state": obs["state"], "actions": out.actions.numpy(), "logprob": out.logprob.numpy(),
@@ -86,7 +87,7 @@ def test_ppo_batch_masks_stale_samples_and_update_reports_typed_result():
     batch = build_batch(units, 3, cfg)  # the version-1 fragment is 2 behind: masked, not removed
     assert batch.keep.tolist() == [False] * 4 + [True] * 3 and batch.dropped_stale == 4
     assert batch.staleness.tolist() == [2] * 4 + [0] * 3 and batch.lengths == [4, 3]
-    assert batch.bootstrap["obs"]["state"].shape == (2, policy.spec.state_dim)
+    assert batch.bootstrap["obs"].state.shape == (2, policy.spec.state_dim)
 
     state = TrainState.build(policy, cfg.algo)
     before = [p.detach().clone() for p in policy.parameters()]

@@ -15,7 +15,8 @@ import pytest
 import torch
 import yaml
 
-from workers.envs.base import EnvSpec, slice_obs
+from rlvla3.observation import Observation
+from workers.envs.base import EnvSpec
 from workers.policies.base import make_policy
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -43,13 +44,13 @@ def build(family: str, cfg_file: str, extra: dict, **more):
     return make_policy(family, {**opts, **extra, **more}, SPEC)
 
 
-def make_obs(batch: int, seed: int = 0) -> dict:
+def make_obs(batch: int, seed: int = 0) -> Observation:
     rng = np.random.default_rng(seed)
-    return {
-        "images": {cam: rng.integers(0, 256, (batch, h, w, 3), dtype=np.uint8) for cam, (h, w) in SPEC.cameras.items()},
-        "state": rng.uniform(-1, 1, (batch, SPEC.state_dim)).astype(np.float32),
-        "instruction": [INSTRUCTIONS[i % len(INSTRUCTIONS)] for i in range(batch)],
-    }
+    return Observation(
+        {cam: rng.integers(0, 256, (batch, h, w, 3), dtype=np.uint8) for cam, (h, w) in SPEC.cameras.items()},
+        rng.uniform(-1, 1, (batch, SPEC.state_dim)).astype(np.float32),
+        [INSTRUCTIONS[i % len(INSTRUCTIONS)] for i in range(batch)],
+    )
 
 
 @pytest.fixture(scope="module", params=CASES, ids=[c[0] for c in CASES])
@@ -115,7 +116,7 @@ def test_batched_matches_one_by_one(case):
     sampled = act(policy, obs)
     ev = policy.evaluate(obs, sampled.actions, sampled.replay)
     for i in range(4):
-        one_obs = slice_obs(obs, [i])
+        one_obs = obs.select([i])
         one = act(policy, one_obs, True)
         torch.testing.assert_close(one.actions[0], batched.actions[i], atol=1e-4, rtol=0)
         torch.testing.assert_close(one.value[0], batched.value[i], atol=1e-4, rtol=0)

@@ -7,6 +7,8 @@ import pytest
 import torch
 from torch import nn
 
+from rlvla3.observation import Observation
+
 from rlvla3.config import AlgoConfig, ConfigError, from_dict
 from workers.algorithms.ppo import (
     compute_proximal_logprobs,
@@ -151,7 +153,7 @@ class TinyPolicy(Policy):
         self.value_head = nn.Linear(spec.state_dim, 1)
 
     def _dist(self, obs):
-        s = torch.as_tensor(obs["state"], dtype=torch.float32, device=self.device)
+        s = torch.as_tensor(obs.state, dtype=torch.float32, device=self.device)
         mu = self.mean(s).view(-1, self.chunk_size, self.action_dim)
         return torch.distributions.Normal(mu, self.log_std.exp().expand_as(mu)), s
 
@@ -166,12 +168,12 @@ class TinyPolicy(Policy):
         return EvalOutput(dist.log_prob(actions).sum(-1), dist.entropy().sum(-1), self.value_head(s).squeeze(-1))
 
 
-def make_obs(n: int, rng: np.random.Generator) -> dict:
-    return {
-        "images": {"wrist": rng.integers(0, 255, (n, 4, 4, 3), dtype=np.uint8)},
-        "state": rng.standard_normal((n, 3)).astype(np.float32),
-        "instruction": [f"task {i}" for i in range(n)],
-    }
+def make_obs(n: int, rng: np.random.Generator) -> Observation:
+    return Observation(
+        {"wrist": rng.integers(0, 255, (n, 4, 4, 3), dtype=np.uint8)},
+        rng.standard_normal((n, 3)).astype(np.float32),
+        [f"task {i}" for i in range(n)],
+    )
 
 
 def make_batch(policy: Policy, n: int, seed: int = 0) -> dict:
@@ -196,9 +198,9 @@ def test_index_batch_slices_obs_and_tensors():
     torch.manual_seed(0)
     batch = make_batch(TinyPolicy(), 6)
     mb = index_batch(batch, torch.tensor([4, 1]))
-    assert mb["obs"]["instruction"] == ["task 4", "task 1"]
-    assert mb["obs"]["images"]["wrist"].shape == (2, 4, 4, 3)
-    np.testing.assert_array_equal(mb["obs"]["state"], batch["obs"]["state"][[4, 1]])
+    assert mb["obs"].instruction == ["task 4", "task 1"]
+    assert mb["obs"].images["wrist"].shape == (2, 4, 4, 3)
+    np.testing.assert_array_equal(mb["obs"].state, batch["obs"].state[[4, 1]])
     assert torch.equal(mb["actions"], batch["actions"][[4, 1]])
 
 

@@ -11,6 +11,7 @@ level, so the tree's vision keys are renamed to the pinned spelling here.
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 import sys
@@ -112,7 +113,7 @@ def assert_normalised(policy, obs) -> None:
     a = act(policy, obs, True).actions
     s_aff, a_aff = policy.norm.affines()
     policy.norm.set(state=(torch.zeros(SPEC.state_dim), torch.ones(SPEC.state_dim)), action=(torch.zeros(SPEC.action_dim), torch.ones(SPEC.action_dim)))
-    raw = act(policy, {**obs, "state": ((obs["state"] - STATE_MEAN) / (STATE_STD + 1e-8)).astype(np.float32)}, True).actions
+    raw = act(policy, dataclasses.replace(obs, state=((obs.state - STATE_MEAN) / (STATE_STD + 1e-8)).astype(np.float32)), True).actions
     policy.norm.set(state=s_aff, action=a_aff)
     torch.testing.assert_close(a, raw * torch.tensor(ACT_STD, dtype=torch.float32) + torch.tensor(ACT_MEAN, dtype=torch.float32), rtol=1e-5, atol=1e-5)
     assert not torch.allclose(a, raw)

@@ -30,13 +30,13 @@ def env():
 def test_obs_shapes_and_instruction(env) -> None:
     obs = env.reset([0], [0])
     for cam in ("agentview", "wrist"):
-        assert obs["images"][cam].shape == (1, 64, 64, 3) and obs["images"][cam].dtype == np.uint8
-    assert obs["state"].shape == (1, 9) and obs["state"].dtype == np.float32
-    assert "black bowl" in obs["instruction"][0]
+        assert obs.images[cam].shape == (1, 64, 64, 3) and obs.images[cam].dtype == np.uint8
+    assert obs.state.shape == (1, 9) and obs.state.dtype == np.float32
+    assert "black bowl" in obs.instruction[0]
 
 
 def test_agentview_upright_table_below_wall(env) -> None:
-    img = env.reset([0], [0])["images"]["agentview"][0].astype(float).mean(-1)
+    img = env.reset([0], [0]).images["agentview"][0].astype(float).mean(-1)
     top, bottom = img[:16].mean(), img[-16:].mean()
     assert bottom > top + 15, (top, bottom)  # the bright table is at the bottom, the wall on top
 
@@ -45,10 +45,10 @@ def test_same_init_state_same_first_obs(env) -> None:
     a = env.reset([0], [3])
     env.step([0], np.ones((1, 7), np.float32))
     b = env.reset([0], [3])
-    np.testing.assert_array_equal(a["state"], b["state"])
-    np.testing.assert_array_equal(a["images"]["agentview"], b["images"]["agentview"])
+    np.testing.assert_array_equal(a.state, b.state)
+    np.testing.assert_array_equal(a.images["agentview"], b.images["agentview"])
     c = env.reset([0], [4])  # another fixed init state: objects elsewhere
-    assert not np.array_equal(a["images"]["agentview"], c["images"]["agentview"])
+    assert not np.array_equal(a.images["agentview"], c.images["agentview"])
 
 
 def test_episode_steps_and_truncates(env) -> None:

@@ -27,20 +27,20 @@ def env():
 def test_spec_and_obs_shapes(env) -> None:
     assert env.spec.cameras == {"base_camera": (96, 96)} and env.spec.action_dim == 7
     obs = env.reset([0, 1], [1, 2])
-    img = obs["images"]["base_camera"]
+    img = obs.images["base_camera"]
     assert img.shape == (2, 96, 96, 3) and img.dtype == np.uint8
-    assert obs["state"].shape == (2, env.spec.state_dim) and obs["state"].dtype == np.float32
-    assert obs["instruction"][0].startswith("pick up")
+    assert obs.state.shape == (2, env.spec.state_dim) and obs.state.dtype == np.float32
+    assert obs.instruction[0].startswith("pick up")
 
 
 def test_same_seed_same_first_obs(env) -> None:
     a = env.reset([0, 1], [5, 5])
-    np.testing.assert_array_equal(a["state"][0], a["state"][1])
-    np.testing.assert_array_equal(a["images"]["base_camera"][0], a["images"]["base_camera"][1])
+    np.testing.assert_array_equal(a.state[0], a.state[1])
+    np.testing.assert_array_equal(a.images["base_camera"][0], a.images["base_camera"][1])
     env.step([0, 1], np.ones((2, 7), np.float32))
     b = env.reset([0, 1], [5, 6])
-    np.testing.assert_array_equal(a["state"][0], b["state"][0])
-    assert not np.array_equal(b["state"][0], b["state"][1])
+    np.testing.assert_array_equal(a.state[0], b.state[0])
+    assert not np.array_equal(b.state[0], b.state[1])
 
 
 def test_episode_steps_and_truncates(env) -> None:
@@ -55,7 +55,7 @@ def test_episode_steps_and_truncates(env) -> None:
 def test_image_upright_cube_where_projected(env) -> None:
     """The red cube's pixels sit where the camera model projects the cube (rows not flipped)."""
     obs = env.reset([0], [11])
-    img = obs["images"]["base_camera"][0].astype(int)
+    img = obs.images["base_camera"][0].astype(int)
     mask = (img[..., 0] > 120) & (img[..., 1] < 60) & (img[..., 2] < 60)
     assert mask.sum() >= 3, "cube not visible"
     row = np.nonzero(mask)[0].mean()

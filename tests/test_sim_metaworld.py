@@ -29,8 +29,8 @@ def test_expert_episode_succeeds_and_terminates() -> None:
     env = make_env("metaworld", 2, options={"task": "reach-v3", "cameras": []})
     try:
         obs = env.reset([0, 1], [0, 1])
-        assert obs["state"].shape == (2, 39) and obs["state"].dtype == np.float32
-        assert obs["instruction"] == ["reach the goal position"] * 2
+        assert obs.state.shape == (2, 39) and obs.state.dtype == np.float32
+        assert obs.instruction == ["reach the goal position"] * 2
         done = np.zeros(2, bool)
         for _ in range(env.spec.max_episode_steps):
             res = env.step([0, 1], expert_action(env, [0, 1]))
@@ -58,14 +58,14 @@ def test_images_upright_at_configured_size() -> None:
                                             "image_size": [64, 80]})
     try:
         obs = env.reset([0], [0])
-        img = obs["images"]["corner"]
+        img = obs.images["corner"]
         assert img.shape == (1, 64, 80, 3) and img.dtype == np.uint8
-        assert obs["images"]["topview"].shape == (1, 64, 80, 3)
+        assert obs.images["topview"].shape == (1, 64, 80, 3)
         before = _red_row(img[0])
         down = np.array([[0, 0, -1, 0]], np.float32)  # lower the hand: the arm moves down the image
         for _ in range(15):
             res = env.step([0], down)
-        after = _red_row(res.obs["images"]["corner"][0])
+        after = _red_row(res.obs.images["corner"][0])
         assert after > before + 0.5, (before, after)
     finally:
         env.close()
@@ -79,11 +79,11 @@ def test_same_seed_same_first_obs(goal_mode: str) -> None:
     try:
         oa = a.reset([0, 1], [7, 8])
         ob = b.reset([0], [7])
-        np.testing.assert_array_equal(oa["state"][0], ob["state"][0])
-        np.testing.assert_array_equal(oa["images"]["corner"][0], ob["images"]["corner"][0])
-        assert not np.array_equal(oa["state"][0], oa["state"][1])
+        np.testing.assert_array_equal(oa.state[0], ob.state[0])
+        np.testing.assert_array_equal(oa.images["corner"][0], ob.images["corner"][0])
+        assert not np.array_equal(oa.state[0], oa.state[1])
         a.step([0, 1], np.ones((2, 4), np.float32))
-        np.testing.assert_array_equal(a.reset([0], [7])["state"][0], ob["state"][0])
+        np.testing.assert_array_equal(a.reset([0], [7]).state[0], ob.state[0])
     finally:
         a.close()
         b.close()
@@ -93,7 +93,7 @@ def test_mt10_tasks_and_instructions() -> None:
     env = make_env("metaworld", 10, options={"benchmark": "MT10", "cameras": []})
     try:
         obs = env.reset(list(range(10)), list(range(10)))
-        assert len(set(obs["instruction"])) == 10
+        assert len(set(obs.instruction)) == 10
         res = env.step(list(range(10)), np.zeros((10, 4), np.float32))
         assert res.reward.shape == (10,) and res.success.dtype == bool
     finally:
@@ -106,10 +106,10 @@ def test_metaworld_in_subprocess_matches_in_process() -> None:
     ref = make_env("metaworld", 2, options=opts)
     try:
         o1, o2 = sub.reset([0, 1], [3, 4]), ref.reset([0, 1], [3, 4])
-        np.testing.assert_array_equal(o1["images"]["corner"], o2["images"]["corner"])
+        np.testing.assert_array_equal(o1.images["corner"], o2.images["corner"])
         act = np.full((2, 4), 0.5, np.float32)
         r1, r2 = sub.step([0, 1], act), ref.step([0, 1], act)
-        np.testing.assert_array_equal(r1.obs["state"], r2.obs["state"])
+        np.testing.assert_array_equal(r1.obs.state, r2.obs.state)
         np.testing.assert_array_equal(r1.reward, r2.reward)
     finally:
         sub.close()

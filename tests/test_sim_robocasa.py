@@ -43,8 +43,8 @@ def test_robocasa_episode() -> None:
     try:
         a = env.reset([0], [1])
         b = env.reset([0], [1])
-        np.testing.assert_array_equal(a["state"], b["state"])
-        assert a["images"]["robot0_eye_in_hand"].shape == (1, 64, 64, 3) and a["instruction"][0]
+        np.testing.assert_array_equal(a.state, b.state)
+        assert a.images["robot0_eye_in_hand"].shape == (1, 64, 64, 3) and a.instruction[0]
         env.step([0], np.zeros((1, env.spec.action_dim), np.float32))
         res = env.step([0], np.zeros((1, env.spec.action_dim), np.float32))
         assert res.truncated[0] or res.terminated[0]

@@ -33,6 +33,7 @@ os.environ.setdefault("PYOPENGL_PLATFORM", "egl")
 
 from rlvla3 import protocol as P  # noqa: E402
 from rlvla3.config import load  # noqa: E402
+from rlvla3.observation import IMAGES  # noqa: E402
 from tests.jobs import TestJob as Job, job_logs as _logs, start_job, wait_until  # noqa: E402
 
 pytestmark = pytest.mark.slow
@@ -175,7 +176,7 @@ def test_images_through_broker_upright_and_sized(repo_job, sim: str) -> None:
         ctx.term()
     req = batch["requests"][0]
     assert req["n"] == 1 and req["episode_step"] == [0]
-    t = batch.tensors[f"r0/images/{cam}"]
+    t = P.by_request(batch.tensors)[0][P.tensor_name(IMAGES, cam)]
     assert isinstance(t, P.InlineTensor), "the broker should inline shared-memory bytes for another host"
     img = P.inline_array(t)
     assert img.shape == (1, h, w, 3) and img.dtype == np.uint8, (img.shape, img.dtype)
@@ -187,7 +188,7 @@ def test_images_through_broker_upright_and_sized(repo_job, sim: str) -> None:
     seed = episode_seed(0, 0, 1, job.cfg.env.group_size, job.cfg.env.group_mode)
     env = make_env(sim, 1, seed=0, options=opts)
     try:
-        ref = env.reset([0], [seed])["images"][cam]
+        ref = env.reset([0], [seed]).images[cam]
     finally:
         env.close()
     assert ref.shape == img.shape

@@ -15,7 +15,8 @@ from typing import Sequence
 import numpy as np
 import pytest
 
-from workers.envs.base import EnvAdapter, EnvSpec, Obs, StepResult, register_env
+from rlvla3.observation import Observation
+from workers.envs.base import EnvAdapter, EnvSpec, StepResult, register_env
 from workers.envs.subproc import EnvCrashed, GuardedEnv, SubprocEnv
 
 MOD = __name__
@@ -51,15 +52,15 @@ class FaultyEnv(EnvAdapter):
         self.armed = seed == 0 or not self.opts.first_child_only
         self.rng = np.random.default_rng(seed)
 
-    def _obs(self, ids: Sequence[int]) -> Obs:
+    def _obs(self, ids: Sequence[int]) -> Observation:
         ids = list(ids)
-        return {
-            "images": {"cam": np.zeros((len(ids), 4, 4, 3), np.uint8)},
-            "state": np.stack([self.t[ids], self.s[ids]], 1).astype(np.float32),
-            "instruction": ["count"] * len(ids),
-        }
+        return Observation(
+            {"cam": np.zeros((len(ids), 4, 4, 3), np.uint8)},
+            np.stack([self.t[ids], self.s[ids]], 1).astype(np.float32),
+            ["count"] * len(ids),
+        )
 
-    def reset(self, ids: Sequence[int], seeds: Sequence[int | None] | None = None) -> Obs:
+    def reset(self, ids: Sequence[int], seeds: Sequence[int | None] | None = None) -> Observation:
         for k, i in enumerate(ids):
             seed = None if seeds is None else seeds[k]
             self.t[i] = 0
@@ -93,10 +94,10 @@ def test_steps_and_reset_in_child() -> None:
     try:
         assert env.spec.state_dim == 2 and env.pid != os.getpid()
         obs = env.reset([0, 1], [7, 8])
-        assert obs["state"][:, 1].tolist() == [7, 8]
+        assert obs.state[:, 1].tolist() == [7, 8]
         res = _step_n(env, 3)[-1]
         assert res.success.all() and res.terminated.all() and env.restarts == 0
-        assert res.obs["state"][:, 0].tolist() == [3, 3]
+        assert res.obs.state[:, 0].tolist() == [3, 3]
     finally:
         env.close()
     assert env.pid is None
@@ -113,7 +114,7 @@ def test_crash_restarts_child_and_truncates(fault: str) -> None:
         assert env.restarts == 1 and env.pid != pid
         assert res.truncated.all() and not res.success.any()
         assert sorted(res.info["restarted"]) == [0, 1] and res.info["restarts"] == 1
-        assert res.obs["state"][:, 0].tolist() == [0, 0]  # fresh reset obs
+        assert res.obs.state[:, 0].tolist() == [0, 0]  # fresh reset obs
         ok = _step_n(env, 1)[0]  # the rebuilt env goes on
         assert not ok.truncated.any() and "restarted" not in ok.info
     finally:
@@ -130,7 +131,7 @@ def test_partial_step_reports_other_envs_when_next_stepped() -> None:
         res = env.step([1, 2], np.zeros((2, 1), np.float32))
         assert res.truncated.tolist() == [True, False]
         assert res.info["restarted"] == [1]
-        assert res.obs["state"][:, 0].tolist() == [0, 1]
+        assert res.obs.state[:, 0].tolist() == [0, 1]
     finally:
         env.close()
 

@@ -29,16 +29,40 @@ import zmq
 
 from rlvla3 import auth
 from rlvla3 import protocol as P
+from rlvla3.observation import Observation
+from rlvla3.shm import ShmAttachments
 from rlvla3.weights.manifest import ManifestError
 from rlvla3.weights.receiver import WeightReceiver
 from workers.base import WorkerBase
-from workers.envs.base import concat_obs, slice_obs
 from workers.model import build_policy, load_state_from_message
 
 log = structlog.get_logger()
 
 INLINE_FORWARD_S = 0.005
 """Forward passes shorter than this run on the socket thread instead of a JobRunner."""
+
+
+def gather(msg: P.Message, attach: ShmAttachments) -> tuple[Observation, list[int], np.ndarray]:
+    """A BATCH's requests as one observation, with each request's size and deterministic flags.
+
+    Each request is first wrapped without a copy (views into shared memory or the received
+    frames). One request stays that view: safe, since a slot rewrites its observation block only
+    after its ACT, which is sent after this batch's forward pass. Several requests cost one
+    copy, one new array per field, as batching must.
+    """
+    parts, sizes, det = [], [], []
+    per_request = P.by_request(msg.tensors)
+    for i, req in enumerate(msg["requests"]):
+        views = {name: attach.materialize(t) for name, t in per_request.get(i, {}).items()}
+        obs = Observation.from_tensors(views, req["instruction"])
+        n = int(req["n"])
+        if len(obs) != n:
+            raise ValueError(f"request {i}: {len(obs)} observation(s), n={n}")
+        parts.append(obs)
+        sizes.append(n)
+        flags = list(req.get("deterministic") or [])
+        det.extend(bool(flags[j]) if j < len(flags) else False for j in range(n))
+    return Observation.concat(parts), sizes, np.asarray(det, dtype=bool)
 
 
 def pub_address(pub: str, broker_url: str) -> str:
@@ -191,7 +215,7 @@ class GeneratorWorker(WorkerBase):
             # Gather now, even while a forward pass runs: the next batch is ready the moment
             # the current one finishes (its slots do not rewrite their observations before ACT).
             try:
-                obs, sizes, det = self._gather(msg)
+                obs, sizes, det = gather(msg, self.attach)
             except (KeyError, ValueError, P.ProtocolError) as err:
                 log.error("batch_unreadable", batch_id=msg["batch_id"], error=str(err))
                 self.send(P.RESULT, {"batch_id": msg["batch_id"], "version": self.version, "error": str(err)})
@@ -219,37 +243,17 @@ class GeneratorWorker(WorkerBase):
         else:
             self.runner.submit(lambda: self._forward(obs, det), tag)
 
-    def _gather(self, msg: P.Message) -> tuple[dict[str, Any], list[int], np.ndarray]:
-        parts, sizes, det = [], [], []
-        per_request = P.by_request(msg.tensors)
-        for i, req in enumerate(msg["requests"]):
-            t = per_request.get(i, {})
-            images = {k[len("images/"):]: self.attach.materialize(v) for k, v in t.items() if k.startswith("images/")}
-            state = self.attach.materialize(t["state"])
-            n = int(req["n"])
-            if state.shape[0] != n or any(v.shape[0] != n for v in images.values()):
-                raise ValueError(f"request {i}: tensors disagree with n={n}")
-            parts.append({"images": images, "state": state, "instruction": list(req["instruction"])})
-            sizes.append(n)
-            flags = list(req.get("deterministic") or [])
-            det.extend(bool(flags[j]) if j < len(flags) else False for j in range(n))
-        # One request: its arrays stay views into shared memory (or the received frames). That
-        # is safe: a slot rewrites its observation block only after its ACT, which is sent after
-        # this batch's forward pass. Several requests are concatenated (one copy, as batching must).
-        obs = concat_obs(parts)
-        return obs, sizes, np.asarray(det, dtype=bool)
-
-    def _forward(self, obs: dict[str, Any], deterministic: np.ndarray) -> tuple[dict[str, np.ndarray], float]:
+    def _forward(self, obs: Observation, deterministic: np.ndarray) -> tuple[dict[str, np.ndarray], float]:
         """One batch; evaluation envs (deterministic) and training envs are run as two groups."""
         t0 = time.perf_counter()
         groups = [g for g in (np.flatnonzero(~deterministic), np.flatnonzero(deterministic)) if len(g)]
         res: dict[str, np.ndarray] = {}
         with torch.inference_mode():
             for g, det in zip(groups, [bool(deterministic[g[0]]) for g in groups]):
-                sub = obs if len(groups) == 1 else slice_obs(obs, g)
+                sub = obs if len(groups) == 1 else obs.select(g)
                 out = self.policy.act(sub, deterministic=det)
                 part = {"actions": out.actions, "logprob": out.logprob, "value": out.value,
-                        **{f"replay/{k}": v for k, v in out.replay.items()}}
+                        **P.with_prefix(P.REPLAY, out.replay)}
                 for name, v in part.items():
                     arr = v.float().cpu().numpy() if v.dtype == torch.bfloat16 or name in ("actions", "logprob", "value") else v.cpu().numpy()
                     if len(groups) == 1:
@@ -288,8 +292,7 @@ class GeneratorWorker(WorkerBase):
             tensors: dict[str, Any] = {}
             start = 0
             for i, n in enumerate(sizes):
-                for name, arr in res.items():
-                    tensors[f"r{i}/{name}"] = arr[start:start + n]
+                tensors.update(P.with_prefix(P.request_prefix(i), {name: arr[start:start + n] for name, arr in res.items()}))
                 start += n
             self.send(P.RESULT, {"batch_id": batch_id, "version": version, "forward_us": int(secs * 1e6),
                                  "queue_us": queue_us}, tensors)

@@ -28,11 +28,14 @@ from typing import Any
 import numpy as np
 import torch
 
+from rlvla3 import protocol as P
 from rlvla3.config import JobConfig
+from rlvla3.observation import Observation
 from workers.algorithms.grpo import broadcast_episode_advantages, grpo_advantages
 from workers.algorithms.staleness import filter_stale
 from workers.algorithms.update import TrainBatch
 from workers.metrics import Counters
+from workers.trajectory import fragment_observation
 
 FORGET_GROUPS = 100_000
 """Dropped GRPO groups remembered (so their late episodes are dropped too)."""
@@ -233,29 +236,21 @@ def build_batch(units: list[Unit], version: int, cfg: JobConfig) -> TrainBatch:
     grpo = cfg.algo.name == "grpo"
     versions = torch.as_tensor(np.concatenate([f.arrays["version"] for f in frags]), dtype=torch.int64)
     keep, _dropped = filter_stale(versions, version, cfg.algo.max_staleness)
-    cams = [k for k in frags[0].arrays if k.startswith("obs/images/")]
-    replay_keys = [k for k in frags[0].arrays if k.startswith("replay/")]
+    observations = [fragment_observation(f.arrays, f.header.get("instruction", "")) for f in frags]
+    replay = [P.under_prefix(P.REPLAY, f.arrays) for f in frags]
     samples = {
-        "obs": {
-            "images": {k[len("obs/images/"):]: np.concatenate([f.arrays[k][:-1] for f in frags]) for k in cams},
-            "state": np.concatenate([f.arrays["obs/state"][:-1] for f in frags]),
-            "instruction": [f.header.get("instruction", "") for f in frags for _ in range(f.steps)],
-        },
+        "obs": Observation.concat([o.select(slice(0, -1)) for o in observations]),
         "actions": torch.as_tensor(np.concatenate([f.arrays["actions"] for f in frags])),
-        "replay": {k[len("replay/"):]: torch.as_tensor(np.concatenate([f.arrays[k] for f in frags])) for k in replay_keys},
+        "replay": {k: torch.as_tensor(np.concatenate([r[k] for r in replay])) for k in replay[0]},
         "behav_logprob": torch.as_tensor(np.concatenate([f.arrays["logprob"] for f in frags])),
         "values": torch.as_tensor(np.concatenate([f.arrays["value"] for f in frags])),
     }
     bootstrap = None
     if not grpo:  # each fragment's observation after its last step, for V(s_N)
         bootstrap = {
-            "obs": {
-                "images": {k[len("obs/images/"):]: np.stack([f.arrays[k][-1] for f in frags]) for k in cams},
-                "state": np.stack([f.arrays["obs/state"][-1] for f in frags]),
-                "instruction": [f.header.get("instruction", "") for f in frags],
-            },
+            "obs": Observation.concat([o.select(slice(-1, None)) for o in observations]),
             "actions": torch.as_tensor(np.stack([f.arrays["actions"][-1] for f in frags])),
-            "replay": {k[len("replay/"):]: torch.as_tensor(np.stack([f.arrays[k][-1] for f in frags])) for k in replay_keys},
+            "replay": {k: torch.as_tensor(np.stack([r[k][-1] for r in replay])) for k in replay[0]},
         }
     return TrainBatch(
         samples=samples,

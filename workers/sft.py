@@ -16,6 +16,8 @@ Demonstration file (``.npz``), N decisions, chunk T, action dim A::
     state [N, D] float32     images/<cam> [N, H, W, 3] uint8 (one per camera)
     actions [N, T, A] float32     instruction [N] str     episode [N] int64
 
+(the observation's arrays are named as on the wire: ``Observation.to_tensors``).
+
 Families whose ``evaluate`` needs sampler replay (flow-matching pi0 / pi0.5 / GR00T) cannot be
 cloned through log-probs of given actions without it; they are refused with a clear message.
 """
@@ -32,11 +34,12 @@ import structlog
 import torch
 
 from rlvla3.config import JobConfig
-from workers.envs.base import EnvAdapter, Obs, make_env
+from rlvla3.observation import Observation
+from workers.envs.base import EnvAdapter, make_env
 
 log = structlog.get_logger()
 
-ExpertFn = Callable[[EnvAdapter, list[int], Obs], np.ndarray]
+ExpertFn = Callable[[EnvAdapter, list[int], Observation], np.ndarray]
 """(env, ids, obs of those ids) -> expert actions [n, A] for one env step."""
 
 CLONABLE_FAMILIES = ("mlp", "openvla_oft")
@@ -47,14 +50,14 @@ CLONABLE_FAMILIES = ("mlp", "openvla_oft")
 # ---------------------------------------------------------------------------------------------
 
 
-def synthetic_expert(env: EnvAdapter, ids: list[int], obs: Obs) -> np.ndarray:
+def synthetic_expert(env: EnvAdapter, ids: list[int], obs: Observation) -> np.ndarray:
     """Straight to the goal at full speed: state is (pos, goal)."""
-    state = np.asarray(obs["state"], np.float32)
+    state = np.asarray(obs.state, np.float32)
     speed = float(getattr(getattr(env, "opts", None), "speed", 0.1))
     return np.clip((state[:, 2:4] - state[:, 0:2]) / speed, -1.0, 1.0).astype(np.float32)
 
 
-def metaworld_expert(env: EnvAdapter, ids: list[int], obs: Obs) -> np.ndarray:
+def metaworld_expert(env: EnvAdapter, ids: list[int], obs: Observation) -> np.ndarray:
     from workers.envs.metaworld import expert_action
 
     return expert_action(env, ids)
@@ -75,11 +78,6 @@ def expert_for(env_name: str) -> ExpertFn:
 # ---------------------------------------------------------------------------------------------
 
 
-def _rows(obs: Obs, i: int) -> tuple[dict[str, np.ndarray], np.ndarray, str]:
-    return ({c: v[i].copy() for c, v in obs["images"].items()}, np.asarray(obs["state"][i], np.float32).copy(),
-            obs["instruction"][i])
-
-
 def collect_demos(cfg: JobConfig, episodes: int, seed: int = 12345, num_envs: int = 4,
                   only_successful: bool = True) -> dict[str, np.ndarray]:
     """Roll the scripted expert in ``num_envs`` in-process envs for ``episodes`` episodes.
@@ -91,8 +89,8 @@ def collect_demos(cfg: JobConfig, episodes: int, seed: int = 12345, num_envs: in
     expert = expert_for(cfg.env.name)
     T = cfg.model.chunk_size
     env = make_env(cfg.env.name, num_envs=num_envs, seed=seed, options=cfg.env.options)
-    rows: dict[str, list] = {"state": [], "actions": [], "instruction": [], "episode": []}
-    images: dict[str, list] = {}
+    kept_obs: list[Observation] = []  # one row per decision
+    rows: dict[str, list] = {"actions": [], "episode": []}
     started, kept, successes = 0, 0, 0
     try:
         ids = list(range(num_envs))
@@ -104,7 +102,7 @@ def collect_demos(cfg: JobConfig, episodes: int, seed: int = 12345, num_envs: in
         active = set(ids)
         while active:
             live = sorted(active)
-            starts = {i: _rows(obs, k) for k, i in enumerate(live)}
+            starts = {i: obs.select([k]) for k, i in enumerate(live)}
             chunk = {i: np.zeros((T, env.spec.action_dim), np.float32) for i in live}
             done: dict[int, bool] = {}
             cur_ids = list(live)
@@ -121,26 +119,21 @@ def collect_demos(cfg: JobConfig, episodes: int, seed: int = 12345, num_envs: in
                     else:
                         still.append(i)
                         keep_rows.append(k)
-                cur_obs = {"images": {c: v[keep_rows] for c, v in res.obs["images"].items()},
-                           "state": res.obs["state"][keep_rows],
-                           "instruction": [res.obs["instruction"][k] for k in keep_rows]}
+                cur_obs = res.obs.select(keep_rows)
                 if not still:
                     break
                 cur_ids = still
             for i in live:
-                open_eps[i].append((*starts[i], chunk[i]))
+                open_eps[i].append((starts[i], chunk[i]))
             # finished episodes: keep (successful) ones, restart the env while episodes remain
             restart = []
             for i, success in done.items():
                 successes += int(success)
                 if success or not only_successful:
                     kept += 1
-                    for imgs, state, instr, acts in open_eps[i]:
-                        for c, im in imgs.items():
-                            images.setdefault(c, []).append(im)
-                        rows["state"].append(state)
+                    for row_obs, acts in open_eps[i]:
+                        kept_obs.append(row_obs)
                         rows["actions"].append(acts)
-                        rows["instruction"].append(instr)
                         rows["episode"].append(ep_of[i])
                 open_eps[i] = []
                 if started < episodes:
@@ -156,34 +149,23 @@ def collect_demos(cfg: JobConfig, episodes: int, seed: int = 12345, num_envs: in
             parts = []
             if continuing:
                 pos = {i: k for k, i in enumerate(cur_ids)}
-                parts.append(({c: v[[pos[i] for i in continuing]] for c, v in cur_obs["images"].items()},
-                              cur_obs["state"][[pos[i] for i in continuing]],
-                              [cur_obs["instruction"][pos[i]] for i in continuing]))
+                parts.append(cur_obs.select([pos[i] for i in continuing]))
             if restart:
-                r = env.reset(restart, [seed + ep_of[i] for i in restart])
-                parts.append((r["images"], r["state"], list(r["instruction"])))
-            cams = parts[0][0].keys()
-            obs = {"images": {c: np.concatenate([p[0][c] for p in parts]) for c in cams},
-                   "state": np.concatenate([p[1] for p in parts]),
-                   "instruction": [s for p in parts for s in p[2]]}
-            order = np.argsort(nxt_ids)
-            obs = {"images": {c: v[order] for c, v in obs["images"].items()}, "state": obs["state"][order],
-                   "instruction": [obs["instruction"][k] for k in order]}
+                parts.append(env.reset(restart, [seed + ep_of[i] for i in restart]))
+            obs = Observation.concat(parts).select(np.argsort(nxt_ids))
     finally:
         env.close()
     log.info("sft_demos_collected", episodes=started, kept=kept, expert_success=successes / max(started, 1),
-             decisions=len(rows["state"]))
-    if not rows["state"]:
+             decisions=len(kept_obs))
+    if not kept_obs:
         raise SystemExit("sft: the expert produced no usable episode")
-    out = {
-        "state": np.stack(rows["state"]).astype(np.float32),
+    demo_obs = Observation.concat(kept_obs)
+    return {
+        **demo_obs.to_tensors(),
         "actions": np.stack(rows["actions"]).astype(np.float32),
-        "instruction": np.asarray(rows["instruction"]),
+        "instruction": np.asarray(demo_obs.instruction),
         "episode": np.asarray(rows["episode"], np.int64),
     }
-    for c, v in images.items():
-        out[f"images/{c}"] = np.stack(v)
-    return out
 
 
 def save_demos(path: str | Path, demos: dict[str, np.ndarray]) -> None:
@@ -204,14 +186,6 @@ def load_demos(path: str | Path) -> dict[str, np.ndarray]:
 # ---------------------------------------------------------------------------------------------
 
 
-def _obs_of(demos: dict[str, np.ndarray], idx: np.ndarray) -> Obs:
-    return {
-        "images": {k[len("images/"):]: v[idx] for k, v in demos.items() if k.startswith("images/")},
-        "state": demos["state"][idx],
-        "instruction": [str(s) for s in demos["instruction"][idx]],
-    }
-
-
 def behaviour_clone(policy: torch.nn.Module, demos: dict[str, np.ndarray], epochs: int, lr: float = 1e-3,
                     minibatch_size: int = 128, seed: int = 0) -> list[float]:
     """Maximise the policy's log-prob of the expert chunks; returns the loss per epoch.
@@ -224,6 +198,7 @@ def behaviour_clone(policy: torch.nn.Module, demos: dict[str, np.ndarray], epoch
     n = len(demos["state"])
     rng = np.random.default_rng(seed)
     actions_all = torch.as_tensor(demos["actions"])
+    obs_all = Observation.from_tensors(demos, [str(s) for s in demos["instruction"]])
     losses = []
     policy.train()
     for _ in range(epochs):
@@ -231,7 +206,7 @@ def behaviour_clone(policy: torch.nn.Module, demos: dict[str, np.ndarray], epoch
         total, count = 0.0, 0
         for s in range(0, n, minibatch_size):
             idx = perm[s:s + minibatch_size]
-            out = policy.evaluate(_obs_of(demos, idx), actions_all[idx].to(policy.device), {})
+            out = policy.evaluate(obs_all.select(idx), actions_all[idx].to(policy.device), {})
             loss = -out.logprob.float().sum(-1).mean()
             opt.zero_grad(set_to_none=True)
             loss.backward()
@@ -268,8 +243,7 @@ def evaluate_policy(cfg: JobConfig, policy: torch.nn.Module, episodes: int, seed
                     keep = ~(res.terminated | res.truncated)
                     live = [i for i, k in zip(live, keep) if k]
                     rows = [r for r, k in zip(rows, keep) if k]
-                    obs = {"images": {c: v[keep] for c, v in res.obs["images"].items()}, "state": res.obs["state"][keep],
-                           "instruction": [x for x, k in zip(res.obs["instruction"], keep) if k]}
+                    obs = res.obs.select(keep)
                     if not live:
                         break
             successes.extend(ok.tolist())

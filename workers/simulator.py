@@ -20,11 +20,12 @@ import numpy as np
 import structlog
 
 from rlvla3 import protocol as P
+from rlvla3.observation import Observation
 from rlvla3.shm import ShmPool, sweep_leftovers
 from workers.base import JobRunner, WorkerBase
-from workers.envs.base import EnvAdapter, Obs
+from workers.envs.base import EnvAdapter
 from workers.envs.subproc import GuardedEnv, SubprocEnv
-from workers.trajectory import EnvTrajectory, StepRecord, obs_row
+from workers.trajectory import EnvTrajectory, StepRecord
 
 log = structlog.get_logger()
 
@@ -50,8 +51,8 @@ class ChunkOutcome:
     terminated: np.ndarray  # [k]
     truncated: np.ndarray  # [k]
     success: np.ndarray  # [k]
-    final_obs: Obs  # obs after each env's last executed step
-    reset_obs: Obs | None  # obs of the new episodes of done envs (rows in done order)
+    final_obs: Observation  # obs after each env's last executed step
+    reset_obs: Observation | None  # obs of the new episodes of done envs (rows in done order)
     done_ids: list[int]
     restarts: int = 0
 
@@ -63,12 +64,12 @@ class Slot:
     adapter: EnvAdapter
     runner: JobRunner
     trajs: list[EnvTrajectory]
-    obs: Obs | None = None
+    obs: Observation | None = None
     req_id: int = 0
     waiting: bool = False  # an OBS is out, waiting for ACT
     out: dict[str, np.ndarray] | None = None  # the policy outputs being executed
     version: int = -1
-    obs_block: dict[str, int] = field(default_factory=dict)
+    obs_block: dict[str, P.ShmRef] = field(default_factory=dict)  # tensor name -> the slot's block for it
     pending_obs: list[Any] | None = None  # last OBS frames, re-sent after a reconnect
     eval: bool = False  # an evaluation slot: deterministic actions, held-out starts, never trained on
     frozen: np.ndarray | None = None  # eval: envs whose episode of this round is over
@@ -130,10 +131,10 @@ class SimulatorWorker(WorkerBase):
             self.obs_pool = ShmPool(run_id, per_env * num_envs + 4096)
             steps = cfg.env.fragment_len + 1
             self.traj_pool = ShmPool(run_id, max(per_env * steps * num_envs * 4, 1 << 20))
+            blank = Observation.zeros(spec.cameras, spec.state_dim, k).to_tensors()
             for slot in self.slots:
-                for cam, (h, w) in spec.cameras.items():
-                    slot.obs_block[f"images/{cam}"] = self.obs_pool.alloc(k * h * w * 3)
-                slot.obs_block["state"] = self.obs_pool.alloc(k * spec.state_dim * 4)
+                slot.obs_block = {name: self.obs_pool.ref(self.obs_pool.alloc(arr.nbytes), P.dtype_name(arr), arr.shape)
+                                  for name, arr in blank.items()}
         log.info("simulator_ready", env=cfg.env.name, num_envs=num_envs, slots=n_slots, shm=self.use_shm, parallel=cfg.env.parallel)
 
     def start(self) -> None:
@@ -194,7 +195,7 @@ class SimulatorWorker(WorkerBase):
 
     # -- slot work (runs on the slot's thread) ------------------------------------------------
 
-    def _reset_all(self, slot: Slot) -> Obs:
+    def _reset_all(self, slot: Slot) -> Observation:
         ids = list(range(len(slot.envs)))
         seeds = [self._seed_for(slot.trajs[i].env, slot.trajs[i].episode + 1) for i in ids]
         return slot.adapter.reset(ids, seeds)
@@ -207,8 +208,7 @@ class SimulatorWorker(WorkerBase):
         trunc = np.zeros(k, bool)
         success = np.zeros(k, bool)
         active = np.ones(k, bool) if slot.frozen is None else ~slot.frozen
-        cur = {"images": {c: v.copy() for c, v in slot.obs["images"].items()}, "state": slot.obs["state"].copy(),
-               "instruction": list(slot.obs["instruction"])}
+        cur = slot.obs.copy()
         restarts = 0
         for t in range(T):
             ids = np.flatnonzero(active)
@@ -217,9 +217,7 @@ class SimulatorWorker(WorkerBase):
             res = slot.adapter.step(ids.tolist(), actions[ids, t])  # Guarded/SubprocEnv: crashes come back as restarts
             step_reward[ids, t] = res.reward
             steps[ids] += 1
-            for c in cur["images"]:
-                cur["images"][c][ids] = res.obs["images"][c]
-            cur["state"][ids] = res.obs["state"]
+            cur.assign(ids, res.obs)
             term[ids] |= res.terminated
             trunc[ids] |= res.truncated & ~res.terminated
             success[ids] |= res.success
@@ -248,13 +246,13 @@ class SimulatorWorker(WorkerBase):
         if kind == "reset":
             slot.obs = result
             for i, tr in enumerate(slot.trajs):
-                tr.begin_episode(result["instruction"][i], self._seed_for(tr.env, tr.episode + 1))
+                tr.begin_episode(result.instruction[i], self._seed_for(tr.env, tr.episode + 1))
             self._send_obs(slot, env_steps=0)
         elif kind == "eval_reset":
             obs, seeds = result
             slot.obs = obs
             for i, tr in enumerate(slot.trajs):
-                tr.begin_episode(obs["instruction"][i], seeds[i])
+                tr.begin_episode(obs.instruction[i], seeds[i])
             self._send_obs(slot, env_steps=0)
         elif kind == "chunk":
             self._finish_chunk(slot, result)
@@ -302,7 +300,7 @@ class SimulatorWorker(WorkerBase):
     def _finish_chunk(self, slot: Slot, outcome: ChunkOutcome) -> None:
         out = slot.out
         slot.out = None
-        replay = {k[len("replay/"):]: v for k, v in out.items() if k.startswith("replay/")}
+        replay = P.under_prefix(P.REPLAY, out)
         frag_len = self.cfg.env.fragment_len
         self.env_steps += int(outcome.steps.sum())
         self.restarts_unreported += outcome.restarts
@@ -310,23 +308,21 @@ class SimulatorWorker(WorkerBase):
         for i, tr in enumerate(slot.trajs):
             if slot.frozen is not None and slot.frozen[i]:
                 continue
-            images, state = obs_row(slot.obs, i)
             tr.add(StepRecord(
-                obs_images=images, obs_state=state, actions=out["actions"][i], logprob=out["logprob"][i],
+                obs=slot.obs.select([i]), actions=out["actions"][i], logprob=out["logprob"][i],
                 value=float(out["value"][i]), replay={k: v[i] for k, v in replay.items()}, version=slot.version,
                 reward=float(outcome.step_reward[i].sum()), step_reward=outcome.step_reward[i], steps=int(outcome.steps[i]),
                 terminated=bool(outcome.terminated[i]), truncated=bool(outcome.truncated[i]),
             ))
             done = i in reset_row
             if done or len(tr.records) >= frag_len:
-                nxt_images, nxt_state = obs_row(outcome.final_obs, i)
-                header, tensors = tr.fragment(nxt_images, nxt_state, bool(outcome.success[i]))
+                header, tensors = tr.fragment(outcome.final_obs.select([i]), bool(outcome.success[i]))
                 tr.records = []
                 if slot.eval:
                     header.update({"eval": True, "eval_version": slot.eval_version})
                 self._ship(slot, header, tensors)
             if done and not slot.eval:
-                tr.begin_episode(outcome.reset_obs["instruction"][reset_row[i]], self._seed_for(tr.env, tr.episode + 1))
+                tr.begin_episode(outcome.reset_obs.instruction[reset_row[i]], self._seed_for(tr.env, tr.episode + 1))
         if slot.eval:
             slot.frozen = slot.frozen | np.isin(np.arange(len(slot.envs)), outcome.done_ids)
             slot.obs = outcome.final_obs
@@ -338,12 +334,7 @@ class SimulatorWorker(WorkerBase):
         # next observation: post-chunk obs, with new episodes' first obs for done envs
         nxt = outcome.final_obs
         if outcome.done_ids:
-            idx = np.asarray(outcome.done_ids)
-            for c in nxt["images"]:
-                nxt["images"][c][idx] = outcome.reset_obs["images"][c]
-            nxt["state"][idx] = outcome.reset_obs["state"]
-            for j, i in enumerate(outcome.done_ids):
-                nxt["instruction"][i] = outcome.reset_obs["instruction"][j]
+            nxt.assign(outcome.done_ids, outcome.reset_obs)
         slot.obs = nxt
         self._send_obs(slot, env_steps=int(outcome.steps.sum()))
 
@@ -355,20 +346,14 @@ class SimulatorWorker(WorkerBase):
     def _send_obs(self, slot: Slot, env_steps: int) -> None:
         slot.req_id += 1
         k = len(slot.envs)
-        if self.use_shm:
-            tensors: dict[str, Any] = {}
-            for cam, img in slot.obs["images"].items():
-                off = slot.obs_block[f"images/{cam}"]
-                self.obs_pool.view(off, "uint8", img.shape)[...] = img
-                tensors[f"images/{cam}"] = self.obs_pool.ref(off, "uint8", img.shape)
-            st = slot.obs["state"].astype(np.float32)
-            self.obs_pool.view(slot.obs_block["state"], "float32", st.shape)[...] = st
-            tensors["state"] = self.obs_pool.ref(slot.obs_block["state"], "float32", st.shape)
-        else:
-            tensors = {f"images/{c}": v for c, v in slot.obs["images"].items()}
-            tensors["state"] = slot.obs["state"].astype(np.float32)
+        tensors: dict[str, Any] = slot.obs.to_tensors()
+        if self.use_shm:  # into the slot's own block: rewritten only after this request's ACT
+            for name, arr in tensors.items():
+                block = slot.obs_block[name]
+                self.obs_pool.view(block.offset, block.dtype, block.shape)[...] = arr
+                tensors[name] = block
         fields = {
-            "slot": slot.index, "req_id": slot.req_id, "n": k, "instruction": list(slot.obs["instruction"]),
+            "slot": slot.index, "req_id": slot.req_id, "n": k, "instruction": list(slot.obs.instruction),
             "episode_step": [tr.episode_step for tr in slot.trajs],
             "version": min((tr.oldest_version() for tr in slot.trajs), default=-1),
             "env_steps": env_steps, "decision_steps": k if env_steps else 0,

@@ -7,8 +7,8 @@ shipped when the episode ends or ``fragment_len`` decision steps have accumulate
 one extra observation - the one after its last step - so the trainer can bootstrap a value
 where the fragment was cut or truncated.
 
-Fragment tensors (N decision steps):
-    obs/images/<cam> [N+1, H, W, 3] uint8   obs/state [N+1, D] float32
+Fragment tensors (N decision steps), named with ``rlvla3.protocol``'s helpers:
+    obs/images/<cam> [N+1, H, W, 3] uint8   obs/state [N+1, D] float32   (an Observation)
     actions [N, T, A]   logprob [N, L]   value [N]   replay/<k> [N, ...]
     reward [N]   step_reward [N, T]   steps [N] int32 (env steps executed)
     terminated [N] bool   truncated [N] bool   version [N] int64
@@ -23,13 +23,13 @@ from typing import Any
 
 import numpy as np
 
-from workers.envs.base import Obs
+from rlvla3.observation import STATE, Observation
+from rlvla3.protocol import FRAGMENT_OBS, REPLAY, tensor_name, with_prefix
 
 
 @dataclass
 class StepRecord:
-    obs_images: dict[str, np.ndarray]
-    obs_state: np.ndarray
+    obs: Observation  # this env's observation (one row, its own copy)
     actions: np.ndarray
     logprob: np.ndarray
     value: float
@@ -70,20 +70,17 @@ class EnvTrajectory:
     def oldest_version(self) -> int:
         return min((r.version for r in self.records), default=-1)
 
-    def fragment(self, next_images: dict[str, np.ndarray], next_state: np.ndarray, success: bool) -> tuple[dict[str, Any], dict[str, np.ndarray]]:
-        """Stack the open records into a fragment; the caller clears them."""
+    def fragment(self, next_obs: Observation, success: bool) -> tuple[dict[str, Any], dict[str, np.ndarray]]:
+        """Stack the open records and ``next_obs`` (one row: the observation after the last
+        step) into a fragment; the caller clears the records."""
         recs = self.records
         n = len(recs)
         done = recs[-1].terminated or recs[-1].truncated
-        tensors: dict[str, np.ndarray] = {}
-        for cam in recs[0].obs_images:
-            tensors[f"obs/images/{cam}"] = np.stack([r.obs_images[cam] for r in recs] + [next_images[cam]])
-        tensors["obs/state"] = np.stack([r.obs_state for r in recs] + [next_state]).astype(np.float32)
+        tensors = Observation.concat([r.obs for r in recs] + [next_obs]).to_tensors(FRAGMENT_OBS)
         tensors["actions"] = np.stack([r.actions for r in recs]).astype(np.float32)
         tensors["logprob"] = np.stack([r.logprob for r in recs]).astype(np.float32)
         tensors["value"] = np.asarray([r.value for r in recs], np.float32)
-        for k in recs[0].replay:
-            tensors[f"replay/{k}"] = np.stack([r.replay[k] for r in recs])
+        tensors.update(with_prefix(REPLAY, {k: np.stack([r.replay[k] for r in recs]) for k in recs[0].replay}))
         tensors["reward"] = np.asarray([r.reward for r in recs], np.float32)
         tensors["step_reward"] = np.stack([r.step_reward for r in recs]).astype(np.float32)
         tensors["steps"] = np.asarray([r.steps for r in recs], np.int32)
@@ -101,5 +98,9 @@ class EnvTrajectory:
         return header, tensors
 
 
-def obs_row(obs: Obs, i: int) -> tuple[dict[str, np.ndarray], np.ndarray]:
-    return {k: v[i].copy() for k, v in obs["images"].items()}, np.asarray(obs["state"][i], np.float32).copy()
+
+def fragment_observation(arrays: dict[str, np.ndarray], instruction: str) -> Observation:
+    """A received fragment's N+1 observations (views of its arrays, no copy). The learner takes
+    rows ``slice(0, -1)`` for its batch and ``slice(-1, None)`` for the bootstrap value."""
+    n = len(arrays[tensor_name(FRAGMENT_OBS, STATE)])
+    return Observation.from_tensors(arrays, [instruction] * n, prefix=FRAGMENT_OBS)

@@ -35,6 +35,8 @@ import torch
 from torch import nn
 
 from rlvla3.config import AlgoConfig
+from rlvla3.observation import Observation
+
 
 EvaluateFn = Callable[[Any, torch.Tensor, dict], Any]  # (obs, actions, replay) -> EvalOutput
 
@@ -190,7 +192,7 @@ def ppo_loss(
 # ---------------------------------------------------------------------------------------------
 #
 #   batch = {
-#       "obs": {"images": {cam: uint8 [N,H,W,3]}, "state": [N,D], "instruction": [N strings]},
+#       "obs": an rlvla3.observation.Observation of N rows,
 #       "actions": [N,T,A], "replay": {name: [N,...]},
 #       "behav_logprob": [N,L], "prox_logprob": [N,L] (optional: recomputed when absent),
 #       "advantages": [N], "returns": [N], "values": [N] (behaviour values; returns/values
@@ -200,6 +202,8 @@ def ppo_loss(
 
 def _take(x: Any, idx: torch.Tensor) -> Any:
     """Index the leading (sample) axis of tensors, arrays and lists, recursing into dicts."""
+    if isinstance(x, Observation):
+        return x.select(idx.cpu().numpy())
     if isinstance(x, dict):
         return {k: _take(v, idx) for k, v in x.items()}
     if isinstance(x, torch.Tensor):
@@ -209,11 +213,6 @@ def _take(x: Any, idx: torch.Tensor) -> Any:
     if isinstance(x, (list, tuple)):
         return [x[i] for i in idx.tolist()]
     return x  # scalars and None are shared by every sample
-
-
-def index_obs(obs: dict[str, Any], idx: torch.Tensor) -> dict[str, Any]:
-    """The observations of samples ``idx`` (images per camera, state, instructions)."""
-    return _take(obs, idx)
 
 
 def index_batch(batch: dict[str, Any], idx: torch.Tensor) -> dict[str, Any]:

@@ -4,11 +4,9 @@ An adapter owns ``num_envs`` environments that the simulator worker steps togeth
 *slot* (DESIGN §3). It never auto-resets: the worker decides when an env starts a new episode,
 and with which seed / init state, so GRPO groups and evaluation can replay the same start.
 
-Observations are plain numpy, batched over the envs named in the call:
-
-    {"images": {camera: uint8 [n, H, W, 3], upright},
-     "state": float32 [n, state_dim],
-     "instruction": list[str] of length n}
+Observations are :class:`rlvla3.observation.Observation` batches over the envs named in the
+call, in the order named: a uint8 ``[n, H, W, 3]`` image per camera (upright), a float32
+``[n, state_dim]`` state and ``n`` instructions.
 
 Adapters register themselves with ``@register_env("name")`` and are built from the job config
 by :func:`make_env`. An adapter's own options arrive as a dict (``env.options`` in YAML) and are
@@ -24,7 +22,7 @@ from typing import Any, Callable, Sequence
 
 import numpy as np
 
-Obs = dict[str, Any]
+from rlvla3.observation import Observation
 
 
 @dataclass(frozen=True)
@@ -49,7 +47,7 @@ class EnvSpec:
 class StepResult:
     """One env step for the envs named in the call, in the order named."""
 
-    obs: Obs
+    obs: Observation
     reward: np.ndarray  # float32 [n]
     terminated: np.ndarray  # bool [n]
     truncated: np.ndarray  # bool [n]
@@ -64,7 +62,7 @@ class EnvAdapter(ABC):
     num_envs: int
 
     @abstractmethod
-    def reset(self, ids: Sequence[int], seeds: Sequence[int | None] | None = None) -> Obs:
+    def reset(self, ids: Sequence[int], seeds: Sequence[int | None] | None = None) -> Observation:
         """Start a new episode in each env of ``ids``; ``seeds[i]`` fixes its initial state."""
 
     @abstractmethod
@@ -152,27 +150,3 @@ def env_spec(name: str, options: dict[str, Any] | None = None) -> EnvSpec:
     finally:
         env.close()
 
-
-def concat_obs(parts: Sequence[Obs]) -> Obs:
-    """Stack per-env observation dicts along the batch axis."""
-    if len(parts) == 1:
-        return parts[0]
-    return {
-        "images": {k: np.concatenate([p["images"][k] for p in parts]) for k in parts[0]["images"]},
-        "state": np.concatenate([p["state"] for p in parts]),
-        "instruction": [s for p in parts for s in p["instruction"]],
-    }
-
-
-def slice_obs(obs: Obs, idx: Sequence[int] | slice) -> Obs:
-    """Select envs ``idx`` of a batched observation."""
-    if isinstance(idx, slice):
-        instr = obs["instruction"][idx]
-    else:
-        instr = [obs["instruction"][i] for i in idx]
-        idx = np.asarray(idx, dtype=np.int64)
-    return {
-        "images": {k: v[idx] for k, v in obs["images"].items()},
-        "state": obs["state"][idx],
-        "instruction": instr,
-    }

@@ -22,7 +22,8 @@ from typing import Any, Sequence
 import numpy as np
 import structlog
 
-from workers.envs.base import EnvAdapter, EnvSpec, Obs, StepResult, register_env
+from rlvla3.observation import Observation
+from workers.envs.base import EnvAdapter, EnvSpec, StepResult, register_env
 from workers.envs.robosuite_common import episode_ends, step_envs
 
 log = structlog.get_logger()
@@ -178,7 +179,7 @@ class LiberoEnv(EnvAdapter):
 
     # -- contract ----------------------------------------------------------------------------
 
-    def reset(self, ids: Sequence[int], seeds: Sequence[int | None] | None = None) -> Obs:
+    def reset(self, ids: Sequence[int], seeds: Sequence[int | None] | None = None) -> Observation:
         ids = [int(i) for i in ids]
         raws = []
         for k, i in enumerate(ids):
@@ -218,10 +219,10 @@ class LiberoEnv(EnvAdapter):
     def _after_reset(env: Any) -> None:
         _disable_extras(getattr(env.sim, "_render_context_offscreen", None))
 
-    def _obs(self, ids: list[int], raws: list[dict[str, Any]]) -> Obs:
+    def _obs(self, ids: list[int], raws: list[dict[str, Any]]) -> Observation:
         state = np.stack([np.concatenate([r["robot0_eef_pos"], r["robot0_eef_quat"], r["robot0_gripper_qpos"]])
                           for r in raws]).astype(np.float32)
         # robosuite renders in OpenGL row order (bottom row first): flip rows to get upright images
         images = {c: np.stack([np.ascontiguousarray(r[f"{CAMERAS[c]}_image"][::-1]) for r in raws]).astype(np.uint8)
                   for c in self.opts.cameras}
-        return {"images": images, "state": state, "instruction": [self.instructions[i] for i in ids]}
+        return Observation(images, state, [self.instructions[i] for i in ids])

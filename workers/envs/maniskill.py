@@ -18,7 +18,8 @@ from typing import Any, Sequence
 import numpy as np
 import structlog
 
-from workers.envs.base import EnvAdapter, EnvSpec, Obs, StepResult, register_env
+from rlvla3.observation import Observation
+from workers.envs.base import EnvAdapter, EnvSpec, StepResult, register_env
 
 log = structlog.get_logger()
 
@@ -161,7 +162,7 @@ class ManiSkillEnv(EnvAdapter):
 
     # -- contract ----------------------------------------------------------------------------
 
-    def reset(self, ids: Sequence[int], seeds: Sequence[int | None] | None = None) -> Obs:
+    def reset(self, ids: Sequence[int], seeds: Sequence[int | None] | None = None) -> Observation:
         ids = [int(i) for i in ids]
         for k, i in enumerate(ids):
             s = seeds[k] if seeds is not None else None
@@ -232,9 +233,9 @@ class ManiSkillEnv(EnvAdapter):
                 parts.append(x.reshape(x.shape[0], -1))
         return np.concatenate(parts, axis=1)
 
-    def _obs_rows(self, rows: list[tuple[Any, int]], ids: list[int]) -> Obs:
+    def _obs_rows(self, rows: list[tuple[Any, int]], ids: list[int]) -> Observation:
         state = np.stack([self._state(obs)[j] for obs, j in rows])
         images = {c: np.stack([_np(obs["sensor_data"][c]["rgb"][j]) for obs, j in rows]).astype(np.uint8)
                   for c in self.spec.cameras} if hasattr(self, "spec") else {}
         instr = INSTRUCTIONS.get(self.opts.task, self.opts.task.split("-v")[0])
-        return {"images": images, "state": state.astype(np.float32), "instruction": [instr] * len(ids)}
+        return Observation(images, state.astype(np.float32), [instr] * len(ids))

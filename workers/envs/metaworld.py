@@ -17,7 +17,8 @@ from typing import Any, Sequence
 import numpy as np
 import structlog
 
-from workers.envs.base import EnvAdapter, EnvSpec, Obs, StepResult, register_env
+from rlvla3.observation import Observation
+from workers.envs.base import EnvAdapter, EnvSpec, StepResult, register_env
 
 log = structlog.get_logger()
 
@@ -233,7 +234,7 @@ class MetaWorldEnv(EnvAdapter):
 
     # -- contract ----------------------------------------------------------------------------
 
-    def reset(self, ids: Sequence[int], seeds: Sequence[int | None] | None = None) -> Obs:
+    def reset(self, ids: Sequence[int], seeds: Sequence[int | None] | None = None) -> Observation:
         ids = [int(i) for i in ids]
         raws = []
         for k, i in enumerate(ids):
@@ -291,7 +292,7 @@ class MetaWorldEnv(EnvAdapter):
         self._raw[i] = full
         return raw
 
-    def _obs(self, ids: list[int], raws: list[np.ndarray]) -> Obs:
+    def _obs(self, ids: list[int], raws: list[np.ndarray]) -> Observation:
         raw = np.asarray(raws, np.float32).reshape(len(ids), -1)
         state = raw if self.opts.state == "full" else raw[:, :4]
         images: dict[str, list[np.ndarray]] = {c: [] for c in self.opts.cameras}
@@ -301,11 +302,11 @@ class MetaWorldEnv(EnvAdapter):
                 for cam, img in r.render(self._envs[i].data).items():
                     images[cam].append(img)
         h, w = self.opts.image_size
-        return {
-            "images": {c: (np.stack(v) if v else np.zeros((0, h, w, 3), np.uint8)) for c, v in images.items()},
-            "state": np.ascontiguousarray(state, np.float32),
-            "instruction": [instruction_for(self.task_names[i]) for i in ids],
-        }
+        return Observation(
+            {c: (np.stack(v) if v else np.zeros((0, h, w, 3), np.uint8)) for c, v in images.items()},
+            np.ascontiguousarray(state, np.float32),
+            [instruction_for(self.task_names[i]) for i in ids],
+        )
 
     def expert_policy(self, i: int) -> Any:
         """Meta-World's scripted policy for env ``i``'s task (cached per task)."""

@@ -18,7 +18,8 @@ from typing import Any, Sequence
 import numpy as np
 import structlog
 
-from workers.envs.base import EnvAdapter, EnvSpec, Obs, StepResult, register_env
+from rlvla3.observation import Observation
+from workers.envs.base import EnvAdapter, EnvSpec, StepResult, register_env
 from workers.envs.robosuite_common import episode_ends, step_envs
 
 log = structlog.get_logger()
@@ -135,7 +136,7 @@ class RoboCasaEnv(EnvAdapter):
         self._instr[i] = str(meta.get("lang", self.opts.task))
         return raw
 
-    def reset(self, ids: Sequence[int], seeds: Sequence[int | None] | None = None) -> Obs:
+    def reset(self, ids: Sequence[int], seeds: Sequence[int | None] | None = None) -> Observation:
         ids = [int(i) for i in ids]
         raws = []
         for k, i in enumerate(ids):
@@ -164,8 +165,7 @@ class RoboCasaEnv(EnvAdapter):
                             "robot0_gripper_qpos") if k in raw]
         return np.concatenate([np.asarray(raw[k], np.float32).reshape(-1) for k in keys])
 
-    def _obs(self, ids: list[int], raws: list[dict[str, Any]]) -> Obs:
+    def _obs(self, ids: list[int], raws: list[dict[str, Any]]) -> Observation:
         images = {c: np.stack([np.ascontiguousarray(r[f"{c}_image"][::-1]) for r in raws]).astype(np.uint8)
                   for c in self.opts.cameras}  # robosuite's default OpenGL row order: flip upright
-        return {"images": images, "state": np.stack([self._state(r) for r in raws]),
-                "instruction": [self._instr[i] for i in ids]}
+        return Observation(images, np.stack([self._state(r) for r in raws]), [self._instr[i] for i in ids])

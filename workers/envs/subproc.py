@@ -27,7 +27,8 @@ from typing import Any, Sequence
 import numpy as np
 import structlog
 
-from workers.envs.base import EnvAdapter, EnvSpec, Obs, StepResult, concat_obs, make_env, slice_obs
+from rlvla3.observation import Observation
+from workers.envs.base import EnvAdapter, EnvSpec, StepResult, make_env
 
 log = structlog.get_logger()
 
@@ -184,7 +185,7 @@ class SubprocEnv(EnvAdapter):
         self._finalizer: weakref.finalize | None = None
         self._pending: tuple[str, tuple, float] | None = None
         # envs whose episode was lost in a restart but not yet reported: id -> fresh obs
-        self._lost: dict[int, Obs] = {}
+        self._lost: dict[int, Observation] = {}
         self.spec: EnvSpec = self._start(seed)
 
     # -- lifecycle ---------------------------------------------------------------------------
@@ -201,7 +202,7 @@ class SubprocEnv(EnvAdapter):
             child.kill()
             raise
 
-    def _restart(self, reason: str) -> Obs:
+    def _restart(self, reason: str) -> Observation:
         """Kill the child, build a new one and reset all its envs; returns the fresh obs."""
         assert self._child is not None
         self._child.kill()
@@ -234,7 +235,7 @@ class SubprocEnv(EnvAdapter):
 
     # -- reset -------------------------------------------------------------------------------
 
-    def reset(self, ids: Sequence[int], seeds: Sequence[int | None] | None = None) -> Obs:
+    def reset(self, ids: Sequence[int], seeds: Sequence[int | None] | None = None) -> Observation:
         ids = [int(i) for i in ids]
         for i in ids:
             self._lost.pop(i, None)  # a fresh episode supersedes a lost one
@@ -295,18 +296,18 @@ class SubprocEnv(EnvAdapter):
 
     # -- helpers -----------------------------------------------------------------------------
 
-    def _mark_lost(self, fresh: Obs, exclude: Sequence[int]) -> None:
+    def _mark_lost(self, fresh: Observation, exclude: Sequence[int]) -> None:
         skip = set(exclude)
         for i in range(self.num_envs):
             if i not in skip:
-                self._lost[i] = slice_obs(fresh, [i])
+                self._lost[i] = fresh.select([i])
 
     def _merge(self, ids: list[int], live: list[int], res: StepResult | None, lost: list[int],
                error: str | None) -> StepResult:
         """Report ``lost`` positions as truncated episodes with their fresh obs."""
         n = len(ids)
         lost_set = set(lost)
-        parts: list[Obs] = []
+        parts: list[Observation] = []
         live_pos = {k: j for j, k in enumerate(live)}
         reward = np.zeros(n, np.float32)
         terminated = np.zeros(n, bool)
@@ -319,7 +320,7 @@ class SubprocEnv(EnvAdapter):
             else:
                 assert res is not None
                 j = live_pos[k]
-                parts.append(slice_obs(res.obs, [j]))
+                parts.append(res.obs.select([j]))
                 reward[k], terminated[k] = res.reward[j], res.terminated[j]
                 truncated[k], success[k] = res.truncated[j], res.success[j]
         info: dict[str, Any] = dict(res.info) if (res is not None and error is None) else {}
@@ -327,7 +328,7 @@ class SubprocEnv(EnvAdapter):
         info["restarts"] = self.restarts
         if error is not None:
             info["error"] = error.strip().splitlines()[-1][:500] if error.strip() else "crashed"
-        return StepResult(concat_obs(parts), reward, terminated, truncated, success, info)
+        return StepResult(Observation.concat(parts), reward, terminated, truncated, success, info)
 
 
 class GuardedEnv(EnvAdapter):
@@ -343,7 +344,7 @@ class GuardedEnv(EnvAdapter):
         self._env = make_env(name, num_envs=num_envs, seed=seed, options=self.options)
         self.spec = self._env.spec
 
-    def _rebuild(self, exc: BaseException) -> Obs:
+    def _rebuild(self, exc: BaseException) -> Observation:
         self.restarts += 1
         log.warning("env_restart", env=self.name, restarts=self.restarts, reason=repr(exc)[:300])
         try:
@@ -354,7 +355,7 @@ class GuardedEnv(EnvAdapter):
                              options=self.options)
         return self._env.reset(list(range(self.num_envs)), None)
 
-    def reset(self, ids: Sequence[int], seeds: Sequence[int | None] | None = None) -> Obs:
+    def reset(self, ids: Sequence[int], seeds: Sequence[int | None] | None = None) -> Observation:
         try:
             return self._env.reset(ids, seeds)
         except Exception as exc:  # noqa: BLE001
@@ -368,7 +369,7 @@ class GuardedEnv(EnvAdapter):
             fresh = self._rebuild(exc)
             n = len(ids)
             return StepResult(
-                slice_obs(fresh, list(ids)), np.zeros(n, np.float32), np.zeros(n, bool), np.ones(n, bool),
+                fresh.select(list(ids)), np.zeros(n, np.float32), np.zeros(n, bool), np.ones(n, bool),
                 np.zeros(n, bool), {"restarted": list(ids), "restarts": self.restarts, "error": repr(exc)[:500]},
             )
 

@@ -15,7 +15,8 @@ from typing import Any, Sequence
 
 import numpy as np
 
-from workers.envs.base import EnvAdapter, EnvSpec, Obs, StepResult, register_env
+from rlvla3.observation import Observation
+from workers.envs.base import EnvAdapter, EnvSpec, StepResult, register_env
 
 
 @dataclass
@@ -108,7 +109,7 @@ class SyntheticReach(EnvAdapter):
         s = opts.image_size
         return EnvSpec(cameras={"top": (s, s)}, state_dim=4, action_dim=2, max_episode_steps=opts.max_episode_steps)
 
-    def reset(self, ids: Sequence[int], seeds: Sequence[int | None] | None = None) -> Obs:
+    def reset(self, ids: Sequence[int], seeds: Sequence[int | None] | None = None) -> Observation:
         ids = list(ids)
         for j, i in enumerate(ids):
             seed = None if seeds is None else seeds[j]
@@ -145,7 +146,7 @@ class SyntheticReach(EnvAdapter):
             truncated=truncated, success=success,
         )
 
-    def _obs(self, ids: list[int]) -> Obs:
+    def _obs(self, ids: list[int]) -> Observation:
         s = self.opts.image_size
         n = len(ids)
         img = np.zeros((n, s, s, 3), np.uint8)
@@ -155,4 +156,4 @@ class SyntheticReach(EnvAdapter):
         img[rows, s - 1 - g[:, 1], g[:, 0], 0] = 255  # image row 0 is the top: y grows upwards
         img[rows, s - 1 - p[:, 1], p[:, 0], 1] = 255
         state = np.concatenate([self.pos[ids], self.goal[ids]], axis=1).astype(np.float32)
-        return {"images": {"top": img}, "state": state, "instruction": ["reach the red dot"] * n}
+        return Observation({"top": img}, state, ["reach the red dot"] * n)

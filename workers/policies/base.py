@@ -16,8 +16,10 @@ Log-probs come as ``[B, L]``: one entry per unit of ``logprob_level`` - ``token`
 per chunk), ``action`` (L = chunk length, one per step) or ``chunk`` (L = 1). The trainer sums
 or keeps them per unit as the algorithm asks.
 
-Observations are the env adapters' numpy dicts (see ``workers.envs.base``): images uint8
-``[B, H, W, 3]`` per camera, ``state`` float32 ``[B, D]``, ``instruction`` list of B strings.
+Observations are :class:`rlvla3.observation.Observation` batches, as the env adapters return
+them and the generator gathers them: images uint8 ``[B, H, W, 3]`` per camera, ``state`` float32
+``[B, D]``, ``instruction`` list of B strings. A family reads them on its device through
+``Observation.to_torch``.
 """
 
 from __future__ import annotations
@@ -30,7 +32,8 @@ from typing import Any, Callable, ClassVar
 import torch
 from torch import nn
 
-from workers.envs.base import EnvSpec, Obs, parse_options
+from rlvla3.observation import Observation
+from workers.envs.base import EnvSpec, parse_options
 
 LOGPROB_LEVELS = ("token", "action", "chunk")
 
@@ -71,11 +74,11 @@ class Policy(nn.Module, ABC):
         return next(self.parameters()).device
 
     @abstractmethod
-    def act(self, obs: Obs, deterministic: bool = False) -> ActOutput:
+    def act(self, obs: Observation, deterministic: bool = False) -> ActOutput:
         """Sample (or, deterministic, take the mode of) one action chunk per env."""
 
     @abstractmethod
-    def evaluate(self, obs: Obs, actions: torch.Tensor, replay: dict[str, torch.Tensor]) -> EvalOutput:
+    def evaluate(self, obs: Observation, actions: torch.Tensor, replay: dict[str, torch.Tensor]) -> EvalOutput:
         """Differentiable log-probs, entropy and values of given actions."""
 
     @classmethod

@@ -29,7 +29,7 @@ from typing import Any, Callable
 import torch
 from torch import nn
 
-from workers.envs.base import Obs
+from rlvla3.observation import Observation
 from workers.policies.base import ActOutput, EvalOutput, Policy
 
 MODES = ("ode", "sde", "noise")
@@ -210,14 +210,14 @@ class FlowPolicy(Policy):
     norm: Any  # workers.release.normalize.StatsNorm: the release's state-in / action-out maps
 
     @abstractmethod
-    def _context(self, obs: Obs) -> dict[str, Any]:
+    def _context(self, obs: Observation) -> dict[str, Any]:
         """Per-observation tensors every denoising step reads, including ``"value"``."""
 
     @abstractmethod
     def _velocity_fn(self, ctx: dict[str, Any]) -> VelocityFn:
         """The velocity ``v(x_t, t)`` (pi0's time convention) given the context."""
 
-    def act(self, obs: Obs, deterministic: bool = False) -> ActOutput:
+    def act(self, obs: Observation, deterministic: bool = False) -> ActOutput:
         with torch.no_grad():
             ctx = self._context(self.norm.state_in(obs))
             shape = (ctx["value"].shape[0], self.chunk_size, self.model_action_dim)
@@ -227,7 +227,7 @@ class FlowPolicy(Policy):
         return ActOutput(actions=actions.contiguous(), logprob=res.logprob,
                          value=ctx["value"], replay={"chain": res.chain, "stochastic": res.mask})
 
-    def evaluate(self, obs: Obs, actions: torch.Tensor, replay: dict[str, torch.Tensor]) -> EvalOutput:
+    def evaluate(self, obs: Observation, actions: torch.Tensor, replay: dict[str, torch.Tensor]) -> EvalOutput:
         ctx = self._context(self.norm.state_in(obs))
         chain = replay["chain"].to(self.device).clone()  # clone: may come from inference_mode
         lp, ent = self.sampler.score(self._velocity_fn(ctx), chain, replay["stochastic"].to(self.device))

@@ -20,7 +20,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from workers.envs.base import EnvSpec, Obs
+from rlvla3.observation import Observation
+from workers.envs.base import EnvSpec
 from workers.policies.base import Policy, register_policy
 from workers.policies.flow_sampler import FlowOptions, FlowPolicy, FlowSampler
 from workers.release.normalize import StatsNorm
@@ -216,18 +217,19 @@ class Gr00tPolicy(ReleaseCheckpointMixin, FlowPolicy):
         p = p.view(-1, side // 2, 2, side // 2, 2, c).permute(0, 1, 3, 2, 4, 5).reshape(-1, (side // 2) ** 2, 4 * c)
         return self.projector(p).reshape(b, ncam * p.shape[1], -1)
 
-    def _context(self, obs: Obs) -> dict[str, Any]:
+    def _context(self, obs: Observation) -> dict[str, Any]:
         dev, dt = self.device, self._dtype
-        pixels = preprocess_images(obs["images"], self.cameras, self.image_size, IMAGE_MEAN, IMAGE_STD, dev, dt)
+        obs = obs.to_torch(dev, self.cameras)
+        pixels = preprocess_images(obs.images, self.cameras, self.image_size, IMAGE_MEAN, IMAGE_STD, dev, dt)
         img = self._image_tokens(pixels)
         b = img.shape[0]
-        ids, tmask = encode_text(self.tokenizer, list(obs["instruction"]), self.opts.max_text_len)
+        ids, tmask = encode_text(self.tokenizer, list(obs.instruction), self.opts.max_text_len)
         ids, tmask = ids.to(dev), tmask.to(dev)
         embeds = torch.cat([img, self.llm.get_input_embeddings()(ids)], dim=1)
         mask = torch.cat([torch.ones(b, img.shape[1], dtype=torch.long, device=dev), tmask], dim=1)
         vl = self.llm(inputs_embeds=embeds, attention_mask=mask, position_ids=mask.cumsum(-1) - 1).last_hidden_state
         vl = self.head.vlln(vl)
-        state = state_tensor(obs, self.model_state_dim, dev).to(dt)
+        state = state_tensor(obs.state, self.model_state_dim).to(dt)
         return {"vl": self.head.vl_proj(vl), "pad": mask == 0, "state": state,
                 "value": self.value_head(masked_mean(vl, mask))}
 

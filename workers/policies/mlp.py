@@ -9,11 +9,11 @@ import math
 import time
 from dataclasses import dataclass
 
-import numpy as np
 import torch
 from torch import nn
 
-from workers.envs.base import EnvSpec, Obs
+from rlvla3.observation import Observation
+from workers.envs.base import EnvSpec
 from workers.policies.base import ActOutput, EvalOutput, Policy, register_policy
 
 
@@ -57,17 +57,15 @@ class MLPPolicy(Policy):
         nn.init.orthogonal_(self.mu.weight, 0.01)
         nn.init.zeros_(self.mu.bias)
 
-    def _features(self, obs: Obs) -> torch.Tensor:
-        dev = self.device
-        state = torch.as_tensor(np.asarray(obs["state"]), dtype=torch.float32, device=dev)
-        parts = [state]
+    def _features(self, obs: Observation) -> torch.Tensor:
+        o = obs.to_torch(self.device, cameras=[self.camera] if self.camera is not None else [])
+        parts = [o.state]
         if self.camera is not None:
-            img = torch.as_tensor(np.asarray(obs["images"][self.camera]), device=dev)
-            img = img.permute(0, 3, 1, 2).float() / 255.0
+            img = o.images[self.camera].permute(0, 3, 1, 2).float() / 255.0
             parts.append(self.cnn(img))
         return self.trunk(torch.cat(parts, dim=1))
 
-    def _dist(self, obs: Obs) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    def _dist(self, obs: Observation) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         z = self._features(obs)
         mu = self.mu(z).view(-1, self.chunk_size, self.action_dim)
         std = self.log_std.exp().expand_as(mu)
@@ -79,14 +77,14 @@ class MLPPolicy(Policy):
         lp = -((actions - mu) ** 2) / (2 * var) - std.log() - 0.5 * math.log(2 * math.pi)
         return lp.sum(-1)  # [B, T]
 
-    def act(self, obs: Obs, deterministic: bool = False) -> ActOutput:
+    def act(self, obs: Observation, deterministic: bool = False) -> ActOutput:
         if self.cfg.forward_delay_ms > 0:
             time.sleep(self.cfg.forward_delay_ms / 1000.0)
         mu, std, value = self._dist(obs)
         actions = mu if deterministic else mu + std * torch.randn_like(mu)
         return ActOutput(actions=actions, logprob=self._logprob(actions, mu, std), value=value, replay={})
 
-    def evaluate(self, obs: Obs, actions: torch.Tensor, replay: dict[str, torch.Tensor]) -> EvalOutput:
+    def evaluate(self, obs: Observation, actions: torch.Tensor, replay: dict[str, torch.Tensor]) -> EvalOutput:
         mu, std, value = self._dist(obs)
         actions = actions.to(mu.device, mu.dtype)
         entropy = (0.5 + 0.5 * math.log(2 * math.pi) + std.log()).sum(-1)

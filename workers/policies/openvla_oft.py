@@ -21,7 +21,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from workers.envs.base import EnvSpec, Obs
+from rlvla3.observation import Observation
+from workers.envs.base import EnvSpec
 from workers.policies.base import ActOutput, EvalOutput, Policy, register_policy
 from workers.release.normalize import StatsNorm
 from workers.policies.vla_common import (
@@ -135,28 +136,29 @@ class OpenVLAOFTPolicy(ReleaseCheckpointMixin, Policy):
 
     # -- observation -> hidden states of the placeholders ----------------------------------------
 
-    def _vision(self, obs: Obs) -> torch.Tensor:
+    def _vision(self, obs: Observation) -> torch.Tensor:
         dev, dt = self.device, self.llm.dtype
-        sig = preprocess_images(obs["images"], self.cameras, self.image_size, SIGLIP_MEAN, SIGLIP_STD, dev, dt)
+        sig = preprocess_images(obs.images, self.cameras, self.image_size, SIGLIP_MEAN, SIGLIP_STD, dev, dt)
         b, ncam = sig.shape[:2]
         feats = self.siglip(pixel_values=sig.flatten(0, 1)).last_hidden_state
         if self.dinov2 is not None:
-            dino = preprocess_images(obs["images"], self.cameras, self.image_size, DINO_MEAN, DINO_STD, dev, dt)
+            dino = preprocess_images(obs.images, self.cameras, self.image_size, DINO_MEAN, DINO_STD, dev, dt)
             d = self.dinov2(pixel_values=dino.flatten(0, 1)).last_hidden_state[:, 1:]  # drop CLS
             feats = torch.cat([d, feats], dim=-1)  # DINOv2 first, as OpenVLA's fused backbone
         return self.projector(feats).reshape(b, ncam * feats.shape[1], -1)
 
-    def _forward(self, obs: Obs) -> tuple[torch.Tensor, torch.Tensor]:
+    def _forward(self, obs: Observation) -> tuple[torch.Tensor, torch.Tensor]:
         """One pass; returns bin logits ``[B, L, n_bins]`` (float32) and values ``[B]``."""
         dev = self.device
+        obs = obs.to_torch(dev, self.cameras)
         img = self._vision(obs)
         b = img.shape[0]
-        prompts = [f"What action should the robot take to {s.lower()}?" for s in obs["instruction"]]
+        prompts = [f"What action should the robot take to {s.lower()}?" for s in obs.instruction]
         ids, tmask = encode_text(self.tokenizer, prompts, self.opts.max_text_len, bos=False)
         ids, tmask = ids.to(dev), tmask.to(dev)
         emb = self.llm.get_input_embeddings()
         bos = emb(torch.full((b, 1), self.tokenizer.bos_token_id, device=dev))
-        proprio = self.proprio_proj(state_tensor(obs, self.spec.state_dim, dev).to(img.dtype))[:, None]
+        proprio = self.proprio_proj(state_tensor(obs.state, self.spec.state_dim).to(img.dtype))[:, None]
         queries = self.action_queries.to(img.dtype)[None].expand(b, -1, -1)
         embeds = torch.cat([bos, img, emb(ids), proprio, queries], dim=1)
         ones = lambda n: torch.ones(b, n, dtype=torch.long, device=dev)  # noqa: E731
@@ -170,7 +172,7 @@ class OpenVLAOFTPolicy(ReleaseCheckpointMixin, Policy):
 
     # -- the policy contract ----------------------------------------------------------------------
 
-    def act(self, obs: Obs, deterministic: bool = False) -> ActOutput:
+    def act(self, obs: Observation, deterministic: bool = False) -> ActOutput:
         with torch.no_grad():
             logits, value = self._forward(self.norm.state_in(obs))
             logp = logits.log_softmax(-1)
@@ -182,7 +184,7 @@ class OpenVLAOFTPolicy(ReleaseCheckpointMixin, Policy):
         actions = self.norm.action_out(self.bin_centers[tok].view(-1, self.chunk_size, self.action_dim).float())
         return ActOutput(actions=actions, logprob=lp, value=value, replay={"action_bins": tok})
 
-    def evaluate(self, obs: Obs, actions: torch.Tensor, replay: dict[str, torch.Tensor]) -> EvalOutput:
+    def evaluate(self, obs: Observation, actions: torch.Tensor, replay: dict[str, torch.Tensor]) -> EvalOutput:
         logits, value = self._forward(self.norm.state_in(obs))
         logp = logits.log_softmax(-1)
         tok = replay["action_bins"].to(self.device).long().clone()  # clone: may come from inference_mode

@@ -17,7 +17,8 @@ from typing import Any
 
 import torch
 
-from workers.envs.base import EnvSpec, Obs
+from rlvla3.observation import Observation
+from workers.envs.base import EnvSpec
 from workers.policies.base import Policy, register_policy
 from workers.policies.flow_sampler import FlowOptions, FlowPolicy, FlowSampler
 from workers.release.normalize import StatsNorm
@@ -167,21 +168,22 @@ class Pi0Policy(FlowPolicy):
 
     # -- observation -> prefix ------------------------------------------------------------------
 
-    def model_inputs(self, obs: Obs) -> dict[str, torch.Tensor]:
+    def model_inputs(self, obs: Observation) -> dict[str, torch.Tensor]:
         """The upstream model's inputs for ``obs`` (already normalised): what
         ``PI0ForConditionalGeneration.sample_actions`` takes, so exports can be checked against it."""
         dev, dt = self.device, self.pi0.dtype
-        pixels = preprocess_images(obs["images"], self.cameras, self.image_size, IMAGE_MEAN, IMAGE_STD, dev, dt)
+        obs = obs.to_torch(dev, self.cameras)
+        pixels = preprocess_images(obs.images, self.cameras, self.image_size, IMAGE_MEAN, IMAGE_STD, dev, dt)
         b, ncam = pixels.shape[:2]
-        ids, mask = encode_text(self.tokenizer, [f"{s}\n" for s in obs["instruction"]], self.opts.max_text_len)
+        ids, mask = encode_text(self.tokenizer, [f"{s}\n" for s in obs.instruction], self.opts.max_text_len)
         n_img = ncam * self.tokens_per_image
         ids = torch.cat([torch.full((b, n_img), self.image_token_id), ids], 1).to(dev)
         mask = torch.cat([torch.ones(b, n_img, dtype=torch.long), mask], 1).to(dev)
         return {"input_ids": ids, "pixel_values": pixels, "attention_mask": mask,
                 "pixel_attention_mask": torch.ones(b, ncam, dtype=torch.bool, device=dev),
-                "state": state_tensor(obs, self.state_dim, dev).to(dt)}
+                "state": state_tensor(obs.state, self.state_dim).to(dt)}
 
-    def _context(self, obs: Obs) -> dict[str, Any]:
+    def _context(self, obs: Observation) -> dict[str, Any]:
         """Run the VLM over images + instruction once; the cache serves every denoising step."""
         inp = self.model_inputs(obs)
         mask = inp["attention_mask"]

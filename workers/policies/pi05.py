@@ -19,7 +19,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from workers.envs.base import EnvSpec, Obs
+from rlvla3.observation import Observation
+from workers.envs.base import EnvSpec
 from workers.policies.base import Policy, register_policy
 from workers.policies.flow_sampler import FlowOptions, FlowPolicy, FlowSampler
 from workers.policies.pi0 import IMAGE_MEAN, IMAGE_STD
@@ -143,15 +144,16 @@ class Pi05Policy(FlowPolicy):
     def _dtype(self) -> torch.dtype:
         return self.action_in_proj.weight.dtype
 
-    def _context(self, obs: Obs) -> dict[str, Any]:
+    def _context(self, obs: Observation) -> dict[str, Any]:
         """VLM pass over [images, "Task: ..., State: ...;\\nAction: "]; keeps cache and value."""
         dev, dt = self.device, self._dtype
-        pixels = preprocess_images(obs["images"], self.cameras, self.image_size, IMAGE_MEAN, IMAGE_STD, dev, dt)
+        obs = obs.to_torch(dev, self.cameras)
+        pixels = preprocess_images(obs.images, self.cameras, self.image_size, IMAGE_MEAN, IMAGE_STD, dev, dt)
         b, ncam = pixels.shape[:2]
         img = self.vlm.get_image_features(pixel_values=pixels.flatten(0, 1)).pooler_output
         img = img.reshape(b, ncam * img.shape[1], -1)
-        state_txt = discretize_state(state_tensor(obs, self.state_dim, dev), self.opts.state_bins)
-        prompts = [f"Task: {s.strip().lower()}, State: {st};\nAction: " for s, st in zip(obs["instruction"], state_txt)]
+        state_txt = discretize_state(state_tensor(obs.state, self.state_dim), self.opts.state_bins)
+        prompts = [f"Task: {s.strip().lower()}, State: {st};\nAction: " for s, st in zip(obs.instruction, state_txt)]
         ids, tmask = encode_text(self.tokenizer, prompts, self.opts.max_text_len)
         ids, tmask = ids.to(dev), tmask.to(dev)
         embeds = torch.cat([img, self.vlm.get_input_embeddings()(ids).to(img.dtype)], dim=1)

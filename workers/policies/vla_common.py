@@ -10,12 +10,11 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any, ClassVar, Iterable, Sequence
 
-import numpy as np
 import torch
 import torch.nn.functional as F
 from torch import nn
 
-from workers.envs.base import EnvSpec, Obs
+from workers.envs.base import EnvSpec
 
 # ---------------------------------------------------------------------------------------------
 # Device and dtype
@@ -106,12 +105,12 @@ def preprocess_images(
     device: torch.device,
     dtype: torch.dtype,
 ) -> torch.Tensor:
-    """uint8 ``[B, H, W, 3]`` per camera (any size) -> normalised ``[B, C, 3, size, size]``."""
+    """uint8 ``[B, H, W, 3]`` per camera (any size; numpy or torch) -> normalised ``[B, C, 3, size, size]``."""
     out = []
     m = torch.tensor(mean, device=device, dtype=torch.float32).view(1, 3, 1, 1)
     s = torch.tensor(std, device=device, dtype=torch.float32).view(1, 3, 1, 1)
     for cam in cameras:
-        img = torch.as_tensor(np.asarray(images[cam]), device=device)
+        img = torch.as_tensor(images[cam], device=device)
         x = img.permute(0, 3, 1, 2).float().div_(255.0)
         if x.shape[-2:] != (size, size):
             x = F.interpolate(x, size=(size, size), mode="bilinear", align_corners=False, antialias=True)
@@ -119,9 +118,10 @@ def preprocess_images(
     return torch.stack(out, dim=1).to(dtype)
 
 
-def state_tensor(obs: Obs, dim: int, device: torch.device) -> torch.Tensor:
-    """float32 ``[B, dim]``: the env state zero-padded or cut to the model's state width."""
-    st = torch.as_tensor(np.asarray(obs["state"], dtype=np.float32), device=device)
+def state_tensor(state: torch.Tensor, dim: int) -> torch.Tensor:
+    """float32 ``[B, dim]``: the env state (``Observation.to_torch``'s) zero-padded or cut to
+    the model's state width."""
+    st = state.float()
     if st.shape[-1] < dim:
         st = F.pad(st, (0, dim - st.shape[-1]))
     return st[:, :dim]

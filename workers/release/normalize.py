@@ -10,11 +10,15 @@ the run's checkpoints and every export.
 
 from __future__ import annotations
 
+import dataclasses
+
 from typing import Any, Mapping, Sequence
 
 import numpy as np
 import torch
 from torch import nn
+
+from rlvla3.observation import Observation
 
 Affine = tuple[torch.Tensor, torch.Tensor]
 
@@ -70,11 +74,12 @@ class StatsNorm(nn.Module):
                     raise ValueError(f"release {side} statistics have {value.numel()} dims; the env's {side} has {buf.numel()}")
                 buf.copy_(value.to(buf.device, buf.dtype))
 
-    def state_in(self, obs: dict[str, Any]) -> dict[str, Any]:
-        """A copy of ``obs`` whose ``state`` is normalised (float32 numpy, as adapters give it)."""
+    def state_in(self, obs: Observation) -> Observation:
+        """``obs`` with its ``state`` normalised (float32 numpy, as adapters give it); images are shared."""
         shift = self.state_shift.detach().float().cpu().numpy()
         scale = self.state_scale.detach().float().cpu().numpy()
-        return {**obs, "state": ((np.asarray(obs["state"], dtype=np.float32) - shift) / scale).astype(np.float32)}
+        state = ((np.asarray(obs.state, dtype=np.float32) - shift) / scale).astype(np.float32)
+        return dataclasses.replace(obs, state=state)
 
     def action_out(self, actions: torch.Tensor) -> torch.Tensor:
         """Model-space actions ``[..., A]`` -> env actions."""
