@@ -13,6 +13,7 @@ from typing import Any
 
 import numpy as np
 import structlog
+import torch
 
 log = structlog.get_logger()
 
@@ -60,6 +61,26 @@ class EvalTally:
                for v in sorted(self.fresh)}
         self.fresh.clear()
         return out
+
+
+def update_row(result: Any, version: int, rank: int, counters: Counters, elapsed_s: float,
+               groups_pending: int | None) -> dict[str, Any]:
+    """The figures of one update (an ``UpdateResult``) with the running totals: what rank 0
+    sends the broker in TRAIN ``end`` and every rank writes to its JSONL."""
+    from workers.algorithms.staleness import staleness_histogram
+
+    c = counters
+    row: dict[str, Any] = {k: (round(v, 6) if isinstance(v, float) else v) for k, v in result.figures().items()}
+    row.update({
+        "version": version, "rank": rank, "dropped_stale_total": c.dropped_stale,
+        "staleness_counts": {str(k): v for k, v in staleness_histogram(torch.as_tensor(result.staleness)).items()},
+        "env_steps_consumed": c.env_steps_consumed,
+        "env_steps_per_s": round(c.env_steps_consumed / max(elapsed_s, 1e-9), 2),
+    })
+    if groups_pending is not None:  # GRPO
+        row.update(groups_complete=c.groups_complete, groups_filtered_zero_variance=c.groups_filtered_zero_variance,
+                   groups_dropped_stale=c.groups_dropped_stale, groups_pending=groups_pending)
+    return row
 
 
 class MetricsSink:

@@ -24,47 +24,25 @@ from __future__ import annotations
 
 import math
 import queue
-import socket
 import time
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
-from urllib.parse import urlparse
 
 import structlog
 import torch
 
 from rlvla3 import protocol as P
-from workers.algorithms.staleness import staleness_histogram
 from workers.algorithms.update import TrainState, UpdateResult, update
 from workers.base import WorkerBase
 from workers.learner import Fragment, Learner, Unit, build_batch
-from workers.metrics import Counters, EvalTally, MetricsSink
+from workers.metrics import Counters, EvalTally, MetricsSink, update_row
 from workers.model import build_policy, state_tensors
 
 log = structlog.get_logger()
 
 ROUND_EVERY_S = 0.05
 """Several ranks: at most this often a rank starts a collective 'shall we update?' round."""
-
-
-def rendezvous_host(broker_url: str) -> str:
-    """The local address other trainers can reach us at: the one that routes to the broker."""
-    host = urlparse(broker_url).hostname or "127.0.0.1"
-    if host in ("127.0.0.1", "localhost", "*", "0.0.0.0"):
-        return "127.0.0.1"
-    with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as s:
-        try:
-            s.connect((host, 9))  # UDP: no packet is sent, the kernel only picks a route
-            return s.getsockname()[0]
-        except OSError:
-            return socket.gethostbyname(socket.gethostname())
-
-
-def free_port(host: str) -> int:
-    with socket.socket() as s:
-        s.bind((host, 0))
-        return int(s.getsockname()[1])
 
 
 @dataclass
@@ -96,8 +74,9 @@ class TrainerWorker(WorkerBase):
         self.metrics: MetricsSink | None = None
         self.last_round = 0.0
         self.last_update = self.last_wait_log = self.t_start = time.monotonic()
-        host = rendezvous_host(broker)
-        self.dist_info = {"addr": host, "port": free_port(host)}
+        from workers.algorithms.distributed import rendezvous_address
+
+        self.dist_info = rendezvous_address(broker)
 
     def ready_fields(self) -> dict[str, Any]:
         # Every trainer offers a rendezvous address; the broker passes rank 0's to the others.
@@ -297,17 +276,8 @@ class TrainerWorker(WorkerBase):
     def _report(self, result: UpdateResult, to_broker: bool = True) -> None:
         """One metrics row: to the broker (rank 0's figures), the log, JSONL and TensorBoard."""
         elapsed = time.monotonic() - self.t_start
-        c = self.counters
-        figures: dict[str, Any] = {k: (round(v, 6) if isinstance(v, float) else v) for k, v in result.figures().items()}
-        figures.update({
-            "version": self.version, "rank": self.rank, "dropped_stale_total": c.dropped_stale,
-            "staleness_counts": {str(k): v for k, v in staleness_histogram(torch.as_tensor(result.staleness)).items()},
-            "env_steps_consumed": c.env_steps_consumed,
-            "env_steps_per_s": round(c.env_steps_consumed / max(elapsed, 1e-9), 2),
-        })
-        if self.learner.grpo:
-            figures.update(groups_complete=c.groups_complete, groups_filtered_zero_variance=c.groups_filtered_zero_variance,
-                           groups_dropped_stale=c.groups_dropped_stale, groups_pending=len(self.learner.pending_groups))
+        figures = update_row(result, self.version, self.rank, self.counters, elapsed,
+                             len(self.learner.pending_groups) if self.learner.grpo else None)
         fresh_evals = self.evals.take_fresh()
         if fresh_evals:
             figures["eval"] = fresh_evals

@@ -13,9 +13,11 @@ PPO/GRPO code calls ``policy.evaluate`` either way.
 
 from __future__ import annotations
 
+import socket
 from dataclasses import dataclass
 from datetime import timedelta
 from typing import Any
+from urllib.parse import urlparse
 
 import torch
 import torch.distributed as dist
@@ -23,6 +25,32 @@ from torch import nn
 from torch.nn.parallel import DistributedDataParallel
 
 from workers.policies.base import EvalOutput
+
+
+def rendezvous_host(broker_url: str) -> str:
+    """The local address other trainers can reach us at: the one that routes to the broker."""
+    host = urlparse(broker_url).hostname or "127.0.0.1"
+    if host in ("127.0.0.1", "localhost", "*", "0.0.0.0"):
+        return "127.0.0.1"
+    with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as s:
+        try:
+            s.connect((host, 9))  # UDP: no packet is sent, the kernel only picks a route
+            return s.getsockname()[0]
+        except OSError:
+            return socket.gethostbyname(socket.gethostname())
+
+
+def _free_port(host: str) -> int:
+    with socket.socket() as s:
+        s.bind((host, 0))
+        return int(s.getsockname()[1])
+
+
+def rendezvous_address(broker_url: str) -> dict[str, Any]:
+    """What a trainer announces in READY (rank 0's is handed to the others): a reachable
+    address and a free port for ``init_trainer_group``."""
+    host = rendezvous_host(broker_url)
+    return {"addr": host, "port": _free_port(host)}
 
 
 def default_backend(device: torch.device | str | None = None) -> str:
