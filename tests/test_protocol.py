@@ -193,6 +193,8 @@ _VALID = {  # one valid header per message type (required fields only)
     P.WEIGHTS: {"version": 0},
     P.TRAIN: {"phase": "end", "version": 0},
     P.ERROR: {"code": "x", "reason": "y"},
+    P.FETCH: {"version": 1, "region": 1, "offset": 0, "nbytes": 8},
+    P.BUCKET: {"version": 1, "region": 1, "offset": 0},
 }
 # A hostile value and the spec kinds it could legitimately be (F.Free takes any finite data).
 _HOSTILE = [
