@@ -448,5 +448,9 @@ def _progress_line(r: dict[str, Any]) -> str:
             + (f" eval(v{r['eval_version']})={_fmt(r['eval_success'])}" if r.get("eval_version") is not None else ""))
 
 
+from rlvla3.eval_cmd import eval_command  # noqa: E402  (a command of its own module)
+
+main.add_command(eval_command)
+
 if __name__ == "__main__":
     main()
