@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import json
-import math
 import os
 import sys
 import time
@@ -17,6 +16,7 @@ import structlog
 from rlvla3 import logging as rlog
 from rlvla3.config import ConfigError, load
 from rlvla3.lifetime import on_stop_signals
+from rlvla3.progress import CURVES_EVERY_S, latest_eval, progress_line, progress_row, write_curves
 
 log = structlog.get_logger()
 
@@ -198,6 +198,9 @@ def status(broker_url: str, as_json: bool, timeout: float, keys_dir: str | None,
                f"return={fig['return_recent']}")
     for k in ("batch_size", "queue_wait_us", "generate_us", "staleness"):
         click.echo(f"{k}: {fig[k]}")
+    ev = latest_eval(fig.get("eval") or {})
+    click.echo(f"latest eval: version {ev['eval_version']}  success={ev['eval_success']}  episodes={ev['eval_episodes']}"
+               if ev["eval_version"] is not None else "latest eval: none yet (env.eval_slots / env.eval_every)")
 
 
 def _ask_status(broker_url: str, timeout_s: float, keys_dir: str | None, key_name: str) -> dict[str, Any]:
@@ -320,7 +323,7 @@ def run(ctx: click.Context, config: str | None, steps: int | None, overrides: tu
         job.start_broker(bind, pub)
         run_id = json.loads((folder / "broker.json").read_text())["run_id"]
         job.start_all()
-        next_print = time.monotonic()
+        next_print = next_curves = time.monotonic()
         while True:
             if job.stop_requested:
                 reason = "interrupted"
@@ -337,9 +340,12 @@ def run(ctx: click.Context, config: str | None, steps: int | None, overrides: tu
                 except TimeoutError:
                     continue
                 last = fig
-                row = _progress_row(fig, now - t0)
+                row = progress_row(fig, now - t0)
                 metrics.write(json.dumps(row) + "\n")
-                click.echo(_progress_line(row))
+                click.echo(progress_line(row))
+                if now >= next_curves:
+                    next_curves = now + CURVES_EVERY_S
+                    write_curves(folder / "metrics.jsonl", folder / "curves.png")
                 if fig["env_steps"] >= total:
                     break
             time.sleep(0.1)  # the controller only polls STATUS; nothing waits on this
@@ -348,9 +354,10 @@ def run(ctx: click.Context, config: str | None, steps: int | None, overrides: tu
     finally:
         job.stop()
         metrics.close()
+        write_curves(folder / "metrics.jsonl", folder / "curves.png")
         leftovers = segments_of_run(run_id) if run_id else []
         summary = {"run_dir": str(folder), "reason": reason, "seconds": round(time.monotonic() - t0, 1),
-                   "shm_leftovers": len(leftovers), **(_progress_row(last, time.monotonic() - t0) if last else {})}
+                   "shm_leftovers": len(leftovers), **(progress_row(last, time.monotonic() - t0) if last else {})}
         (folder / "summary.json").write_text(json.dumps(summary, indent=1))
         click.echo(json.dumps(summary))
     if reason.startswith("process_exited"):
@@ -403,49 +410,6 @@ def export(run_dir: str, fmt: str, out_dir: str) -> None:
     except (ValueError, FileNotFoundError, ConfigError) as exc:
         raise click.ClickException(str(exc)) from None
     click.echo(json.dumps(summary))
-
-
-def _progress_row(fig: dict[str, Any], elapsed: float) -> dict[str, Any]:
-    tr = fig.get("trainer") or {}
-    st = fig.get("staleness") or {}
-    return {
-        "elapsed_s": round(elapsed, 2),
-        "env_steps": fig.get("env_steps", 0),
-        "env_steps_per_s": fig.get("env_steps_per_s", 0.0),
-        "episodes": fig.get("episodes", 0),
-        "return": fig.get("return_recent"),
-        "success": fig.get("success_rate_recent"),
-        "policy_version": fig.get("policy_version", -1),
-        "staleness_p50": (st.get("p50", 1) - 1) if st.get("count") else None,
-        "staleness_max": (st.get("max", 1) - 1) if st.get("count") else None,
-        "dropped_stale": tr.get("dropped_stale_total", 0),
-        "policy_loss": tr.get("policy_loss"),
-        "approx_kl": tr.get("approx_kl"),
-        "workers": fig.get("workers"),
-        "batch_p50": (fig.get("batch_size") or {}).get("p50"),
-        **_latest_eval(fig.get("eval") or {}),
-    }
-
-
-def _latest_eval(evals: dict[str, Any]) -> dict[str, Any]:
-    """The newest evaluated policy version's deterministic success (env.eval_slots), if any."""
-    if not evals:
-        return {"eval_version": None, "eval_success": None, "eval_episodes": 0}
-    v = max(evals, key=int)
-    return {"eval_version": int(v), "eval_success": evals[v].get("success"), "eval_episodes": evals[v].get("episodes", 0)}
-
-
-def _fmt(v: Any) -> str:
-    if v is None or (isinstance(v, float) and math.isnan(v)):
-        return "-"
-    return f"{v:.3f}" if isinstance(v, float) else str(v)
-
-
-def _progress_line(r: dict[str, Any]) -> str:
-    return (f"[{r['elapsed_s']:7.1f}s] steps={r['env_steps']:>8} sps={_fmt(r['env_steps_per_s']):>8} "
-            f"return={_fmt(r['return']):>7} success={_fmt(r['success']):>6} version={r['policy_version']:>4} "
-            f"staleness p50={_fmt(r['staleness_p50'])} max={_fmt(r['staleness_max'])} batch={_fmt(r['batch_p50'])}"
-            + (f" eval(v{r['eval_version']})={_fmt(r['eval_success'])}" if r.get("eval_version") is not None else ""))
 
 
 from rlvla3.eval_cmd import eval_command  # noqa: E402  (a command of its own module)
