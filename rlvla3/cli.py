@@ -276,9 +276,13 @@ def keys(keys_dir: str, clients: tuple[str, ...]) -> None:
 @click.option("--pub", default="tcp://127.0.0.1:0", show_default=True, help="Broker PUB address.")
 @click.option("--resume", "resume", default=None, metavar="RUN_DIR",
               help="Continue RUN_DIR at its latest checkpoint's version, with its config (--steps counts anew).")
+@click.option("--record", "record_dir", default=None, metavar="DIR",
+              help="Save finished episodes as a LeRobot dataset in DIR (written when the run ends).")
+@click.option("--record-slots", default=None, metavar="0,1",
+              help="With --record: simulator slot indices to record (default: every slot).")
 @click.pass_context
 def run(ctx: click.Context, config: str | None, steps: int | None, overrides: tuple[str, ...], run_dir: str | None,
-        bind: str, pub: str, resume: str | None) -> None:
+        bind: str, pub: str, resume: str | None, record_dir: str | None, record_slots: str | None) -> None:
     """Run broker and all workers on this machine from one config, with live progress."""
     from rlvla3.launch import JobInterrupted, LocalJob
     from rlvla3.shm import segments_of_run
@@ -299,6 +303,15 @@ def run(ctx: click.Context, config: str | None, steps: int | None, overrides: tu
         cfg = _load(config, overrides)
         folder = Path(run_dir) if run_dir else Path(cfg.run.run_dir) / f"{cfg.run.name}-{datetime.now().strftime('%Y%m%d-%H%M%S')}"
     _require_simulator(cfg)
+    if record_dir:
+        from workers.lerobot_dataset import require_pyarrow
+
+        try:
+            require_pyarrow()
+            cfg.run.record_slots = [int(x) for x in record_slots.split(",")] if record_slots else []
+        except (ModuleNotFoundError, ValueError) as exc:
+            raise click.ClickException(f"--record: {exc}") from None
+        cfg.run.record_dir = str(Path(record_dir).resolve())
     total = steps or cfg.run.total_env_steps
     folder.mkdir(parents=True, exist_ok=True)
     if not resume and cfg.run.sft_episodes > 0 and not cfg.model.checkpoint:
@@ -358,10 +371,24 @@ def run(ctx: click.Context, config: str | None, steps: int | None, overrides: tu
         leftovers = segments_of_run(run_id) if run_id else []
         summary = {"run_dir": str(folder), "reason": reason, "seconds": round(time.monotonic() - t0, 1),
                    "shm_leftovers": len(leftovers), **(progress_row(last, time.monotonic() - t0) if last else {})}
+        if cfg.run.record_dir:
+            summary["dataset"] = _write_recording(cfg)
         (folder / "summary.json").write_text(json.dumps(summary, indent=1))
         click.echo(json.dumps(summary))
     if reason.startswith("process_exited"):
         raise click.ClickException(f"a process exited early; logs are in {folder}")
+
+
+def _write_recording(cfg: Any) -> dict[str, Any]:
+    """The run's staged episodes as a LeRobot dataset (a failure is reported, not raised: the
+    staged episodes stay and the run's summary is still written)."""
+    from workers.lerobot_dataset import write_dataset
+
+    try:
+        return write_dataset(cfg.run.record_dir, robot_type=cfg.env.name)
+    except Exception as exc:  # noqa: BLE001 - reported in the summary, the staging files remain
+        log.error("dataset_write_failed", error=repr(exc))
+        return {"dataset": cfg.run.record_dir, "error": repr(exc)}
 
 
 # ---------------------------------------------------------------------------------------------
