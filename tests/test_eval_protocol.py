@@ -70,7 +70,10 @@ def test_eval_writes_per_task_table_and_video(tmp_path: Path, fmt: str):
     for v in table["videos"]:
         path = Path(v["path"])
         assert path.suffix == f".{fmt}" and path.is_file()
-        assert _decoded_frames(path) == v["frames"]  # the initial frame plus one per env step
+        if fmt == "mp4":
+            assert _decoded_frames(path) == v["frames"]  # the initial frame plus one per env step
+        else:  # Pillow merges identical consecutive GIF frames (a still arm), so at most that many
+            assert 1 <= _decoded_frames(path) <= v["frames"]
         assert 2 <= v["frames"] <= 13
 
 
