@@ -183,6 +183,7 @@ def success_table(episodes: list[Episode], proto: Protocol, checkpoint: str) -> 
              "length": round(float(np.mean([e.length for e in eps])), 1)} for t, eps in sorted(tasks.items())]
     return {"protocol": proto.name, "checkpoint": checkpoint, "shortened": proto.shortened,
             "starts_per_task": len(proto.seeds), "episodes": len(episodes),
+            "max_episode_steps": proto.options.get("max_episode_steps"),
             "success": round(float(np.mean([e.success for e in episodes])), 4) if episodes else None,
             "tasks": rows}
 
@@ -190,7 +191,8 @@ def success_table(episodes: list[Episode], proto: Protocol, checkpoint: str) -> 
 def table_markdown(table: dict[str, Any]) -> str:
     note = [f"**Shortened**: the first {table['starts_per_task']} of {PROTOCOL_STATES} starts per task "
             f"(`--episodes`), not the full protocol.", ""] if table["shortened"] else []
-    lines = [f"# Evaluation: {table['protocol']}", "", f"Checkpoint: `{table['checkpoint']}`", "", *note,
+    horizon = f", episodes of at most {table['max_episode_steps']} steps" if table.get("max_episode_steps") else ""
+    lines = [f"# Evaluation: {table['protocol']}", "", f"Checkpoint: `{table['checkpoint']}`{horizon}", "", *note,
              "| task | episodes | success | return | length |", "|---|---:|---:|---:|---:|"]
     lines += [f"| {r['task']} | {r['episodes']} | {r['success']:.3f} | {r['return']:.2f} | {r['length']:.1f} |"
               for r in table["tasks"]]
