@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import json
-import math
 import os
 import sys
 import time
@@ -17,6 +16,7 @@ import structlog
 from rlvla3 import logging as rlog
 from rlvla3.config import ConfigError, load
 from rlvla3.lifetime import on_stop_signals
+from rlvla3.progress import CURVES_EVERY_S, latest_eval, progress_line, progress_row, write_curves
 
 log = structlog.get_logger()
 
@@ -198,6 +198,9 @@ def status(broker_url: str, as_json: bool, timeout: float, keys_dir: str | None,
                f"return={fig['return_recent']}")
     for k in ("batch_size", "queue_wait_us", "generate_us", "staleness"):
         click.echo(f"{k}: {fig[k]}")
+    ev = latest_eval(fig.get("eval") or {})
+    click.echo(f"latest eval: version {ev['eval_version']}  success={ev['eval_success']}  episodes={ev['eval_episodes']}"
+               if ev["eval_version"] is not None else "latest eval: none yet (env.eval_slots / env.eval_every)")
 
 
 def _ask_status(broker_url: str, timeout_s: float, keys_dir: str | None, key_name: str) -> dict[str, Any]:
@@ -273,9 +276,13 @@ def keys(keys_dir: str, clients: tuple[str, ...]) -> None:
 @click.option("--pub", default="tcp://127.0.0.1:0", show_default=True, help="Broker PUB address.")
 @click.option("--resume", "resume", default=None, metavar="RUN_DIR",
               help="Continue RUN_DIR at its latest checkpoint's version, with its config (--steps counts anew).")
+@click.option("--record", "record_dir", default=None, metavar="DIR",
+              help="Save finished episodes as a LeRobot dataset in DIR (written when the run ends).")
+@click.option("--record-slots", default=None, metavar="0,1",
+              help="With --record: simulator slot indices to record (default: every slot).")
 @click.pass_context
 def run(ctx: click.Context, config: str | None, steps: int | None, overrides: tuple[str, ...], run_dir: str | None,
-        bind: str, pub: str, resume: str | None) -> None:
+        bind: str, pub: str, resume: str | None, record_dir: str | None, record_slots: str | None) -> None:
     """Run broker and all workers on this machine from one config, with live progress."""
     from rlvla3.launch import JobInterrupted, LocalJob
     from rlvla3.shm import segments_of_run
@@ -296,6 +303,15 @@ def run(ctx: click.Context, config: str | None, steps: int | None, overrides: tu
         cfg = _load(config, overrides)
         folder = Path(run_dir) if run_dir else Path(cfg.run.run_dir) / f"{cfg.run.name}-{datetime.now().strftime('%Y%m%d-%H%M%S')}"
     _require_simulator(cfg)
+    if record_dir:
+        from workers.lerobot_dataset import require_pyarrow
+
+        try:
+            require_pyarrow()
+            cfg.run.record_slots = [int(x) for x in record_slots.split(",")] if record_slots else []
+        except (ModuleNotFoundError, ValueError) as exc:
+            raise click.ClickException(f"--record: {exc}") from None
+        cfg.run.record_dir = str(Path(record_dir).resolve())
     total = steps or cfg.run.total_env_steps
     folder.mkdir(parents=True, exist_ok=True)
     if not resume and cfg.run.sft_episodes > 0 and not cfg.model.checkpoint:
@@ -320,7 +336,7 @@ def run(ctx: click.Context, config: str | None, steps: int | None, overrides: tu
         job.start_broker(bind, pub)
         run_id = json.loads((folder / "broker.json").read_text())["run_id"]
         job.start_all()
-        next_print = time.monotonic()
+        next_print = next_curves = time.monotonic()
         while True:
             if job.stop_requested:
                 reason = "interrupted"
@@ -337,9 +353,12 @@ def run(ctx: click.Context, config: str | None, steps: int | None, overrides: tu
                 except TimeoutError:
                     continue
                 last = fig
-                row = _progress_row(fig, now - t0)
+                row = progress_row(fig, now - t0)
                 metrics.write(json.dumps(row) + "\n")
-                click.echo(_progress_line(row))
+                click.echo(progress_line(row))
+                if now >= next_curves:
+                    next_curves = now + CURVES_EVERY_S
+                    write_curves(folder / "metrics.jsonl", folder / "curves.png")
                 if fig["env_steps"] >= total:
                     break
             time.sleep(0.1)  # the controller only polls STATUS; nothing waits on this
@@ -348,13 +367,28 @@ def run(ctx: click.Context, config: str | None, steps: int | None, overrides: tu
     finally:
         job.stop()
         metrics.close()
+        write_curves(folder / "metrics.jsonl", folder / "curves.png")
         leftovers = segments_of_run(run_id) if run_id else []
         summary = {"run_dir": str(folder), "reason": reason, "seconds": round(time.monotonic() - t0, 1),
-                   "shm_leftovers": len(leftovers), **(_progress_row(last, time.monotonic() - t0) if last else {})}
+                   "shm_leftovers": len(leftovers), **(progress_row(last, time.monotonic() - t0) if last else {})}
+        if cfg.run.record_dir:
+            summary["dataset"] = _write_recording(cfg)
         (folder / "summary.json").write_text(json.dumps(summary, indent=1))
         click.echo(json.dumps(summary))
     if reason.startswith("process_exited"):
         raise click.ClickException(f"a process exited early; logs are in {folder}")
+
+
+def _write_recording(cfg: Any) -> dict[str, Any]:
+    """The run's staged episodes as a LeRobot dataset (a failure is reported, not raised: the
+    staged episodes stay and the run's summary is still written)."""
+    from workers.lerobot_dataset import write_dataset
+
+    try:
+        return write_dataset(cfg.run.record_dir, robot_type=cfg.env.name)
+    except Exception as exc:  # noqa: BLE001 - reported in the summary, the staging files remain
+        log.error("dataset_write_failed", error=repr(exc))
+        return {"dataset": cfg.run.record_dir, "error": repr(exc)}
 
 
 # ---------------------------------------------------------------------------------------------
@@ -405,48 +439,9 @@ def export(run_dir: str, fmt: str, out_dir: str) -> None:
     click.echo(json.dumps(summary))
 
 
-def _progress_row(fig: dict[str, Any], elapsed: float) -> dict[str, Any]:
-    tr = fig.get("trainer") or {}
-    st = fig.get("staleness") or {}
-    return {
-        "elapsed_s": round(elapsed, 2),
-        "env_steps": fig.get("env_steps", 0),
-        "env_steps_per_s": fig.get("env_steps_per_s", 0.0),
-        "episodes": fig.get("episodes", 0),
-        "return": fig.get("return_recent"),
-        "success": fig.get("success_rate_recent"),
-        "policy_version": fig.get("policy_version", -1),
-        "staleness_p50": (st.get("p50", 1) - 1) if st.get("count") else None,
-        "staleness_max": (st.get("max", 1) - 1) if st.get("count") else None,
-        "dropped_stale": tr.get("dropped_stale_total", 0),
-        "policy_loss": tr.get("policy_loss"),
-        "approx_kl": tr.get("approx_kl"),
-        "workers": fig.get("workers"),
-        "batch_p50": (fig.get("batch_size") or {}).get("p50"),
-        **_latest_eval(fig.get("eval") or {}),
-    }
+from rlvla3.eval_cmd import eval_command  # noqa: E402  (a command of its own module)
 
-
-def _latest_eval(evals: dict[str, Any]) -> dict[str, Any]:
-    """The newest evaluated policy version's deterministic success (env.eval_slots), if any."""
-    if not evals:
-        return {"eval_version": None, "eval_success": None, "eval_episodes": 0}
-    v = max(evals, key=int)
-    return {"eval_version": int(v), "eval_success": evals[v].get("success"), "eval_episodes": evals[v].get("episodes", 0)}
-
-
-def _fmt(v: Any) -> str:
-    if v is None or (isinstance(v, float) and math.isnan(v)):
-        return "-"
-    return f"{v:.3f}" if isinstance(v, float) else str(v)
-
-
-def _progress_line(r: dict[str, Any]) -> str:
-    return (f"[{r['elapsed_s']:7.1f}s] steps={r['env_steps']:>8} sps={_fmt(r['env_steps_per_s']):>8} "
-            f"return={_fmt(r['return']):>7} success={_fmt(r['success']):>6} version={r['policy_version']:>4} "
-            f"staleness p50={_fmt(r['staleness_p50'])} max={_fmt(r['staleness_max'])} batch={_fmt(r['batch_p50'])}"
-            + (f" eval(v{r['eval_version']})={_fmt(r['eval_success'])}" if r.get("eval_version") is not None else ""))
-
+main.add_command(eval_command)
 
 if __name__ == "__main__":
     main()

@@ -42,6 +42,11 @@ class RunConfig:
     that checkpoint."""
     sft_epochs: int = 30
     """Warm start: behaviour-cloning passes over the demonstrations."""
+    record_dir: str = ""
+    """Save the finished episodes of ``run.record_slots`` here as a LeRobot dataset (``rlvla3 run
+    --record DIR``; simulators stage episodes, the launcher writes the dataset at the end)."""
+    record_slots: list = field(default_factory=list)
+    """Simulator slot indices whose episodes are recorded (empty: every slot)."""
 
 
 @dataclass

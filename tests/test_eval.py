@@ -3,7 +3,13 @@
 
 from __future__ import annotations
 
+import os
+import subprocess
+import sys
+
 import pytest
+
+from rlvla3.lifetime import launcher_env
 
 pytestmark = pytest.mark.slow
 
@@ -21,6 +27,12 @@ def test_eval_rounds_run_in_dedicated_slots_without_pausing_training(job_factory
     # training went on meanwhile: its episodes are counted apart from the evaluation ones
     assert fig["episodes"] > 8 and fig["policy_version"] >= versions[1]
     assert fig["trainer"].get("version", 0) >= versions[1]
+    # `rlvla3 status` shows the newest evaluated version
+    r = subprocess.run([sys.executable, "-m", "rlvla3", "status", "--broker", job.endpoint], capture_output=True,
+                       text=True, timeout=60, env={**os.environ, **launcher_env()})
+    assert r.returncode == 0, r.stderr[-2000:]
+    line = next(x for x in r.stdout.splitlines() if x.startswith("latest eval: version"))
+    assert int(line.split()[3]) >= versions[1] and "success=" in line
 
 
 def test_sync_mode_does_not_wait_for_idle_eval_slots(job_factory):

@@ -1,5 +1,5 @@
 """What the trainer counts and writes: totals, evaluation success per version, and the metrics
-sink (JSONL and TensorBoard) on a thread of its own."""
+sink (JSONL, TensorBoard, and a few evaluation videos per round) on a thread of its own."""
 
 from __future__ import annotations
 
@@ -16,6 +16,11 @@ import structlog
 import torch
 
 log = structlog.get_logger()
+
+EVAL_VIDEOS_PER_ROUND = 2
+"""Evaluation episodes filmed per policy version: GIFs of their decision-step frames (one per
+action chunk: small and low-rate) in ``<run>/videos`` and TensorBoard's image tab."""
+EVAL_VIDEO_FPS = 5.0
 
 
 @dataclass
@@ -98,12 +103,20 @@ class MetricsSink:
     def put(self, row: dict[str, Any], staleness: np.ndarray, evals: dict[str, dict[str, float]]) -> None:
         self.q.put((row, staleness, evals))
 
+    def put_eval_fragment(self, header: dict[str, Any], arrays: dict[str, np.ndarray]) -> None:
+        """An evaluation fragment: its camera frames may become one of the round's videos."""
+        if self.tb_dir is not None:
+            images = {k[len("obs/images/"):]: v for k, v in arrays.items() if k.startswith("obs/images/")}
+            if images:
+                self.q.put(("video", header, images))
+
     def close(self, timeout: float = 10.0) -> None:
         self.q.put(None)
         self.thread.join(timeout)
 
     def _loop(self) -> None:
         tb = None
+        films = EvalFilms(self.tb_dir.parent / "videos") if self.tb_dir is not None else None
         if self.tb_dir is not None:
             try:
                 from torch.utils.tensorboard import SummaryWriter
@@ -116,6 +129,9 @@ class MetricsSink:
                 item = self.q.get()
                 if item is None:
                     return
+                if item[0] == "video":
+                    films.add(*item[1:], tb)
+                    continue
                 row, staleness, evals = item
                 self.jsonl.write(json.dumps(row) + "\n")
                 if tb is None:
@@ -132,3 +148,47 @@ class MetricsSink:
             self.jsonl.close()
             if tb is not None:
                 tb.close()
+
+
+class EvalFilms:
+    """Frames of the first ``EVAL_VIDEOS_PER_ROUND`` evaluation episodes of each version, joined
+    across fragments, written as GIFs when the episode ends."""
+
+    def __init__(self, out_dir: Path) -> None:
+        self.out_dir = out_dir
+        self.open: dict[tuple[int, Any, Any], list[np.ndarray]] = {}
+        self.started: dict[int, int] = {}
+
+    def add(self, header: dict[str, Any], images: dict[str, np.ndarray], tb: Any) -> None:
+        version, env = int(header.get("eval_version", -1)), header.get("env")
+        key = (version, env, header.get("episode"))  # fragments of one episode arrive in order
+        if key not in self.open:
+            if self.started.get(version, 0) >= EVAL_VIDEOS_PER_ROUND:
+                return
+            self.started[version] = self.started.get(version, 0) + 1
+            self.open[key] = []
+        row = np.concatenate([images[c] for c in sorted(images)], axis=2)  # cameras side by side
+        frames = self.open[key]
+        frames.extend(row[:-1] if not header.get("done") else row)  # the last obs opens the next fragment
+        if header.get("done"):
+            self._write(version, env, self.open.pop(key), bool(header.get("episode_success")), tb)
+
+    def _write(self, version: int, env: Any, frames: list[np.ndarray], success: bool, tb: Any) -> None:
+        import io
+
+        from PIL import Image
+
+        from workers.videos import write_video
+
+        path = write_video(self.out_dir / f"eval_v{version:05d}_env{env}_{'success' if success else 'fail'}.gif",
+                           frames, EVAL_VIDEO_FPS)
+        log.info("eval_video_written", path=str(path), frames=len(frames), version=version)
+        if tb is not None:  # TensorBoard's own add_video needs moviepy; its summary is a GIF image
+            from tensorboard.compat.proto.summary_pb2 import Summary
+
+            buf = io.BytesIO()
+            imgs = [Image.fromarray(f) for f in frames]
+            imgs[0].save(buf, format="GIF", save_all=True, append_images=imgs[1:], duration=int(1000 / EVAL_VIDEO_FPS), loop=0)
+            h, w = frames[0].shape[:2]
+            img = Summary.Image(height=h, width=w, colorspace=3, encoded_image_string=buf.getvalue())
+            tb._get_file_writer().add_summary(Summary(value=[Summary.Value(tag=f"eval/video_env{env}", image=img)]), version)

@@ -218,40 +218,19 @@ def behaviour_clone(policy: torch.nn.Module, demos: dict[str, np.ndarray], epoch
     return losses
 
 
-@torch.no_grad()
 def evaluate_policy(cfg: JobConfig, policy: torch.nn.Module, episodes: int, seed: int = 777, num_envs: int = 4) -> dict[str, float]:
-    """Deterministic success rate and mean return over ``episodes`` held-out starts."""
-    policy.eval()
-    env = make_env(cfg.env.name, num_envs=num_envs, seed=seed, options=cfg.env.options)
-    successes, returns = [], []
+    """Deterministic success rate and mean return over ``episodes`` held-out starts (seeds
+    ``seed..seed+episodes-1``), run by ``workers.evaluation.run_protocol`` as ``rlvla3 eval`` does."""
+    from workers.evaluation import Protocol, run_protocol
+
+    proto = Protocol(f"{cfg.env.name}: seeds {seed}..{seed + episodes - 1}", 1, [seed + i for i in range(episodes)],
+                     dict(cfg.env.options))
     try:
-        next_ep = 0
-        while next_ep < episodes:
-            ids = list(range(min(num_envs, episodes - next_ep)))
-            obs = env.reset(ids, [seed + next_ep + k for k in ids])
-            next_ep += len(ids)
-            ret = np.zeros(len(ids))
-            ok = np.zeros(len(ids), bool)
-            live = list(ids)
-            while live:
-                acts = policy.act(obs, deterministic=True).actions.float().cpu().numpy()  # row k <-> live[k]
-                rows = list(range(len(live)))
-                for t in range(acts.shape[1]):
-                    res = env.step(live, acts[rows, t])
-                    ret[live] += res.reward
-                    ok[live] |= res.success
-                    keep = ~(res.terminated | res.truncated)
-                    live = [i for i, k in zip(live, keep) if k]
-                    rows = [r for r, k in zip(rows, keep) if k]
-                    obs = res.obs.select(keep)
-                    if not live:
-                        break
-            successes.extend(ok.tolist())
-            returns.extend(ret.tolist())
+        eps = run_protocol(cfg, policy, proto, envs_per_task=num_envs)
     finally:
-        env.close()
         policy.train()
-    return {"success": float(np.mean(successes)), "return": float(np.mean(returns)), "episodes": len(successes)}
+    return {"success": float(np.mean([e.success for e in eps])), "return": float(np.mean([e.ret for e in eps])),
+            "episodes": len(eps)}
 
 
 # ---------------------------------------------------------------------------------------------

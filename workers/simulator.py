@@ -25,6 +25,7 @@ from rlvla3.shm import ShmPool, sweep_leftovers
 from workers.base import JobRunner, WorkerBase
 from workers.envs.base import EnvAdapter
 from workers.envs.subproc import GuardedEnv, SubprocEnv
+from workers.recorder import EpisodeRecorder
 from workers.trajectory import EnvTrajectory, StepRecord
 
 log = structlog.get_logger()
@@ -94,6 +95,7 @@ class SimulatorWorker(WorkerBase):
         self.eval_seeds: list[int] = []  # held-out starts left in the current evaluation round
         self.next_eval_version = 0
         self.eval_round_version = -1
+        self.recorder: EpisodeRecorder | None = None  # run.record_dir: stages chosen slots' episodes
 
     # -- set-up -------------------------------------------------------------------------------
 
@@ -115,6 +117,8 @@ class SimulatorWorker(WorkerBase):
         num_envs, n_slots = self._layout()
         k = num_envs // n_slots
         self.use_shm = self.welcome.get("broker_host") == self.host
+        if cfg.run.record_dir:
+            self.recorder = EpisodeRecorder(cfg.run.record_dir, self.name, cfg.run.record_slots)
         run_id = self.welcome.get("run_id", "run")
         seed0 = cfg.run.seed * 1_000_003 + self.index * 10_007
         for s in range(n_slots):
@@ -374,6 +378,8 @@ class SimulatorWorker(WorkerBase):
         if header.get("done"):
             fields["episode_returns"] = [header["episode_return"]]
             fields["episode_successes"] = [header["episode_success"]]
+        if self.recorder is not None and self.recorder.wants(slot.index):
+            self.recorder.add(header, tensors)
         offsets: list[int] = []
         send_tensors: dict[str, Any] = tensors
         if self.traj_pool is not None:

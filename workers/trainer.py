@@ -167,6 +167,8 @@ class TrainerWorker(WorkerBase):
             return
         if msg.get("eval"):  # evaluation episodes are measured, never trained on
             self.counters.eval_fragments += 1
+            if self.metrics is not None:
+                self.metrics.put_eval_fragment(msg.header, frag.arrays)
             if msg.get("done"):
                 self.counters.eval_episodes += 1
                 version = msg.get("eval_version")

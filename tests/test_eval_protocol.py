@@ -1,0 +1,83 @@
+"""`rlvla3 eval` as a user runs it: a checkpoint through Meta-World's protocol (shortened with
+--episodes), a per-task table in Markdown and JSON, and an MP4 and a GIF that decode to the
+frames the episodes had."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from rlvla3.config import load
+from rlvla3.lifetime import launcher_env
+
+pytest.importorskip("metaworld")
+pytestmark = pytest.mark.slow
+
+OVERRIDES = ["env.options.cameras=[corner]", "env.options.image_size=[48,48]", "env.options.max_episode_steps=12",
+             "model.options.use_images=false"]
+
+
+def _checkpoint(tmp_path: Path) -> Path:
+    """A run-folder checkpoint: model.safetensors + config.yaml, as `rlvla3 sft` writes one."""
+    from safetensors.torch import save_model
+
+    from workers.model import build_policy
+
+    cfg = load("configs/metaworld_reach_mlp.yaml", OVERRIDES)
+    out = tmp_path / "ckpt"
+    out.mkdir()
+    save_model(build_policy(cfg), str(out / "model.safetensors"))
+    (out / "config.yaml").write_text(cfg.to_yaml())
+    return out
+
+
+def _eval(*args: str) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", "rlvla3", "eval", *args], capture_output=True, text=True, timeout=300,
+                          env={**os.environ, **launcher_env(), "MUJOCO_GL": "egl", "PYOPENGL_PLATFORM": "egl"})
+
+
+def _decoded_frames(path: Path) -> int:
+    if path.suffix == ".gif":
+        from PIL import Image
+
+        with Image.open(path) as im:
+            return im.n_frames
+    import imageio.v2 as iio
+
+    with iio.get_reader(str(path), format="FFMPEG") as r:
+        return sum(1 for _ in r)
+
+
+@pytest.mark.parametrize("fmt", ["mp4", "gif"])
+def test_eval_writes_per_task_table_and_video(tmp_path: Path, fmt: str):
+    ckpt = _checkpoint(tmp_path)
+    r = _eval(str(ckpt), "--episodes", "3", "--envs-per-task", "2", "--video", str(tmp_path / "v"),
+              "--video-format", fmt, "--video-episodes", "2")
+    assert r.returncode == 0, r.stderr[-3000:]
+    table = json.loads((tmp_path / "v" / "eval.json").read_text())
+    assert table["shortened"] is True and table["starts_per_task"] == 3 and table["episodes"] == 3
+    assert [t["task"] for t in table["tasks"]] == ["reach-v3"]
+    row = table["tasks"][0]
+    assert row["episodes"] == 3 and 0.0 <= row["success"] <= 1.0 and 1 <= row["length"] <= 12
+    md = (tmp_path / "v" / "eval.md").read_text()
+    assert "| reach-v3 | 3 |" in md and "Shortened" in md and "Meta-World MT1" in md
+    assert len(table["videos"]) == 2
+    for v in table["videos"]:
+        path = Path(v["path"])
+        assert path.suffix == f".{fmt}" and path.is_file()
+        if fmt == "mp4":
+            assert _decoded_frames(path) == v["frames"]  # the initial frame plus one per env step
+        else:  # Pillow merges identical consecutive GIF frames (a still arm), so at most that many
+            assert 1 <= _decoded_frames(path) <= v["frames"]
+        assert 2 <= v["frames"] <= 13
+
+
+def test_eval_refuses_video_without_cameras(tmp_path: Path):
+    ckpt = _checkpoint(tmp_path)
+    r = _eval(str(ckpt), "--episodes", "1", "--video", str(tmp_path / "v"), "--set", "env.options.cameras=[]")
+    assert r.returncode != 0 and "videos need camera images" in r.stderr
