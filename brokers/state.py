@@ -320,11 +320,13 @@ class BrokerState:
             "training_pause": self.training_pause,
             "admission_waits": self.admission.waits,
             "admission": self.admission.figures(),
+            "acked_steps": self.trajs.ledger.figures(),
             "per_worker": [
                 {"name": w.name, "role": w.role, "worker_id": w.worker_id, "host": w.host, "pid": w.pid,
                  "version": w.info.get("version"), "served": w.info.get("served"), "env_steps": w.info.get("env_steps"),
                  "credits": gens[w.identity].credits if w.identity in gens else None,
-                 "inflight": len(gens[w.identity].inflight) if w.identity in gens else len(w.trajs_inflight)}
+                 "inflight": len(gens[w.identity].inflight) if w.identity in gens else len(w.trajs_inflight),
+                 "frames": dict(w.frames)}
                 for w in self.registry
             ],
         })

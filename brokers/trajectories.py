@@ -14,6 +14,7 @@ from typing import Any
 
 import structlog
 
+from brokers.ledger import AckLedger
 from brokers.outgoing import Out, ShmBridge
 from brokers.registry import Registry, Worker
 from brokers.stats import BrokerStats
@@ -42,9 +43,11 @@ class TrajectoryRouter:
         self.out: dict[int, tuple[bytes, Trajectory]] = {}  # gid -> (trainer, fragment)
         self.owner: dict[tuple[bytes, Any], bytes] = {}  # GRPO: (simulator, env) -> trainer
         self._next_gid = 0
+        self.ledger = AckLedger()  # the fate of every acknowledged step
 
     def on_traj(self, w: Worker, msg: P.Message) -> None:
         self._next_gid += 1
+        w.count_frames(msg.tensors)
         self.pending.append(Trajectory(self._next_gid, w.identity, msg["traj_id"], msg.header, msg.tensors, msg["steps"]))
 
     def deliver(self) -> list[Out]:
@@ -84,6 +87,7 @@ class TrajectoryRouter:
                 continue
             fields = {k: v for k, v in traj.header.items() if k not in ("v", "type", "tensors")}
             fields["gid"] = traj.gid
+            t.count_frames(tensors)
             t.trajs_inflight.add(traj.gid)
             self.out[traj.gid] = (t.identity, traj)
             self.stats.traj_delivered += 1
@@ -114,10 +118,14 @@ class TrajectoryRouter:
             if entry is None:
                 continue
             self.stats.traj_acked += 1
+            self.ledger.on_acked(w.identity, entry[1].steps, bool(entry[1].header.get("eval")))
             per_sim.setdefault(entry[1].sim, []).append(entry[1].traj_id)
+        self.ledger.on_report(w.identity, {"trained": int(msg.get("trained", 0)), "stale": int(msg.get("dropped_stale", 0)),
+                                           "discarded": int(msg.get("discarded", 0)), "unreadable": int(msg.get("unreadable", 0))})
         return [Out(sim, P.TRAJ_ACK, {"traj_ids": ids}) for sim, ids in per_sim.items() if sim in self.registry]
 
     def trainer_gone(self, w: Worker) -> None:
+        self.ledger.trainer_gone(w.identity)
         self.owner = {k: v for k, v in self.owner.items() if v != w.identity}
         for gid in sorted(w.trajs_inflight, reverse=True):
             entry = self.out.pop(gid, None)
