@@ -46,10 +46,12 @@ class AckLedger:
             self.reported[fate] += n
             self._held[trainer] = self._held.get(trainer, 0) - n
 
-    def trainer_gone(self, trainer: bytes) -> None:
+    def trainer_gone(self, trainer: bytes) -> int:
+        """A trainer left: what it held is lost. Returns those steps."""
         held = self._held.pop(trainer, 0)
         self.lost_with_trainer += held
         self.trainers_lost += 1
+        return held
 
     def figures(self) -> dict[str, Any]:
         return {"acked": self.acked, "evaluation": self.evaluation, **self.reported,

@@ -14,6 +14,7 @@ from typing import Any
 
 import structlog
 
+from brokers.admission import AdmissionController
 from brokers.ledger import AckLedger
 from brokers.outgoing import Out, ShmBridge
 from brokers.registry import Registry, Worker
@@ -34,8 +35,10 @@ class Trajectory:
 
 
 class TrajectoryRouter:
-    def __init__(self, registry: Registry, bridge: ShmBridge, stats: BrokerStats, grpo: bool) -> None:
+    def __init__(self, registry: Registry, bridge: ShmBridge, stats: BrokerStats, grpo: bool,
+                 admission: AdmissionController | None = None) -> None:
         self.registry = registry
+        self.admission = admission
         self.bridge = bridge
         self.stats = stats
         self.grpo = grpo
@@ -65,7 +68,7 @@ class TrajectoryRouter:
                 kept.append(traj)
                 break
             if traj.sim not in self.registry and any(isinstance(v, P.ShmRef) for v in traj.tensors.values()):
-                self.stats.traj_dropped += 1  # its writer died before a trainer took it
+                self._drop(traj)  # its writer died before a trainer took it
                 log.warning("traj_dropped_writer_gone", traj_id=traj.traj_id)
                 continue
             t = min(free, key=lambda w: len(w.trajs_inflight) - w.credits)
@@ -82,7 +85,7 @@ class TrajectoryRouter:
             try:
                 tensors = {k: self.bridge.for_host(v, t.host) for k, v in traj.tensors.items()}
             except (KeyError, ValueError) as err:  # ProtocolError is a ValueError
-                self.stats.traj_dropped += 1
+                self._drop(traj)
                 log.warning("traj_dropped_unreadable", traj_id=traj.traj_id, error=str(err))
                 continue
             fields = {k: v for k, v in traj.header.items() if k not in ("v", "type", "tensors")}
@@ -95,6 +98,12 @@ class TrajectoryRouter:
         kept.extend(self.pending)
         self.pending = kept
         return sends
+
+    def _drop(self, traj: Trajectory) -> None:
+        """A fragment that will never reach a trainer: its steps free their admission capacity."""
+        self.stats.traj_dropped += 1
+        if self.admission is not None and not traj.header.get("eval"):
+            self.admission.on_discarded(traj.steps)
 
     def unsent(self, gid: int) -> None:
         """The shell could not send a fragment: it goes back to the front of the queue."""
@@ -125,7 +134,9 @@ class TrajectoryRouter:
         return [Out(sim, P.TRAJ_ACK, {"traj_ids": ids}) for sim, ids in per_sim.items() if sim in self.registry]
 
     def trainer_gone(self, w: Worker) -> None:
-        self.ledger.trainer_gone(w.identity)
+        lost = self.ledger.trainer_gone(w.identity)
+        if self.admission is not None:  # never to be trained: free their capacity (at most what is finished)
+            self.admission.on_discarded(lost)
         self.owner = {k: v for k, v in self.owner.items() if v != w.identity}
         for gid in sorted(w.trajs_inflight, reverse=True):
             entry = self.out.pop(gid, None)

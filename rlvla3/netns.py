@@ -12,6 +12,8 @@ shared memory within one. ``bench/multihost.py`` and the ``multihost`` test run 
     hosts.kill_host(sim)                  # SIGKILL every process in its namespace, by pid
     hosts.close()                         # kill what is left, delete the namespaces
 
+``NetnsJob`` runs a job over them with CURVE keys (broker on the first host, STATUS from there).
+
 Each host keeps one holder process (``sleep``) inside ``unshare --mount --uts`` that owns the
 private tmpfs on /dev/shm and the hostname; every process of the host joins the holder's
 network, mount and UTS namespaces with ``nsenter``, so processes of one host share /dev/shm and
@@ -192,3 +194,72 @@ class NetnsHosts:
             finally:
                 subprocess.run(["ip", "netns", "del", host.netns], capture_output=True)
         self.hosts = {}
+
+
+class NetnsJob:
+    """A job with CURVE keys across namespace hosts: the broker on the first host (``head``),
+    workers started by hand on any host, STATUS asked from the head host."""
+
+    def __init__(self, folder: Path, port: int = 5555, pub_port: int = 5556) -> None:
+        self.folder = Path(folder)
+        self.hosts = NetnsHosts()
+        self.keys = self.folder / "keys"
+        self.port, self.pub_port = port, pub_port
+        self.url = ""
+
+    def host(self, name: str) -> Host:
+        return self.hosts.hosts.get(name) or self.hosts.add(name)
+
+    def start_broker(self, cfg_path: Path, timeout_s: float = 120.0) -> None:
+        from rlvla3.auth import DEFAULT_CLIENTS, make_keys
+
+        make_keys(self.keys, DEFAULT_CLIENTS)  # what `rlvla3 keys DIR` makes
+        head = self.host("head")
+        self.url = f"tcp://{head.addr}:{self.port}"
+        info = self.folder / "broker.json"
+        self.hosts.spawn(head, ["broker", "--config", str(cfg_path), "--bind", self.url, "--pub",
+                                f"tcp://{head.addr}:{self.pub_port}", "--keys", str(self.keys), "--info-file", str(info)],
+                         self.folder / "broker.log")
+        self._poll(info.exists, timeout_s, "the broker to listen")
+
+    def worker(self, host: str, role: str, name: str, *extra: str) -> subprocess.Popen:
+        args = ["worker", "--role", role, "--broker", self.url, "--keys", str(self.keys), "--key-name", role,
+                "--name", name, *extra]
+        return self.hosts.spawn(self.host(host), args, self.folder / f"{name}.log")
+
+    def status(self, timeout_s: float = 10.0) -> dict[str, Any]:
+        from rlvla3.cli import _ask_status
+
+        return self.hosts.call_in(self.hosts.hosts["head"], lambda: _ask_status(self.url, timeout_s, str(self.keys), "client"),
+                                  timeout_s + 5)
+
+    def wait(self, pred: Callable[[dict[str, Any]], bool], timeout_s: float, what: str) -> dict[str, Any]:
+        """Poll STATUS until ``pred`` holds; fail naming ``what``, with the logs' tails."""
+        def check() -> dict[str, Any] | None:
+            try:
+                fig = self.status()
+            except TimeoutError:
+                return None
+            return fig if pred(fig) else None
+
+        return self._poll(check, timeout_s, what)
+
+    def _poll(self, fn: Callable[[], Any], timeout_s: float, what: str) -> Any:
+        deadline = time.monotonic() + timeout_s
+        while time.monotonic() < deadline:
+            value = fn()
+            if value:
+                return value
+            time.sleep(0.25)  # polling with a deadline
+        raise TimeoutError(f"timed out after {timeout_s:.0f} s waiting for {what}\n{self.logs()}")
+
+    def logs(self, tail: int = 2000) -> str:
+        return "\n".join(f"--- {f.name}\n{f.read_text(errors='replace')[-tail:]}" for f in sorted(self.folder.glob("*.log")))
+
+    def close(self) -> None:
+        self.hosts.close()
+
+
+def per_worker(fig: dict[str, Any], name: str) -> dict[str, Any]:
+    """One worker's row of a STATUS answer (empty when it is not registered)."""
+    return next((w for w in fig.get("per_worker", []) if w["name"] == name), {})
