@@ -144,10 +144,22 @@ def check_multihost(r: dict[str, Any], out: Path) -> None:
                                             "lost_with_trainer", "held_by_trainers"))
 
 
+def check_soak(r: dict[str, Any], out: Path) -> None:
+    for key in ("env_steps", "kills", "acked_steps", "rss_mb", "lost_per_trainer_kill", "targets"):
+        assert key in r, key
+    assert r["env_steps"] > 0 and sum(r["kills"].values()) > 0
+    a = r["acked_steps"]
+    assert a["acked"] > 0 and r["targets"]["fates_add_up"]
+    assert a["acked"] == sum(a[k] for k in ("evaluation", "trained", "stale", "discarded", "unreadable",
+                                            "lost_with_trainer", "held_by_trainers"))
+    assert r["rss_mb"]["broker#1"] is not None  # the broker lives through every kill
+    assert (out / "soak.json").is_file() and (out / "soak_rss.png").stat().st_size > 0
+
+
 CHECKS: dict[str, Callable[[dict[str, Any], Path], None]] = {
     "latency": check_latency, "transfer": check_transfer, "ablation": check_ablation,
     "sim_latency": check_sim_latency, "generator": check_generator, "learning": check_learning, "weights": check_weights,
-    "fuzz": check_fuzz, "multihost": check_multihost,
+    "fuzz": check_fuzz, "multihost": check_multihost, "soak": check_soak,
 }
 
 
