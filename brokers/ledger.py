@@ -46,6 +46,9 @@ class AckLedger:
             self.reported[fate] += n
             self._held[trainer] = self._held.get(trainer, 0) - n
 
+    def held(self, trainer: bytes) -> int:
+        return self._held.get(trainer, 0)
+
     def trainer_gone(self, trainer: bytes) -> int:
         """A trainer left: what it held is lost. Returns those steps."""
         held = self._held.pop(trainer, 0)

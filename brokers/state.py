@@ -44,7 +44,7 @@ class BrokerState:
         self.bridge = bridge or ShmBridge(host)
         self.dispatcher = Dispatcher(cfg, self.registry, self.admission, self.bridge, self.stats)
         self.trajs = TrajectoryRouter(self.registry, self.bridge, self.stats, grpo=cfg.algo.name == "grpo",
-                                      admission=self.admission)
+                                      admission=self.admission, hold_steps=cfg.algo.batch_steps)
         self.weights = WeightsSnapshot()
         # Pacing: the alternating modes pause rollouts once a batch of steps is in.
         self.trainer_version = 0

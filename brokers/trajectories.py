@@ -1,7 +1,10 @@
 """Trajectory routing: TRAJ fragments from simulators to trainers with free credits, and their
 acks back to the simulators (which then free the fragments' shared memory).
 
-A fragment out at a trainer that leaves goes back to the front of the queue. With GRPO and
+A fragment out at a trainer that leaves goes back to the front of the queue. With PPO a trainer
+holds at most about one update's worth of training steps without a reported fate
+(``hold_steps``: it gets more once it holds fewer), so a trainer killed mid-run loses at most
+that (``brokers/ledger.py``). With GRPO and
 several trainer ranks, every fragment of one (simulator, env) goes to the same rank: a group is
 consecutive episodes of one env and must complete on one rank.
 """
@@ -36,7 +39,7 @@ class Trajectory:
 
 class TrajectoryRouter:
     def __init__(self, registry: Registry, bridge: ShmBridge, stats: BrokerStats, grpo: bool,
-                 admission: AdmissionController | None = None) -> None:
+                 admission: AdmissionController | None = None, hold_steps: int | None = None) -> None:
         self.registry = registry
         self.admission = admission
         self.bridge = bridge
@@ -47,6 +50,9 @@ class TrajectoryRouter:
         self.owner: dict[tuple[bytes, Any], bytes] = {}  # GRPO: (simulator, env) -> trainer
         self._next_gid = 0
         self.ledger = AckLedger()  # the fate of every acknowledged step
+        # Groups complete only with more fragments: GRPO trainers are not held back.
+        self.hold_steps = None if grpo else hold_steps
+        self._out_steps: dict[bytes, int] = {}  # trainer -> training steps delivered, not acked
 
     def on_traj(self, w: Worker, msg: P.Message) -> None:
         self._next_gid += 1
@@ -63,10 +69,16 @@ class TrajectoryRouter:
         kept: deque[Trajectory] = deque()
         while self.pending:
             traj = self.pending.popleft()
+            training = not traj.header.get("eval")
             free = [w for w in trainers.values() if w.credits > len(w.trajs_inflight)]
             if not free:
                 kept.append(traj)
                 break
+            if training and self.hold_steps is not None:
+                free = [w for w in free if self.holding(w.identity) < self.hold_steps]
+                if not free:  # every trainer holds an update's worth: it reports fates first
+                    kept.append(traj)
+                    continue
             if traj.sim not in self.registry and any(isinstance(v, P.ShmRef) for v in traj.tensors.values()):
                 self._drop(traj)  # its writer died before a trainer took it
                 log.warning("traj_dropped_writer_gone", traj_id=traj.traj_id)
@@ -91,6 +103,8 @@ class TrajectoryRouter:
             fields = {k: v for k, v in traj.header.items() if k not in ("v", "type", "tensors")}
             fields["gid"] = traj.gid
             t.count_frames(tensors)
+            if training:
+                self._out_steps[t.identity] = self._out_steps.get(t.identity, 0) + traj.steps
             t.trajs_inflight.add(traj.gid)
             self.out[traj.gid] = (t.identity, traj)
             self.stats.traj_delivered += 1
@@ -98,6 +112,15 @@ class TrajectoryRouter:
         kept.extend(self.pending)
         self.pending = kept
         return sends
+
+    def holding(self, trainer: bytes) -> int:
+        """Training steps a trainer holds or will soon: acknowledged without a fate, or on the way."""
+        return self.ledger.held(trainer) + self._out_steps.get(trainer, 0)
+
+    def _settled(self, trainer: bytes, traj: Trajectory) -> None:
+        """A delivered fragment was acked or came back: it is no longer on the way."""
+        if not traj.header.get("eval") and trainer in self._out_steps:
+            self._out_steps[trainer] -= traj.steps
 
     def _drop(self, traj: Trajectory) -> None:
         """A fragment that will never reach a trainer: its steps free their admission capacity."""
@@ -111,6 +134,7 @@ class TrajectoryRouter:
         if entry is None:
             return
         trainer = self.registry.get(entry[0])
+        self._settled(entry[0], entry[1])
         if trainer is not None:
             trainer.trajs_inflight.discard(gid)
         self.stats.traj_delivered -= 1
@@ -127,6 +151,7 @@ class TrajectoryRouter:
             if entry is None:
                 continue
             self.stats.traj_acked += 1
+            self._settled(entry[0], entry[1])
             self.ledger.on_acked(w.identity, entry[1].steps, bool(entry[1].header.get("eval")))
             per_sim.setdefault(entry[1].sim, []).append(entry[1].traj_id)
         self.ledger.on_report(w.identity, {"trained": int(msg.get("trained", 0)), "stale": int(msg.get("dropped_stale", 0)),
@@ -134,6 +159,7 @@ class TrajectoryRouter:
         return [Out(sim, P.TRAJ_ACK, {"traj_ids": ids}) for sim, ids in per_sim.items() if sim in self.registry]
 
     def trainer_gone(self, w: Worker) -> None:
+        self._out_steps.pop(w.identity, None)
         lost = self.ledger.trainer_gone(w.identity)
         if self.admission is not None:  # never to be trained: free their capacity (at most what is finished)
             self.admission.on_discarded(lost)
