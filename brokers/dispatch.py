@@ -64,6 +64,7 @@ class Dispatcher:
             starts=sum(1 for s in msg["episode_step"] if s == 0),
         ))
         self.stats.requests += 1
+        w.count_frames(msg.tensors)
         steps = int(msg.get("env_steps", 0))
         self.stats.env_steps += steps
         w.info["env_steps"] = int(w.info.get("env_steps") or 0) + steps
@@ -90,6 +91,8 @@ class Dispatcher:
                     log.warning("request_dropped_unreadable", slot=r.slot, req_id=r.req_id, error=repr(err)[:300])
                     out += self._give_up([r], f"request not deliverable to a generator: {err}")
             if ready:
+                for _, tensors in ready:
+                    self.registry.workers[gen.identity].count_frames(tensors)
                 out.append(self._batch(gen, ready, now))
         return out
 

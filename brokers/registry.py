@@ -5,6 +5,8 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any, Iterator
 
+from rlvla3 import protocol as P
+
 
 @dataclass
 class Worker:
@@ -21,6 +23,13 @@ class Worker:
     trajs_inflight: set[int] = field(default_factory=set)  # trainers: fragment gids not yet acked
     rank: int = -1  # trainers: rank in the DDP group
     info: dict[str, Any] = field(default_factory=dict)
+    frames: dict[str, int] = field(default_factory=lambda: {"shm": 0, "inline": 0})
+    """Tensors it sent (simulators: OBS, TRAJ) or was sent (generators, trainers), by how they
+    travelled: a shared-memory reference within its host, inline bytes across hosts."""
+
+    def count_frames(self, tensors: dict[str, Any]) -> None:
+        for t in tensors.values():
+            self.frames["shm" if isinstance(t, P.ShmRef) else "inline"] += 1
 
 
 class Registry:

@@ -43,7 +43,8 @@ class BrokerState:
         self.admission = AdmissionController(None if self.mode == "sync" else cfg.algo.max_staleness, cfg.algo.batch_steps)
         self.bridge = bridge or ShmBridge(host)
         self.dispatcher = Dispatcher(cfg, self.registry, self.admission, self.bridge, self.stats)
-        self.trajs = TrajectoryRouter(self.registry, self.bridge, self.stats, grpo=cfg.algo.name == "grpo")
+        self.trajs = TrajectoryRouter(self.registry, self.bridge, self.stats, grpo=cfg.algo.name == "grpo",
+                                      admission=self.admission, hold_steps=cfg.algo.batch_steps)
         self.weights = WeightsSnapshot()
         # Pacing: the alternating modes pause rollouts once a batch of steps is in.
         self.trainer_version = 0
@@ -155,9 +156,10 @@ class BrokerState:
         out = self.trajs.on_ack(w, msg)
         dropped = int(msg.get("dropped_stale", 0))
         discarded = int(msg.get("discarded", 0))  # never trained on, e.g. zero-variance GRPO groups
+        unreadable = int(msg.get("unreadable", 0))  # e.g. its shared memory went with its writer
         self.stats.dropped_stale += dropped
         self.stats.discarded += discarded
-        self.admission.on_discarded(dropped + discarded)
+        self.admission.on_discarded(dropped + discarded + unreadable)
         return out
 
     def _on_weights(self, w: Worker, msg: P.Message, now: float) -> list[Out]:
@@ -320,11 +322,13 @@ class BrokerState:
             "training_pause": self.training_pause,
             "admission_waits": self.admission.waits,
             "admission": self.admission.figures(),
+            "acked_steps": self.trajs.ledger.figures(),
             "per_worker": [
                 {"name": w.name, "role": w.role, "worker_id": w.worker_id, "host": w.host, "pid": w.pid,
                  "version": w.info.get("version"), "served": w.info.get("served"), "env_steps": w.info.get("env_steps"),
                  "credits": gens[w.identity].credits if w.identity in gens else None,
-                 "inflight": len(gens[w.identity].inflight) if w.identity in gens else len(w.trajs_inflight)}
+                 "inflight": len(gens[w.identity].inflight) if w.identity in gens else len(w.trajs_inflight),
+                 "frames": dict(w.frames)}
                 for w in self.registry
             ],
         })

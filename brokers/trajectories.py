@@ -1,7 +1,10 @@
 """Trajectory routing: TRAJ fragments from simulators to trainers with free credits, and their
 acks back to the simulators (which then free the fragments' shared memory).
 
-A fragment out at a trainer that leaves goes back to the front of the queue. With GRPO and
+A fragment out at a trainer that leaves goes back to the front of the queue. With PPO a trainer
+holds at most about one update's worth of training steps without a reported fate
+(``hold_steps``: it gets more once it holds fewer), so a trainer killed mid-run loses at most
+that (``brokers/ledger.py``). With GRPO and
 several trainer ranks, every fragment of one (simulator, env) goes to the same rank: a group is
 consecutive episodes of one env and must complete on one rank.
 """
@@ -14,6 +17,8 @@ from typing import Any
 
 import structlog
 
+from brokers.admission import AdmissionController
+from brokers.ledger import AckLedger
 from brokers.outgoing import Out, ShmBridge
 from brokers.registry import Registry, Worker
 from brokers.stats import BrokerStats
@@ -33,8 +38,10 @@ class Trajectory:
 
 
 class TrajectoryRouter:
-    def __init__(self, registry: Registry, bridge: ShmBridge, stats: BrokerStats, grpo: bool) -> None:
+    def __init__(self, registry: Registry, bridge: ShmBridge, stats: BrokerStats, grpo: bool,
+                 admission: AdmissionController | None = None, hold_steps: int | None = None) -> None:
         self.registry = registry
+        self.admission = admission
         self.bridge = bridge
         self.stats = stats
         self.grpo = grpo
@@ -42,9 +49,14 @@ class TrajectoryRouter:
         self.out: dict[int, tuple[bytes, Trajectory]] = {}  # gid -> (trainer, fragment)
         self.owner: dict[tuple[bytes, Any], bytes] = {}  # GRPO: (simulator, env) -> trainer
         self._next_gid = 0
+        self.ledger = AckLedger()  # the fate of every acknowledged step
+        # Groups complete only with more fragments: GRPO trainers are not held back.
+        self.hold_steps = None if grpo else hold_steps
+        self._out_steps: dict[bytes, int] = {}  # trainer -> training steps delivered, not acked
 
     def on_traj(self, w: Worker, msg: P.Message) -> None:
         self._next_gid += 1
+        w.count_frames(msg.tensors)
         self.pending.append(Trajectory(self._next_gid, w.identity, msg["traj_id"], msg.header, msg.tensors, msg["steps"]))
 
     def deliver(self) -> list[Out]:
@@ -57,12 +69,18 @@ class TrajectoryRouter:
         kept: deque[Trajectory] = deque()
         while self.pending:
             traj = self.pending.popleft()
+            training = not traj.header.get("eval")
             free = [w for w in trainers.values() if w.credits > len(w.trajs_inflight)]
             if not free:
                 kept.append(traj)
                 break
+            if training and self.hold_steps is not None:
+                free = [w for w in free if self.holding(w.identity) < self.hold_steps]
+                if not free:  # every trainer holds an update's worth: it reports fates first
+                    kept.append(traj)
+                    continue
             if traj.sim not in self.registry and any(isinstance(v, P.ShmRef) for v in traj.tensors.values()):
-                self.stats.traj_dropped += 1  # its writer died before a trainer took it
+                self._drop(traj)  # its writer died before a trainer took it
                 log.warning("traj_dropped_writer_gone", traj_id=traj.traj_id)
                 continue
             t = min(free, key=lambda w: len(w.trajs_inflight) - w.credits)
@@ -79,11 +97,14 @@ class TrajectoryRouter:
             try:
                 tensors = {k: self.bridge.for_host(v, t.host) for k, v in traj.tensors.items()}
             except (KeyError, ValueError) as err:  # ProtocolError is a ValueError
-                self.stats.traj_dropped += 1
+                self._drop(traj)
                 log.warning("traj_dropped_unreadable", traj_id=traj.traj_id, error=str(err))
                 continue
             fields = {k: v for k, v in traj.header.items() if k not in ("v", "type", "tensors")}
             fields["gid"] = traj.gid
+            t.count_frames(tensors)
+            if training:
+                self._out_steps[t.identity] = self._out_steps.get(t.identity, 0) + traj.steps
             t.trajs_inflight.add(traj.gid)
             self.out[traj.gid] = (t.identity, traj)
             self.stats.traj_delivered += 1
@@ -92,12 +113,28 @@ class TrajectoryRouter:
         self.pending = kept
         return sends
 
+    def holding(self, trainer: bytes) -> int:
+        """Training steps a trainer holds or will soon: acknowledged without a fate, or on the way."""
+        return self.ledger.held(trainer) + self._out_steps.get(trainer, 0)
+
+    def _settled(self, trainer: bytes, traj: Trajectory) -> None:
+        """A delivered fragment was acked or came back: it is no longer on the way."""
+        if not traj.header.get("eval") and trainer in self._out_steps:
+            self._out_steps[trainer] -= traj.steps
+
+    def _drop(self, traj: Trajectory) -> None:
+        """A fragment that will never reach a trainer: its steps free their admission capacity."""
+        self.stats.traj_dropped += 1
+        if self.admission is not None and not traj.header.get("eval"):
+            self.admission.on_discarded(traj.steps)
+
     def unsent(self, gid: int) -> None:
         """The shell could not send a fragment: it goes back to the front of the queue."""
         entry = self.out.pop(gid, None)
         if entry is None:
             return
         trainer = self.registry.get(entry[0])
+        self._settled(entry[0], entry[1])
         if trainer is not None:
             trainer.trajs_inflight.discard(gid)
         self.stats.traj_delivered -= 1
@@ -114,10 +151,18 @@ class TrajectoryRouter:
             if entry is None:
                 continue
             self.stats.traj_acked += 1
+            self._settled(entry[0], entry[1])
+            self.ledger.on_acked(w.identity, entry[1].steps, bool(entry[1].header.get("eval")))
             per_sim.setdefault(entry[1].sim, []).append(entry[1].traj_id)
+        self.ledger.on_report(w.identity, {"trained": int(msg.get("trained", 0)), "stale": int(msg.get("dropped_stale", 0)),
+                                           "discarded": int(msg.get("discarded", 0)), "unreadable": int(msg.get("unreadable", 0))})
         return [Out(sim, P.TRAJ_ACK, {"traj_ids": ids}) for sim, ids in per_sim.items() if sim in self.registry]
 
     def trainer_gone(self, w: Worker) -> None:
+        self._out_steps.pop(w.identity, None)
+        lost = self.ledger.trainer_gone(w.identity)
+        if self.admission is not None:  # never to be trained: free their capacity (at most what is finished)
+            self.admission.on_discarded(lost)
         self.owner = {k: v for k, v in self.owner.items() if v != w.identity}
         for gid in sorted(w.trajs_inflight, reverse=True):
             entry = self.out.pop(gid, None)

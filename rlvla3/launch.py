@@ -54,14 +54,16 @@ def python_cmd(*args: str) -> list[str]:
     return [sys.executable, "-m", "rlvla3", *args]
 
 
-def spawn(args: list[str], log_path: Path | None = None, env: dict[str, str] | None = None) -> subprocess.Popen:
+def spawn(args: list[str], log_path: Path | None = None, env: dict[str, str] | None = None,
+          wrap: list[str] = ()) -> subprocess.Popen:
     """Start one rlvla3 process that ends with this one (``rlvla3/lifetime.py``); its stderr (the
     structlog stream) goes to ``log_path``. Main thread only. The child gets its own session, so
     a terminal's Ctrl-C or hang-up reaches only this launcher, which then stops its children in
-    order (:func:`stop_processes`)."""
+    order (:func:`stop_processes`). ``wrap`` prefixes the command with one that execs it (e.g.
+    ``nsenter ... --``, ``rlvla3/netns.py``), so the pid is still the rlvla3 process's."""
     out = open(log_path, "ab") if log_path else None
     proc = subprocess.Popen(
-        python_cmd(*args), stdout=out or subprocess.DEVNULL, stderr=subprocess.STDOUT if out else None,
+        [*wrap, *python_cmd(*args)], stdout=out or subprocess.DEVNULL, stderr=subprocess.STDOUT if out else None,
         env={**os.environ, **(env or {}), **launcher_env()}, start_new_session=True,
     )
     if out:

@@ -35,3 +35,19 @@ def zctx():
     t.start()
     t.join(5)
     assert not t.is_alive(), "ZMQ context did not terminate: a socket was leaked"
+
+
+_MULTIHOST: set[str] = set()
+
+
+def pytest_collection_modifyitems(items) -> None:
+    _MULTIHOST.update(item.nodeid for item in items if item.get_closest_marker("multihost"))
+
+
+def pytest_terminal_summary(terminalreporter) -> None:
+    """Say in the CI log whether the multi-host tests ran (a quiet run shows only dots)."""
+    for outcome in ("passed", "failed", "skipped"):
+        for rep in terminalreporter.stats.get(outcome, []):
+            if rep.nodeid in _MULTIHOST and (rep.when == "call" or outcome == "skipped"):
+                reason = f" ({rep.longrepr[2]})" if outcome == "skipped" and isinstance(rep.longrepr, tuple) else ""
+                terminalreporter.write_line(f"multihost: {rep.nodeid} {outcome} in {rep.duration:.1f} s{reason}")

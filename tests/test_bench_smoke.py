@@ -128,10 +128,38 @@ def check_fuzz(r: dict[str, Any], out: Path) -> None:
     assert (out / "fuzz.json").is_file()
 
 
+def check_multihost(r: dict[str, Any], out: Path) -> None:
+    assert "not scaling" in r["note"]  # one machine: it measures cross-host overhead, and says so
+    assert (out / "multihost.json").is_file()
+    if "skipped" in r:  # not root, or no iproute2: the reason is the answer
+        return
+    assert set(r["env_steps_per_s"]) == {"0", "1", "2", "3"} and r["curve"]
+    assert all(s["env_steps"] > 0 for s in r["stages"]), r["stages"]
+    assert r["stages"][0]["frames"]["sim-head"]["inline"] == 0 < r["stages"][0]["frames"]["sim-head"]["shm"]
+    for stage in r["stages"][1:]:
+        assert all(f["shm"] == 0 < f["inline"] for f in stage["frames"].values()), stage
+        assert len(stage["hosts"]) == stage["sim_hosts"]
+    a = r["acked_steps"]
+    assert a["acked"] == sum(a[k] for k in ("evaluation", "trained", "stale", "discarded", "unreadable",
+                                            "lost_with_trainer", "held_by_trainers"))
+
+
+def check_soak(r: dict[str, Any], out: Path) -> None:
+    for key in ("env_steps", "kills", "acked_steps", "rss_mb", "lost_per_trainer_kill", "targets"):
+        assert key in r, key
+    assert r["env_steps"] > 0 and sum(r["kills"].values()) > 0
+    a = r["acked_steps"]
+    assert a["acked"] > 0 and r["targets"]["fates_add_up"]
+    assert a["acked"] == sum(a[k] for k in ("evaluation", "trained", "stale", "discarded", "unreadable",
+                                            "lost_with_trainer", "held_by_trainers"))
+    assert r["rss_mb"]["broker#1"] is not None  # the broker lives through every kill
+    assert (out / "soak.json").is_file() and (out / "soak_rss.png").stat().st_size > 0
+
+
 CHECKS: dict[str, Callable[[dict[str, Any], Path], None]] = {
     "latency": check_latency, "transfer": check_transfer, "ablation": check_ablation,
     "sim_latency": check_sim_latency, "generator": check_generator, "learning": check_learning, "weights": check_weights,
-    "fuzz": check_fuzz,
+    "fuzz": check_fuzz, "multihost": check_multihost, "soak": check_soak,
 }
 
 

@@ -62,7 +62,7 @@ def test_grpo_groups_assemble_score_and_drop_whole_when_stale():
     # a zero-variance group is discarded and reported, never trained on
     learner.add(_fragment(policy, 2, 0, env=2, seed=2, success=True))
     learner.add(_fragment(policy, 2, 0, env=3, seed=2, success=True))
-    assert counters.groups_filtered_zero_variance == 1 and learner.take_unreported() == (0, 4)
+    assert counters.groups_filtered_zero_variance == 1 and learner.take_unreported() == {"dropped_stale": 0, "discarded": 4, "trained": 0, "unreadable": 0}
 
     # version 3 makes version-0 samples stale (max_staleness 2): the ready group and a waiting
     # episode's group go whole; a late episode of the dropped group is dropped on arrival
@@ -72,7 +72,7 @@ def test_grpo_groups_assemble_score_and_drop_whole_when_stale():
     assert learner.ready_steps == 0 and counters.groups_dropped_stale == 2
     assert set(learner.pending_groups) == {("reach", 4)}
     learner.add(_fragment(policy, 5, 3, env=5, seed=3))
-    assert learner.take_unreported() == (9 + 3 + 5, 0) and counters.dropped_stale == 17
+    assert learner.take_unreported()["dropped_stale"] == 9 + 3 + 5 and counters.dropped_stale == 17
 
 
 def test_ppo_batch_masks_stale_samples_and_update_reports_typed_result():

@@ -39,6 +39,8 @@ from workers.trajectory import fragment_observation
 
 FORGET_GROUPS = 100_000
 """Dropped GRPO groups remembered (so their late episodes are dropped too)."""
+UNREPORTED = ("dropped_stale", "discarded", "trained", "unreadable")
+"""TRAJ_ACK's fate fields, in steps."""
 
 
 class Fragment:
@@ -95,8 +97,9 @@ class Learner:
         self.pending_eps: dict[tuple, list[Fragment]] = {}
         self.pending_groups: dict[tuple, list[list[Fragment]]] = {}
         self.dropped_groups: OrderedDict[tuple, None] = OrderedDict()  # their later episodes are discarded
-        self.dropped_unreported = 0  # steps dropped as stale, not yet reported to the broker
-        self.discarded_unreported = 0  # steps never trained on for another reason (zero-variance groups)
+        # Steps per fate (brokers/ledger.py) not yet reported to the broker in TRAJ_ACK: dropped
+        # as stale, discarded for another reason (zero-variance groups), trained, unreadable.
+        self.unreported = dict.fromkeys(UNREPORTED, 0)
 
     # -- arrivals -----------------------------------------------------------------------------
 
@@ -140,7 +143,7 @@ class Learner:
             self.counters.groups_filtered_zero_variance += 1
             # Never trained on: hand the steps back to the broker's admission budget, or once
             # every group succeeds nothing is consumed and rollouts stall.
-            self.discarded_unreported += sum(f.steps for ep in episodes for f in ep)
+            self.unreported["discarded"] += sum(f.steps for ep in episodes for f in ep)
             return
         frags = [f for ep in episodes for f in ep]
         episode_of_step = torch.cat([torch.full((f.steps,), e, dtype=torch.long)
@@ -194,16 +197,24 @@ class Learner:
 
     def _drop_steps(self, n: int) -> None:
         self.counters.dropped_stale += n
-        self.dropped_unreported += n
+        self.unreported["dropped_stale"] += n
 
     def count_dropped(self, n: int) -> None:
         """Samples an update masked as stale (its :class:`UpdateResult` says how many)."""
         self._drop_steps(n)
 
-    def take_unreported(self) -> tuple[int, int]:
-        """(dropped as stale, discarded) steps since the last call, for the broker's TRAJ_ACK."""
-        out = (self.dropped_unreported, self.discarded_unreported)
-        self.dropped_unreported = self.discarded_unreported = 0
+    def count_trained(self, n: int) -> None:
+        """Samples an update trained on (its :class:`UpdateResult` says how many)."""
+        self.unreported["trained"] += n
+
+    def count_unreadable(self, n: int) -> None:
+        """Steps of a training fragment the trainer could not read."""
+        self.unreported["unreadable"] += n
+
+    def take_unreported(self) -> dict[str, int]:
+        """Steps per fate since the last call, as TRAJ_ACK fields (``brokers/ledger.py``)."""
+        out = self.unreported
+        self.unreported = dict.fromkeys(UNREPORTED, 0)
         return out
 
     # -- taking units -------------------------------------------------------------------------

@@ -164,6 +164,8 @@ class TrainerWorker(WorkerBase):
         except (KeyError, ValueError) as err:
             log.warning("traj_unreadable", gid=gid, error=str(err))
             self.counters.unreadable += 1
+            if not msg.get("eval"):  # the broker counts evaluation fragments as such
+                self.learner.count_unreadable(int(msg.get("steps", 0)))
             return
         if msg.get("eval"):  # evaluation episodes are measured, never trained on
             self.counters.eval_fragments += 1
@@ -179,9 +181,9 @@ class TrainerWorker(WorkerBase):
     # -- deciding to update (socket thread) ---------------------------------------------------
 
     def tick(self, now: float) -> None:
-        dropped, discarded = self.learner.take_unreported()
-        if self.acks or dropped or discarded:
-            self.send(P.TRAJ_ACK, {"traj_ids": self.acks, "dropped_stale": dropped, "discarded": discarded})
+        fates = self.learner.take_unreported()
+        if self.acks or any(fates.values()):
+            self.send(P.TRAJ_ACK, {"traj_ids": self.acks, **fates})
             self.acks = []
         if self.training:
             return
@@ -255,6 +257,7 @@ class TrainerWorker(WorkerBase):
     def _count(self, result: UpdateResult) -> None:
         self.learner.received_steps = 0
         self.learner.count_dropped(result.dropped_stale)
+        self.learner.count_trained(result.samples)
         self.last_update = time.monotonic()
         if result.trained:
             self.version += 1

@@ -1,0 +1,265 @@
+"""Several hosts on one machine: each a network namespace with its own hostname and /dev/shm.
+
+The fabric decides shared memory versus inline frames by host id (``rlvla3.shm.host_id``:
+hostname, boot id, /dev/shm device), so a job spread over these hosts takes the cross-host paths
+for real: TCP between namespaces (veth pairs on one bridge), inline frames between hosts,
+shared memory within one. ``bench/multihost.py`` and the ``multihost`` test run jobs on them.
+
+    hosts = NetnsHosts()                  # needs root and iproute2; see ``unavailable()``
+    broker = hosts.add("broker")          # the first host holds the bridge: 10.213.0.1
+    sim = hosts.add("sim1")               # 10.213.0.2, ...
+    proc = hosts.spawn(sim, ["worker", "--role", "simulator", ...], log_path)
+    hosts.kill_host(sim)                  # SIGKILL every process in its namespace, by pid
+    hosts.close()                         # kill what is left, delete the namespaces
+
+``NetnsJob`` runs a job over them with CURVE keys (broker on the first host, STATUS from there).
+
+Each host keeps one holder process (``sleep``) inside ``unshare --mount --uts`` that owns the
+private tmpfs on /dev/shm and the hostname; every process of the host joins the holder's
+network, mount and UTS namespaces with ``nsenter``, so processes of one host share /dev/shm and
+processes of different hosts do not. Nothing is mounted in, or routed to, the machine's own
+namespaces.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import os
+import shutil
+import signal
+import subprocess
+import threading
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Callable
+
+import structlog
+
+from rlvla3.launch import spawn
+
+log = structlog.get_logger()
+
+SUBNET = "10.213.0"
+"""The hosts' private /24 (it exists only inside the namespaces made here)."""
+SHM_SIZE = "512m"
+CLONE_NEWNET = 0x40000000
+
+
+@dataclass
+class Host:
+    name: str
+    netns: str
+    addr: str
+    holder: subprocess.Popen
+    procs: list[subprocess.Popen] = field(default_factory=list)
+
+
+def unavailable() -> str | None:
+    """Why this machine cannot run namespace hosts (``None``: it can)."""
+    if os.geteuid() != 0:
+        return "needs root (network and mount namespaces)"
+    for tool in ("ip", "unshare", "nsenter"):
+        if shutil.which(tool) is None:
+            return f"needs {tool!r} (iproute2 / util-linux) on PATH"
+    probe = f"rlvprobe{os.getpid()}"
+    made = subprocess.run(["ip", "netns", "add", probe], capture_output=True, text=True)
+    if made.returncode != 0:
+        return f"cannot create a network namespace: {made.stderr.strip()}"
+    subprocess.run(["ip", "netns", "del", probe], capture_output=True)
+    return None
+
+
+def _ip(*args: str) -> None:
+    r = subprocess.run(["ip", *args], capture_output=True, text=True)
+    if r.returncode != 0:
+        raise RuntimeError(f"ip {' '.join(args)}: {r.stderr.strip()}")
+
+
+class NetnsHosts:
+    """Namespace hosts on one bridge (held by the first host). Names are unique per process."""
+
+    def __init__(self) -> None:
+        self.tag = f"rlv{os.getpid()}"
+        self.hosts: dict[str, Host] = {}
+
+    def add(self, name: str) -> Host:
+        """A new host, reachable from every other at ``host.addr``."""
+        i = len(self.hosts)
+        netns = f"{self.tag}-{i}"
+        _ip("netns", "add", netns)
+        addr = f"{SUBNET}.{i + 1}"
+        try:
+            _ip("-n", netns, "link", "set", "lo", "up")
+            if i == 0:
+                _ip("-n", netns, "link", "add", "br0", "type", "bridge")
+                _ip("-n", netns, "addr", "add", f"{addr}/24", "dev", "br0")
+                _ip("-n", netns, "link", "set", "br0", "up")
+            else:
+                hub = next(iter(self.hosts.values())).netns
+                _ip("-n", hub, "link", "add", f"veth{i}", "type", "veth", "peer", "name", "eth0", "netns", netns)
+                _ip("-n", hub, "link", "set", f"veth{i}", "master", "br0", "up")
+                _ip("-n", netns, "addr", "add", f"{addr}/24", "dev", "eth0")
+                _ip("-n", netns, "link", "set", "eth0", "up")
+            holder = subprocess.Popen(
+                ["ip", "netns", "exec", netns, "unshare", "--mount", "--uts", "--propagation", "private", "sh", "-c",
+                 f"mount -t tmpfs -o size={SHM_SIZE},mode=1777 tmpfs /dev/shm && hostname {name} && exec sleep infinity"],
+                start_new_session=True)
+        except BaseException:
+            subprocess.run(["ip", "netns", "del", netns], capture_output=True)
+            raise
+        host = Host(name, netns, addr, holder)
+        self.hosts[name] = host
+        self._wait_holder(host)
+        log.info("netns_host_added", host=name, netns=netns, addr=addr)
+        return host
+
+    def _wait_holder(self, host: Host, timeout_s: float = 10.0) -> None:
+        """Until the holder runs ``sleep`` with its /dev/shm mounted (its mount namespace is set)."""
+        deadline = time.monotonic() + timeout_s
+        while time.monotonic() < deadline:
+            if host.holder.poll() is not None:
+                raise RuntimeError(f"host {host.name}: the namespace holder exited with {host.holder.returncode}")
+            try:
+                if Path(f"/proc/{host.holder.pid}/comm").read_text().strip() == "sleep":
+                    return
+            except OSError:
+                pass
+            time.sleep(0.02)  # polling the holder's exec, with a deadline
+        raise RuntimeError(f"host {host.name}: the namespace holder did not start within {timeout_s} s")
+
+    def spawn(self, host: Host, args: list[str], log_path: Path | None = None,
+              env: dict[str, str] | None = None) -> subprocess.Popen:
+        """Start ``rlvla3 ARGS`` on ``host`` (``rlvla3.launch.spawn`` inside its namespaces)."""
+        enter = ["nsenter", "-t", str(host.holder.pid), "--net", "--mount", "--uts", "--"]
+        proc = spawn(args, log_path, env, wrap=enter)
+        host.procs.append(proc)
+        return proc
+
+    def call_in(self, host: Host, fn: Callable[[], Any], timeout_s: float = 60.0) -> Any:
+        """``fn()`` on a thread inside ``host``'s network namespace (sockets it opens, ZeroMQ's
+        I/O threads included, live there), e.g. a STATUS round trip from the controller."""
+        box: dict[str, Any] = {}
+
+        def run() -> None:
+            try:
+                fd = os.open(f"/var/run/netns/{host.netns}", os.O_RDONLY)
+                try:
+                    if ctypes.CDLL(None, use_errno=True).setns(fd, CLONE_NEWNET) != 0:
+                        raise OSError(ctypes.get_errno(), f"setns into {host.netns} failed")
+                finally:
+                    os.close(fd)
+                box["value"] = fn()
+            except BaseException as exc:  # handed to the caller
+                box["error"] = exc
+
+        t = threading.Thread(target=run, name=f"in-{host.name}", daemon=True)
+        t.start()
+        t.join(timeout_s)
+        if t.is_alive():
+            raise TimeoutError(f"call in host {host.name} did not return within {timeout_s} s")
+        if "error" in box:
+            raise box["error"]
+        return box.get("value")
+
+    def pids(self, host: Host) -> list[int]:
+        """Every process in the host's network namespace (its holder included)."""
+        r = subprocess.run(["ip", "netns", "pids", host.netns], capture_output=True, text=True)
+        return [int(p) for p in r.stdout.split() if p.isdigit()]
+
+    def kill_host(self, host: Host) -> list[int]:
+        """SIGKILL every process of ``host`` (a machine losing power) and reap ours. The
+        namespace stays until ``close``."""
+        killed = []
+        for pid in self.pids(host):
+            try:
+                os.kill(pid, signal.SIGKILL)
+                killed.append(pid)
+            except ProcessLookupError:
+                pass
+        for p in [host.holder, *host.procs]:
+            try:
+                p.wait(timeout=10)
+            except subprocess.TimeoutExpired:
+                log.warning("netns_process_not_reaped", host=host.name, pid=p.pid)
+        host.procs = []
+        log.info("netns_host_killed", host=host.name, pids=killed)
+        return killed
+
+    def close(self) -> None:
+        """Kill every process of every host and delete the namespaces."""
+        for host in reversed(list(self.hosts.values())):
+            try:
+                self.kill_host(host)
+            finally:
+                subprocess.run(["ip", "netns", "del", host.netns], capture_output=True)
+        self.hosts = {}
+
+
+class NetnsJob:
+    """A job with CURVE keys across namespace hosts: the broker on the first host (``head``),
+    workers started by hand on any host, STATUS asked from the head host."""
+
+    def __init__(self, folder: Path, port: int = 5555, pub_port: int = 5556) -> None:
+        self.folder = Path(folder)
+        self.hosts = NetnsHosts()
+        self.keys = self.folder / "keys"
+        self.port, self.pub_port = port, pub_port
+        self.url = ""
+
+    def host(self, name: str) -> Host:
+        return self.hosts.hosts.get(name) or self.hosts.add(name)
+
+    def start_broker(self, cfg_path: Path, timeout_s: float = 120.0) -> None:
+        from rlvla3.auth import DEFAULT_CLIENTS, make_keys
+
+        make_keys(self.keys, DEFAULT_CLIENTS)  # what `rlvla3 keys DIR` makes
+        head = self.host("head")
+        self.url = f"tcp://{head.addr}:{self.port}"
+        info = self.folder / "broker.json"
+        self.hosts.spawn(head, ["broker", "--config", str(cfg_path), "--bind", self.url, "--pub",
+                                f"tcp://{head.addr}:{self.pub_port}", "--keys", str(self.keys), "--info-file", str(info)],
+                         self.folder / "broker.log")
+        self._poll(info.exists, timeout_s, "the broker to listen")
+
+    def worker(self, host: str, role: str, name: str, *extra: str) -> subprocess.Popen:
+        args = ["worker", "--role", role, "--broker", self.url, "--keys", str(self.keys), "--key-name", role,
+                "--name", name, *extra]
+        return self.hosts.spawn(self.host(host), args, self.folder / f"{name}.log")
+
+    def status(self, timeout_s: float = 10.0) -> dict[str, Any]:
+        from rlvla3.cli import _ask_status
+
+        return self.hosts.call_in(self.hosts.hosts["head"], lambda: _ask_status(self.url, timeout_s, str(self.keys), "client"),
+                                  timeout_s + 5)
+
+    def wait(self, pred: Callable[[dict[str, Any]], bool], timeout_s: float, what: str) -> dict[str, Any]:
+        """Poll STATUS until ``pred`` holds; fail naming ``what``, with the logs' tails."""
+        def check() -> dict[str, Any] | None:
+            try:
+                fig = self.status()
+            except TimeoutError:
+                return None
+            return fig if pred(fig) else None
+
+        return self._poll(check, timeout_s, what)
+
+    def _poll(self, fn: Callable[[], Any], timeout_s: float, what: str) -> Any:
+        deadline = time.monotonic() + timeout_s
+        while time.monotonic() < deadline:
+            value = fn()
+            if value:
+                return value
+            time.sleep(0.25)  # polling with a deadline
+        raise TimeoutError(f"timed out after {timeout_s:.0f} s waiting for {what}\n{self.logs()}")
+
+    def logs(self, tail: int = 2000) -> str:
+        return "\n".join(f"--- {f.name}\n{f.read_text(errors='replace')[-tail:]}" for f in sorted(self.folder.glob("*.log")))
+
+    def close(self) -> None:
+        self.hosts.close()
+
+
+def per_worker(fig: dict[str, Any], name: str) -> dict[str, Any]:
+    """One worker's row of a STATUS answer (empty when it is not registered)."""
+    return next((w for w in fig.get("per_worker", []) if w["name"] == name), {})
