@@ -193,7 +193,7 @@ _VALID = {  # one valid header per message type (required fields only)
     P.WEIGHTS: {"version": 0},
     P.TRAIN: {"phase": "end", "version": 0},
     P.ERROR: {"code": "x", "reason": "y"},
-    P.TUNE: {"max_batch": 8, "max_wait_ms": 2.5, "adaptive": True},
+    P.TUNE: {},
 }
 # A hostile value and the spec kinds it could legitimately be (F.Free takes any finite data).
 _HOSTILE = [
