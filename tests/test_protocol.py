@@ -194,6 +194,8 @@ _VALID = {  # one valid header per message type (required fields only)
     P.TRAIN: {"phase": "end", "version": 0},
     P.ERROR: {"code": "x", "reason": "y"},
     P.TUNE: {},
+    P.FETCH: {"version": 0, "region": 0, "offset": 0, "nbytes": 1},
+    P.BUCKET: {"version": 0, "region": 0, "offset": 0},
 }
 # A hostile value and the spec kinds it could legitimately be (F.Free takes any finite data).
 _HOSTILE = [
