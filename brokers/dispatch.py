@@ -13,6 +13,7 @@ from typing import Any
 
 import structlog
 
+from brokers.adaptive import AdaptiveBatching, Bounds
 from brokers.admission import AdmissionController
 from brokers.ordering import get_ordering
 from brokers.outgoing import Out, ShmBridge
@@ -44,6 +45,8 @@ class Dispatcher:
         self.queue = RequestQueue(get_ordering(cfg.batching.ordering))
         self.timeout_s = cfg.batching.batch_timeout_s
         self.rule = BatchRule(cfg.batching.max_batch, cfg.batching.max_wait_ms / 1000.0, cfg.batching.assignment == "sticky")
+        self.batching = cfg.batching
+        self.adaptive: AdaptiveBatching | None = self._controller() if cfg.batching.adaptive else None
         self.generators: dict[bytes, GeneratorState] = {}
         self.sticky: dict[tuple[bytes, int], bytes] = {}  # (simulator, slot) -> generator
         self.batches: dict[int, Batch] = {}
@@ -65,6 +68,8 @@ class Dispatcher:
         ))
         self.stats.requests += 1
         w.count_frames(msg.tensors)
+        if self.adaptive is not None:
+            self.adaptive.on_arrival(n, self.queue.envs)
         steps = int(msg.get("env_steps", 0))
         self.stats.env_steps += steps
         w.info["env_steps"] = int(w.info.get("env_steps") or 0) + steps
@@ -113,6 +118,8 @@ class Dispatcher:
         self.batches[batch_id] = Batch(gen.identity, reqs, now)
         self.stats.batches += 1
         self.stats.batch_size.record_value(sum(r.n for r in reqs))
+        if self.adaptive is not None:
+            self.adaptive.on_batch(sum(r.n for r in reqs), sum(now - r.arrival for r in reqs) / len(reqs))
         fields = {"batch_id": batch_id, "requests": meta, "queue_us": [int((now - r.arrival) * 1e6) for r in reqs]}
         return Out(gen.identity, P.BATCH, fields, tensors)
 
@@ -127,6 +134,45 @@ class Dispatcher:
         self.stats.batches -= 1
         for r in batch.requests:
             self.queue.push(r)
+
+    # ---- the batching rule: adaptive, or set live by a client -------------------------------
+
+    def _controller(self) -> AdaptiveBatching:
+        b = self.batching
+        bounds = Bounds(b.adaptive_min_batch, b.adaptive_max_batch, b.adaptive_min_wait_ms / 1000.0,
+                        b.adaptive_max_wait_ms / 1000.0)
+        return AdaptiveBatching(bounds, self.rule.max_batch, self.rule.max_wait_s, window_s=b.adaptive_window_s)
+
+    def adapt(self, now: float) -> list[Out]:
+        """Apply the adaptive controller's move, if it made one (a timer step of ``tick``)."""
+        moved = self.adaptive.step(now) if self.adaptive is not None else None
+        if moved is not None:
+            self.rule.max_batch, self.rule.max_wait_s = moved
+            log.info("batching_tuned", max_batch=moved[0], max_wait_ms=round(moved[1] * 1e3, 3),
+                     **{k: v for k, v in self.adaptive.last.items() if k != "generate_ms_fit"})
+        return []
+
+    def on_tune(self, w: Worker, msg: P.Message, now: float) -> list[Out]:
+        """A client sets the rule live (``max_batch``, ``max_wait_ms``) and turns the controller
+        on or off (``adaptive``); turned on, it starts from the rule as it then is. Bounds of
+        the adaptive controller come from the config, not from the client."""
+        if "max_batch" in msg.header:
+            self.rule.max_batch = int(msg["max_batch"])
+        if "max_wait_ms" in msg.header:
+            self.rule.max_wait_s = float(msg["max_wait_ms"]) / 1000.0
+        if "adaptive" in msg.header:
+            self.adaptive = self._controller() if msg["adaptive"] else None
+        log.info("batching_set", by=w.name, max_batch=self.rule.max_batch, max_wait_ms=self.rule.max_wait_s * 1e3,
+                 adaptive=self.adaptive is not None)
+        return [Out(w.identity, P.TUNE, {"batching": self.figures()})]
+
+    def figures(self) -> dict[str, Any]:
+        """The rule in force (STATUS ``batching``), and the controller's view when adaptive."""
+        fig: dict[str, Any] = {"max_batch": self.rule.max_batch, "max_wait_ms": round(self.rule.max_wait_s * 1e3, 4),
+                               "adaptive": self.adaptive is not None}
+        if self.adaptive is not None:
+            fig["controller"] = self.adaptive.figures()
+        return fig
 
     # ---- results back ------------------------------------------------------------------------
 
@@ -146,6 +192,8 @@ class Dispatcher:
         if msg.get("error"):
             return self._failed(batch_id, batch, w.name, str(msg["error"])[:300])
         self.stats.generate_us.record_value(max(1, int((now - batch.sent_at) * 1e6)))
+        if self.adaptive is not None:
+            self.adaptive.on_result(sum(r.n for r in batch.requests), now - batch.sent_at)
         self.admission.on_settled(batch.requests)
         per_request = P.by_request(msg.tensors)
         queue_us = msg.get("queue_us") if isinstance(msg.get("queue_us"), list) else []

@@ -210,10 +210,11 @@ class BrokerState:
         P.OBS: _on_obs, P.TRAJ: _on_traj, P.RESULT: _on_result, P.SNAPSHOT: _on_snapshot,
         P.TRAJ_ACK: _on_traj_ack, P.WEIGHTS: _on_weights, P.TRAIN: _on_train,
         P.HEARTBEAT: _on_heartbeat, P.DISCONNECT: _on_disconnect,
+        P.TUNE: lambda self, w, msg, now: self.dispatcher.on_tune(w, msg, now),
     }
     _ROLE_OF = {
         P.OBS: "simulator", P.TRAJ: "simulator", P.RESULT: "generator", P.SNAPSHOT: "generator",
-        P.TRAJ_ACK: "trainer", P.WEIGHTS: "trainer", P.TRAIN: "trainer",
+        P.TRAJ_ACK: "trainer", P.WEIGHTS: "trainer", P.TRAIN: "trainer", P.TUNE: "client",
     }
 
     # =========================================================================================
@@ -224,7 +225,7 @@ class BrokerState:
         """Dispatch due batches, deliver pending fragments, and heartbeat once per interval. Each
         step runs under a catch-all: a bug logs its traceback and the loop goes on."""
         out: list[Out] = []
-        for step in (self.dispatcher.expire, self._dispatch, lambda _: self.trajs.deliver(), self._heartbeat):
+        for step in (self.dispatcher.expire, self.dispatcher.adapt, self._dispatch, lambda _: self.trajs.deliver(), self._heartbeat):
             try:
                 out += step(now)
             except Exception:  # noqa: BLE001
@@ -244,7 +245,7 @@ class BrokerState:
             if self.dispatcher.batches or len(queue) - queue.evals < expected:
                 return []
             force = True
-        budget = self.admission.budget(self.cfg.batching.max_batch)
+        budget = self.admission.budget(self.dispatcher.rule.max_batch)
         if budget is not None and budget <= 0:
             return []
         return self.dispatcher.dispatch(now, force, budget)
@@ -323,6 +324,7 @@ class BrokerState:
             "admission_waits": self.admission.waits,
             "admission": self.admission.figures(),
             "acked_steps": self.trajs.ledger.figures(),
+            "batching": self.dispatcher.figures(),
             "per_worker": [
                 {"name": w.name, "role": w.role, "worker_id": w.worker_id, "host": w.host, "pid": w.pid,
                  "version": w.info.get("version"), "served": w.info.get("served"), "env_steps": w.info.get("env_steps"),

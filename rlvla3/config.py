@@ -80,6 +80,19 @@ class BatchingConfig:
     batch_timeout_s: float = 120.0
     """A batch out at a generator this long without a RESULT goes back into the queue (the
     generator keeps that credit until it answers or leaves)."""
+    adaptive: bool = False
+    """Tune ``max_batch`` and ``max_wait_ms`` online (``brokers/adaptive.py``), starting from the
+    values above and staying within the ``adaptive_*`` bounds; STATUS reports the current ones."""
+    adaptive_min_batch: int = 1
+    """Adaptive: the smallest ``max_batch`` it may set."""
+    adaptive_max_batch: int = 256
+    """Adaptive: the largest ``max_batch`` it may set."""
+    adaptive_min_wait_ms: float = 0.0
+    """Adaptive: the shortest ``max_wait_ms`` it may set."""
+    adaptive_max_wait_ms: float = 50.0
+    """Adaptive: the longest ``max_wait_ms`` it may set."""
+    adaptive_window_s: float = 2.0
+    """Adaptive: seconds of served throughput measured per trial point (longer: less noise, slower)."""
 
 
 @dataclass
@@ -362,6 +375,12 @@ def validate(cfg: JobConfig) -> None:
         raise ConfigError(f"batching.assignment: {cfg.batching.assignment!r} not in ('dynamic', 'sticky')")
     if cfg.batching.max_batch < 1:
         raise ConfigError("batching.max_batch must be >= 1")
+    b = cfg.batching
+    if not (1 <= b.adaptive_min_batch <= b.adaptive_max_batch and 0 <= b.adaptive_min_wait_ms <= b.adaptive_max_wait_ms):
+        raise ConfigError("batching.adaptive_*: need 1 <= adaptive_min_batch <= adaptive_max_batch and "
+                          "0 <= adaptive_min_wait_ms <= adaptive_max_wait_ms")
+    if b.adaptive_window_s <= 0:
+        raise ConfigError("batching.adaptive_window_s must be > 0")
     if cfg.batching.credits < 1:
         raise ConfigError("batching.credits must be >= 1")
     if cfg.model.chunk_size < 1:

@@ -10,6 +10,7 @@ from __future__ import annotations
 import json
 import os
 import signal
+import socket
 import subprocess
 import sys
 import time
@@ -111,6 +112,36 @@ def request_status(broker: str, timeout_s: float = 5.0, ctx: zmq.Context | None 
         sock.close()
         if own:
             ctx.term()
+
+
+def request_tune(broker: str, timeout_s: float = 5.0, **fields: Any) -> dict[str, Any]:
+    """Set the broker's batching rule live (``max_batch``, ``max_wait_ms``, ``adaptive``): join
+    as a ``client`` (TUNE is taken only from one), send TUNE, leave. Returns the rule in force."""
+    ctx = zmq.Context()
+    sock = ctx.socket(zmq.DEALER)
+    sock.setsockopt(zmq.LINGER, 200)  # the DISCONNECT goes out before the socket closes
+    sock.connect(broker)
+    try:
+        deadline = time.monotonic() + timeout_s
+        sock.send_multipart(P.encode(P.READY, {"role": "client", "host": socket.gethostname(), "pid": os.getpid(),
+                                               "name": "tune"}))
+        sent = False
+        while time.monotonic() < deadline:
+            if not sock.poll(int(max(1, (deadline - time.monotonic()) * 1000))):
+                continue
+            msg = P.decode(sock.recv_multipart())
+            if msg.type == P.READY and not sent:
+                sock.send_multipart(P.encode(P.TUNE, fields))
+                sent = True
+            elif msg.type == P.TUNE:
+                sock.send_multipart(P.encode(P.DISCONNECT, {"reason": "tuned"}))
+                return dict(msg["batching"])
+            elif msg.type == P.ERROR:
+                raise RuntimeError(f"TUNE refused: {msg['code']}: {msg['reason']}")
+        raise TimeoutError(f"no TUNE reply from {broker} within {timeout_s} s")
+    finally:
+        sock.close()
+        ctx.term()
 
 
 class JobInterrupted(RuntimeError):

@@ -32,6 +32,8 @@ Message types and who sends them (``->B`` = to the broker, ``B->`` = from the br
     BUCKET      weight stream -> gen   that bucket's bytes (one inline uint8 tensor) or an error
     TRAIN       trainer ->B   phase of the trainer (begin/end of an update), for alternating modes
     STATUS      any ->B   live figures; B-> reply with them
+    TUNE        client ->B   set the batching rule live (max_batch, max_wait_ms, adaptive on/off);
+                B-> reply with the rule in force
     ERROR       B-> any   the sender's message was bad: code + reason; the message is dropped
 
 Nothing here unpickles; decoding validates before anything reads a field.
@@ -68,13 +70,14 @@ WEIGHTS = "WEIGHTS"
 SNAPSHOT = "SNAPSHOT"
 TRAIN = "TRAIN"
 STATUS = "STATUS"
+TUNE = "TUNE"
 ERROR = "ERROR"
 FETCH = "FETCH"
 BUCKET = "BUCKET"
 
 MESSAGE_TYPES = (
     READY, HEARTBEAT, DISCONNECT, OBS, ACT, BATCH, RESULT, TRAJ, TRAJ_ACK,
-    WEIGHTS, SNAPSHOT, TRAIN, STATUS, ERROR, FETCH, BUCKET,
+    WEIGHTS, SNAPSHOT, TRAIN, STATUS, ERROR, FETCH, BUCKET, TUNE,
 )
 
 ROLES = ("simulator", "generator", "trainer", "client")
@@ -173,6 +176,8 @@ SCHEMA: dict[str, tuple[dict[str, Any], dict[str, Any]]] = {  # type -> (require
     TRAIN: ({"phase": F.Str(16, ("begin", "end", "starved")), "version": _ID},
             {"steps": _STEPS, "ready_steps": _STEPS, "stats": _TRAIN_STATS}),
     STATUS: ({}, {"figures": F.Map(finite=False)}),
+    TUNE: ({}, {"max_batch": F.Int(1, 1 << 16), "max_wait_ms": F.Num(0.0, 60_000.0), "adaptive": F.Bool(),
+                "batching": F.Map(finite=False)}),  # the last: the broker's reply
     ERROR: ({"code": F.Str(64), "reason": _REASON}, {"ref_type": F.Str(32, nullable=True)}),
     FETCH: ({"version": _VERSION, "region": F.Int(0, 2), "offset": F.Int(0, 2**40), "nbytes": F.Int(1, 2**30)}, {}),
     BUCKET: ({"version": _VERSION, "region": F.Int(0, 2), "offset": F.Int(0, 2**40)},

@@ -156,10 +156,20 @@ def check_soak(r: dict[str, Any], out: Path) -> None:
     assert (out / "soak.json").is_file() and (out / "soak_rss.png").stat().st_size > 0
 
 
+def check_batching_sweep(r: dict[str, Any], out: Path) -> None:
+    for key in ("best_grid_sps", "best_grid", "worst_grid_sps", "adaptive_sps", "grid", "adaptive_runs"):
+        assert key in r, key
+    assert len(r["grid"]) >= 2 and all(v > 0 for v in r["grid"].values()), r["grid"]
+    assert r["best_grid_sps"] == max(r["grid"].values()) and r["worst_grid_sps"] == min(r["grid"].values())
+    assert r["adaptive_sps"] > 0 and r["adaptive_runs"][0]["controller"] is not None  # it ran, live
+    assert (out / "batching_sweep.png").stat().st_size > 0
+    assert json.loads((out / "batching_sweep.json").read_text())["best_grid"] == r["best_grid"]
+
+
 CHECKS: dict[str, Callable[[dict[str, Any], Path], None]] = {
     "latency": check_latency, "transfer": check_transfer, "ablation": check_ablation,
     "sim_latency": check_sim_latency, "generator": check_generator, "learning": check_learning, "weights": check_weights,
-    "fuzz": check_fuzz, "multihost": check_multihost, "soak": check_soak,
+    "fuzz": check_fuzz, "multihost": check_multihost, "soak": check_soak, "batching_sweep": check_batching_sweep,
 }
 
 

@@ -193,6 +193,7 @@ _VALID = {  # one valid header per message type (required fields only)
     P.WEIGHTS: {"version": 0},
     P.TRAIN: {"phase": "end", "version": 0},
     P.ERROR: {"code": "x", "reason": "y"},
+    P.TUNE: {},
     P.FETCH: {"version": 1, "region": 1, "offset": 0, "nbytes": 8},
     P.BUCKET: {"version": 1, "region": 1, "offset": 0},
 }

@@ -30,6 +30,9 @@ class MLPConfig:
     forward_delay_ms: float = 0.0
     """Sleep this long in each ``act``: stands in for a large model's forward time, so benchmarks
     on a CPU machine can give the generator stage a VLA's cost without burning cores."""
+    forward_per_env_ms: float = 0.0
+    """Plus this much per env in the batch: a forward pass of ``a + c*b`` ms (a =
+    ``forward_delay_ms``, c = this), the shape ``bench/generator.py`` measures for VLAs."""
 
 
 class MLPPolicy(Policy):
@@ -78,8 +81,9 @@ class MLPPolicy(Policy):
         return lp.sum(-1)  # [B, T]
 
     def act(self, obs: Observation, deterministic: bool = False) -> ActOutput:
-        if self.cfg.forward_delay_ms > 0:
-            time.sleep(self.cfg.forward_delay_ms / 1000.0)
+        delay_ms = self.cfg.forward_delay_ms + self.cfg.forward_per_env_ms * len(obs.state)
+        if delay_ms > 0:
+            time.sleep(delay_ms / 1000.0)
         mu, std, value = self._dist(obs)
         actions = mu if deterministic else mu + std * torch.randn_like(mu)
         return ActOutput(actions=actions, logprob=self._logprob(actions, mu, std), value=value, replay={})

@@ -1,0 +1,229 @@
+"""The paper's Fig. 8 on this machine, then the adaptive controller on the same job.
+
+One real job (broker + simulators + 1 generator + 1 trainer, separate processes) is started
+once; the sweep reconfigures it live (``rlvla3.launch.request_tune``: a TUNE from a ``client``)
+to each ``max_batch`` x ``max_wait_ms`` grid point and measures env steps/s over a window. Then
+it sets the worst grid point, turns ``batching.adaptive`` on with the grid's bounds, and measures
+what the controller reaches (median of ``--adaptive-runs`` runs, each from the worst point).
+With ``--change-profile P`` it then swaps the simulators for ones stepping on profile P, live,
+and follows how fast the controller settles (``--change-reference`` P's own sweep JSON: how close
+to P's best point it ends). Writes ``batching_sweep.png`` (the heat map) and
+``batching_sweep.json`` under ``--out``.
+
+    python bench/batching_sweep.py --quick                    # 3x3 grid + adaptive, < 3 min
+    python bench/batching_sweep.py --profile replay:bench/out/profile.json
+
+The generator's forward pass costs ``a + c*b`` ms for a batch of b envs (``--fwd-a``, ``--fwd-c``;
+``model.options.forward_delay_ms`` / ``forward_per_env_ms``): the shape ``bench/generator.py``
+measures. Defaults: pi0's tiny config on this CPU measured ~126 ms + 22 ms/env for batches 2-8
+(before the 2 cores saturate); the sweep keeps that ratio at a tenth of the scale (12 + 2*b ms)
+so that a window holds hundreds of batches. Profiles: ``bimodal`` (configs/synthetic.yaml's),
+``constant``, ``lognormal``, or ``replay:FILE`` (``bench/sim_latency.py --save-profile FILE``).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+from rlvla3.config import load  # noqa: E402
+from rlvla3.launch import LocalJob, request_tune, stop_processes  # noqa: E402
+
+from _common import OUT_DIR, emit, note  # noqa: E402  (bench/, the script's folder, is first on sys.path)
+
+PROFILES = {
+    "bimodal": "{kind: bimodal, mean_ms: 2.0, slow_ms: 40.0, slow_prob: 0.05}",
+    "constant": "{kind: constant, mean_ms: 3.0}",
+    "lognormal": "{kind: lognormal, mean_ms: 3.0, sigma: 1.0}",
+}
+
+
+def latency_option(profile: str) -> str:
+    if profile.startswith("replay:"):
+        path = Path(profile.split(":", 1)[1]).resolve()
+        if not path.exists():
+            raise SystemExit(f"--profile {profile}: no such file (write one with bench/sim_latency.py --save-profile)")
+        return f"{{kind: replay, replay: '{path}'}}"
+    if profile not in PROFILES:
+        raise SystemExit(f"--profile {profile!r}: one of {sorted(PROFILES)} or replay:FILE")
+    return PROFILES[profile]
+
+
+def job_overrides(args: argparse.Namespace) -> list[str]:
+    b, w = args.batches, args.waits
+    return [
+        f"env.num_envs={args.envs}", f"env.slots={args.slots}", "env.fragment_len=16",
+        f"env.options.latency={latency_option(args.profile)}", "env.options.image_size=16",
+        f"model.options.forward_delay_ms={args.fwd_a}", f"model.options.forward_per_env_ms={args.fwd_c}",
+        "model.options.hidden=32", "run.mode=async", "run.progress_every_s=5", "run.total_env_steps=1000000000",
+        f"batching.max_batch={b[0]}", f"batching.max_wait_ms={w[-1]}", "batching.credits=2",
+        f"batching.adaptive_min_batch={min(b)}", f"batching.adaptive_max_batch={max(b)}",
+        f"batching.adaptive_min_wait_ms={min(w)}", f"batching.adaptive_max_wait_ms={max(w)}",
+        f"batching.adaptive_window_s={args.adaptive_window}",
+        "algo.batch_steps=2048", "algo.epochs=1", "algo.minibatch_size=1024", "algo.max_staleness=1000000",
+        f"workers.simulators={args.sims}", "workers.generators=1", "workers.trainers=1",
+    ]
+
+
+def rate(job: LocalJob, seconds: float) -> float:
+    """Env steps/s over ``seconds`` (STATUS counters at both ends)."""
+    f0, t0 = job.status(), time.monotonic()
+    time.sleep(seconds)  # the measuring window itself
+    f1, t1 = job.status(), time.monotonic()
+    return (f1["env_steps"] - f0["env_steps"]) / (t1 - t0)
+
+
+def sweep(job: LocalJob, args: argparse.Namespace) -> dict[str, float]:
+    grid: dict[str, float] = {}
+    for b in args.batches:
+        for w in args.waits:
+            request_tune(job.endpoint, max_batch=b, max_wait_ms=w, adaptive=False)
+            time.sleep(args.settle)  # the queue drains into the new rule
+            grid[f"{b}x{w}"] = round(rate(job, args.window), 1)
+            note(f"grid max_batch={b:3d} max_wait_ms={w:5g}: {grid[f'{b}x{w}']:8.1f} env steps/s")
+    return grid
+
+
+def adaptive_run(job: LocalJob, args: argparse.Namespace, worst: tuple[int, float]) -> dict:
+    """From the worst grid point, controller on: the rate after ``--converge`` s, and the curve."""
+    request_tune(job.endpoint, max_batch=worst[0], max_wait_ms=worst[1], adaptive=True)
+    t0, curve = time.monotonic(), []
+    while time.monotonic() - t0 < args.converge:
+        sps = rate(job, 2.0)
+        fig = job.status()["batching"]
+        curve.append({"t_s": round(time.monotonic() - t0, 1), "sps": round(sps, 1),
+                      "max_batch": fig["max_batch"], "max_wait_ms": fig["max_wait_ms"]})
+    sps = rate(job, args.window)
+    fig = job.status()["batching"]
+    return {"sps": round(sps, 1), "final": {"max_batch": fig["max_batch"], "max_wait_ms": fig["max_wait_ms"]},
+            "controller": fig.get("controller"), "curve": curve}
+
+
+def profile_change(job: LocalJob, args: argparse.Namespace) -> dict:
+    """Mid-run, the controller on: every simulator is replaced by one stepping on
+    ``--change-profile`` (the job goes on, the broker keeps its state); follow the rate. ``settle_s``:
+    when the 2 s rate first came within 5% of where it ends (the mean of the last three windows)."""
+    old = [p for p in job.workers if "simulator" in " ".join(map(str, p.args))]
+    lat = latency_option(args.change_profile)
+    for i in range(args.sims):
+        job.start_worker("simulator", f"simulator_changed{i}", ["--index", str(100 + i), "--set", f"env.options.latency={lat}"])
+    stop_processes(old)
+    t0, curve = time.monotonic(), []
+    while time.monotonic() - t0 < args.change_follow:
+        sps = rate(job, 2.0)
+        fig = job.status()["batching"]
+        curve.append({"t_s": round(time.monotonic() - t0, 1), "sps": round(sps, 1),
+                      "max_batch": fig["max_batch"], "max_wait_ms": fig["max_wait_ms"]})
+    end = statistics.mean(c["sps"] for c in curve[-3:])
+    settle = next(c["t_s"] for c in curve if c["sps"] >= 0.95 * end)
+    out = {"to": args.change_profile, "end_sps": round(end, 1), "settle_s": settle, "curve": curve}
+    if args.change_reference:  # that profile's own sweep: how close the controller came to its best point
+        ref = json.loads(Path(args.change_reference).read_text())
+        out.update(reference_best_sps=ref["best_grid_sps"], reference_best_grid=ref["best_grid"],
+                   end_vs_reference_best=round(end / ref["best_grid_sps"], 3))
+    return out
+
+
+def plot(grid: dict[str, float], batches: list[int], waits: list[float], adaptive_sps: float | None, path: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    import numpy as np
+
+    z = np.array([[grid[f"{b}x{w}"] for w in waits] for b in batches])
+    fig, ax = plt.subplots(figsize=(1.3 * len(waits) + 3, 0.8 * len(batches) + 2))
+    im = ax.imshow(z, cmap="viridis", origin="lower", aspect="auto")
+    for i in range(len(batches)):
+        for j in range(len(waits)):
+            ax.text(j, i, f"{z[i, j]:.0f}", ha="center", va="center", color="w", fontsize=9)
+    ax.set_xticks(range(len(waits)), [f"{w:g}" for w in waits])
+    ax.set_yticks(range(len(batches)), [str(b) for b in batches])
+    ax.set_xlabel("max_wait_ms")
+    ax.set_ylabel("max_batch")
+    title = "env steps/s"
+    if adaptive_sps is not None:
+        title += f"; adaptive: {adaptive_sps:.0f}"
+    ax.set_title(title)
+    fig.colorbar(im, ax=ax)
+    fig.tight_layout()
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--out", default=OUT_DIR, help="folder for the PNG and JSON (default: ./bench/out)")
+    ap.add_argument("--quick", action="store_true", help="3x3 grid, one adaptive run: under 3 minutes")
+    ap.add_argument("--smoke", action="store_true", help="tiny run for CI (no timing value): 2x1 grid, short windows")
+    ap.add_argument("--profile", default="bimodal", help="bimodal | constant | lognormal | replay:FILE")
+    ap.add_argument("--batches", default="2,4,8,16,32", help="max_batch grid")
+    ap.add_argument("--waits", default="1,4,16,32", help="max_wait_ms grid")
+    ap.add_argument("--fwd-a", type=float, default=12.0, help="forward cost per batch (ms)")
+    ap.add_argument("--fwd-c", type=float, default=2.0, help="forward cost per env in the batch (ms)")
+    ap.add_argument("--sims", type=int, default=2)
+    ap.add_argument("--envs", type=int, default=16, help="envs per simulator")
+    ap.add_argument("--slots", type=int, default=8, help="slots per simulator")
+    ap.add_argument("--window", type=float, default=6.0, help="seconds measured per point")
+    ap.add_argument("--settle", type=float, default=1.0, help="seconds after a reconfiguration before measuring")
+    ap.add_argument("--adaptive-runs", type=int, default=3)
+    ap.add_argument("--adaptive-window", type=float, default=2.0, help="batching.adaptive_window_s")
+    ap.add_argument("--converge", type=float, default=24.0, help="seconds the controller gets before measuring")
+    ap.add_argument("--change-profile", default="", help="after the adaptive runs, switch the simulators to this profile live")
+    ap.add_argument("--change-follow", type=float, default=40.0, help="seconds followed after the switch")
+    ap.add_argument("--change-reference", default="", help="batching_sweep.json of the new profile (its best point)")
+    args = ap.parse_args()
+    if args.quick:
+        args.batches, args.waits, args.window, args.adaptive_runs, args.converge = "2,8,32", "1,8,32", 4.0, 1, 24.0
+    if args.smoke:
+        args.batches, args.waits, args.window, args.settle, args.adaptive_runs, args.converge = "2,8", "2", 1.0, 0.3, 1, 2.0
+        args.adaptive_window = 0.5
+    args.batches = [int(x) for x in str(args.batches).split(",")]
+    args.waits = [float(x) for x in str(args.waits).split(",")]
+
+    t_start = time.monotonic()
+    cfg = load("synthetic.yaml", job_overrides(args))
+    with tempfile.TemporaryDirectory(prefix="batching_sweep_") as tmp:
+        run_dir = Path(tmp)
+        cfg_path = run_dir / "config.yaml"
+        cfg_path.write_text(cfg.to_yaml())
+        job = LocalJob(cfg, run_dir, cfg_path)
+        try:
+            job.start_broker("tcp://127.0.0.1:0", "tcp://127.0.0.1:0")
+            job.start_all()
+            job.wait_status(lambda f: f["env_steps"] > 500, 120.0, "the job's first 500 env steps")
+            grid = sweep(job, args)
+            best_key = max(grid, key=grid.get)
+            worst_key = min(grid, key=grid.get)
+            b, w = worst_key.split("x")
+            runs = [adaptive_run(job, args, (int(b), float(w))) for _ in range(args.adaptive_runs)]
+            change = profile_change(job, args) if args.change_profile else None
+        finally:
+            job.stop()
+    adaptive_sps = statistics.median(r["sps"] for r in runs)
+    out = Path(args.out)
+    plot(grid, args.batches, args.waits, adaptive_sps, out / "batching_sweep.png")
+    bb, bw = best_key.split("x")
+    result = {
+        "profile": args.profile, "forward_ms": {"a": args.fwd_a, "c": args.fwd_c},
+        "layout": {"simulators": args.sims, "envs": args.envs, "slots": args.slots},
+        "grid": grid, "best_grid": {"max_batch": int(bb), "max_wait_ms": float(bw)},
+        "best_grid_sps": grid[best_key], "worst_grid": {"max_batch": int(b), "max_wait_ms": float(w)},
+        "worst_grid_sps": grid[worst_key], "spread": round(grid[best_key] / max(grid[worst_key], 1e-9), 3),
+        "adaptive_sps": adaptive_sps, "adaptive_vs_best": round(adaptive_sps / max(grid[best_key], 1e-9), 3),
+        "adaptive_runs": runs, "profile_change": change, "window_s": args.window, "elapsed_s": round(time.monotonic() - t_start, 1),
+    }
+    (out / "batching_sweep.json").write_text(json.dumps(result, indent=2))
+    emit(result)
+
+
+if __name__ == "__main__":
+    main()
