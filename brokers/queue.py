@@ -13,6 +13,8 @@ import itertools
 from dataclasses import dataclass, field
 from typing import Any, Callable, Iterable
 
+from rlvla3 import protocol as P
+
 
 @dataclass
 class PendingRequest:
@@ -65,6 +67,11 @@ class RequestQueue:
         heapq.heappush(self._heap, (self.key(req), next(self._seq), req))
         self.envs += req.n
         self.evals += bool(req.header.get("eval"))
+
+    def held_by(self, sim: bytes) -> tuple[int, int]:
+        """How many requests ``sim`` has queued and the inline bytes they hold here."""
+        mine = [r for _, s, r in self._heap if s not in self._removed and r.sim == sim]
+        return len(mine), sum(P.inline_bytes(r.tensors) for r in mine)
 
     def oldest_arrival(self) -> float | None:
         live = [r.arrival for _, s, r in self._heap if s not in self._removed]

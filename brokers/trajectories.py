@@ -47,6 +47,11 @@ class TrajectoryRouter:
         self._next_gid += 1
         self.pending.append(Trajectory(self._next_gid, w.identity, msg["traj_id"], msg.header, msg.tensors, msg["steps"]))
 
+    def held_by(self, sim: bytes) -> tuple[int, int]:
+        """How many of ``sim``'s fragments wait for a trainer and the inline bytes they hold."""
+        mine = [t for t in self.pending if t.sim == sim]
+        return len(mine), sum(P.inline_bytes(t.tensors) for t in mine)
+
     def deliver(self) -> list[Out]:
         """Hand pending fragments to trainers with free credits, least loaded first."""
         trainers = {w.identity: w for w in self.registry.of_role("trainer")}

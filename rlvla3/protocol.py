@@ -117,6 +117,8 @@ E_FIELD = "bad_field"
 E_TENSOR = "bad_tensor"
 E_STATE = "out_of_order"
 E_ROLE = "wrong_role"
+E_AUTH = "unauthorized"  # a key, segment or identity this peer may not use
+E_LIMIT = "over_limit"  # a per-peer cap (broker.max_peer_*) or a request no batch can hold
 
 # Every header field of every message type: name -> spec (rlvla3/fields.py). ``required`` must
 # be present; the others are checked when present. Both directions of a type share one entry.
@@ -440,6 +442,11 @@ def _decode_tensors(descs: Any, frames: Sequence[Any]) -> dict[str, InlineTensor
     if next_frame != len(frames):
         raise ProtocolError(E_TENSOR, f"{len(frames) - next_frame} frame(s) not described by the header")
     return out
+
+
+def inline_bytes(tensors: dict[str, Any]) -> int:
+    """Bytes a message's tensors hold in the receiver's memory (shared-memory ones hold none)."""
+    return sum(t.nbytes for t in tensors.values() if isinstance(t, InlineTensor))
 
 
 def error_frames(code: str, reason: str, ref_type: str | None = None) -> list[Any]:

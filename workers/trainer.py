@@ -101,7 +101,8 @@ class TrainerWorker(WorkerBase):
 
     def ready_fields(self) -> dict[str, Any]:
         # Every trainer offers a rendezvous address; the broker passes rank 0's to the others.
-        return {"credits": self.credits, "info": {"dist": self.dist_info}}
+        # Our version too: a restarted broker rebuilds its trainer version from it.
+        return {"credits": self.credits, "info": {"dist": self.dist_info, "version": self.version}}
 
     def heartbeat_fields(self) -> dict[str, Any]:
         return {"credits": self.credits, "version": self.version}
