@@ -9,6 +9,8 @@ import signal
 
 import pytest
 
+from tests.jobs import job_logs, wait_until
+
 pytestmark = pytest.mark.slow
 
 
@@ -47,13 +49,36 @@ def test_trainer_killed_its_trajectories_go_to_the_next(job_factory):
     assert fig["traj"]["dropped"] == 0
 
 
-def test_workers_survive_a_broker_restart(job_factory):
+def test_workers_survive_a_broker_restart_and_its_counters_are_rebuilt(job_factory):
     job = job_factory()
-    fig = job.wait(lambda f: f["env_steps"] > 100, 90, "stepping")
+    fig = job.wait(lambda f: f["env_steps"] > 100 and f["trainer_version"] >= 1, 120, "stepping and training")
     endpoint, pub = job.endpoint, fig["run_id"]
+    steps, version = fig["env_steps"], fig["trainer_version"]
     job.broker_proc.send_signal(signal.SIGKILL)
     job.broker_proc.wait(10)
     job.start_broker(endpoint, None)  # same address; a new broker knows nobody
-    fig = job.wait(lambda f: f["workers"]["simulator"] == 1 and f["workers"]["generator"] == 1
-                   and f["env_steps"] > 50, 120, "workers re-joined the restarted broker and stepping")
+    fig = job.wait(lambda f: f["workers"] == {"simulator": 1, "generator": 1, "trainer": 1}, 120,
+                   "workers re-joined the restarted broker")
+    # The simulators' and trainer's own counts rebuild the counters: nothing starts from 0.
+    assert fig["env_steps"] >= steps and fig["trainer_version"] >= version, (fig["env_steps"], steps)
+    fig = job.wait(lambda f: f["env_steps"] > steps + 100, 120, "stepping on after the restart")
     assert fig["run_id"] != pub
+
+
+def test_workers_cut_off_by_a_stalled_broker_take_back_their_places(job_factory):
+    """SIGSTOP the broker until every worker reconnects on a new socket: the trainer takes back
+    its rank (it was refused as "trainer group is full" and exited) and nobody is registered twice."""
+    job = job_factory()
+    fig = job.wait(lambda f: f["policy_version"] >= 1, 120, "training")
+    os.kill(job.broker_proc.pid, signal.SIGSTOP)
+    try:
+        logs = [job.run_dir / f"{n}.log" for n in ("trainer0", "simulator0", "generator0")]
+        wait_until(lambda: all("broker_silent_reconnecting" in p.read_text() for p in logs), 60,
+                   "every worker to give up on the silent broker")
+    finally:
+        os.kill(job.broker_proc.pid, signal.SIGCONT)
+    version = fig["policy_version"]
+    fig = job.wait(lambda f: f["workers"] == {"simulator": 1, "generator": 1, "trainer": 1}
+                   and f["policy_version"] > version + 1, 120, "the same workers training on")
+    assert all(p.poll() is None for p in job.workers), job_logs(job)
+    assert "trainer group is full" not in (job.run_dir / "broker.log").read_text()
