@@ -16,6 +16,11 @@ from typing import Any, Callable, Iterable
 from rlvla3 import protocol as P
 
 
+def inline_bytes(tensors: dict[str, Any]) -> int:
+    """Bytes a message's tensors hold in the broker's memory (shared-memory ones hold none)."""
+    return sum(t.nbytes for t in tensors.values() if isinstance(t, P.InlineTensor))
+
+
 @dataclass
 class PendingRequest:
     """One OBS request waiting for (or out for) generation."""
@@ -71,7 +76,7 @@ class RequestQueue:
     def held_by(self, sim: bytes) -> tuple[int, int]:
         """How many requests ``sim`` has queued and the inline bytes they hold here."""
         mine = [r for _, s, r in self._heap if s not in self._removed and r.sim == sim]
-        return len(mine), sum(P.inline_bytes(r.tensors) for r in mine)
+        return len(mine), sum(inline_bytes(r.tensors) for r in mine)
 
     def oldest_arrival(self) -> float | None:
         live = [r.arrival for _, s, r in self._heap if s not in self._removed]

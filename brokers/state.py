@@ -21,6 +21,7 @@ from brokers import access
 from brokers.admission import AdmissionController
 from brokers.dispatch import Dispatcher
 from brokers.outgoing import E_INTERNAL, Out, ShmBridge, error
+from brokers.queue import inline_bytes
 from brokers.registry import Registry, Worker
 from brokers.stats import BrokerStats
 from brokers.trajectories import TrajectoryRouter
@@ -166,7 +167,7 @@ class BrokerState:
         return []
 
     def _check_bytes(self, w: Worker, msg: P.Message, held: int) -> None:
-        held += self.trajs.held_by(w.identity)[1] + P.inline_bytes(msg.tensors)
+        held += self.trajs.held_by(w.identity)[1] + inline_bytes(msg.tensors)
         if held > self.cfg.broker.max_peer_bytes:
             raise P.ProtocolError(P.E_LIMIT, f"this peer's queued messages would hold {held} bytes at the broker: "
                                              f"broker.max_peer_bytes={self.cfg.broker.max_peer_bytes}")

@@ -15,6 +15,7 @@ from typing import Any
 import structlog
 
 from brokers.outgoing import Out, ShmBridge
+from brokers.queue import inline_bytes
 from brokers.registry import Registry, Worker
 from brokers.stats import BrokerStats
 from rlvla3 import protocol as P
@@ -50,7 +51,7 @@ class TrajectoryRouter:
     def held_by(self, sim: bytes) -> tuple[int, int]:
         """How many of ``sim``'s fragments wait for a trainer and the inline bytes they hold."""
         mine = [t for t in self.pending if t.sim == sim]
-        return len(mine), sum(P.inline_bytes(t.tensors) for t in mine)
+        return len(mine), sum(inline_bytes(t.tensors) for t in mine)
 
     def deliver(self) -> list[Out]:
         """Hand pending fragments to trainers with free credits, least loaded first."""

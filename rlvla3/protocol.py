@@ -444,11 +444,6 @@ def _decode_tensors(descs: Any, frames: Sequence[Any]) -> dict[str, InlineTensor
     return out
 
 
-def inline_bytes(tensors: dict[str, Any]) -> int:
-    """Bytes a message's tensors hold in the receiver's memory (shared-memory ones hold none)."""
-    return sum(t.nbytes for t in tensors.values() if isinstance(t, InlineTensor))
-
-
 def error_frames(code: str, reason: str, ref_type: str | None = None) -> list[Any]:
     """An ERROR message answering a bad one."""
     return encode(ERROR, {"code": code, "reason": reason[:1000], "ref_type": ref_type})

@@ -8,8 +8,10 @@ import os
 import signal
 
 import pytest
+import zmq
 
-from tests.jobs import job_logs, wait_until
+from rlvla3 import protocol as P
+from tests.jobs import job_logs
 
 pytestmark = pytest.mark.slow
 
@@ -65,20 +67,32 @@ def test_workers_survive_a_broker_restart_and_its_counters_are_rebuilt(job_facto
     assert fig["run_id"] != pub
 
 
-def test_workers_cut_off_by_a_stalled_broker_take_back_their_places(job_factory):
-    """SIGSTOP the broker until every worker reconnects on a new socket: the trainer takes back
-    its rank (it was refused as "trainer group is full" and exited) and nobody is registered twice."""
+def test_a_reconnecting_trainer_takes_back_its_rank_and_nobody_else_can(job_factory, zctx):
+    """A READY on a new socket with the trainer's name, host and pid is that trainer coming back
+    (its first READY went unanswered, or it gave up on a silent broker): it gets its rank back.
+    It used to be refused ("trainer group is full") and exit. Another pid is still refused."""
     job = job_factory()
     fig = job.wait(lambda f: f["policy_version"] >= 1, 120, "training")
-    os.kill(job.broker_proc.pid, signal.SIGSTOP)
-    try:
-        logs = [job.run_dir / f"{n}.log" for n in ("trainer0", "simulator0", "generator0")]
-        wait_until(lambda: all("broker_silent_reconnecting" in p.read_text() for p in logs), 60,
-                   "every worker to give up on the silent broker")
-    finally:
-        os.kill(job.broker_proc.pid, signal.SIGCONT)
+    me = next(w for w in fig["per_worker"] if w["role"] == "trainer")
+
+    def ready(pid: int) -> P.Message:
+        sock = zctx.socket(zmq.DEALER)
+        sock.setsockopt(zmq.LINGER, 0)
+        try:
+            sock.connect(job.endpoint)
+            sock.send_multipart(P.encode(P.READY, {"role": "trainer", "host": me["host"], "pid": pid,
+                                                   "name": me["name"], "credits": 1}))
+            assert sock.poll(10_000), "no answer to READY"
+            return P.decode(sock.recv_multipart())
+        finally:
+            sock.close()
+
+    other = ready(me["pid"] + 1)
+    assert other.type == P.ERROR and "trainer group is full" in other["reason"], other.header
+    again = ready(me["pid"])
+    assert again.type == P.READY and again["rank"] == 0, again.header
+    # The real trainer's old identity was replaced: it READYs again and takes rank 0 back.
     version = fig["policy_version"]
-    fig = job.wait(lambda f: f["workers"] == {"simulator": 1, "generator": 1, "trainer": 1}
-                   and f["policy_version"] > version + 1, 120, "the same workers training on")
+    fig = job.wait(lambda f: f["workers"]["trainer"] == 1 and f["policy_version"] > version + 1, 120,
+                   "the trainer training on at rank 0")
     assert all(p.poll() is None for p in job.workers), job_logs(job)
-    assert "trainer group is full" not in (job.run_dir / "broker.log").read_text()
