@@ -6,12 +6,13 @@ from __future__ import annotations
 
 import os
 import signal
+import time
 
 import pytest
 import zmq
 
 from rlvla3 import protocol as P
-from tests.jobs import job_logs
+from tests.jobs import job_logs, wait_until
 
 pytestmark = pytest.mark.slow
 
@@ -96,3 +97,31 @@ def test_a_reconnecting_trainer_takes_back_its_rank_and_nobody_else_can(job_fact
     fig = job.wait(lambda f: f["workers"]["trainer"] == 1 and f["policy_version"] > version + 1, 120,
                    "the trainer training on at rank 0")
     assert all(p.poll() is None for p in job.workers), job_logs(job)
+
+
+def test_a_rejection_flood_writes_a_bounded_log(job_factory, zctx):
+    """10,000 messages a broker must refuse: each is answered and counted, but the log gets at
+    most ``broker.reject_log_per_s`` lines per peer per second plus a count of the rest."""
+    job = job_factory(start=False)
+    sock = zctx.socket(zmq.DEALER)
+    sock.setsockopt(zmq.LINGER, 0)
+    sock.setsockopt(zmq.RCVHWM, 0)
+    sock.connect(job.endpoint)
+    flood = P.encode(P.HEARTBEAT, {})  # before READY: refused
+    t0 = time.monotonic()
+    try:
+        for _ in range(10_000):
+            sock.send_multipart(flood)
+        job.wait(lambda f: f["errors"] >= 10_000, 120, "every message refused")
+        log = job.run_dir / "broker.log"
+
+        def summarised() -> bool:
+            sock.send_multipart(flood)  # a message in a later second writes the summary
+            return "message_rejections_suppressed" in log.read_text()
+
+        wait_until(summarised, 30, "the suppressed rejections summed in one line", interval=0.2)
+        elapsed = time.monotonic() - t0
+    finally:
+        sock.close()
+    lines = log.read_text().count("message_rejected")
+    assert lines <= job.cfg.broker.reject_log_per_s * (elapsed + 2), (lines, elapsed)
