@@ -191,7 +191,7 @@ def test_ipc_endpoints_are_owner_only(tmp_path: Path):
         for name in ("router.sock", "pub.sock"):
             mode = stat.S_IMODE((tmp_path / name).stat().st_mode)
             assert mode & 0o077 == 0, f"{name} is {oct(mode)}"
-        assert _ask_status(job.endpoint, 5.0, None, "client")["run_id"]
+        assert request_status(job.endpoint, 5.0)["run_id"]
     finally:
         job.stop()
 
@@ -203,11 +203,3 @@ def test_ipc_endpoints_are_owner_only(tmp_path: Path):
 ])
 def test_is_loopback(endpoint: str, loopback: bool):
     assert auth.is_loopback(endpoint) is loopback
-
-
-def test_run_refuses_keys_it_cannot_use(monkeypatch, keys: Path):
-    """``rlvla3 run`` would hand RLVLA3_KEYS to its broker and workers but poll STATUS without
-    it (and wait forever): it says so instead."""
-    monkeypatch.setenv("RLVLA3_KEYS", str(keys))
-    result = CliRunner().invoke(main, ["run", "synthetic.yaml", "--steps", "1"])
-    assert result.exit_code != 0 and "unset RLVLA3_KEYS" in result.output, result.output
