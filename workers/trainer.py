@@ -167,8 +167,9 @@ class TrainerWorker(WorkerBase):
     def start(self) -> None:
         if self.resumed_from is not None and self.rank == 0:
             # Generators swap to the resumed weights at once (the broker keeps them as snapshot).
-            self._publish()
+            # TRAIN first: the broker accepts WEIGHTS only a bounded step past the version it knows.
             self.send(P.TRAIN, {"phase": "end", "version": self.version, "stats": {"version": self.version, "resumed": True}})
+            self._publish()
 
     # -- receiving (socket thread) ------------------------------------------------------------
 
