@@ -246,12 +246,13 @@ def main() -> None:
             "policy_version": [before["policy_version"], after.get("policy_version")],
             "workers_alive": all(p.poll() is None for p in job.workers),
             "client_failures": [f.failure for f in fuzzers if f.failure],
+            "broker_log_mb": round((root / "broker.log").stat().st_size / 2**20, 2),  # rejections are rate-limited
             "targets": {"broker_alive": True, "job_advanced": True, "rss_growth_mb_max": 64},
         }
     finally:
         job.stop()
     if result.get("broker_alive") and result.get("job_advanced") and result.get("workers_alive"):
-        shutil.rmtree(root, ignore_errors=True)  # ~20 MB of rejection logs
+        shutil.rmtree(root, ignore_errors=True)
     else:
         note(f"logs kept in {root}")
     out = Path(args.out)

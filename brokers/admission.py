@@ -101,6 +101,11 @@ class AdmissionController:
         self._held = held
         return granted
 
+    def window(self, minimum: int) -> int | None:
+        """The most units any one grant can ever be (``None``: no limit): a request larger than
+        this would wait forever, so the broker refuses it on arrival."""
+        return None if not self.enabled else max((self.max_staleness + 1) * self.batch_size, minimum)
+
     def cost(self, req: Admissible) -> int:
         """Units a request takes from the grant: none when evaluating or already admitted."""
         if not self.enabled or req.header.get("eval") or _key(req) in self._admitted:

@@ -13,6 +13,13 @@ import itertools
 from dataclasses import dataclass, field
 from typing import Any, Callable, Iterable
 
+from rlvla3 import protocol as P
+
+
+def inline_bytes(tensors: dict[str, Any]) -> int:
+    """Bytes a message's tensors hold in the broker's memory (shared-memory ones hold none)."""
+    return sum(t.nbytes for t in tensors.values() if isinstance(t, P.InlineTensor))
+
 
 @dataclass
 class PendingRequest:
@@ -65,6 +72,11 @@ class RequestQueue:
         heapq.heappush(self._heap, (self.key(req), next(self._seq), req))
         self.envs += req.n
         self.evals += bool(req.header.get("eval"))
+
+    def held_by(self, sim: bytes) -> tuple[int, int]:
+        """How many requests ``sim`` has queued and the inline bytes they hold here."""
+        mine = [r for _, s, r in self._heap if s not in self._removed and r.sim == sim]
+        return len(mine), sum(inline_bytes(r.tensors) for r in mine)
 
     def oldest_arrival(self) -> float | None:
         live = [r.arrival for _, s, r in self._heap if s not in self._removed]

@@ -26,6 +26,12 @@ class Worker:
     frames: dict[str, int] = field(default_factory=lambda: {"shm": 0, "inline": 0})
     """Tensors it sent (simulators: OBS, TRAJ) or was sent (generators, trainers), by how they
     travelled: a shared-memory reference within its host, inline bytes across hosts."""
+    key: str | None = None  # the CURVE key name it joined with (None: CURVE off)
+
+    @property
+    def same(self) -> tuple[str, str, str, int, str | None]:
+        """What a reconnecting worker must match to take back its registration."""
+        return (self.role, self.name, self.host, self.pid, self.key)
 
     def count_frames(self, tensors: dict[str, Any]) -> None:
         for t in tensors.values():
@@ -33,12 +39,30 @@ class Worker:
 
 
 class Registry:
-    """Workers by identity; liveness is ``last_seen`` against ``expiry_s``."""
+    """Workers by identity; liveness is ``last_seen`` against ``expiry_s``. ``env_steps`` keeps
+    each simulator's reported total (by name, host, pid) after it leaves, so a worker that comes
+    back is not counted twice and one met first after a broker restart is counted once."""
+
+    MAX_COUNTED = 4096
 
     def __init__(self, expiry_s: float) -> None:
         self.expiry_s = expiry_s
         self.workers: dict[bytes, Worker] = {}
+        self.env_steps: dict[tuple[str, str, int], int] = {}
         self._next_id = 0
+
+    def find_same(self, w: Worker) -> Worker | None:
+        """A registration of the same worker under another identity (it reopened its socket)."""
+        return next((x for x in self.workers.values() if x.same == w.same and x.identity != w.identity), None)
+
+    def count_steps(self, w: Worker, total: int) -> int:
+        """``w`` reports ``total`` env steps in all; returns how many the broker had not counted."""
+        key = (w.name, w.host, w.pid)
+        new = max(0, total - self.env_steps.get(key, 0))
+        if key not in self.env_steps and len(self.env_steps) >= self.MAX_COUNTED:
+            self.env_steps.pop(next(iter(self.env_steps)))
+        self.env_steps[key] = max(total, self.env_steps.get(key, 0))
+        return new
 
     def __contains__(self, identity: object) -> bool:
         return identity in self.workers

@@ -17,9 +17,11 @@ from typing import Any, Callable
 
 import structlog
 
+from brokers import access
 from brokers.admission import AdmissionController
 from brokers.dispatch import Dispatcher
 from brokers.outgoing import E_INTERNAL, Out, ShmBridge, error
+from brokers.queue import inline_bytes
 from brokers.registry import Registry, Worker
 from brokers.stats import BrokerStats
 from brokers.trajectories import TrajectoryRouter
@@ -46,6 +48,9 @@ class BrokerState:
         self.trajs = TrajectoryRouter(self.registry, self.bridge, self.stats, grpo=cfg.algo.name == "grpo",
                                       admission=self.admission, hold_steps=cfg.algo.batch_steps)
         self.weights = WeightsSnapshot()
+        self.curve = bool(cfg.broker.keys_dir)  # roles bound to key names (brokers.access)
+        self.model_spec: tuple | None = None  # the tensors of the first accepted manifest
+        self.reject_log = access.RejectLog(cfg.broker.reject_log_per_s)
         # Pacing: the alternating modes pause rollouts once a batch of steps is in.
         self.trainer_version = 0
         self.steps_since_update = 0
@@ -56,47 +61,64 @@ class BrokerState:
     # Messages in
     # =========================================================================================
 
-    def handle(self, identity: bytes, msg: P.Message, now: float) -> list[Out]:
-        """The replies to one decoded message. A bad message is answered with ERROR, never raised."""
+    def handle(self, identity: bytes, msg: P.Message, now: float, key: str | None = None) -> list[Out]:
+        """The replies to one decoded message. A bad message is answered with ERROR, never raised.
+        ``key``: the CURVE key name the ZAP handler gave the sender (None with CURVE off)."""
         worker = self.registry.get(identity)
+        if worker is not None and worker.key != key:  # its ROUTER identity, copied by another key
+            return self.reject(identity, P.E_AUTH, "this identity joined with another key", msg.type, now)
         if worker is not None:
             worker.last_seen = now
         if msg.type == P.READY:
-            return self._on_ready(identity, msg, now)
+            try:
+                return self._on_ready(identity, msg, now, key)
+            except P.ProtocolError as err:
+                return self.reject(identity, err.code, err.reason, msg.type, now)
         if msg.type == P.STATUS:
             return [Out(identity, P.STATUS, {"figures": self.status(now)})]
         if worker is None:
-            return self.reject(identity, P.E_STATE, f"{msg.type} before READY: send READY first", msg.type)
+            return self.reject(identity, P.E_STATE, f"{msg.type} before READY: send READY first", msg.type, now)
         handler = self._HANDLERS.get(msg.type)
         if handler is None:
-            return self.reject(identity, P.E_STATE, f"{msg.type} is not sent to the broker", msg.type)
+            return self.reject(identity, P.E_STATE, f"{msg.type} is not sent to the broker", msg.type, now)
         role = self._ROLE_OF.get(msg.type)
         if role is not None and worker.role != role:
-            return self.reject(identity, P.E_ROLE, f"{msg.type} comes from a {role}, not a {worker.role}", msg.type)
+            return self.reject(identity, P.E_ROLE, f"{msg.type} comes from a {role}, not a {worker.role}", msg.type, now)
         try:
+            if msg.tensors:
+                access.check_segments(worker, msg.tensors)
             return handler(self, worker, msg, now)
         except P.ProtocolError as err:
-            return self.reject(identity, err.code, err.reason, msg.type)
+            return self.reject(identity, err.code, err.reason, msg.type, now)
         except (KeyError, ValueError, TypeError, IndexError) as err:
-            return self.reject(identity, P.E_FIELD, f"{type(err).__name__}: {err}", msg.type)
+            return self.reject(identity, P.E_FIELD, f"{type(err).__name__}: {err}", msg.type, now)
         except Exception as err:  # noqa: BLE001 - a bug met by one message never stops the broker
             log.exception("message_failed", peer=identity.hex()[:16], type=msg.type)
-            return self.reject(identity, E_INTERNAL, f"the broker failed on this {msg.type}: {err!r}", msg.type)
+            return self.reject(identity, E_INTERNAL, f"the broker failed on this {msg.type}: {err!r}", msg.type, now)
 
-    def reject(self, identity: bytes, code: str, reason: str, ref_type: str | None) -> list[Out]:
+    def reject(self, identity: bytes, code: str, reason: str, ref_type: str | None, now: float) -> list[Out]:
+        """ERROR to the sender; the log line is rate-limited per peer (``broker.reject_log_per_s``)."""
         self.stats.errors += 1
-        log.warning("message_rejected", peer=identity.hex()[:16], code=code, reason=reason, type=ref_type)
+        self.reject_log(identity, now, code=code, reason=reason, type=ref_type)
         return [error(identity, code, reason, ref_type)]
 
-    def _on_ready(self, identity: bytes, msg: P.Message, now: float) -> list[Out]:
+    def _on_ready(self, identity: bytes, msg: P.Message, now: float, key: str | None) -> list[Out]:
         role = msg["role"]
         if role not in P.ROLES:
-            return self.reject(identity, P.E_FIELD, f"role {role!r} not in {P.ROLES}", P.READY)
+            raise P.ProtocolError(P.E_FIELD, f"role {role!r} not in {P.ROLES}")
+        if self.curve and not access.role_allowed(key, role):
+            raise P.ProtocolError(P.E_AUTH, f"key {key!r} may not join as {role}: a key named {role}* may "
+                                            "(make one with `rlvla3 keys DIR --client NAME`)")
         out: list[Out] = []
         if identity in self.registry:
             out += self._worker_gone(identity, "re_ready")
         w = Worker(identity=identity, role=role, host=msg["host"], pid=msg["pid"], name=str(msg.get("name", "")),
-                   worker_id=self.registry.new_id(), last_seen=now, info=dict(msg.get("info") or {}))
+                   worker_id=self.registry.new_id(), last_seen=now, info=dict(msg.get("info") or {}), key=key)
+        # The same worker (name, host, pid, key) on a new socket takes back its registration.
+        old = self.registry.find_same(w)
+        if old is not None:
+            log.info("worker_reconnected", role=role, name=w.name, rank=old.rank)
+            out += self._worker_gone(old.identity, "re_ready")
         reply: dict[str, Any] = {
             "role": "broker", "host": self.host, "pid": self.pid,
             "worker_id": w.worker_id, "run_id": self.run_id, "config": self.cfg.to_dict(),
@@ -108,28 +130,55 @@ class BrokerState:
             w.num_envs = int(msg.get("num_envs") or self.cfg.env.num_envs)
         elif role == "trainer":
             w.credits = int(msg.get("credits", 64))
-            w.rank = self.registry.free_rank()
+            w.rank = old.rank if old is not None else self.registry.free_rank()
             world = max(1, self.cfg.workers.trainers)  # 0: the launcher starts none; one joins by hand
             if w.rank >= world:
                 return out + self.reject(identity, P.E_STATE, f"the trainer group is full: workers.trainers="
                                          f"{self.cfg.workers.trainers} ranks have joined (start the broker with a "
-                                         "larger workers.trainers)", P.READY)
+                                         "larger workers.trainers)", P.READY, now)
+            if isinstance(w.info.get("version"), int):  # after a broker restart: the trainer knows
+                self.trainer_version = max(self.trainer_version, w.info["version"])
+                self.admission.on_train(self.trainer_version, None)
             master = next((x for x in self.registry.of_role("trainer") if x.rank == 0), None)
             reply.update(rank=w.rank, world_size=world, trainer_version=self.trainer_version)
             if master is not None:
                 reply["dist"] = master.info.get("dist")
         if role == "generator":
             self.dispatcher.add_generator(identity, int(msg.get("credits", 0)))
+        if role == "simulator":  # its own total: counters survive a broker restart
+            total = int(w.info.get("env_steps") or 0)
+            self.stats.env_steps += self.registry.count_steps(w, total)
+            w.info["env_steps"] = total
         self.registry.add(w)
         log.info("worker_joined", role=role, name=w.name, worker_id=w.worker_id, host=w.host, worker_pid=w.pid,
                  slots=w.slots)
         return out + [Out(identity, P.READY, reply)]
 
     def _on_obs(self, w: Worker, msg: P.Message, now: float) -> list[Out]:
+        window = self.admission.window(self.cfg.batching.max_batch)
+        if window is not None and not msg.get("eval") and msg["n"] > window:
+            raise P.ProtocolError(P.E_LIMIT, f"OBS of {msg['n']} envs: no admission window holds more than {window} "
+                                             "(algo.max_staleness + 1) * algo.batch_steps")
+        queued, nbytes = self.dispatcher.queue.held_by(w.identity)
+        if queued >= self.cfg.broker.max_peer_requests:
+            raise P.ProtocolError(P.E_LIMIT, f"{queued} requests of this simulator queued: broker.max_peer_requests")
+        self._check_bytes(w, msg, nbytes)
         self.dispatcher.on_obs(w, msg, now)
+        self.registry.count_steps(w, w.info["env_steps"])
         return []
 
+    def _check_bytes(self, w: Worker, msg: P.Message, held: int) -> None:
+        held += self.trajs.held_by(w.identity)[1] + inline_bytes(msg.tensors)
+        if held > self.cfg.broker.max_peer_bytes:
+            raise P.ProtocolError(P.E_LIMIT, f"this peer's queued messages would hold {held} bytes at the broker: "
+                                             f"broker.max_peer_bytes={self.cfg.broker.max_peer_bytes}")
+
     def _on_traj(self, w: Worker, msg: P.Message, now: float) -> list[Out]:
+        waiting, nbytes = self.trajs.held_by(w.identity)
+        if waiting >= self.cfg.broker.max_peer_trajs:
+            raise P.ProtocolError(P.E_LIMIT, f"{waiting} fragments of this simulator wait for a trainer: "
+                                             "broker.max_peer_trajs")
+        self._check_bytes(w, msg, self.dispatcher.queue.held_by(w.identity)[1])
         self.stats.traj_received += 1
         evaluating = bool(msg.get("eval"))
         if evaluating:
@@ -163,7 +212,15 @@ class BrokerState:
         return out
 
     def _on_weights(self, w: Worker, msg: P.Message, now: float) -> list[Out]:
+        access.check_weights(w, msg["version"], max(self.weights.version, self.trainer_version),
+                             self.cfg.broker.max_version_step)
+        spec = access.manifest_spec(msg.get("manifest"))
+        if spec is not None and self.model_spec is not None and spec != self.model_spec:
+            raise P.ProtocolError(P.E_FIELD, "WEIGHTS manifest does not match the model's tensors (names, dtypes, "
+                                             "shapes) announced by earlier versions")
         out = self.weights.on_weights(msg)
+        if out and spec is not None:
+            self.model_spec = spec
         if out:
             self.steps_since_update = 0
             self.training_pause = False

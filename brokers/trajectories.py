@@ -20,6 +20,7 @@ import structlog
 from brokers.admission import AdmissionController
 from brokers.ledger import AckLedger
 from brokers.outgoing import Out, ShmBridge
+from brokers.queue import inline_bytes
 from brokers.registry import Registry, Worker
 from brokers.stats import BrokerStats
 from rlvla3 import protocol as P
@@ -58,6 +59,11 @@ class TrajectoryRouter:
         self._next_gid += 1
         w.count_frames(msg.tensors)
         self.pending.append(Trajectory(self._next_gid, w.identity, msg["traj_id"], msg.header, msg.tensors, msg["steps"]))
+
+    def held_by(self, sim: bytes) -> tuple[int, int]:
+        """How many of ``sim``'s fragments wait for a trainer and the inline bytes they hold."""
+        mine = [t for t in self.pending if t.sim == sim]
+        return len(mine), sum(inline_bytes(t.tensors) for t in mine)
 
     def deliver(self) -> list[Out]:
         """Hand pending fragments to trainers with free credits, least loaded first."""

@@ -26,6 +26,7 @@ from urllib.parse import urlsplit
 
 import zmq
 import zmq.auth
+import zmq.utils.z85
 from zmq.auth.thread import ThreadAuthenticator
 
 ZAP_DOMAIN = "rlvla3"
@@ -86,10 +87,23 @@ def start_authenticator(ctx: zmq.Context, keys_dir: str | Path) -> ThreadAuthent
     clients = Path(keys_dir) / "clients"
     if not any(clients.glob("*.key")):
         raise AuthError(f"no client public keys in {clients}: nobody could join")
-    auth = ThreadAuthenticator(ctx)
+    auth = NamedKeyAuthenticator(ctx, clients)
     auth.start()
     auth.configure_curve(domain=ZAP_DOMAIN, location=str(clients))
     return auth
+
+
+class NamedKeyAuthenticator(ThreadAuthenticator):
+    """The allowlist's ZAP handler, naming each admitted peer by its key file: the User-Id of
+    its messages (``frame.get("User-Id")``) is ``NAME`` of ``clients/NAME.key``. The broker binds
+    roles to these names (``brokers.access.role_allowed``)."""
+
+    def __init__(self, ctx: zmq.Context, clients: Path) -> None:
+        super().__init__(ctx)
+        self.names = {_load_public(p): p.name[:-len(".key")] for p in sorted(clients.glob("*.key"))}
+
+    def curve_user_id(self, client_public_key: bytes) -> str:
+        return self.names.get(zmq.utils.z85.encode(client_public_key), "")
 
 
 def configure_server(sock: zmq.Socket, keys_dir: str | Path) -> None:

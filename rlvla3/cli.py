@@ -184,9 +184,10 @@ def worker(role: str, broker_url: str, gpus: str | None, count: int, num_envs: i
 def status(broker_url: str, as_json: bool, timeout: float, keys_dir: str | None, key_name: str) -> None:
     """Print a broker's live figures."""
     from rlvla3.auth import AuthError
+    from rlvla3.launch import request_status
 
     try:
-        fig = _ask_status(broker_url, timeout, keys_dir, key_name)
+        fig = request_status(broker_url, timeout, keys_dir=keys_dir, key_name=key_name)
     except (TimeoutError, AuthError) as exc:
         raise click.ClickException(str(exc)) from None
     if as_json:
@@ -203,39 +204,6 @@ def status(broker_url: str, as_json: bool, timeout: float, keys_dir: str | None,
                if ev["eval_version"] is not None else "latest eval: none yet (env.eval_slots / env.eval_every)")
 
 
-def _ask_status(broker_url: str, timeout_s: float, keys_dir: str | None, key_name: str) -> dict[str, Any]:
-    """One STATUS round trip, as a CURVE client when a key folder is given (an unreadable reply
-    is skipped, not raised)."""
-    import zmq
-
-    from rlvla3 import auth
-    from rlvla3 import protocol as P
-
-    ctx = zmq.Context()
-    sock = ctx.socket(zmq.DEALER)
-    sock.setsockopt(zmq.LINGER, 0)
-    try:
-        auth.configure_client(sock, keys_dir, key_name)
-        sock.connect(broker_url)
-        sock.send_multipart(P.encode(P.STATUS, {}))
-        deadline = time.monotonic() + timeout_s
-        while sock.poll(int(max(1, (deadline - time.monotonic()) * 1000))):
-            try:
-                msg = P.decode(sock.recv_multipart())
-            except P.ProtocolError as err:
-                log.warning("bad_status_reply", code=err.code, reason=err.reason)
-                continue
-            if msg.type == P.STATUS:
-                return dict(msg["figures"])
-            if time.monotonic() >= deadline:
-                break
-        raise TimeoutError(f"no STATUS reply from {broker_url} within {timeout_s} s"
-                           + (" (with CURVE keys: is this client's key in the broker's allowlist?)" if keys_dir else ""))
-    finally:
-        sock.close()
-        ctx.term()
-
-
 # ---------------------------------------------------------------------------------------------
 # keys
 # ---------------------------------------------------------------------------------------------
@@ -250,6 +218,8 @@ def keys(keys_dir: str, clients: tuple[str, ...]) -> None:
 
     Give the broker the whole folder; give each worker host broker.key and its own
     clients/NAME.key_secret. Start with `rlvla3 broker --keys DIR` and `rlvla3 worker --keys DIR`.
+    A key named ROLE* (trainer, trainer0, ...) may join only as that role; `client` may only
+    ask STATUS.
     """
     from rlvla3.auth import DEFAULT_CLIENTS, AuthError, make_keys
 
@@ -280,16 +250,16 @@ def keys(keys_dir: str, clients: tuple[str, ...]) -> None:
               help="Save finished episodes as a LeRobot dataset in DIR (written when the run ends).")
 @click.option("--record-slots", default=None, metavar="0,1",
               help="With --record: simulator slot indices to record (default: every slot).")
+@click.option("--keys", "keys_dir", default=None, envvar="RLVLA3_KEYS",
+              help="CURVE key folder from `rlvla3 keys`: workers use their role's key pair, STATUS polls `client`.")
 @click.pass_context
 def run(ctx: click.Context, config: str | None, steps: int | None, overrides: tuple[str, ...], run_dir: str | None,
-        bind: str, pub: str, resume: str | None, record_dir: str | None, record_slots: str | None) -> None:
+        bind: str, pub: str, resume: str | None, keys_dir: str | None, record_dir: str | None,
+        record_slots: str | None) -> None:
     """Run broker and all workers on this machine from one config, with live progress."""
+    from rlvla3.auth import AuthError, check_bind
     from rlvla3.launch import JobInterrupted, LocalJob
     from rlvla3.shm import segments_of_run
-
-    if os.environ.get("RLVLA3_KEYS"):  # its processes would inherit it, its STATUS polls would not
-        raise click.ClickException("rlvla3 run polls STATUS without CURVE keys: unset RLVLA3_KEYS (a local run "
-                                   "binds loopback), or start `rlvla3 broker --keys` and workers by hand")
     if resume:
         from workers.checkpoint import latest_checkpoint
 
@@ -312,6 +282,13 @@ def run(ctx: click.Context, config: str | None, steps: int | None, overrides: tu
         except (ModuleNotFoundError, ValueError) as exc:
             raise click.ClickException(f"--record: {exc}") from None
         cfg.run.record_dir = str(Path(record_dir).resolve())
+    if keys_dir:
+        cfg.broker.keys_dir = str(Path(keys_dir).resolve())
+    if cfg.broker.keys_dir:
+        try:
+            check_bind([bind, pub], cfg.broker.keys_dir, False, False)
+        except AuthError as exc:
+            raise click.ClickException(str(exc)) from None
     total = steps or cfg.run.total_env_steps
     folder.mkdir(parents=True, exist_ok=True)
     if not resume and cfg.run.sft_episodes > 0 and not cfg.model.checkpoint:

@@ -63,6 +63,16 @@ class BrokerConfig:
     """CURVE key folder made by ``rlvla3 keys DIR`` (rlvla3/auth.py): the broker's ROUTER and PUB
     become CURVE servers that admit only the public keys in ``DIR/clients``. Empty: no CURVE, and
     a non-loopback bind is refused unless the broker is started with ``--insecure``."""
+    max_version_step: int = 1000
+    """WEIGHTS may move the policy version at most this far past the newest the broker knows."""
+    max_peer_requests: int = 256
+    """OBS requests one simulator may have queued at once; more are answered with ERROR."""
+    max_peer_trajs: int = 1024
+    """Trajectory fragments one simulator may have waiting for a trainer; more get ERROR."""
+    max_peer_bytes: int = 1 << 30
+    """Inline tensor bytes one peer's queued requests and waiting fragments may hold."""
+    reject_log_per_s: int = 20
+    """``message_rejected`` log lines per peer per second; the rest are counted in one line."""
 
 
 @dataclass

@@ -20,6 +20,7 @@ from typing import Any, Callable
 import structlog
 import zmq
 
+from rlvla3 import auth
 from rlvla3 import protocol as P
 from rlvla3.config import JobConfig
 from rlvla3.lifetime import STOP_TIMEOUT_S, launcher_env, stop_timeout_s
@@ -92,22 +93,30 @@ def stop_processes(procs: list[subprocess.Popen], timeout_s: float | None = None
             p.wait(5)
 
 
-def request_status(broker: str, timeout_s: float = 5.0, ctx: zmq.Context | None = None) -> dict[str, Any]:
-    """Ask a broker for its live figures (one STATUS round trip)."""
+def request_status(broker: str, timeout_s: float = 5.0, ctx: zmq.Context | None = None,
+                   keys_dir: str | None = None, key_name: str = "client") -> dict[str, Any]:
+    """Ask a broker for its live figures (one STATUS round trip), as CURVE client ``key_name``
+    when a key folder is given. An unreadable reply is logged and skipped, not raised."""
     own = ctx is None
     ctx = ctx or zmq.Context()
     sock = ctx.socket(zmq.DEALER)
     sock.setsockopt(zmq.LINGER, 0)
-    sock.connect(broker)
     try:
+        auth.configure_client(sock, keys_dir, key_name)
+        sock.connect(broker)
         sock.send_multipart(P.encode(P.STATUS, {}))
         deadline = time.monotonic() + timeout_s
         while time.monotonic() < deadline:
             if sock.poll(int(max(1, (deadline - time.monotonic()) * 1000))):
-                msg = P.decode(sock.recv_multipart())
+                try:
+                    msg = P.decode(sock.recv_multipart())
+                except P.ProtocolError as err:
+                    log.warning("bad_status_reply", code=err.code, reason=err.reason)
+                    continue
                 if msg.type == P.STATUS:
                     return dict(msg["figures"])
-        raise TimeoutError(f"no STATUS reply from {broker} within {timeout_s} s")
+        raise TimeoutError(f"no STATUS reply from {broker} within {timeout_s} s"
+                           + (" (with CURVE keys: is this client's key in the broker's allowlist?)" if keys_dir else ""))
     finally:
         sock.close()
         if own:
@@ -179,6 +188,7 @@ class LocalJob:
         self.broker_proc: subprocess.Popen | None = None
         self.workers: list[subprocess.Popen] = []
         self.endpoint = ""
+        self.keys_dir = cfg.broker.keys_dir or None  # CURVE: workers use their role's key, polls "client"
         self.stop_requested = False
         """Set from a signal handler (``request_stop``); start-up waits give up when it is set."""
 
@@ -204,7 +214,7 @@ class LocalJob:
 
     def start_worker(self, role: str, name: str, extra: list[str] | None = None) -> subprocess.Popen:
         args = [*self._log_flags(), "worker", "--role", role, "--broker", self.endpoint, "--name", name,
-                "--run-dir", str(self.run_dir), *(extra or [])]
+                "--run-dir", str(self.run_dir), *(["--keys", self.keys_dir] if self.keys_dir else []), *(extra or [])]
         p = spawn(args, self.run_dir / f"{name}.log")
         self.workers.append(p)
         return p
@@ -223,7 +233,7 @@ class LocalJob:
             self.start_worker("simulator", f"simulator{i}", ["--index", str(i)])
 
     def status(self) -> dict[str, Any]:
-        return request_status(self.endpoint)
+        return request_status(self.endpoint, keys_dir=self.keys_dir)
 
     def wait_status(self, pred: Any, timeout_s: float, what: str) -> dict[str, Any]:
         """Poll STATUS until ``pred(figures)`` holds (deadline; a dead process fails at once)."""
@@ -235,7 +245,7 @@ class LocalJob:
             if dead:
                 raise RuntimeError(f"a process exited with code {dead[0].returncode} while waiting for {what}; logs in {self.run_dir}")
             try:
-                fig = request_status(self.endpoint, timeout_s=2.0)
+                fig = request_status(self.endpoint, timeout_s=2.0, keys_dir=self.keys_dir)
             except TimeoutError:
                 continue
             if pred(fig):

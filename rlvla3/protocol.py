@@ -120,6 +120,8 @@ E_FIELD = "bad_field"
 E_TENSOR = "bad_tensor"
 E_STATE = "out_of_order"
 E_ROLE = "wrong_role"
+E_AUTH = "unauthorized"  # a key, segment or identity this peer may not use
+E_LIMIT = "over_limit"  # a per-peer cap (broker.max_peer_*) or a request no batch can hold
 
 # Every header field of every message type: name -> spec (rlvla3/fields.py). ``required`` must
 # be present; the others are checked when present. Both directions of a type share one entry.

@@ -29,9 +29,10 @@ class Script:
     # ---- driving -------------------------------------------------------------------------------
 
     def send(self, who: bytes, msg_type: str, fields: dict[str, Any] | None = None,
-             tensors: dict[str, Any] | None = None) -> list[Out]:
+             tensors: dict[str, Any] | None = None, key: str | None = None) -> list[Out]:
+        """``key``: the CURVE key name the shell would pass (the ZAP User-Id)."""
         msg = P.decode(P.encode(msg_type, fields, tensors))
-        outs = self.state.handle(who, msg, self.now)
+        outs = self.state.handle(who, msg, self.now, key)
         self.sent += outs
         return outs
 

@@ -16,9 +16,9 @@ from click.testing import CliRunner
 
 from rlvla3 import auth
 from rlvla3 import protocol as P
-from rlvla3.cli import _ask_status, main
+from rlvla3.cli import main
 from rlvla3.config import load
-from rlvla3.launch import LocalJob
+from rlvla3.launch import LocalJob, request_status
 from tests.jobs import FAST, wait_until
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -84,7 +84,7 @@ def test_curve_broker_admits_only_allowlisted_keys(tmp_path: Path, keys: Path, z
             s.setsockopt(zmq.CURVE_SECRETKEY, stranger_secret)
 
         assert _silent(zctx, job.endpoint, unlisted), "a key outside the allowlist got an answer"
-        fig = _ask_status(job.endpoint, 5.0, str(keys), "client")
+        fig = request_status(job.endpoint, 5.0, keys_dir=str(keys))
         assert fig["workers"] == {"simulator": 0, "generator": 0, "trainer": 0}
         assert job.broker_proc.poll() is None
     finally:
@@ -100,7 +100,7 @@ def test_job_runs_end_to_end_with_curve(tmp_path: Path, keys: Path, monkeypatch)
         def advanced():
             dead = [p.returncode for p in [job.broker_proc, *job.workers] if p.poll() is not None]
             assert not dead, f"a process exited: {dead}\n" + "\n".join(f.read_text()[-2000:] for f in job.run_dir.glob("*.log"))
-            fig = _ask_status(job.endpoint, 5.0, str(keys), "client")
+            fig = request_status(job.endpoint, 5.0, keys_dir=str(keys))
             gen = next((w for w in fig["per_worker"] if w["role"] == "generator"), None)
             return fig["env_steps"] >= 200 and fig["policy_version"] >= 2 and gen and (gen["version"] or -1) >= 2
 
@@ -108,6 +108,52 @@ def test_job_runs_end_to_end_with_curve(tmp_path: Path, keys: Path, monkeypatch)
         assert "curve=True" in (job.run_dir / "broker.log").read_text()
     finally:
         job.stop()
+
+
+def _ask(ctx: zmq.Context, endpoint: str, keys: Path, key_name: str, msg: list) -> P.Message:
+    """One message from an allowlisted CURVE client ``key_name``, and the broker's answer."""
+    sock = ctx.socket(zmq.DEALER)
+    sock.setsockopt(zmq.LINGER, 0)
+    try:
+        auth.configure_client(sock, str(keys), key_name)
+        sock.connect(endpoint)
+        sock.send_multipart(msg)
+        assert sock.poll(10_000), f"no answer to {key_name}"
+        return P.decode(sock.recv_multipart())
+    finally:
+        sock.close()
+
+
+def test_curve_roles_are_bound_to_key_names(tmp_path: Path, keys: Path, zctx, monkeypatch):
+    """The shell hands the ZAP User-Id (the key file's name) to the state: the ``client`` key
+    may ask STATUS but not join, a ``simulator`` key may join only as a simulator."""
+    monkeypatch.setenv("RLVLA3_KEYS", str(keys))
+    job = _job(tmp_path, start=False)
+    try:
+        def ready(role: str) -> list:
+            return P.encode(P.READY, {"role": role, "host": "h", "pid": 1, "name": "x"})
+
+        for key_name, role in (("client", "trainer"), ("simulator", "trainer"), ("generator", "simulator")):
+            reply = _ask(zctx, job.endpoint, keys, key_name, ready(role))
+            assert reply.type == P.ERROR and reply["code"] == P.E_AUTH, (key_name, role, reply.header)
+        assert _ask(zctx, job.endpoint, keys, "simulator", ready("simulator")).type == P.READY
+        assert _ask(zctx, job.endpoint, keys, "client", P.encode(P.STATUS, {})).type == P.STATUS
+        assert job.broker_proc.poll() is None
+    finally:
+        job.stop()
+
+
+@pytest.mark.slow
+def test_rlvla3_run_with_keys(tmp_path: Path, keys: Path):
+    """``rlvla3 run --keys``: every process a CURVE peer with its role's key, STATUS polls too."""
+    run_dir = tmp_path / "run"
+    env = {k: v for k, v in os.environ.items() if k != "RLVLA3_KEYS"}
+    sets = [x for kv in FAST for x in ("--set", kv)]
+    r = subprocess.run([sys.executable, "-m", "rlvla3", "run", "synthetic.yaml", "--steps", "300", "--keys", str(keys),
+                        "--run-dir", str(run_dir), *sets], cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
+    assert r.returncode == 0, r.stderr[-3000:]
+    assert '"reason": "steps_reached"' in r.stdout.strip().splitlines()[-1], r.stdout[-2000:]
+    assert "curve=True" in (run_dir / "broker.log").read_text()
 
 
 def _broker_cli(tmp_path: Path, *args: str) -> subprocess.CompletedProcess:
@@ -145,7 +191,7 @@ def test_ipc_endpoints_are_owner_only(tmp_path: Path):
         for name in ("router.sock", "pub.sock"):
             mode = stat.S_IMODE((tmp_path / name).stat().st_mode)
             assert mode & 0o077 == 0, f"{name} is {oct(mode)}"
-        assert _ask_status(job.endpoint, 5.0, None, "client")["run_id"]
+        assert request_status(job.endpoint, 5.0)["run_id"]
     finally:
         job.stop()
 
@@ -157,11 +203,3 @@ def test_ipc_endpoints_are_owner_only(tmp_path: Path):
 ])
 def test_is_loopback(endpoint: str, loopback: bool):
     assert auth.is_loopback(endpoint) is loopback
-
-
-def test_run_refuses_keys_it_cannot_use(monkeypatch, keys: Path):
-    """``rlvla3 run`` would hand RLVLA3_KEYS to its broker and workers but poll STATUS without
-    it (and wait forever): it says so instead."""
-    monkeypatch.setenv("RLVLA3_KEYS", str(keys))
-    result = CliRunner().invoke(main, ["run", "synthetic.yaml", "--steps", "1"])
-    assert result.exit_code != 0 and "unset RLVLA3_KEYS" in result.output, result.output

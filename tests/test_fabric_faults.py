@@ -6,8 +6,13 @@ from __future__ import annotations
 
 import os
 import signal
+import time
 
 import pytest
+import zmq
+
+from rlvla3 import protocol as P
+from tests.jobs import job_logs, wait_until
 
 pytestmark = pytest.mark.slow
 
@@ -47,13 +52,76 @@ def test_trainer_killed_its_trajectories_go_to_the_next(job_factory):
     assert fig["traj"]["dropped"] == 0
 
 
-def test_workers_survive_a_broker_restart(job_factory):
+def test_workers_survive_a_broker_restart_and_its_counters_are_rebuilt(job_factory):
     job = job_factory()
-    fig = job.wait(lambda f: f["env_steps"] > 100, 90, "stepping")
+    fig = job.wait(lambda f: f["env_steps"] > 100 and f["trainer_version"] >= 1, 120, "stepping and training")
     endpoint, pub = job.endpoint, fig["run_id"]
+    steps, version = fig["env_steps"], fig["trainer_version"]
     job.broker_proc.send_signal(signal.SIGKILL)
     job.broker_proc.wait(10)
     job.start_broker(endpoint, None)  # same address; a new broker knows nobody
-    fig = job.wait(lambda f: f["workers"]["simulator"] == 1 and f["workers"]["generator"] == 1
-                   and f["env_steps"] > 50, 120, "workers re-joined the restarted broker and stepping")
+    fig = job.wait(lambda f: f["workers"] == {"simulator": 1, "generator": 1, "trainer": 1}, 120,
+                   "workers re-joined the restarted broker")
+    # The simulators' and trainer's own counts rebuild the counters: nothing starts from 0.
+    assert fig["env_steps"] >= steps and fig["trainer_version"] >= version, (fig["env_steps"], steps)
+    fig = job.wait(lambda f: f["env_steps"] > steps + 100, 120, "stepping on after the restart")
     assert fig["run_id"] != pub
+
+
+def test_a_reconnecting_trainer_takes_back_its_rank_and_nobody_else_can(job_factory, zctx):
+    """A READY on a new socket with the trainer's name, host and pid is that trainer coming back
+    (its first READY went unanswered, or it gave up on a silent broker): it gets its rank back.
+    It used to be refused ("trainer group is full") and exit. Another pid is still refused."""
+    job = job_factory()
+    fig = job.wait(lambda f: f["policy_version"] >= 1, 120, "training")
+    me = next(w for w in fig["per_worker"] if w["role"] == "trainer")
+
+    def ready(pid: int) -> P.Message:
+        sock = zctx.socket(zmq.DEALER)
+        sock.setsockopt(zmq.LINGER, 0)
+        try:
+            sock.connect(job.endpoint)
+            sock.send_multipart(P.encode(P.READY, {"role": "trainer", "host": me["host"], "pid": pid,
+                                                   "name": me["name"], "credits": 1}))
+            assert sock.poll(10_000), "no answer to READY"
+            return P.decode(sock.recv_multipart())
+        finally:
+            sock.close()
+
+    other = ready(me["pid"] + 1)
+    assert other.type == P.ERROR and "trainer group is full" in other["reason"], other.header
+    again = ready(me["pid"])
+    assert again.type == P.READY and again["rank"] == 0, again.header
+    # The real trainer's old identity was replaced: it READYs again and takes rank 0 back.
+    version = fig["policy_version"]
+    fig = job.wait(lambda f: f["workers"]["trainer"] == 1 and f["policy_version"] > version + 1, 120,
+                   "the trainer training on at rank 0")
+    assert all(p.poll() is None for p in job.workers), job_logs(job)
+
+
+def test_a_rejection_flood_writes_a_bounded_log(job_factory, zctx):
+    """10,000 messages a broker must refuse: each is answered and counted, but the log gets at
+    most ``broker.reject_log_per_s`` lines per peer per second plus a count of the rest."""
+    job = job_factory(start=False)
+    sock = zctx.socket(zmq.DEALER)
+    sock.setsockopt(zmq.LINGER, 0)
+    sock.setsockopt(zmq.RCVHWM, 0)
+    sock.connect(job.endpoint)
+    flood = P.encode(P.HEARTBEAT, {})  # before READY: refused
+    t0 = time.monotonic()
+    try:
+        for _ in range(10_000):
+            sock.send_multipart(flood)
+        job.wait(lambda f: f["errors"] >= 10_000, 120, "every message refused")
+        log = job.run_dir / "broker.log"
+
+        def summarised() -> bool:
+            sock.send_multipart(flood)  # a message in a later second writes the summary
+            return "message_rejections_suppressed" in log.read_text()
+
+        wait_until(summarised, 30, "the suppressed rejections summed in one line", interval=0.2)
+        elapsed = time.monotonic() - t0
+    finally:
+        sock.close()
+    lines = log.read_text().count("message_rejected")
+    assert lines <= job.cfg.broker.reject_log_per_s * (elapsed + 2), (lines, elapsed)

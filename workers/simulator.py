@@ -110,7 +110,8 @@ class SimulatorWorker(WorkerBase):
         if self.cfg is None:  # first READY: announce what we will have (overrides or defaults later)
             return {"slots": self.slots_override or 0, "num_envs": self.num_envs_override or 0}
         n, s = self._layout()
-        return {"slots": s, "num_envs": n}
+        # Our total: a restarted broker rebuilds its env-step count from it.
+        return {"slots": s, "num_envs": n, "info": {"env_steps": self.env_steps}}
 
     def setup(self) -> None:
         cfg = self.cfg
@@ -394,8 +395,9 @@ class SimulatorWorker(WorkerBase):
     def on_reconnected(self) -> None:
         """The broker restarted: re-send what it may have lost (requests and unacked TRAJ)."""
         for slot in self.slots:
-            if slot.waiting and slot.pending_obs is not None:
-                self.send(P.OBS, *slot.pending_obs)
+            if slot.waiting and slot.pending_obs is not None:  # its steps are in READY's total
+                fields, tensors = slot.pending_obs
+                self.send(P.OBS, dict(fields, env_steps=0), tensors)
         for fields, tensors, _ in self.unacked.values():
             self.send(P.TRAJ, fields, tensors)
 

@@ -80,7 +80,8 @@ class TrainerWorker(WorkerBase):
 
     def ready_fields(self) -> dict[str, Any]:
         # Every trainer offers a rendezvous address; the broker passes rank 0's to the others.
-        return {"credits": self.credits, "info": {"dist": self.dist_info}}
+        # Our version too: a restarted broker rebuilds its trainer version from it.
+        return {"credits": self.credits, "info": {"dist": self.dist_info, "version": self.version}}
 
     def heartbeat_fields(self) -> dict[str, Any]:
         return {"credits": self.credits, "version": self.version}
@@ -145,8 +146,9 @@ class TrainerWorker(WorkerBase):
     def start(self) -> None:
         if self.resumed_from is not None and self.rank == 0:
             # Generators swap to the resumed weights at once (the broker keeps them as snapshot).
-            self._publish()
+            # TRAIN first: the broker accepts WEIGHTS only a bounded step past the version it knows.
             self.send(P.TRAIN, {"phase": "end", "version": self.version, "stats": {"version": self.version, "resumed": True}})
+            self._publish()
 
     # -- receiving (socket thread) ------------------------------------------------------------
 

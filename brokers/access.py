@@ -1,0 +1,102 @@
+"""Who may do what at the broker: roles bound to CURVE key names, shared-memory segments bound
+to the worker that wrote them, WEIGHTS only from trainer rank 0 in sane version steps, and a
+rejection log that a flood cannot grow without bound.
+
+Role rule (CURVE on, ``broker.keys_dir`` set): the ZAP handler names each peer by the file its
+public key came from (``DIR/clients/NAME.key``, see ``rlvla3.auth``). A peer may join as role
+``R`` only when ``NAME`` starts with ``R`` (``trainer``, ``trainer0``, ``trainer-a`` may join as
+trainer; ``client`` may only ask STATUS). Every later message must come with the key it joined
+with, so a peer that copies another's ROUTER identity is refused.
+
+Without CURVE nothing authenticates a peer, so there is no token: one handed out in the READY
+reply would go to whoever asks. Such a broker binds only loopback or owner-only ipc:// unless
+``--insecure`` is given (``rlvla3.auth.check_bind``); on a shared machine, use ``--auth``.
+"""
+
+from __future__ import annotations
+
+import re
+from typing import Any
+
+import structlog
+
+from brokers.registry import Worker
+from rlvla3 import protocol as P
+
+log = structlog.get_logger()
+
+
+def role_allowed(key_name: str | None, role: str) -> bool:
+    """With CURVE on, a key named ``role*`` may join as ``role``."""
+    return bool(key_name) and str(key_name).startswith(role)
+
+
+def check_segments(w: Worker, tensors: dict[str, Any]) -> None:
+    """Every shared-memory reference must name a segment of this worker: on its host, created by
+    its pid (``rlvla3_<run id>_<pid>_<n>``, ``rlvla3.shm.ShmPool``). The run id part is any run's:
+    a worker's pools outlive a broker restart, which starts a new run id. Bounds are checked
+    where the bytes are read (``ShmAttachments.array``)."""
+    pattern = None
+    for name, t in tensors.items():
+        if not isinstance(t, P.ShmRef):
+            continue
+        if t.host != w.host:
+            raise P.ProtocolError(P.E_AUTH, f"tensor {name!r}: segment on host {t.host!r}, the worker is on {w.host!r}")
+        pattern = pattern or re.compile(rf"{re.escape(P.SHM_PREFIX)}[A-Za-z0-9]+_{w.pid}_\d+")
+        if not pattern.fullmatch(t.seg):
+            raise P.ProtocolError(P.E_AUTH, f"tensor {name!r}: segment {t.seg!r} is not one of this worker's "
+                                            f"(rlvla3_<run>_{w.pid}_<n>)")
+
+
+def check_weights(w: Worker, version: int, newest: int, max_step: int) -> None:
+    """WEIGHTS comes from trainer rank 0 and moves the version at most ``max_step`` past the
+    newest the broker knows (snapshot, TRAIN reports, trainers' READY): a peer cannot jump the
+    job to version 2^62 and make every later real version look old."""
+    if w.rank != 0:
+        raise P.ProtocolError(P.E_ROLE, f"WEIGHTS comes from trainer rank 0, not rank {w.rank}")
+    if version > max(newest, 0) + max_step:
+        raise P.ProtocolError(P.E_VERSION, f"WEIGHTS version {version} is more than broker.max_version_step="
+                                           f"{max_step} past the newest known ({newest})")
+
+
+def manifest_spec(manifest: Any) -> tuple | None:
+    """The model spec a manifest describes: (name, dtype, shape, trainable) of every tensor, or
+    ``None`` when there is no readable one (the weights module checks the rest)."""
+    if not isinstance(manifest, dict) or not isinstance(manifest.get("entries"), list):
+        return None
+    try:
+        return tuple((e[0], e[1], tuple(e[2]), bool(e[8])) for e in manifest["entries"])
+    except (TypeError, IndexError, KeyError):
+        return None
+
+
+class RejectLog:
+    """At most ``per_s`` ``message_rejected`` lines per peer per second; the rest of that second
+    is summed into one ``message_rejections_suppressed`` line when the next second begins."""
+
+    MAX_PEERS = 4096
+
+    def __init__(self, per_s: int) -> None:
+        self.per_s = per_s
+        self._window: dict[bytes, list[float | int]] = {}  # peer -> [second start, logged, suppressed]
+
+    def __call__(self, identity: bytes, now: float, **fields: Any) -> None:
+        win = self._window.get(identity)
+        if win is None or now - win[0] >= 1.0:
+            if win is not None and win[2]:
+                log.warning("message_rejections_suppressed", peer=identity.hex()[:16], count=win[2])
+            if win is None and len(self._window) >= self.MAX_PEERS:
+                self._flush(now)
+            win = self._window[identity] = [now, 0, 0]
+        if win[1] < self.per_s:
+            win[1] += 1
+            log.warning("message_rejected", peer=identity.hex()[:16], **fields)
+        else:
+            win[2] += 1
+
+    def _flush(self, now: float) -> None:
+        for peer, win in list(self._window.items()):
+            if now - win[0] >= 1.0 or len(self._window) >= self.MAX_PEERS:
+                if win[2]:
+                    log.warning("message_rejections_suppressed", peer=peer.hex()[:16], count=win[2])
+                del self._window[peer]
