@@ -7,8 +7,8 @@ the messages to send come out. ``brokers.broker`` is the socket shell around it.
     state.unsent(out)                         # the shell could not send ``out`` (peer gone/full)
 
 Sections, one module each: the worker registry (``registry``), dispatch and batching
-(``dispatch``), trajectories (``trajectories``), admission (``admission``), the weight snapshot
-(``weights``). Pacing (the sync barrier and the alternating modes' training pause) is here.
+(``dispatch``), trajectories (``trajectories``), admission (``admission``), the latest weight
+announcement (``weights``: versions, never bytes). Pacing (the sync barrier and the alternating modes' training pause) is here.
 """
 
 from __future__ import annotations
@@ -23,7 +23,7 @@ from brokers.outgoing import E_INTERNAL, Out, ShmBridge, error
 from brokers.registry import Registry, Worker
 from brokers.stats import BrokerStats
 from brokers.trajectories import TrajectoryRouter
-from brokers.weights import WeightsSnapshot
+from brokers.weights import WeightsAnnouncements
 from rlvla3 import protocol as P
 from rlvla3.config import JobConfig
 
@@ -44,7 +44,7 @@ class BrokerState:
         self.bridge = bridge or ShmBridge(host)
         self.dispatcher = Dispatcher(cfg, self.registry, self.admission, self.bridge, self.stats)
         self.trajs = TrajectoryRouter(self.registry, self.bridge, self.stats, grpo=cfg.algo.name == "grpo")
-        self.weights = WeightsSnapshot()
+        self.weights = WeightsAnnouncements()
         # Pacing: the alternating modes pause rollouts once a batch of steps is in.
         self.trainer_version = 0
         self.steps_since_update = 0
