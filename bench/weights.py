@@ -2,7 +2,7 @@
 plain memcpy of the same bytes measured in the same run.
 
     python bench/weights.py [--sizes tiny,medium] [--readers 1,2] [--versions 4] [--copy-threads 2]
-                            [--quick | --smoke] [--out DIR]
+                            [--quick | --smoke] [--out bench/out]
 
 Processes, all on this host:
 
@@ -56,7 +56,7 @@ import zmq
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from bench._common import emit, note, start_child, stop_child  # noqa: E402
+from bench._common import OUT_DIR, emit, note, start_child, stop_child  # noqa: E402
 from rlvla3 import protocol as P  # noqa: E402
 from rlvla3.shm import host_id, segments_of_run  # noqa: E402
 from rlvla3.config import load  # noqa: E402
@@ -401,7 +401,7 @@ def main() -> None:
     ap.add_argument("--copy-threads", type=int, default=2, help="weights.copy_threads, both sides")
     ap.add_argument("--quick", action="store_true", help="the last of --sizes only, 1 reader, 2 versions (about a minute)")
     ap.add_argument("--smoke", action="store_true", help="tiny, 1 reader, 2 versions (seconds)")
-    ap.add_argument("--out", default="")
+    ap.add_argument("--out", default=OUT_DIR, help="folder for weights.json (default: ./bench/out)")
     args = ap.parse_args()
     if args.child == "reader":
         return reader(args)
