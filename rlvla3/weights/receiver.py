@@ -257,8 +257,12 @@ class WeightReceiver:
 
 
 def _finite(t: torch.Tensor) -> bool:
-    """No inf or NaN in a floating tensor: one summing pass (either makes the float32 sum non-finite)."""
-    return not t.is_floating_point() or bool(torch.isfinite(t.sum(dtype=torch.float32)))
+    """No inf or NaN in a floating tensor: one summing pass (either makes the sum non-finite).
+    The sum keeps the tensor's dtype (torch accumulates bf16 in float32; a float32 result is 10x
+    slower to ask for), except float16, whose range a sum of finite values can leave."""
+    if not t.is_floating_point():
+        return True
+    return bool(torch.isfinite(t.sum(dtype=torch.float32) if t.dtype == torch.float16 else t.sum()))
 
 
 def _bytes_of(t: torch.Tensor) -> np.ndarray:
