@@ -2,7 +2,7 @@
 plain memcpy of the same bytes measured in the same run.
 
     python bench/weights.py [--sizes tiny,medium] [--readers 1,2] [--versions 4] [--copy-threads 2]
-                            [--quick | --smoke] [--out DIR]
+                            [--quick | --smoke] [--out bench/out]
 
 Processes, all on this host:
 
@@ -10,10 +10,11 @@ Processes, all on this host:
   model (``medium``: Qwen2-0.5B's shapes, 494M parameters, the 136M-parameter embedding frozen;
   built on the meta device and materialised in bf16, never as an fp32 copy). Each version
   changes every trainable tensor, is written into the store and announced;
-- a broker stand-in process runs the broker's weight rule (:class:`LatestWeights`) behind a
-  ROUTER (WEIGHTS in) and a PUB (WEIGHTS out), as the broker will: its RSS is
-  ``broker_rss_mb`` (max over the run; not the whole broker, only the part that used to hold
-  the weights);
+- a real broker process (``rlvla3 broker``, the synthetic config): this process joins it as
+  the trainer and sends each WEIGHTS announcement; the broker keeps the newest
+  (:class:`LatestWeights`) and publishes it on its PUB, which the readers subscribe to. Its RSS
+  (``/proc/PID/status``, max over the run, read after each announcement) is ``broker_rss_mb``;
+  ``broker_rss_mb_start`` is its RSS before the first version;
 - 1 or 2 reader processes, each a :class:`WeightReceiver` beside a serving loop that runs
   "forward passes" (bf16 matmuls through the model's first layers) back to back; a weights
   thread fetches and verifies, the loop swaps between two passes.
@@ -39,8 +40,10 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import shutil
 import statistics
 import sys
+import tempfile
 import time
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
@@ -53,10 +56,11 @@ import zmq
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from bench._common import emit, note, start_child, stop_child  # noqa: E402
+from bench._common import OUT_DIR, emit, note, start_child, stop_child  # noqa: E402
 from rlvla3 import protocol as P  # noqa: E402
 from rlvla3.shm import host_id, segments_of_run  # noqa: E402
-from rlvla3.weights.announce import LatestWeights  # noqa: E402
+from rlvla3.config import load  # noqa: E402
+from rlvla3.launch import LocalJob  # noqa: E402
 from rlvla3.weights.publisher import WeightPublisher  # noqa: E402
 from rlvla3.weights.receiver import WeightReceiver  # noqa: E402
 
@@ -125,28 +129,11 @@ def rss_mb() -> float:
     return float("nan")
 
 
-def broker_stand_in() -> None:
-    """The broker's weight duty: LatestWeights behind ROUTER (in) and PUB (out)."""
-    ctx = zmq.Context()
-    router, pub = ctx.socket(zmq.ROUTER), ctx.socket(zmq.PUB)
-    router.bind("tcp://127.0.0.1:*")
-    pub.bind("tcp://127.0.0.1:*")
-    print(router.getsockopt_string(zmq.LAST_ENDPOINT), pub.getsockopt_string(zmq.LAST_ENDPOINT), flush=True)
-    rule = LatestWeights()
-    ppid = os.getppid()
-    while os.getppid() == ppid:
-        if not router.poll(500, zmq.POLLIN):
-            continue
-        ident, *frames = router.recv_multipart(copy=False)
-        try:
-            msg = P.decode(frames)
-            out = rule.offer(msg) if msg.type == P.WEIGHTS else None
-            if out is not None:
-                pub.send_multipart([b"W", *P.encode(P.WEIGHTS, out)], zmq.DONTWAIT)
-            reply = {"version": rule.version, "rss_mb": rss_mb()}
-        except P.ProtocolError as err:
-            reply = {"error": err.reason, "rss_mb": rss_mb()}
-        router.send_multipart([ident, json.dumps(reply).encode()])
+def rss_of(pid: int) -> float:
+    for line in Path(f"/proc/{pid}/status").read_text().splitlines():
+        if line.startswith("VmRSS:"):
+            return int(line.split()[1]) / 1024
+    return float("nan")
 
 
 def reader(args: argparse.Namespace) -> None:
@@ -252,10 +239,23 @@ class Baseline:
 class Bench:
     def __init__(self, copy_threads: int) -> None:
         self.ctx = zmq.Context()
-        self.broker_proc, eps = start_child([__file__, "--child", "broker"])
-        router_ep, self.pub_ep = eps.split()
+        self.tmp = Path(tempfile.mkdtemp(prefix="rlvla3_weights_bench_"))
+        cfg = load("synthetic.yaml", ["broker.liveness=600"])  # the bench trainer is busy publishing at times
+        (self.tmp / "config.yaml").write_text(cfg.to_yaml())
+        self.job = LocalJob(cfg, self.tmp, self.tmp / "config.yaml")
+        endpoint = self.job.start_broker("tcp://127.0.0.1:0", "tcp://127.0.0.1:0")
         self.broker = self.ctx.socket(zmq.DEALER)
-        self.broker.connect(router_ep)
+        self.broker.setsockopt(zmq.LINGER, 0)
+        self.broker.connect(endpoint)
+        self.broker.send_multipart(P.encode(P.READY, {"role": "trainer", "host": host_id(), "pid": os.getpid(), "name": "bench"}))
+        if not self.broker.poll(30_000, zmq.POLLIN):
+            raise RuntimeError("the broker did not answer READY")
+        welcome = P.decode(self.broker.recv_multipart())
+        if welcome.type != P.READY:
+            raise RuntimeError(f"the broker refused the bench trainer: {welcome.header}")
+        self.pub_ep = welcome["pub"]
+        self.last_hb = time.monotonic()
+        self.broker_rss_start = rss_of(self.job.broker_proc.pid)
         self.pull = self.ctx.socket(zmq.PULL)
         self.pull.bind("tcp://127.0.0.1:*")
         self.ctl = self.ctx.socket(zmq.PUB)
@@ -266,17 +266,37 @@ class Bench:
         self.copy_threads = copy_threads
 
     def announce(self, fields: dict[str, Any]) -> None:
+        """WEIGHTS to the broker, then STATUS: its reply comes after any ERROR for the WEIGHTS."""
         self.broker.send_multipart(P.encode(P.WEIGHTS, fields))
-        if not self.broker.poll(30_000, zmq.POLLIN):
-            raise RuntimeError("the broker stand-in did not answer")
-        reply = json.loads(self.broker.recv())
-        if "error" in reply:
-            raise RuntimeError(f"the broker stand-in refused WEIGHTS: {reply['error']}")
-        self.broker_rss.append(reply["rss_mb"])
+        self.broker.send_multipart(P.encode(P.STATUS, {}))
+        deadline = time.monotonic() + 30
+        while time.monotonic() < deadline:
+            if not self.broker.poll(1000, zmq.POLLIN):
+                continue
+            msg = P.decode(self.broker.recv_multipart())
+            if msg.type == P.ERROR:
+                raise RuntimeError(f"the broker refused WEIGHTS: {msg['reason']}")
+            if msg.type == P.STATUS:
+                if msg["figures"]["policy_version"] != fields["version"]:
+                    raise RuntimeError(f"the broker holds version {msg['figures']['policy_version']}, not {fields['version']}")
+                self.broker_rss.append(rss_of(self.job.broker_proc.pid))
+                return
+        raise RuntimeError("the broker did not answer STATUS")
+
+    def keep_alive(self) -> None:
+        """Heartbeat the broker (it expires a silent trainer) and drop what it sends us."""
+        while self.broker.poll(0, zmq.POLLIN):
+            msg = P.decode(self.broker.recv_multipart())
+            if msg.type == P.ERROR:
+                raise RuntimeError(f"the broker sent ERROR: {msg['reason']}")
+        if time.monotonic() - self.last_hb > 0.5:
+            self.broker.send_multipart(P.encode(P.HEARTBEAT, {}))
+            self.last_hb = time.monotonic()
 
     def drain(self, until: Any, timeout: float, what: str) -> None:
         deadline = time.monotonic() + timeout
         while not until():
+            self.keep_alive()
             if time.monotonic() > deadline:
                 raise RuntimeError(f"timed out waiting for {what}")
             if self.pull.poll(100, zmq.POLLIN):
@@ -351,22 +371,25 @@ class Bench:
             "max_swap_ms": round(max(s["max_swap_ms"] or 0 for s in stats), 3),
             "forward_ms": round(statistics.median(s["forward_ms"] or 0 for s in stats), 3),
             "forward_ms_max": round(max(s["forward_ms_max"] or 0 for s in stats), 3),
-            "broker_rss_mb": round(max(self.broker_rss), 1), "announcement_bytes": ann_bytes,
+            "broker_rss_mb": round(max(self.broker_rss), 1), "broker_rss_mb_start": round(self.broker_rss_start, 1),
+            "announcement_bytes": ann_bytes,
             "reader_rss_mb": round(max(s["rss_mb"] for s in stats), 1),
             "rejected": sum(s["rejected"] for s in stats), "shm_left": segments_of_run(rid),
             "source": sorted({e["source"] for e in self.events if e["event"] == "swapped"}),
         }
 
     def close(self) -> None:
-        stop_child(self.broker_proc)
+        self.broker.send_multipart(P.encode(P.DISCONNECT, {}))
+        self.job.stop()
         for s in (self.broker, self.pull, self.ctl):
             s.close(linger=0)
         self.ctx.term()
+        shutil.rmtree(self.tmp, ignore_errors=True)
 
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--child", choices=["broker", "reader"])
+    ap.add_argument("--child", choices=["reader"])
     ap.add_argument("--size", default="tiny")
     ap.add_argument("--name", default="")
     ap.add_argument("--pub", default="")
@@ -378,10 +401,8 @@ def main() -> None:
     ap.add_argument("--copy-threads", type=int, default=2, help="weights.copy_threads, both sides")
     ap.add_argument("--quick", action="store_true", help="the last of --sizes only, 1 reader, 2 versions (about a minute)")
     ap.add_argument("--smoke", action="store_true", help="tiny, 1 reader, 2 versions (seconds)")
-    ap.add_argument("--out", default="")
+    ap.add_argument("--out", default=OUT_DIR, help="folder for weights.json (default: ./bench/out)")
     args = ap.parse_args()
-    if args.child == "broker":
-        return broker_stand_in()
     if args.child == "reader":
         return reader(args)
     sizes = ["tiny"] if args.smoke else args.sizes.split(",")[-1:] if args.quick else args.sizes.split(",")
@@ -404,8 +425,8 @@ def main() -> None:
         bench.close()
     head = dict(runs[-1])
     result = {**head, "runs": runs, "host_cpus": os.cpu_count(),
-              "note": "broker_rss_mb: RSS of a process running the broker's weight rule (LatestWeights) behind "
-                      "ROUTER+PUB, not the whole broker; shared, noisy machine"}
+              "note": "broker_rss_mb: RSS of the real broker process (rlvla3 broker) that relays every "
+                      "announcement; shared, noisy machine"}
     if args.out:
         Path(args.out).mkdir(parents=True, exist_ok=True)
         (Path(args.out) / "weights.json").write_text(json.dumps(result, indent=1))

@@ -7,8 +7,8 @@ the messages to send come out. ``brokers.broker`` is the socket shell around it.
     state.unsent(out)                         # the shell could not send ``out`` (peer gone/full)
 
 Sections, one module each: the worker registry (``registry``), dispatch and batching
-(``dispatch``), trajectories (``trajectories``), admission (``admission``), the weight snapshot
-(``weights``). Pacing (the sync barrier and the alternating modes' training pause) is here.
+(``dispatch``), trajectories (``trajectories``), admission (``admission``), the latest weight
+announcement (``weights``: versions, never bytes). Pacing (the sync barrier and the alternating modes' training pause) is here.
 """
 
 from __future__ import annotations
@@ -25,7 +25,7 @@ from brokers.queue import inline_bytes
 from brokers.registry import Registry, Worker
 from brokers.stats import BrokerStats
 from brokers.trajectories import TrajectoryRouter
-from brokers.weights import WeightsSnapshot
+from brokers.weights import WeightsAnnouncements
 from rlvla3 import protocol as P
 from rlvla3.config import JobConfig
 
@@ -47,7 +47,7 @@ class BrokerState:
         self.dispatcher = Dispatcher(cfg, self.registry, self.admission, self.bridge, self.stats)
         self.trajs = TrajectoryRouter(self.registry, self.bridge, self.stats, grpo=cfg.algo.name == "grpo",
                                       admission=self.admission, hold_steps=cfg.algo.batch_steps)
-        self.weights = WeightsSnapshot()
+        self.weights = WeightsAnnouncements()
         self.curve = bool(cfg.broker.keys_dir)  # roles bound to key names (brokers.access)
         self.model_spec: tuple | None = None  # the tensors of the first accepted manifest
         self.reject_log = access.RejectLog(cfg.broker.reject_log_per_s)

@@ -1,5 +1,11 @@
-"""The latest weights: kept encoded once, published to every generator on arrival and sent
-again to any generator that asks (SNAPSHOT) after joining late or missing a publication."""
+"""The latest weight announcement: published to every generator on arrival and sent again to
+any generator that asks (SNAPSHOT) after joining late or missing a publication.
+
+The broker handles versions, not bytes: the rule (:class:`rlvla3.weights.announce.LatestWeights`)
+keeps the newest announcement (version, manifest, where the bytes are), accepts only increasing
+versions and refuses a WEIGHTS that carries tensors (ERROR). Its memory does not grow with the
+model: a manifest is a few tens of KB whatever the model's size.
+"""
 
 from __future__ import annotations
 
@@ -9,27 +15,33 @@ import structlog
 
 from brokers.outgoing import Out
 from rlvla3 import protocol as P
+from rlvla3.weights.announce import LatestWeights
 
 log = structlog.get_logger()
 
 
-class WeightsSnapshot:
+class WeightsAnnouncements:
     def __init__(self) -> None:
-        self.version = -1
-        self.frames: list[Any] | None = None
+        self.latest = LatestWeights()
+        self._frames: list[Any] | None = None  # the newest announcement, encoded once
+
+    @property
+    def version(self) -> int:
+        return self.latest.version
 
     def on_weights(self, msg: P.Message) -> list[Out]:
-        """A trainer published ``version``: keep it and publish it, unless it is not newer."""
-        version = msg["version"]
-        if version <= self.version:
-            log.info("weights_ignored_old", version=version, current=self.version)
+        """A trainer announced ``version``: keep it and publish it, unless it is not newer.
+        A WEIGHTS with tensors or a malformed manifest raises ProtocolError (answered ERROR)."""
+        fields = self.latest.offer(msg)
+        if fields is None:
+            log.info("weights_ignored_old", version=msg["version"], current=self.version)
             return []
-        self.frames = P.encode(P.WEIGHTS, {"version": version, "published_at": msg.get("published_at")}, dict(msg.tensors))
-        self.version = version
-        log.info("weights_published", version=version, tensors=len(msg.tensors))
-        return [Out(None, P.WEIGHTS, {"version": version}, frames=self.frames)]
+        self._frames = P.encode(P.WEIGHTS, fields)
+        log.info("weights_published", version=self.version, tensors=len(fields["manifest"]["entries"]),
+                 announcement_bytes=len(self._frames[0]))
+        return [Out(None, P.WEIGHTS, {"version": self.version}, frames=self._frames)]
 
     def on_snapshot(self, to: bytes) -> list[Out]:
-        if self.frames is None:
+        if self._frames is None:
             return [Out(to, P.WEIGHTS, {"version": -1})]
-        return [Out(to, P.WEIGHTS, {"version": self.version}, frames=self.frames)]
+        return [Out(to, P.WEIGHTS, {"version": self.version}, frames=self._frames)]

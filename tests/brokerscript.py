@@ -11,9 +11,17 @@ from brokers.outgoing import Out
 from brokers.state import BrokerState
 from rlvla3 import protocol as P
 from rlvla3.config import load
+from rlvla3.weights.manifest import Entry, Manifest
 from tests.jobs import FAST
 
 HOST = "testhost"
+
+
+def announcement(version: int) -> dict[str, Any]:
+    """WEIGHTS fields announcing ``version`` of a one-tensor model (the broker never sees bytes)."""
+    e = Entry("w", "float32", (2, 2), 1, 4096, 16, 7, version, True)
+    return {"version": version, "manifest": Manifest(version, (e,)).to_wire(), "store": None,
+            "stream": "tcp://127.0.0.1:1", "published_at": 0}
 
 
 class Script:
@@ -35,6 +43,10 @@ class Script:
         outs = self.state.handle(who, msg, self.now, key)
         self.sent += outs
         return outs
+
+    def weights(self, who: bytes, version: int) -> list[Out]:
+        """A trainer announces ``version``."""
+        return self.send(who, P.WEIGHTS, announcement(version))
 
     def tick(self, dt: float = 0.0) -> list[Out]:
         self.now += dt

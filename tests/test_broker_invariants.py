@@ -119,7 +119,7 @@ class Fabric:
             steps = s.state.admission.finished
             s.send(TRAINER, P.TRAIN, {"phase": "begin", "version": self.version, "steps": steps})
             self.version += 1
-            s.send(TRAINER, P.WEIGHTS, {"version": self.version})
+            s.weights(TRAINER, self.version)
             s.send(TRAINER, P.TRAIN, {"phase": "end", "version": self.version})
         elif kind == "tick":
             self.tick(TICKS[k % len(TICKS)])

@@ -92,7 +92,7 @@ def test_async_rollout_pauses_after_a_batch_of_steps_until_new_weights():
     assert of_type(s.tick(1.0), P.BATCH) == []  # rollouts wait while the trainer trains
     assert s.state.wait_s(s.now) == s.state.hb_s  # and the loop does not spin on the queue
     s.send(TRAINER, P.TRAJ_ACK, {"traj_ids": [frag.fields["gid"]]})
-    s.send(TRAINER, P.WEIGHTS, {"version": 1}, {"w": np.zeros(2, np.float32)})
+    s.weights(TRAINER, 1)
     assert not s.state.training_pause
     assert len(of_type(s.tick(), P.BATCH)) == 1
     # GRPO's trainer asks an alternating broker to go on while its groups are incomplete.
@@ -268,3 +268,22 @@ def test_a_batch_past_its_deadline_is_served_elsewhere_and_a_late_result_ignored
     assert [a.fields["req_id"] for a in s.result(again)] == [1]
     s.obs(SIM, 0)
     assert len(of_type(s.tick(1.0), P.BATCH)) == 1  # GEN answered: its credit is back
+
+
+def test_weights_are_announcements_the_broker_never_holds_bytes():
+    s = Script()
+    s.generator(GEN, credits=0)
+    s.trainer(TRAINER)
+    [empty] = s.send(GEN, P.SNAPSHOT)
+    assert empty.type == P.WEIGHTS and empty.fields == {"version": -1}
+    [err] = s.send(TRAINER, P.WEIGHTS, {"version": 0}, {"w": np.zeros(2, np.float32)})  # inline bytes
+    assert err.type == P.ERROR and err.fields["code"] == P.E_TENSOR and s.state.weights.version == -1
+    [pub] = s.weights(TRAINER, 0)
+    assert pub.to is None and pub.type == P.WEIGHTS  # on PUB
+    assert s.weights(TRAINER, 0) == []  # not newer: ignored
+    s.weights(TRAINER, 2)
+    [snap] = s.send(GEN, P.SNAPSHOT)
+    msg = P.decode(snap.encode())
+    assert msg["version"] == 2 and msg["manifest"]["version"] == 2 and msg.tensors == {}
+    [bad] = s.send(TRAINER, P.WEIGHTS, {"version": 3, "manifest": {"version": 3, "entries": []}})  # nowhere to fetch
+    assert bad.type == P.ERROR and s.state.weights.version == 2

@@ -1,16 +1,26 @@
-"""A generator keeps the weights it has when a published version cannot be loaded (wrong
-shapes, missing tensors, inf/NaN), and loads the next good one: a real generator process, a real
-broker, and a hand-driven trainer peer publishing WEIGHTS."""
+"""A generator keeps the weights it has when an announced version cannot be loaded (a tensor of
+another shape, a missing tensor, inf/NaN), and loads the next good one; the broker refuses a
+WEIGHTS that carries tensors. A real generator process and a real broker; the test plays trainer
+rank 0 with the production publisher (a shared-memory weight store per model) over a DEALER."""
 
 from __future__ import annotations
+
+import uuid
 
 import numpy as np
 import torch
 import zmq
 
 from rlvla3 import protocol as P
+from rlvla3.weights.publisher import WeightPublisher
 from tests.jobs import wait_until
-from workers.model import build_policy, state_tensors
+from workers.model import build_policy
+
+
+def _set(model: torch.nn.Module, name: str, value: torch.nn.Parameter | None) -> torch.nn.Module:
+    prefix, _, leaf = name.rpartition(".")
+    (model.get_submodule(prefix) if prefix else model).register_parameter(leaf, value)
+    return model
 
 
 def test_generator_keeps_weights_when_a_version_fails_to_load(job_factory, zctx):
@@ -18,11 +28,24 @@ def test_generator_keeps_weights_when_a_version_fails_to_load(job_factory, zctx)
     trainer = zctx.socket(zmq.DEALER)
     trainer.setsockopt(zmq.LINGER, 0)
     trainer.connect(job.endpoint)
+    publishers: list[WeightPublisher] = []
+
+    def publisher(model: torch.nn.Module) -> WeightPublisher:
+        publishers.append(WeightPublisher(model, uuid.uuid4().hex[:8], stream_bind=""))
+        return publishers[-1]
+
     try:
         trainer.send_multipart(P.encode(P.READY, {"role": "trainer", "host": "t", "pid": 1, "name": "hand-trainer"}))
         assert trainer.poll(5000) and P.decode(trainer.recv_multipart()).type == P.READY
-        good = state_tensors(build_policy(job.cfg))
-        trainer.send_multipart(P.encode(P.WEIGHTS, {"version": 1}, good))
+        # The broker takes announcements only: a WEIGHTS with the bytes inline is an ERROR.
+        good_model = build_policy(job.cfg)
+        trainer.send_multipart(P.encode(P.WEIGHTS, {"version": 1}, {k: v.detach() for k, v in good_model.state_dict().items()}))
+        assert trainer.poll(5000)
+        err = P.decode(trainer.recv_multipart())
+        assert err.type == P.ERROR and err["code"] == P.E_TENSOR and err["ref_type"] == P.WEIGHTS
+
+        good = publisher(good_model)
+        trainer.send_multipart(P.encode(P.WEIGHTS, good.publish(1)))
         job.start_worker("generator", "generator0")
 
         def gen_version():
@@ -33,23 +56,32 @@ def test_generator_keeps_weights_when_a_version_fails_to_load(job_factory, zctx)
 
         wait_until(lambda: gen_version() == 1, 180, "the generator to load version 1", interval=0.2)
 
-        name = next(iter(good))
-        wrong_shape = dict(good, **{name: torch.zeros(3, 1, 7)})
-        missing = {k: v for k, v in good.items() if k != name}
-        floats = [k for k, v in good.items() if v.is_floating_point()]
-        nan = dict(good, **{floats[-1]: torch.full_like(good[floats[-1]], float("nan"))})
-        for version, tensors in ((2, wrong_shape), (3, missing), (4, nan)):
-            trainer.send_multipart(P.encode(P.WEIGHTS, {"version": version}, tensors))
+        name, param = next((n, p) for n, p in good_model.named_parameters() if p.dim() >= 1)
+        wrong_shape = _set(build_policy(job.cfg), name, torch.nn.Parameter(torch.zeros(3, 1, 7)))
+        missing = _set(build_policy(job.cfg), name, None)
+        nan = build_policy(job.cfg)
+        with torch.no_grad():
+            list(nan.parameters())[-1].fill_(float("nan"))
+        for version, model in ((2, wrong_shape), (3, missing), (4, nan)):
+            trainer.send_multipart(P.encode(P.WEIGHTS, publisher(model).publish(version)))
+
         def rejected() -> bool:
-            job.assert_alive()  # before the fix the generator died on version 2
+            job.assert_alive()  # a version that does not fit must not kill the generator
             return (job.run_dir / "generator0.log").read_text().count("weights_rejected") >= 3
 
         wait_until(rejected, 60, "three rejected versions")
+        log_text = (job.run_dir / "generator0.log").read_text()
+        assert "shape" in log_text and "lacks 1 of this model's tensors" in log_text and "inf or NaN" in log_text
         assert gen_version() == 1, "the generator dropped its weights for a version it could not load"
 
-        trainer.send_multipart(P.encode(P.WEIGHTS, {"version": 5}, {k: v + 1 for k, v in good.items()}))
+        with torch.no_grad():
+            for p in good_model.parameters():
+                p.add_(1)
+        trainer.send_multipart(P.encode(P.WEIGHTS, good.publish(5)))
         wait_until(lambda: gen_version() == 5, 60, "the generator to load the next good version")
         assert all(p.poll() is None for p in job.workers)
         assert np.isfinite(job.fig()["policy_version"])
     finally:
         trainer.close()
+        for pub in publishers:
+            pub.close()

@@ -4,15 +4,15 @@ between batches, never during one.
 Weights follow the ZeroMQ Guide's Clone pattern: subscribe to the broker's PUB first, then ask
 the broker for its snapshot (SNAPSHOT), then apply only updates newer than what we hold. Until
 the snapshot's version is in, the generator announces no credits, so it takes no batches with
-weights older than the job's.
+weights older than the job's; when the broker has no version yet (-1), it waits for version 0
+from trainer rank 0: the weights it built itself are never served, so generators do not rely on
+identical seeded builds.
 
 A WEIGHTS announcement (version + manifest + where the bytes are) goes to a
 :class:`~rlvla3.weights.receiver.WeightReceiver`: a "weights" thread copies and verifies the
 version beside the served weights (from the trainer's shared-memory store on this host, or its
 stream), and the loop swaps it in at the next gap between batches. A torn or corrupt version is
-fetched again; one that cannot be had leaves the served weights as they are. A WEIGHTS with
-inline tensors (what the trainer sends until it publishes through ``WeightPublisher``) is
-loaded as before.
+fetched again; one that cannot be loaded leaves the served weights as they are.
 """
 
 from __future__ import annotations
@@ -34,7 +34,7 @@ from rlvla3.shm import ShmAttachments
 from rlvla3.weights.manifest import ManifestError
 from rlvla3.weights.receiver import WeightReceiver
 from workers.base import WorkerBase
-from workers.model import build_policy, load_state_from_message
+from workers.model import build_policy
 
 log = structlog.get_logger()
 
@@ -83,9 +83,8 @@ class GeneratorWorker(WorkerBase):
         self.policy = None
         self.version = 0
         self.serving = False
-        self.pending_weights: P.Message | None = None
         self.receiver: WeightReceiver | None = None
-        self.serve_after: int | None = None  # serving starts once this (snapshot) version is in
+        self.serve_from: int | None = None  # serving starts once this version is in (set by the snapshot)
         self.batches: deque[tuple] = deque()
         self.busy = False
         self.served = 0
@@ -141,9 +140,6 @@ class GeneratorWorker(WorkerBase):
 
     def _on_weights(self, msg: P.Message) -> None:
         """A version from PUB or the snapshot reply."""
-        if "manifest" not in msg.header:
-            self._offer_weights(msg)
-            return
         try:
             self.receiver.offer(msg.header)
         except ManifestError as err:
@@ -157,7 +153,7 @@ class GeneratorWorker(WorkerBase):
             self.weights_runner.submit(lambda: self.receiver.fetch(ann), ("weights", ann))
 
     def _weights_waiting(self) -> bool:
-        return self.pending_weights is not None or (self.receiver is not None and self.receiver.staged is not None)
+        return self.receiver is not None and self.receiver.staged is not None
 
     def tick(self, now: float) -> None:
         self._fetch_next()  # a retry whose back-off has passed
@@ -166,37 +162,20 @@ class GeneratorWorker(WorkerBase):
         if self.receiver is not None:
             self.receiver.close()
 
-    def _offer_weights(self, msg: P.Message) -> None:
-        if msg["version"] > max(self.version, self.pending_weights["version"] if self.pending_weights else -1):
-            self.pending_weights = msg
-            if not self.busy:
-                self._swap_weights()
-
     def _swap_weights(self) -> None:
         t0 = time.perf_counter()
-        staged = self.receiver.swap() if self.receiver is not None else None
+        staged = self.receiver.swap()
         if staged is not None:
             self.version = staged.version
             log.info("weights_swapped", version=self.version, source=staged.source, mb=round(staged.nbytes / 1e6, 2),
                      fetch_ms=round(staged.fetch_ms, 2), swap_ms=round((time.perf_counter() - t0) * 1000, 3))
             self.weights_runner.submit(self.receiver.release, ("weights_released", None))
             self._fetch_next()
-        msg, self.pending_weights = self.pending_weights, None
-        if msg is not None:
-            try:
-                load_state_from_message(self.policy, msg, self.attach)
-            except (ValueError, KeyError, P.ProtocolError) as err:  # keep serving the weights we have
-                log.error("weights_rejected", version=msg["version"], current=self.version, error=str(err)[:500])
-            else:
-                self.version = msg["version"]
-                log.info("weights_swapped", version=self.version, source="inline",
-                         ms=round((time.perf_counter() - t0) * 1000, 2))
-        if self.serve_after is not None and self.receiver.version >= self.serve_after:
-            self.serve_after = None
-            self._start_serving()
+        self._maybe_serve()
 
-    def _start_serving(self) -> None:
-        if not self.serving:
+    def _maybe_serve(self) -> None:
+        """Announce credits once the snapshot's version (at least version 0) is swapped in."""
+        if not self.serving and self.serve_from is not None and self.receiver.version >= self.serve_from:
             self.serving = True
             self.send(P.HEARTBEAT, self.heartbeat_fields())
             log.info("generator_serving", version=self.version)
@@ -205,12 +184,12 @@ class GeneratorWorker(WorkerBase):
 
     def on_message(self, msg: P.Message) -> None:
         if msg.type == P.WEIGHTS:  # snapshot reply
-            if msg["version"] >= 0:
+            version = msg["version"]
+            if version >= 0:
                 self._on_weights(msg)
-            if self.receiver.version < msg["version"] <= self.receiver.newest():
-                self.serve_after = msg["version"]  # serve once it is fetched and swapped in
-            else:
-                self._start_serving()
+            # Serve once the snapshot's version is in; with none yet, once rank 0's version 0 is.
+            self.serve_from = version if 0 <= version <= self.receiver.newest() else 0
+            self._maybe_serve()
         elif msg.type == P.BATCH:
             # Gather now, even while a forward pass runs: the next batch is ready the moment
             # the current one finishes (its slots do not rewrite their observations before ACT).
@@ -271,9 +250,9 @@ class GeneratorWorker(WorkerBase):
             self.receiver.fetched(tag[1], result, error, time.monotonic())
             if self.receiver.staged is not None and not self.busy:
                 self._swap_weights()
-            if self.serve_after is not None and self.receiver.newest() < self.serve_after:
-                self.serve_after = None  # the snapshot's version was dropped: serve what we have
-                self._start_serving()
+            if self.serve_from is not None and self.receiver.newest() < self.serve_from:
+                self.serve_from = 0  # the snapshot's version was dropped: serve any version we get
+                self._maybe_serve()
             self._fetch_next()
             return
         batch_id, sizes, version, queue_us = tag

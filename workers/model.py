@@ -1,14 +1,11 @@
-"""Building the job's policy and moving its weights over the wire."""
+"""Building the job's policy (its weights travel through ``rlvla3.weights``)."""
 
 from __future__ import annotations
 
 import dataclasses
-from typing import Any
 
-import numpy as np
 import torch
 
-from rlvla3 import protocol as P
 from rlvla3.config import JobConfig
 from workers.envs.base import EnvSpec, env_spec
 from workers.policies.base import Policy, _POLICIES, _import_builtin_policies, make_policy
@@ -32,8 +29,8 @@ def job_spec(cfg: JobConfig) -> EnvSpec:
 
 
 def build_policy(cfg: JobConfig, spec: EnvSpec | None = None, device: str | None = None) -> Policy:
-    """The job's policy with seeded initial weights: every process that builds it gets the same
-    version-0 weights, so generators can serve before the first publication."""
+    """The job's policy, seeded with the run seed. Only trainer rank 0's build is served:
+    generators wait for its version 0 (``rlvla3.weights``) and never serve their own build."""
     spec = spec or job_spec(cfg)
     _import_builtin_policies(cfg.model.family)
     dev = resolve_device(cfg, device)
@@ -96,36 +93,3 @@ def load_checkpoint_weights(policy: Policy, path: str) -> None:
             policy.load_state_dict(load_file(str(c)))
             return
     raise FileNotFoundError(f"model.checkpoint {path}: no model.safetensors found (looked at {[str(c) for c in candidates]})")
-
-
-def state_tensors(policy: torch.nn.Module) -> dict[str, torch.Tensor]:
-    """The state dict as CPU tensors ready to travel (bf16 stays bf16). Inline WEIGHTS only:
-    goes, with :func:`load_state_from_message`, once the trainer publishes through
-    ``rlvla3.weights.publisher.WeightPublisher``."""
-    return {k: v.detach().to("cpu").contiguous() for k, v in policy.state_dict().items()}
-
-
-def load_state_from_message(policy: torch.nn.Module, msg: P.Message, attach: Any) -> None:
-    """Apply a WEIGHTS message's tensors to a policy (strict: every parameter must be there).
-
-    Everything is checked before the policy is touched (names, shapes, finiteness; dtypes are cast):
-    torch's ``load_state_dict`` copies the tensors that fit before it raises on the ones that do
-    not, which would leave a policy half old and half new. On ValueError the policy is as it was.
-    """
-    current = policy.state_dict()
-    names = set(msg.tensors)
-    if names != set(current):
-        missing, extra = sorted(set(current) - names), sorted(names - set(current))
-        raise ValueError(f"WEIGHTS has {len(missing)} missing tensors (e.g. {missing[:3]}) and "
-                         f"{len(extra)} unknown ones (e.g. {extra[:3]})")
-    sd = {}
-    for name, t in msg.tensors.items():
-        arr = attach.materialize(t, copy=True)
-        value = torch.from_numpy(arr.view(np.int16)).view(torch.bfloat16) if t.dtype == "bfloat16" else torch.from_numpy(arr)
-        want = current[name]
-        if tuple(value.shape) != tuple(want.shape):
-            raise ValueError(f"WEIGHTS {name}: shape {tuple(value.shape)}, the policy has {tuple(want.shape)}")
-        if value.is_floating_point() and not bool(torch.isfinite(value).all()):
-            raise ValueError(f"WEIGHTS {name}: holds inf or NaN")
-        sd[name] = value
-    policy.load_state_dict(sd, strict=True)

@@ -8,10 +8,17 @@ to the update thread, so heartbeats keep flowing during a long update:
 
     build_batch (workers.learner)  ->  update (workers.algorithms.update)  ->  UpdateResult
 
-Back on the socket thread: version += 1; rank 0 publishes WEIGHTS every ``publish_every``
+Back on the socket thread: version += 1; rank 0 announces WEIGHTS every ``publish_every``
 updates and checkpoints every ``checkpoint_every`` versions, and at shutdown (SIGTERM included:
 a preempted trainer leaves a checkpoint at its last version for ``rlvla3 run --resume``);
 metrics go to the broker, JSONL and TensorBoard (``workers.metrics``).
+
+Weights never go through the broker: rank 0 writes each version into its shared-memory weight
+store (:class:`~rlvla3.weights.publisher.WeightPublisher`, which also serves other hosts over its
+stream) and sends only the announcement (version + manifest + where the bytes are). Version 0
+(or the resumed version) is written right after set-up, through the same path; later versions
+are written at the end of the update job, on the update thread, where no optimizer step runs,
+and announced from the socket thread.
 
 Several ranks (``workers.trainers`` > 1): the broker hands each trainer a rank; every trainer
 announces a rendezvous address in READY and the broker passes rank 0's to the others. The
@@ -37,12 +44,20 @@ from workers.algorithms.update import TrainState, UpdateResult, update
 from workers.base import WorkerBase
 from workers.learner import Fragment, Learner, Unit, build_batch
 from workers.metrics import Counters, EvalTally, MetricsSink, update_row
-from workers.model import build_policy, state_tensors
+from workers.model import build_policy
 
 log = structlog.get_logger()
 
 ROUND_EVERY_S = 0.05
 """Several ranks: at most this often a rank starts a collective 'shall we update?' round."""
+
+
+@dataclass
+class Trained:
+    """An update ran; rank 0 wrote the version it made into the weight store when one is due."""
+
+    result: UpdateResult
+    announcement: dict[str, Any] | None  # WEIGHTS fields to send (no tensors), or None
 
 
 @dataclass
@@ -72,6 +87,8 @@ class TrainerWorker(WorkerBase):
         self.learner: Learner | None = None
         self.state: TrainState | None = None
         self.metrics: MetricsSink | None = None
+        self.publisher: Any = None  # rank 0's WeightPublisher
+        self.announcement: dict[str, Any] | None = None  # the last WEIGHTS fields sent
         self.last_round = 0.0
         self.last_update = self.last_wait_log = self.t_start = time.monotonic()
         from workers.algorithms.distributed import rendezvous_address
@@ -101,6 +118,10 @@ class TrainerWorker(WorkerBase):
         self.learner = Learner(cfg, self.counters)
         self.version = int(self.welcome.get("trainer_version", 0))
         self.resumed_from = self._maybe_resume()
+        if self.rank == 0:
+            # A version the broker already announced may name another store's bytes (a trainer
+            # that restarted): publish past it, so generators fetch this trainer's weights whole.
+            self.version = max(self.version, int(self.welcome.get("version", -1)) + 1)
         if self.world > 1:
             from workers.algorithms.distributed import broadcast_parameters, wrap_ddp
 
@@ -109,6 +130,13 @@ class TrainerWorker(WorkerBase):
             self.version = int(v)
             broadcast_parameters(policy, src=0)
             self.state.model = wrap_ddp(policy)
+        if self.rank == 0:
+            from rlvla3.weights.publisher import WeightPublisher
+
+            w = cfg.weights
+            self.publisher = WeightPublisher(policy, str(self.welcome.get("run_id", "run")), shm=w.shm, stream_bind=w.stream_bind,
+                                             advertise_host=w.advertise_host, host=self.host, copy_threads=w.copy_threads)
+            self.announcement = self.publisher.publish(self.version)  # version 0 (or the resumed one)
         self.runner = self.new_runner("update")
         if self.run_dir is not None:
             self.run_dir.mkdir(parents=True, exist_ok=True)
@@ -144,11 +172,17 @@ class TrainerWorker(WorkerBase):
         return str(saved["path"])
 
     def start(self) -> None:
-        if self.resumed_from is not None and self.rank == 0:
-            # Generators swap to the resumed weights at once (the broker keeps them as snapshot).
+        if self.rank != 0:
+            return
+        if self.resumed_from is not None:
             # TRAIN first: the broker accepts WEIGHTS only a bounded step past the version it knows.
             self.send(P.TRAIN, {"phase": "end", "version": self.version, "stats": {"version": self.version, "resumed": True}})
-            self._publish()
+        # Generators serve nothing until this first version is in (the broker keeps it as snapshot).
+        self.send(P.WEIGHTS, self.announcement)
+
+    def on_reconnected(self) -> None:
+        if self.rank == 0 and self.announcement is not None:  # a restarted broker knows no version
+            self.send(P.WEIGHTS, self.announcement)
 
     # -- receiving (socket thread) ------------------------------------------------------------
 
@@ -216,7 +250,7 @@ class TrainerWorker(WorkerBase):
 
     # -- the update (update thread) -----------------------------------------------------------
 
-    def _train(self, units: list[Unit], round_: tuple[int, bool] | None) -> UpdateResult | Deferred:
+    def _train(self, units: list[Unit], round_: tuple[int, bool] | None) -> Trained | Deferred:
         pad_to = None
         if round_ is not None:  # several ranks: agree whether to update now, and on a batch length
             from workers.algorithms.distributed import agree_to_update
@@ -229,28 +263,36 @@ class TrainerWorker(WorkerBase):
         algo = self.cfg.algo
         batch = build_batch(units, self.version, self.cfg)
         warmup = algo.name == "ppo" and self.counters.updates < algo.critic_warmup_updates
-        return update(self.state, batch, algo, critic_warmup=warmup, pad_to=pad_to)
+        result = update(self.state, batch, algo, critic_warmup=warmup, pad_to=pad_to)
+        announcement = None
+        if result.trained and self.publisher is not None and (self.counters.updates + 1) % max(1, algo.publish_every) == 0:
+            # Here, on the update thread, no optimizer step runs while the store copies the
+            # parameters (the socket thread only reads the counters until this job is done).
+            announcement = self.publisher.publish(self.version + 1)
+        return Trained(result, announcement)
 
     # -- after an update (socket thread) ------------------------------------------------------
 
-    def on_job_done(self, tag: Any, result: UpdateResult | Deferred | None, error: BaseException | None) -> None:
+    def on_job_done(self, tag: Any, done: Trained | Deferred | None, error: BaseException | None) -> None:
         self.training = False
         if error is not None:
             log.error("update_failed", error=repr(error)[:1000])
             raise error
-        if isinstance(result, Deferred):
+        if isinstance(done, Deferred):
             now = time.monotonic()
             if now - self.last_update > 10.0 and now - self.last_wait_log > 10.0:
                 self.last_wait_log = now
-                log.info("trainer_round_waiting", taken=result.taken, ready_steps=self.learner.ready_steps)
-            self.learner.put_back(result.units)
-            if result.decision == "stop":
+                log.info("trainer_round_waiting", taken=done.taken, ready_steps=self.learner.ready_steps)
+            self.learner.put_back(done.units)
+            if done.decision == "stop":
                 self._stop = True
             return
+        result = done.result
         self._count(result)
         if result.trained and self.rank == 0:
-            if self.counters.updates % max(1, self.cfg.algo.publish_every) == 0:
-                self._publish()
+            if done.announcement is not None:
+                self.announcement = done.announcement
+                self.send(P.WEIGHTS, done.announcement)
             every = self.cfg.algo.checkpoint_every
             if every > 0 and self.version % every == 0:
                 self._checkpoint()
@@ -266,9 +308,6 @@ class TrainerWorker(WorkerBase):
             self.counters.updates += 1
             self.counters.samples_trained += result.samples
             self.counters.env_steps_consumed += result.env_steps
-
-    def _publish(self) -> None:
-        self.send(P.WEIGHTS, {"version": self.version, "published_at": time.time_ns()}, state_tensors(self.state.policy))
 
     def _checkpoint(self) -> None:
         if self.run_dir is None:
@@ -314,6 +353,11 @@ class TrainerWorker(WorkerBase):
                 log.warning("checkpoint_skipped_update_running", version=self.version)
         if self.metrics is not None:
             self.metrics.close()
+        if self.publisher is not None:
+            if finished:
+                self.publisher.close()  # generators keep what they copied
+            else:  # the update thread may still write into the store: unlink it, keep it mapped
+                self.publisher.store.shm.unlink()
         if self.world > 1 and finished:
             from workers.algorithms.distributed import destroy_trainer_group
 
@@ -327,6 +371,6 @@ class TrainerWorker(WorkerBase):
                 _tag, result, error = runner.results.get_nowait()
             except queue.Empty:
                 return
-            if error is None and isinstance(result, UpdateResult):
-                self._count(result)
-                self._report(result, to_broker=False)
+            if error is None and isinstance(result, Trained):
+                self._count(result.result)
+                self._report(result.result, to_broker=False)

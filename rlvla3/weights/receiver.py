@@ -16,8 +16,8 @@ checksum; a torn or corrupt read raises and :meth:`fetched` schedules a retry wi
 (1/20 s doubling to 2 s) unless a newer version was announced meanwhile. The served weights are
 never touched until :meth:`swap`, which only re-points each parameter at its staged tensor
 (``param.data = staged``); the old storage becomes the next fetch's staging. A version that
-does not fit the model (unknown names, other shapes) is dropped for good: the generator keeps
-serving what it has.
+does not fit the model (unknown names, other shapes) or holds inf/NaN is dropped for good: the
+generator keeps serving what it has.
 """
 
 from __future__ import annotations
@@ -166,6 +166,9 @@ class WeightReceiver:
         bad = [e.name for e in entries if sums[e.name] != e.checksum]
         if bad:
             raise CorruptVersion(f"version {ann.version}: {len(bad)} tensor(s) fail their checksum, e.g. {bad[:3]}")
+        nonfinite = [e.name for e in entries if not _finite(host[e.name])]
+        if nonfinite:  # a diverged trainer: keep serving the weights we have
+            raise ManifestError(f"version {ann.version}: {len(nonfinite)} tensor(s) hold inf or NaN, e.g. {nonfinite[:3]}")
         tensors = self._to_device(host, entries)
         return Staged(ann.version, tensors, source, sum(e.nbytes for e in entries), (time.perf_counter() - t0) * 1000,
                       ann.published_at, {e.name for e in entries if e.trainable})
@@ -251,6 +254,15 @@ class WeightReceiver:
         if self._ctx is not None:
             self._ctx.term()
             self._ctx = None
+
+
+def _finite(t: torch.Tensor) -> bool:
+    """No inf or NaN in a floating tensor: one summing pass (either makes the sum non-finite).
+    The sum keeps the tensor's dtype (torch accumulates bf16 in float32; a float32 result is 10x
+    slower to ask for), except float16, whose range a sum of finite values can leave."""
+    if not t.is_floating_point():
+        return True
+    return bool(torch.isfinite(t.sum(dtype=torch.float32) if t.dtype == torch.float16 else t.sum()))
 
 
 def _bytes_of(t: torch.Tensor) -> np.ndarray:
