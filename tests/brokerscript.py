@@ -17,9 +17,9 @@ from tests.jobs import FAST
 HOST = "testhost"
 
 
-def announcement(version: int) -> dict[str, Any]:
+def announcement(version: int, shape: tuple[int, ...] = (2, 2)) -> dict[str, Any]:
     """WEIGHTS fields announcing ``version`` of a one-tensor model (the broker never sees bytes)."""
-    e = Entry("w", "float32", (2, 2), 1, 4096, 16, 7, version, True)
+    e = Entry("w", "float32", shape, 1, 4096, 4 * int(np.prod(shape)), 7, version, True)
     return {"version": version, "manifest": Manifest(version, (e,)).to_wire(), "store": None,
             "stream": "tcp://127.0.0.1:1", "published_at": 0}
 

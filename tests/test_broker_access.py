@@ -9,7 +9,7 @@ import numpy as np
 from structlog.testing import capture_logs
 
 from rlvla3 import protocol as P
-from tests.brokerscript import HOST, Script, of_type
+from tests.brokerscript import HOST, Script, announcement, of_type
 
 SIM, GEN, T0, T1, EVE = b"sim", b"gen", b"t0", b"t1", b"eve"
 
@@ -30,24 +30,22 @@ def test_with_curve_a_role_needs_a_key_named_for_it_and_every_message_the_key_it
     assert of_type(s.send(EVE, P.STATUS, key="client"), P.STATUS)  # any allowlisted key may ask STATUS
     assert of_type(ready(s, T0, "trainer", key="trainer-a"), P.READY)
     # Another key using the trainer's ROUTER identity is refused, whatever it sends.
-    assert code(s.send(T0, P.WEIGHTS, {"version": 1}, key="simulator")) == P.E_AUTH
+    assert code(s.send(T0, P.WEIGHTS, announcement(1), key="simulator")) == P.E_AUTH
     assert code(ready(s, T0, "trainer", key="simulator")) == P.E_AUTH
     assert s.state.weights.version == -1
-    assert of_type(s.send(T0, P.WEIGHTS, {"version": 1}, key="trainer-a"), P.WEIGHTS)
+    assert of_type(s.send(T0, P.WEIGHTS, announcement(1), key="trainer-a"), P.WEIGHTS)
 
 
 def test_weights_only_from_rank_0_in_bounded_steps_and_with_the_same_model():
     s = Script("workers.trainers=2", "broker.max_version_step=10")
     s.trainer(T0)
     s.trainer(T1)
-    assert code(s.send(T1, P.WEIGHTS, {"version": 1})) == P.E_ROLE
-    assert code(s.send(T0, P.WEIGHTS, {"version": 2**50})) == P.E_VERSION
-    manifest = {"version": 5, "entries": [["w", "float32", [2, 2], 0, 0, 16, 0, 5, True]]}
-    assert of_type(s.send(T0, P.WEIGHTS, {"version": 5, "manifest": manifest}), P.WEIGHTS)
-    assert code(s.send(T0, P.WEIGHTS, {"version": 16})) == P.E_VERSION  # 5 + 10 is the most
-    other = {"version": 6, "entries": [["w", "float32", [3, 2], 0, 0, 24, 0, 6, True]]}
-    assert code(s.send(T0, P.WEIGHTS, {"version": 6, "manifest": other})) == P.E_FIELD
-    assert of_type(s.send(T0, P.WEIGHTS, {"version": 15}), P.WEIGHTS)
+    assert code(s.send(T1, P.WEIGHTS, announcement(1))) == P.E_ROLE
+    assert code(s.send(T0, P.WEIGHTS, announcement(2**50))) == P.E_VERSION
+    assert of_type(s.send(T0, P.WEIGHTS, announcement(5)), P.WEIGHTS)
+    assert code(s.send(T0, P.WEIGHTS, announcement(16))) == P.E_VERSION  # 5 + 10 is the most
+    assert code(s.send(T0, P.WEIGHTS, announcement(6, shape=(3, 2)))) == P.E_FIELD
+    assert of_type(s.send(T0, P.WEIGHTS, announcement(15)), P.WEIGHTS)
     assert s.state.weights.version == 15
 
 
@@ -121,7 +119,7 @@ def test_counters_are_rebuilt_from_the_workers_after_a_restart_and_never_counted
     ready(s, b"sim-again", "simulator", pid=3, name="sim-3", slots=2, num_envs=4, info={"env_steps": 530})
     assert s.state.status(s.now)["env_steps"] == 530
     # WEIGHTS is bounded from the trainer's version, not from the empty snapshot.
-    assert of_type(s.send(T0, P.WEIGHTS, {"version": 8}), P.WEIGHTS)
+    assert of_type(s.send(T0, P.WEIGHTS, announcement(8)), P.WEIGHTS)
 
 
 def test_a_rejection_flood_logs_a_bounded_number_of_lines():
