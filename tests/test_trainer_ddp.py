@@ -40,9 +40,9 @@ LEARN = ("env.num_envs=8", "env.slots=4", "env.fragment_len=16", "algo.batch_ste
 def test_two_generators_two_trainers_learn_through_the_weight_store(job_factory):
     """Weights go from rank 0's shared-memory store to both generators (the broker passes only
     announcements), each generator swaps versions in between the batches it serves, and the job
-    still learns the synthetic task (sync mode: two ranks never tell an async broker the steps
-    they take, so its admission stops after max_staleness + 1 batches)."""
-    job = job_factory(*LEARN, "workers.trainers=2", "workers.generators=2", "run.mode=sync")
+    still learns the synthetic task. Async: every rank tells the broker the steps it took, or
+    admission would stop after max_staleness + 1 batches."""
+    job = job_factory(*LEARN, "workers.trainers=2", "workers.generators=2", "run.mode=async")
     fig = job.wait(lambda f: f["env_steps"] >= 6000 and f["return_recent"] is not None, 240, "6000 steps")
     assert fig["return_recent"] > 1.5, fig["return_recent"]  # a random policy's return is about 0
     assert fig["errors"] == 0 and fig["workers"]["generator"] == 2 and fig["workers"]["trainer"] == 2

@@ -90,6 +90,7 @@ class TrainerWorker(WorkerBase):
         self.publisher: Any = None  # rank 0's WeightPublisher
         self.announcement: dict[str, Any] | None = None  # the last WEIGHTS fields sent
         self.last_round = 0.0
+        self.round_steps = 0  # decision steps this rank offered in the current round
         self.last_update = self.last_wait_log = self.t_start = time.monotonic()
         from workers.algorithms.distributed import rendezvous_address
 
@@ -243,7 +244,8 @@ class TrainerWorker(WorkerBase):
             # batch_steps (a sync-mode broker pauses at exactly that, however unevenly split).
             self.last_round = now
             units = learner.take(math.ceil(batch_steps / self.world))
-            available = learner.ready_steps + sum(u.steps for u in units)
+            self.round_steps = sum(u.steps for u in units)
+            available = learner.ready_steps + self.round_steps
             self.training = True
             round_ = (available, self.stopping)
             self.runner.submit(lambda: self._train(units, round_), "update")
@@ -288,6 +290,8 @@ class TrainerWorker(WorkerBase):
                 self._stop = True
             return
         result = done.result
+        if self.world > 1:  # the round went ahead: the steps this rank took count as consumed
+            self.send(P.TRAIN, {"phase": "begin", "version": self.version, "steps": self.round_steps})
         self._count(result)
         if result.trained and self.rank == 0:
             if done.announcement is not None:
