@@ -8,6 +8,7 @@ JSON object as the last line of stdout.
 
 from __future__ import annotations
 
+import argparse
 import json
 import os
 import select
@@ -15,7 +16,7 @@ import subprocess
 import sys
 import time
 from pathlib import Path
-from typing import Any, Iterable
+from typing import Any, Callable, Iterable
 
 import zmq
 from hdrh.histogram import HdrHistogram
@@ -134,6 +135,23 @@ def wait_readable(sock: zmq.Socket, timeout_s: float, spin_s: float = 0.0) -> bo
 # ---------------------------------------------------------------------------------------------
 # Child processes
 # ---------------------------------------------------------------------------------------------
+
+
+def parse_bench_args(ap: argparse.ArgumentParser, quick_help: str,
+                     child: Callable[[argparse.Namespace], None]) -> argparse.Namespace | None:
+    """Add the options every fabric benchmark takes (``--out``, ``--quick``, ``--smoke``) and a
+    hidden ``--child``, and parse the command line. A process started with ``--child`` (by
+    :func:`start_child`) runs ``child(args)`` and gets None: it is the benchmark's helper, not
+    the benchmark."""
+    ap.add_argument("--out", default=OUT_DIR, help="folder for the PNG and JSON (default: ./bench/out)")
+    ap.add_argument("--quick", action="store_true", help=quick_help)
+    ap.add_argument("--smoke", action="store_true", help="tiny run for CI (no timing value)")
+    ap.add_argument("--child", action="store_true", help=argparse.SUPPRESS)
+    args = ap.parse_args()
+    if not args.child:
+        return args
+    child(args)
+    return None
 
 
 def start_child(args: list[str], timeout_s: float = 30.0) -> tuple[subprocess.Popen, str]:

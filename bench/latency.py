@@ -40,7 +40,7 @@ import zmq
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from _common import (  # noqa: E402
-    OUT_DIR, emit, merged, new_hist, note, percentile_plot, record_us, start_child, stop_child,
+    emit, merged, new_hist, note, parse_bench_args, percentile_plot, record_us, start_child, stop_child,
     summary, wait_readable,
 )
 
@@ -284,13 +284,8 @@ def main() -> None:
                          "the image still travels and the forward pass is reported as its own part)")
     ap.add_argument("--spin-us", type=float, default=200.0,
                     help="spin (instead of sleeping) this long before each due time: timer wake-ups on a VM are late")
-    ap.add_argument("--out", default=OUT_DIR, help="folder for the PNG and JSON (default: ./bench/out)")
-    ap.add_argument("--quick", action="store_true", help="short run (under 60 s with start-up)")
-    ap.add_argument("--smoke", action="store_true", help="tiny run for CI (no timing value)")
-    ap.add_argument("--echo-server", action="store_true", help=argparse.SUPPRESS)
-    args = ap.parse_args()
-    if args.echo_server:
-        echo_server()
+    args = parse_bench_args(ap, "short run (under 60 s with start-up)", lambda _: echo_server())
+    if args is None:
         return
     if args.quick:
         args.rate, args.duration, args.rounds = min(args.rate, 100.0), 4.0, 2
@@ -310,7 +305,7 @@ def main() -> None:
     try:
         # -- start-up: broker, generator, echo server; join as a simulator ------------------
         job = start_fabric(args, run_dir)
-        echo, echo_ep = start_child([__file__, "--echo-server"])
+        echo, echo_ep = start_child([__file__, "--child"])
         bsock, welcome = connect_simulator(ctx, job.endpoint, args.slots, args.n)
         socks.append(bsock)
         esock = ctx.socket(zmq.DEALER)

@@ -39,7 +39,7 @@ import numpy as np
 import zmq
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from _common import OUT_DIR, emit, note, start_child, stop_child  # noqa: E402
+from _common import emit, note, parse_bench_args, start_child, stop_child  # noqa: E402
 
 from rlvla3 import protocol as P  # noqa: E402
 from rlvla3.lifetime import follow_launcher  # noqa: E402
@@ -132,13 +132,8 @@ def main() -> None:
     ap.add_argument("--images", type=int, default=32)
     ap.add_argument("--size", type=int, default=224)
     ap.add_argument("--reps", type=int, default=30, help="timed repetitions per way")
-    ap.add_argument("--out", default=OUT_DIR, help="folder for the PNG and JSON (default: ./bench/out)")
-    ap.add_argument("--quick", action="store_true", help="short run (well under 60 s)")
-    ap.add_argument("--smoke", action="store_true", help="tiny run for CI (no timing value)")
-    ap.add_argument("--receiver", action="store_true", help=argparse.SUPPRESS)
-    args = ap.parse_args()
-    if args.receiver:
-        receiver(args.images, args.size)
+    args = parse_bench_args(ap, "short run (well under 60 s)", lambda a: receiver(a.images, a.size))
+    if args is None:
         return
     if args.quick:
         args.reps = min(args.reps, 15)
@@ -150,7 +145,7 @@ def main() -> None:
     shape = (args.images, args.size, args.size, 3)
     batch = np.random.default_rng(0).integers(0, 256, shape, dtype=np.uint8)
     nbytes = batch.nbytes
-    proc, ep = start_child([__file__, "--receiver", "--images", str(args.images), "--size", str(args.size)])
+    proc, ep = start_child([__file__, "--child", "--images", str(args.images), "--size", str(args.size)])
     ctx = zmq.Context()
     sock = ctx.socket(zmq.DEALER)
     sock.setsockopt(zmq.LINGER, 0)

@@ -28,10 +28,16 @@ class FieldError(ValueError):
     """A field that fails its spec (protocol.decode turns it into ProtocolError(E_FIELD))."""
 
 
+def _expect_type(value: Any, types: tuple[type, ...], noun: str, what: str) -> None:
+    """``value``'s exact type must be one of ``types``: a subclass does not pass (a bool is not
+    an int). ``noun`` names the types in the error."""
+    if type(value) not in types:
+        raise FieldError(f"{what} must be {noun}, not {type(value).__name__}")
+
+
 def checked_int(value: Any, lo: int, hi: int, what: str) -> int:
     """``value`` if it is a true int (not a bool, not a float) with lo <= value <= hi."""
-    if type(value) is not int:
-        raise FieldError(f"{what} must be an integer, not {type(value).__name__}")
+    _expect_type(value, (int,), "an integer", what)
     if not lo <= value <= hi:
         raise FieldError(f"{what}={value} outside [{lo}, {hi}]")
     return value
@@ -39,8 +45,7 @@ def checked_int(value: Any, lo: int, hi: int, what: str) -> int:
 
 def checked_num(value: Any, lo: float, hi: float, what: str) -> float:
     """A finite int or float (not a bool) with lo <= value <= hi."""
-    if type(value) not in (int, float):
-        raise FieldError(f"{what} must be a number, not {type(value).__name__}")
+    _expect_type(value, (int, float), "a number", what)
     if isinstance(value, float) and not math.isfinite(value):
         raise FieldError(f"{what} is {value} (not finite)")
     if not lo <= value <= hi:
@@ -83,8 +88,7 @@ class Str:
     def check(self, value: Any, what: str) -> None:
         if value is None and self.nullable:
             return
-        if type(value) is not str:
-            raise FieldError(f"{what} must be a string, not {type(value).__name__}")
+        _expect_type(value, (str,), "a string", what)
         if len(value) > self.max_len:
             raise FieldError(f"{what} is {len(value)} characters long (at most {self.max_len})")
         if self.choices and value not in self.choices:
@@ -94,8 +98,7 @@ class Str:
 @dataclass(frozen=True)
 class Bool:
     def check(self, value: Any, what: str) -> None:
-        if type(value) is not bool:
-            raise FieldError(f"{what} must be true or false, not {type(value).__name__}")
+        _expect_type(value, (bool,), "true or false", what)
 
 
 @dataclass(frozen=True)
@@ -104,8 +107,7 @@ class List:
     max_len: int = MAX_COUNT
 
     def check(self, value: Any, what: str) -> None:
-        if type(value) not in (list, tuple):
-            raise FieldError(f"{what} must be a list, not {type(value).__name__}")
+        _expect_type(value, (list, tuple), "a list", what)
         if len(value) > self.max_len:
             raise FieldError(f"{what} has {len(value)} items (at most {self.max_len})")
         for i, v in enumerate(value):
@@ -126,8 +128,7 @@ class Map:
     def check(self, value: Any, what: str) -> None:
         if value is None and self.nullable:
             return
-        if type(value) is not dict:
-            raise FieldError(f"{what} must be a map, not {type(value).__name__}")
+        _expect_type(value, (dict,), "a map", what)
         known = dict(self.fields)
         for key in self.required:
             if key not in value:

@@ -115,7 +115,43 @@ def segments_of_run(run_id: str) -> list[str]:
     return sorted(p.name for p in SHM_DIR.iterdir() if p.name.startswith(f"{SHM_PREFIX}{run_id}_"))
 
 
-class ShmPool:
+def unmap(shm: shared_memory.SharedMemory) -> None:
+    """Close this process's mapping of ``shm``; a numpy view still alive keeps its pages mapped
+    until it goes (the segment's name can be unlinked meanwhile)."""
+    try:
+        shm.close()
+    except BufferError:
+        pass
+
+
+class OwnedSegment:
+    """A segment this process created: its owner unmaps and unlinks it, once."""
+
+    shm: shared_memory.SharedMemory
+    _closed: bool
+
+    def _drop_views(self) -> None:
+        """Forget this object's own views of the segment, so that unmapping can proceed."""
+
+    def close(self) -> None:
+        """Unmap and unlink (only the owner calls this)."""
+        if self._closed:
+            return
+        self._closed = True
+        self._drop_views()
+        unmap(self.shm)
+        self.unlink()
+
+    def unlink(self) -> None:
+        """Remove the segment's name (the memory goes when the last mapping does). Safe while
+        other threads still write through their views, unlike ``close``."""
+        try:
+            self.shm.unlink()
+        except FileNotFoundError:
+            pass
+
+
+class ShmPool(OwnedSegment):
     """One owned segment with a first-fit block allocator. Not thread-safe across writers
     unless used through its lock (the simulator's slot threads share one pool)."""
 
@@ -170,10 +206,6 @@ class ShmPool:
                     merged.append((off, sz))
             self._free = merged
 
-    @property
-    def bytes_used(self) -> int:
-        return sum(self._used.values())
-
     # -- tensors -----------------------------------------------------------------------------
 
     def view(self, offset: int, dtype: str, shape: tuple[int, ...]) -> np.ndarray:
@@ -208,26 +240,12 @@ class ShmPool:
             offsets.append(r.offset)
         return refs, offsets
 
-    def close(self) -> None:
-        """Unmap and unlink (only the owner calls this)."""
-        if self._closed:
-            return
-        self._closed = True
+    def _drop_views(self) -> None:
         self.buf = None  # type: ignore[assignment]
-        try:
-            self.shm.close()
-        except BufferError:
-            pass  # a view is still alive; unlinking below still frees the name
-        self.unlink()
 
     def unlink(self) -> None:
-        """Remove the segment's name (the memory goes when the last mapping does). Safe while
-        other threads still write through their views, unlike ``close``."""
         _OWNED.discard(self)
-        try:
-            self.shm.unlink()
-        except FileNotFoundError:
-            pass
+        super().unlink()
 
 
 _OWNED: "weakref.WeakSet[ShmPool]" = weakref.WeakSet()
@@ -277,10 +295,7 @@ class ShmAttachments:
 
     def close(self) -> None:
         for seg in self._segs.values():
-            try:
-                seg.close()
-            except BufferError:
-                pass
+            unmap(seg)
         self._segs.clear()
 
 

@@ -73,3 +73,14 @@ def start_job(cfg: Any, tmp_path: Path, jobs: list[TestJob], start: bool = True)
 def job_logs(job: TestJob) -> str:
     """The tail of every log in the job's run dir (for assertion messages)."""
     return "\n".join(f"--- {f.name}\n{f.read_text()[-2500:]}" for f in sorted(job.run_dir.glob("*.log")))
+
+
+def robocasa_available() -> bool:
+    """Whether robocasa can build envs here (its tests skip one way or the other)."""
+    from workers.envs.robocasa import RoboCasaUnavailable, check_available
+
+    try:
+        check_available()
+        return True
+    except RoboCasaUnavailable:
+        return False

@@ -8,20 +8,13 @@ import numpy as np
 import pytest
 
 from workers.envs.base import make_env
-from workers.envs.robocasa import RoboCasaUnavailable, check_available
+from tests.jobs import robocasa_available
+from workers.envs.robocasa import RoboCasaUnavailable
 
 pytestmark = pytest.mark.sim
 
 
-def _available() -> bool:
-    try:
-        check_available()
-        return True
-    except RoboCasaUnavailable:
-        return False
-
-
-@pytest.mark.skipif(_available(), reason="robocasa is installed here")
+@pytest.mark.skipif(robocasa_available(), reason="robocasa is installed here")
 def test_missing_robocasa_gives_install_steps() -> None:
     with pytest.raises(RoboCasaUnavailable) as err:
         make_env("robocasa", 1)
@@ -37,7 +30,7 @@ def test_module_imports_without_robocasa() -> None:
     assert importlib.util.find_spec("workers.envs.robocasa") is not None
 
 
-@pytest.mark.skipif(not _available(), reason="robocasa + robosuite>=1.5 + kitchen assets not installed")
+@pytest.mark.skipif(not robocasa_available(), reason="robocasa + robosuite>=1.5 + kitchen assets not installed")
 def test_robocasa_episode() -> None:
     env = make_env("robocasa", 1, options={"image_size": [64, 64], "max_episode_steps": 2})
     try:

@@ -34,7 +34,7 @@ os.environ.setdefault("PYOPENGL_PLATFORM", "egl")
 from rlvla3 import protocol as P  # noqa: E402
 from rlvla3.config import load  # noqa: E402
 from rlvla3.observation import IMAGES  # noqa: E402
-from tests.jobs import TestJob as Job, job_logs as _logs, start_job, wait_until  # noqa: E402
+from tests.jobs import TestJob as Job, job_logs as _logs, robocasa_available, start_job, wait_until  # noqa: E402
 
 pytestmark = pytest.mark.slow
 
@@ -243,17 +243,7 @@ def test_faulty_env_restarted_while_others_keep_stepping(repo_job, fault: str) -
 # ---------------------------------------------------------------------------------------------
 
 
-def _robocasa_available() -> bool:
-    from workers.envs.robocasa import RoboCasaUnavailable, check_available
-
-    try:
-        check_available()
-        return True
-    except RoboCasaUnavailable:
-        return False
-
-
-@pytest.mark.skipif(_robocasa_available(), reason="robocasa is installed here")
+@pytest.mark.skipif(robocasa_available(), reason="robocasa is installed here")
 @pytest.mark.parametrize("parallel", ["process", "thread"])
 def test_robocasa_worker_without_package_exits_with_install_steps(repo_job, parallel: str) -> None:
     job = repo_job("configs/robocasa_pnp_rgb.yaml", "workers.simulators=1", f"env.parallel={parallel}", start=False)

@@ -15,8 +15,9 @@ import subprocess
 import sys
 import time
 import uuid
+from contextlib import contextmanager
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any, Callable, Iterator
 
 import msgpack
 import pytest
@@ -143,14 +144,24 @@ def run_id() -> str:
     return "wt" + uuid.uuid4().hex[:8]
 
 
+@contextmanager
+def publishing(model: torch.nn.Module, **kw: Any) -> Iterator[WeightPublisher]:
+    """A publisher of ``model`` under a fresh run id; once it is closed, no segment of the run is left."""
+    rid = run_id()
+    pub = WeightPublisher(model, rid, **kw)
+    try:
+        yield pub
+    finally:
+        pub.close()
+    assert segments_of_run(rid) == []
+
+
 # -- same host: readers swap while serving; late joiner; nothing left ----------------------------
 
 
 def test_readers_swap_versions_while_serving_and_a_late_joiner_gets_the_newest(relay):
-    rid = run_id()
     model = tiny_model(1)
-    pub = WeightPublisher(model, rid)
-    try:
+    with publishing(model) as pub:
         readers = ["r1", "r2"]
         for n in readers:
             spawn(relay, n)
@@ -177,16 +188,11 @@ def test_readers_swap_versions_while_serving_and_a_late_joiner_gets_the_newest(r
         assert late["digest"] == expected[3] and late["nbytes"] == total
         assert not [e for e in relay.events if e["event"] == "swapped" and e["name"] == "late" and e["version"] < 3]
         stop_readers(relay)
-    finally:
-        pub.close()
-    assert segments_of_run(rid) == []
 
 
 def test_torn_and_corrupt_versions_are_rejected_and_fetched_again(relay):
-    rid = run_id()
     model = tiny_model(2)
-    pub = WeightPublisher(model, rid)
-    try:
+    with publishing(model) as pub:
         spawn(relay, "r")
         relay.wait(lambda ev: relay.of("r", "ready"), "reader ready")
         relay.announce(pub.publish(0))
@@ -219,19 +225,14 @@ def test_torn_and_corrupt_versions_are_rejected_and_fetched_again(relay):
         got = relay.wait(lambda ev: relay.swapped("r", 2), "version 2 after the write ended")
         assert got["digest"] == digest(model)
         stop_readers(relay)
-    finally:
-        pub.close()
-    assert segments_of_run(rid) == []
 
 
 # -- another host: the bucketed stream --------------------------------------------------------
 
 
 def test_stream_serves_readers_when_shared_memory_is_off(relay):
-    rid = run_id()
     model = tiny_model(3)
-    pub = WeightPublisher(model, rid, shm=False, stream_bind="tcp://127.0.0.1:0")
-    try:
+    with publishing(model, shm=False, stream_bind="tcp://127.0.0.1:0") as pub:
         # 1 MiB buckets: the 5.8 MB tensor is split, the small ones share buckets.
         spawn(relay, "same", "--bucket-mb", "1")
         spawn(relay, "other", "--bucket-mb", "1", "--host", "another-host")
@@ -246,9 +247,6 @@ def test_stream_serves_readers_when_shared_memory_is_off(relay):
                 assert s["source"] == "stream" and s["digest"] == digest(model)
         assert got and pub.stream.buckets_sent > 6
         stop_readers(relay)
-    finally:
-        pub.close()
-    assert segments_of_run(rid) == []
 
 
 def test_a_killed_publishers_store_is_swept_by_the_next_one():
@@ -269,24 +267,21 @@ def test_a_killed_publishers_store_is_swept_by_the_next_one():
 
 
 def test_a_version_that_does_not_fit_is_dropped_and_the_weights_stay():
-    rid = run_id()
     other = torch.nn.Sequential(tiny_model(5), torch.nn.Linear(4, 4))  # other names
-    pub = WeightPublisher(other, rid, stream_bind="")
     model = tiny_model(None)
     before = digest(model)
-    rx = WeightReceiver(model, host_id())
-    try:
-        assert rx.offer(pub.publish(0))
-        ann = rx.next_fetch(time.monotonic())
-        with pytest.raises(ManifestError, match="lacks|this model lacks") as err:
-            rx.fetch(ann)
-        rx.fetched(ann, None, err.value, time.monotonic())
-        assert rx.next_fetch(time.monotonic() + 60) is None  # not retried
-        assert rx.swap() is None and rx.version == -1 and digest(model) == before
-    finally:
-        rx.close()
-        pub.close()
-    assert segments_of_run(rid) == []
+    with publishing(other, stream_bind="") as pub:
+        rx = WeightReceiver(model, host_id())
+        try:
+            assert rx.offer(pub.publish(0))
+            ann = rx.next_fetch(time.monotonic())
+            with pytest.raises(ManifestError, match="lacks|this model lacks") as err:
+                rx.fetch(ann)
+            rx.fetched(ann, None, err.value, time.monotonic())
+            assert rx.next_fetch(time.monotonic() + 60) is None  # not retried
+            assert rx.swap() is None and rx.version == -1 and digest(model) == before
+        finally:
+            rx.close()
 
 
 # -- pure rules --------------------------------------------------------------------------------

@@ -97,10 +97,6 @@ class Layout:
     def trainable_bytes(self) -> int:
         return sum(s.nbytes for s in self.specs if s.trainable)
 
-    @property
-    def total_bytes(self) -> int:
-        return sum(s.nbytes for s in self.specs)
-
 
 @dataclass(frozen=True)
 class Manifest:

@@ -26,7 +26,7 @@ from multiprocessing import resource_tracker, shared_memory
 import numpy as np
 
 from rlvla3.protocol import SHM_PREFIX
-from rlvla3.shm import POISON, check_free_space
+from rlvla3.shm import POISON, OwnedSegment, check_free_space, unmap
 from rlvla3.weights.manifest import REGIONS
 
 HEADER_BYTES = 4096
@@ -86,7 +86,7 @@ class _Segment:
             raise TornRead(f"region {region} was rewritten during the read")
 
 
-class WeightStore(_Segment):
+class WeightStore(_Segment, OwnedSegment):
     """The owner's segment (trainer rank 0): creates, writes, unlinks."""
 
     _counter = 0
@@ -124,20 +124,8 @@ class WeightStore(_Segment):
         self.words[_STAMPS + 2 * region + 1] = np.int64(version).view(np.uint64)
         self.words[_STAMPS + 2 * region] = seq + 1 if seq % 2 else seq
 
-    def close(self) -> None:
-        """Unmap and unlink (the owner only)."""
-        if self._closed:
-            return
-        self._closed = True
+    def _drop_views(self) -> None:
         self.words = None  # type: ignore[assignment]
-        try:
-            self.shm.close()
-        except BufferError:
-            pass  # a view is still alive; unlinking still frees the name
-        try:
-            self.shm.unlink()
-        except FileNotFoundError:
-            pass
 
 
 class StoreReader(_Segment):
@@ -170,7 +158,4 @@ class StoreReader(_Segment):
 
     def close(self) -> None:
         self.words = None  # type: ignore[assignment]
-        try:
-            self.shm.close()
-        except BufferError:
-            pass
+        unmap(self.shm)

@@ -60,6 +60,8 @@ class EnvAdapter(ABC):
 
     spec: EnvSpec
     num_envs: int
+    _envs: Sequence[Any] = ()
+    """The simulator's own env objects, where the adapter holds them in this process."""
 
     @abstractmethod
     def reset(self, ids: Sequence[int], seeds: Sequence[int | None] | None = None) -> Observation:
@@ -70,7 +72,25 @@ class EnvAdapter(ABC):
         """Apply ``actions[i]`` (float32 [action_dim]) to env ``ids[i]``, one physics step each."""
 
     def close(self) -> None:
-        """Release simulator resources (renderers, subprocesses)."""
+        """Release simulator resources: closes every env in ``_envs`` (an adapter that holds
+        more, such as renderers or subprocesses, releases those too)."""
+        for env in self._envs:
+            env.close()
+        self._envs = []
+
+
+def reset_seeds(ids: Sequence[int], seeds: Sequence[int | None] | None, rng: np.random.Generator) -> list[int]:
+    """The seed of each env of ``ids`` being reset: the caller's where given, else a draw from the
+    adapter's own ``rng`` (drawn in order, so the same adapter seed replays the same starts)."""
+    return [int(rng.integers(2**31 - 1)) if s is None else int(s)
+            for s in (seeds[k] if seeds is not None else None for k in range(len(ids)))]
+
+
+def episode_ends(t: np.ndarray, success: np.ndarray, terminate_on_success: bool,
+                 max_steps: int) -> tuple[np.ndarray, np.ndarray]:
+    """(terminated, truncated): success ends an episode if asked; the time limit truncates the rest."""
+    terminated = success.copy() if terminate_on_success else np.zeros(len(success), bool)
+    return terminated, (t >= max_steps) & ~terminated
 
 
 # ---------------------------------------------------------------------------------------------
@@ -92,21 +112,12 @@ def register_env(name: str, options: type | None = None) -> Callable[[EnvFactory
 
 
 def _import_builtin_adapters() -> None:
-    # Importing the modules registers them; heavy simulator imports stay inside the adapters.
+    # Importing the modules registers them; heavy simulator imports stay inside the adapters,
+    # so these imports succeed whether or not a simulator is installed.
     import importlib
 
     for mod in ("synthetic", "metaworld", "libero", "maniskill", "robocasa"):
-        try:
-            importlib.import_module(f"workers.envs.{mod}")
-        except ModuleNotFoundError as exc:  # only our own module missing is fatal
-            if exc.name == f"workers.envs.{mod}":
-                continue
-            raise
-
-
-def env_names() -> list[str]:
-    _import_builtin_adapters()
-    return sorted(_ENVS)
+        importlib.import_module(f"workers.envs.{mod}")
 
 
 def parse_options(cls: type | None, options: dict[str, Any] | None, where: str) -> Any:

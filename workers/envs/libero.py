@@ -23,8 +23,8 @@ import numpy as np
 import structlog
 
 from rlvla3.observation import Observation
-from workers.envs.base import EnvAdapter, EnvSpec, StepResult, register_env
-from workers.envs.robosuite_common import episode_ends, step_envs
+from workers.envs.base import EnvSpec, register_env, reset_seeds
+from workers.envs.robosuite_common import RobosuiteAdapter
 
 log = structlog.get_logger()
 
@@ -128,7 +128,7 @@ def _disable_extras(ctx: Any) -> None:
 
 
 @register_env("libero", options=LiberoOptions)
-class LiberoEnv(EnvAdapter):
+class LiberoEnv(RobosuiteAdapter):
     """LIBERO task envs (one robosuite env each), stepped in this process."""
 
     def __init__(self, num_envs: int, seed: int = 0, options: LiberoOptions | None = None) -> None:
@@ -182,10 +182,7 @@ class LiberoEnv(EnvAdapter):
     def reset(self, ids: Sequence[int], seeds: Sequence[int | None] | None = None) -> Observation:
         ids = [int(i) for i in ids]
         raws = []
-        for k, i in enumerate(ids):
-            s = seeds[k] if seeds is not None else None
-            if s is None:
-                s = int(self._rng.integers(2**31 - 1))
+        for i, s in zip(ids, reset_seeds(ids, seeds, self._rng)):
             env = self._envs[i]
             env.seed(s % 2**32)  # fixtures are placed at reset from numpy's global RNG, not the init state
             env.reset()
@@ -199,21 +196,11 @@ class LiberoEnv(EnvAdapter):
             raws.append(raw)
         return self._obs(ids, raws)
 
-    def step(self, ids: Sequence[int], actions: np.ndarray) -> StepResult:
-        ids = [int(i) for i in ids]
-        a = np.clip(np.asarray(actions, np.float32), -1.0, 1.0)
-        reward, success, raws = step_envs(self._envs, ids, a, lambda env: env.check_success())
-        self._t[ids] += 1
-        terminated, truncated = episode_ends(self._t[ids], success, self.opts.terminate_on_success,
-                                             self.opts.max_episode_steps)
-        return StepResult(self._obs(ids, raws), reward, terminated, truncated, success)
-
-    def close(self) -> None:
-        for env in self._envs:
-            env.close()
-        self._envs = []
-
     # -- helpers -----------------------------------------------------------------------------
+
+    @staticmethod
+    def _success(env: Any) -> bool:
+        return env.check_success()
 
     @staticmethod
     def _after_reset(env: Any) -> None:

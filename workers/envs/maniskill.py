@@ -19,7 +19,7 @@ import numpy as np
 import structlog
 
 from rlvla3.observation import Observation
-from workers.envs.base import EnvAdapter, EnvSpec, StepResult, register_env
+from workers.envs.base import EnvAdapter, EnvSpec, StepResult, episode_ends, register_env, reset_seeds
 
 log = structlog.get_logger()
 
@@ -164,10 +164,8 @@ class ManiSkillEnv(EnvAdapter):
 
     def reset(self, ids: Sequence[int], seeds: Sequence[int | None] | None = None) -> Observation:
         ids = [int(i) for i in ids]
-        for k, i in enumerate(ids):
-            s = seeds[k] if seeds is not None else None
-            self._seeds[i] = s if s is not None else int(self._rng.integers(2**31 - 1))
-            self._t[i] = 0
+        self._seeds[ids] = reset_seeds(ids, seeds, self._rng)
+        self._t[ids] = 0
         if self.gpu:
             import torch
 
@@ -211,14 +209,9 @@ class ManiSkillEnv(EnvAdapter):
                 success[k] = bool(_np(info.get("success", False)).reshape(-1)[0])
                 rows.append((obs, 0))
         self._t[ids] += 1
-        terminated = success.copy() if self.opts.terminate_on_success else np.zeros(n, bool)
-        truncated = (self._t[ids] >= self.spec.max_episode_steps) & ~terminated
+        terminated, truncated = episode_ends(self._t[ids], success, self.opts.terminate_on_success,
+                                             self.spec.max_episode_steps)
         return StepResult(self._obs_rows(rows, ids), reward, terminated, truncated, success)
-
-    def close(self) -> None:
-        for env in self._envs:
-            env.close()
-        self._envs = []
 
     # -- helpers -----------------------------------------------------------------------------
 

@@ -18,7 +18,7 @@ import numpy as np
 import structlog
 
 from rlvla3.observation import Observation
-from workers.envs.base import EnvAdapter, EnvSpec, StepResult, register_env
+from workers.envs.base import EnvAdapter, EnvSpec, StepResult, episode_ends, register_env, reset_seeds
 
 log = structlog.get_logger()
 
@@ -237,10 +237,7 @@ class MetaWorldEnv(EnvAdapter):
     def reset(self, ids: Sequence[int], seeds: Sequence[int | None] | None = None) -> Observation:
         ids = [int(i) for i in ids]
         raws = []
-        for k, i in enumerate(ids):
-            seed = seeds[k] if seeds is not None else None
-            if seed is None:
-                seed = int(self._rng.integers(2**31 - 1))
+        for i, seed in zip(ids, reset_seeds(ids, seeds, self._rng)):
             env = self._envs[i]
             tasks = self._tasks[self.task_names[i]]
             env.set_task(tasks[seed % len(tasks)])
@@ -270,17 +267,16 @@ class MetaWorldEnv(EnvAdapter):
                 self._succeeded[i] = True
                 reward[k] += self.opts.success_bonus
             raws.append(self._remember(i, raw))
-        terminated = success if self.opts.terminate_on_success else np.zeros(n, bool)
-        truncated = (self._t[ids] >= self.opts.max_episode_steps) & ~terminated
-        return StepResult(self._obs(ids, raws), reward, terminated.copy(), truncated, success)
+        terminated, truncated = episode_ends(self._t[ids], success, self.opts.terminate_on_success,
+                                             self.opts.max_episode_steps)
+        return StepResult(self._obs(ids, raws), reward, terminated, truncated, success)
 
     def close(self) -> None:
         for r in self._renderers:
             if r is not None:
                 r.close()
-        for env in self._envs:
-            env.close()
-        self._renderers, self._envs = [], []
+        self._renderers = []
+        super().close()
 
     # -- helpers -----------------------------------------------------------------------------
 

@@ -19,8 +19,8 @@ import numpy as np
 import structlog
 
 from rlvla3.observation import Observation
-from workers.envs.base import EnvAdapter, EnvSpec, StepResult, register_env
-from workers.envs.robosuite_common import episode_ends, step_envs
+from workers.envs.base import EnvSpec, register_env, reset_seeds
+from workers.envs.robosuite_common import RobosuiteAdapter
 
 log = structlog.get_logger()
 
@@ -87,7 +87,7 @@ def check_available() -> None:
 
 
 @register_env("robocasa", options=RoboCasaOptions)
-class RoboCasaEnv(EnvAdapter):
+class RoboCasaEnv(RobosuiteAdapter):
     """RoboCasa kitchen envs (one robosuite env each), stepped in this process."""
 
     def __init__(self, num_envs: int, seed: int = 0, options: RoboCasaOptions | None = None) -> None:
@@ -138,26 +138,14 @@ class RoboCasaEnv(EnvAdapter):
 
     def reset(self, ids: Sequence[int], seeds: Sequence[int | None] | None = None) -> Observation:
         ids = [int(i) for i in ids]
-        raws = []
-        for k, i in enumerate(ids):
-            s = seeds[k] if seeds is not None else None
-            raws.append(self._reset_one(i, int(s) if s is not None else int(self._rng.integers(2**31 - 1))))
-        return self._obs(ids, raws)
+        return self._obs(ids, [self._reset_one(i, s) for i, s in zip(ids, reset_seeds(ids, seeds, self._rng))])
 
-    def step(self, ids: Sequence[int], actions: np.ndarray) -> StepResult:
-        ids = [int(i) for i in ids]
-        a = np.clip(np.asarray(actions, np.float32), -1.0, 1.0)
-        a = self._low + (a + 1.0) * 0.5 * (self._high - self._low)  # [-1, 1] -> robosuite's bounds
-        reward, success, raws = step_envs(self._envs, ids, a, lambda env: env._check_success())
-        self._t[ids] += 1
-        terminated, truncated = episode_ends(self._t[ids], success, self.opts.terminate_on_success,
-                                             self.opts.max_episode_steps)
-        return StepResult(self._obs(ids, raws), reward, terminated, truncated, success)
+    def _scale_action(self, a: np.ndarray) -> np.ndarray:
+        return self._low + (a + 1.0) * 0.5 * (self._high - self._low)  # [-1, 1] -> robosuite's bounds
 
-    def close(self) -> None:
-        for env in self._envs:
-            env.close()
-        self._envs = []
+    @staticmethod
+    def _success(env: Any) -> bool:
+        return env._check_success()
 
     @staticmethod
     def _state(raw: dict[str, Any]) -> np.ndarray:

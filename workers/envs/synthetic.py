@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import time
 from dataclasses import dataclass, field
-from typing import Any, Sequence
+from typing import Sequence
 
 import numpy as np
 
@@ -78,14 +78,6 @@ class LatencyModel:
             slow = self.rng.random(n) < c.slow_prob
             return np.where(slow, c.slow_ms, c.mean_ms) / 1000.0
         return self.rng.choice(self.samples, n)
-
-    def mean_s(self) -> float:
-        c = self.cfg
-        if c.kind in ("constant", "lognormal"):
-            return c.mean_ms / 1000.0
-        if c.kind == "bimodal":
-            return (c.slow_prob * c.slow_ms + (1 - c.slow_prob) * c.mean_ms) / 1000.0
-        return float(self.samples.mean())
 
 
 @register_env("synthetic", options=SyntheticOptions)

@@ -51,11 +51,19 @@ PALIGEMMA_VOCAB = 257152
 
 _VLM = "paligemma_with_expert.paligemma."
 _EXPERT = "paligemma_with_expert.gemma_expert."
+
+
+def _paligemma_rules(vlm: str) -> list[tuple[str, str]]:
+    """LeRobot's PaliGemma names -> ours under ``vlm`` (the same tower in both families)."""
+    return [
+        (_VLM + "model.vision_tower.vision_model.", vlm + "vision_tower."),
+        (_VLM + "model.", vlm),
+        (_VLM + "lm_head.", vlm + "language_model.embed_tokens."),  # tied to the token table
+    ]
+
+
 # LeRobot names (without the policy's ``model.`` prefix) -> ours. One table per family.
-PI0_RULES = [
-    (_VLM + "model.vision_tower.vision_model.", "pi0.model.vlm.vision_tower."),
-    (_VLM + "model.", "pi0.model.vlm."),
-    (_VLM + "lm_head.", "pi0.model.vlm.language_model.embed_tokens."),  # tied to the token table
+PI0_RULES = _paligemma_rules("pi0.model.vlm.") + [
     (_EXPERT + "model.", "pi0.model.dit."),
     (_EXPERT + "lm_head.", "pi0.model.dit.embed_tokens."),
     ("state_proj.", "pi0.embed_action_time.state_proj."),
@@ -66,10 +74,7 @@ PI0_RULES = [
     ("time_mlp_out.", "pi0.embed_action_time.action_time_mlp_out."),
     ("action_out_proj.", "pi0.action_out_proj."),
 ]
-PI05_RULES = [
-    (_VLM + "model.vision_tower.vision_model.", "vlm.vision_tower."),
-    (_VLM + "model.", "vlm."),
-    (_VLM + "lm_head.", "vlm.language_model.embed_tokens."),
+PI05_RULES = _paligemma_rules("vlm.") + [
     (_EXPERT + "model.", "expert."),
     ("action_in_proj.", "action_in_proj."),
     ("action_out_proj.", "action_out_proj."),

@@ -57,13 +57,21 @@ def _component(local_dir: str, pattern: str) -> str | None:
 # ---------------------------------------------------------------------------------------------
 
 
-def _gr00t_stats(local_dir: str) -> tuple[Any, Any]:
-    path = os.path.join(local_dir, GR00T_META)
+def _first_entry(local_dir: str, name: str) -> tuple[str, Any] | None:
+    """The first (key, value) of a release's JSON statistics file (both releases key their
+    statistics by one embodiment or dataset); None when the release has no such file."""
+    path = os.path.join(local_dir, name)
     if not os.path.isfile(path):
-        return None, None
+        return None
     with open(path) as f:
-        meta = json.load(f)
-    tag, entry = next(iter(meta.items()))
+        return next(iter(json.load(f).items()))
+
+
+def _gr00t_stats(local_dir: str) -> tuple[Any, Any]:
+    first = _first_entry(local_dir, GR00T_META)
+    if first is None:
+        return None, None
+    tag, entry = first
     st = entry["statistics"]
     out = []
     for side, inverse in (("state", False), ("action", True)):
@@ -78,12 +86,10 @@ def _gr00t_stats(local_dir: str) -> tuple[Any, Any]:
 
 
 def _oft_stats(local_dir: str) -> tuple[Any, Any]:
-    path = os.path.join(local_dir, OFT_STATS)
-    if not os.path.isfile(path):
+    first = _first_entry(local_dir, OFT_STATS)
+    if first is None:
         return None, None
-    with open(path) as f:
-        stats = json.load(f)
-    name, entry = next(iter(stats.items()))
+    name, entry = first
     state = affine_from_stats("QUANTILES", entry["proprio"], len(entry["proprio"]["q01"]), 1e-8, False) if "proprio" in entry else None
     shift, scale = affine_from_stats("QUANTILES", entry["action"], len(entry["action"]["q01"]), 1e-8, True)
     mask = torch.as_tensor(np.asarray(entry["action"].get("mask", [True] * shift.numel()), dtype=bool))
