@@ -194,6 +194,23 @@ def stop_child(proc: subprocess.Popen, timeout_s: float = 5.0) -> None:
 # ---------------------------------------------------------------------------------------------
 
 
+def local_job(cfg: Any, run_dir: Path) -> Any:
+    """A job of ``cfg`` on this machine with its broker up on free loopback ports (its config
+    written to ``run_dir``); the caller starts the workers it wants and stops the job."""
+    from rlvla3.launch import LocalJob
+
+    run_dir.mkdir(parents=True, exist_ok=True)
+    cfg_path = run_dir / "config.yaml"
+    cfg_path.write_text(cfg.to_yaml())
+    job = LocalJob(cfg, run_dir, cfg_path)
+    try:
+        job.start_broker("tcp://127.0.0.1:0", "tcp://127.0.0.1:0")
+    except BaseException:
+        job.stop()
+        raise
+    return job
+
+
 def emit(result: dict[str, Any]) -> None:
     """The benchmark's result: one JSON object, the last line of stdout."""
     sys.stdout.flush()

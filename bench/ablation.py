@@ -32,10 +32,9 @@ import numpy as np
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from rlvla3.config import load  # noqa: E402
-from rlvla3.launch import LocalJob  # noqa: E402
 from rlvla3.observation import Observation  # noqa: E402
 
-from _common import OUT_DIR  # noqa: E402  (bench/, the script's folder, is first on sys.path)
+from _common import OUT_DIR, local_job  # noqa: E402  (bench/, the script's folder, is first on sys.path)
 
 MODES = ("sync", "async_rollout", "async")
 
@@ -60,19 +59,14 @@ def job_overrides(args: argparse.Namespace) -> list[str]:
 
 def measure_mode(mode: str, args: argparse.Namespace, root: Path) -> dict:
     cfg = load("synthetic.yaml", [*job_overrides(args), f"run.mode={mode}"])
-    run_dir = root / mode
-    run_dir.mkdir(parents=True)
-    cfg_path = run_dir / "config.yaml"
-    cfg_path.write_text(cfg.to_yaml())
-    job = LocalJob(cfg, run_dir, cfg_path)
+    job = local_job(cfg, root / mode)
     try:
-        job.start_broker("tcp://127.0.0.1:0", "tcp://127.0.0.1:0")
         job.start_all()
         deadline = time.monotonic() + 60
         fig = job.status()
         while fig["env_steps"] < args.warmup_steps:  # warm: every process up, first updates done
             if time.monotonic() > deadline:
-                raise RuntimeError(f"{mode}: no progress; logs in {run_dir}")
+                raise RuntimeError(f"{mode}: no progress; logs in {job.run_dir}")
             time.sleep(0.2)
             fig = job.status()
         t0, s0 = time.monotonic(), fig["env_steps"]

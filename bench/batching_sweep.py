@@ -36,7 +36,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 from rlvla3.config import load  # noqa: E402
 from rlvla3.launch import LocalJob, request_tune, stop_processes  # noqa: E402
 
-from _common import OUT_DIR, emit, note  # noqa: E402  (bench/, the script's folder, is first on sys.path)
+from _common import OUT_DIR, emit, local_job, note  # noqa: E402  (bench/, the script's folder, is first on sys.path)
 
 PROFILES = {
     "bimodal": "{kind: bimodal, mean_ms: 2.0, slow_ms: 40.0, slow_prob: 0.05}",
@@ -91,15 +91,21 @@ def sweep(job: LocalJob, args: argparse.Namespace) -> dict[str, float]:
     return grid
 
 
-def adaptive_run(job: LocalJob, args: argparse.Namespace, worst: tuple[int, float]) -> dict:
-    """From the worst grid point, controller on: the rate after ``--converge`` s, and the curve."""
-    request_tune(job.endpoint, max_batch=worst[0], max_wait_ms=worst[1], adaptive=True)
+def follow(job: LocalJob, seconds: float) -> list[dict]:
+    """The 2 s served rate and the batching rule in force, for ``seconds``."""
     t0, curve = time.monotonic(), []
-    while time.monotonic() - t0 < args.converge:
+    while time.monotonic() - t0 < seconds:
         sps = rate(job, 2.0)
         fig = job.status()["batching"]
         curve.append({"t_s": round(time.monotonic() - t0, 1), "sps": round(sps, 1),
                       "max_batch": fig["max_batch"], "max_wait_ms": fig["max_wait_ms"]})
+    return curve
+
+
+def adaptive_run(job: LocalJob, args: argparse.Namespace, worst: tuple[int, float]) -> dict:
+    """From the worst grid point, controller on: the rate after ``--converge`` s, and the curve."""
+    request_tune(job.endpoint, max_batch=worst[0], max_wait_ms=worst[1], adaptive=True)
+    curve = follow(job, args.converge)
     sps = rate(job, args.window)
     fig = job.status()["batching"]
     return {"sps": round(sps, 1), "final": {"max_batch": fig["max_batch"], "max_wait_ms": fig["max_wait_ms"]},
@@ -115,12 +121,7 @@ def profile_change(job: LocalJob, args: argparse.Namespace) -> dict:
     for i in range(args.sims):
         job.start_worker("simulator", f"simulator_changed{i}", ["--index", str(100 + i), "--set", f"env.options.latency={lat}"])
     stop_processes(old)
-    t0, curve = time.monotonic(), []
-    while time.monotonic() - t0 < args.change_follow:
-        sps = rate(job, 2.0)
-        fig = job.status()["batching"]
-        curve.append({"t_s": round(time.monotonic() - t0, 1), "sps": round(sps, 1),
-                      "max_batch": fig["max_batch"], "max_wait_ms": fig["max_wait_ms"]})
+    curve = follow(job, args.change_follow)
     end = statistics.mean(c["sps"] for c in curve[-3:])
     settle = next(c["t_s"] for c in curve if c["sps"] >= 0.95 * end)
     out = {"to": args.change_profile, "end_sps": round(end, 1), "settle_s": settle, "curve": curve}
@@ -192,12 +193,8 @@ def main() -> None:
     t_start = time.monotonic()
     cfg = load("synthetic.yaml", job_overrides(args))
     with tempfile.TemporaryDirectory(prefix="batching_sweep_") as tmp:
-        run_dir = Path(tmp)
-        cfg_path = run_dir / "config.yaml"
-        cfg_path.write_text(cfg.to_yaml())
-        job = LocalJob(cfg, run_dir, cfg_path)
+        job = local_job(cfg, Path(tmp))
         try:
-            job.start_broker("tcp://127.0.0.1:0", "tcp://127.0.0.1:0")
             job.start_all()
             job.wait_status(lambda f: f["env_steps"] > 500, 120.0, "the job's first 500 env steps")
             grid = sweep(job, args)

@@ -39,10 +39,10 @@ import msgpack
 import zmq
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from bench._common import OUT_DIR, emit, note  # noqa: E402
+from bench._common import OUT_DIR, emit, local_job, note  # noqa: E402
 from rlvla3 import protocol as P  # noqa: E402
 from rlvla3.config import load  # noqa: E402
-from rlvla3.launch import LocalJob, request_status  # noqa: E402
+from rlvla3.launch import request_status  # noqa: E402
 
 JOB = (
     "run.mode=async", "env.num_envs=4", "env.slots=2", "env.fragment_len=8",
@@ -198,12 +198,10 @@ def main() -> None:
 
     root = Path(tempfile.mkdtemp(prefix="rlvla3-fuzz-"))
     cfg = load("synthetic.yaml", list(JOB))
-    cfg_path = root / "config.yaml"
-    cfg_path.write_text(cfg.to_yaml())
-    job = LocalJob(cfg, root, cfg_path)
+    job = local_job(cfg, root)
     result: dict = {}
     try:
-        endpoint = job.start_broker("tcp://127.0.0.1:0", "tcp://127.0.0.1:0")
+        endpoint = job.endpoint
         job.start_all()
         before = job.wait_status(lambda f: f["env_steps"] > 0 and f["policy_version"] >= 1, 300.0, "the job to train once")
         rss0 = rss_mb(job.broker_proc.pid)

@@ -40,7 +40,7 @@ import zmq
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from _common import (  # noqa: E402
-    emit, merged, new_hist, note, parse_bench_args, percentile_plot, record_us, start_child, stop_child,
+    emit, local_job, merged, new_hist, note, parse_bench_args, percentile_plot, record_us, start_child, stop_child,
     summary, wait_readable,
 )
 
@@ -231,11 +231,7 @@ def start_fabric(args: argparse.Namespace, run_dir: Path) -> LocalJob:
         f"batching.credits={args.credits}", "workers.simulators=0", "workers.generators=1",
         "workers.trainers=0", "run.mode=async", "workers.device=cpu", "workers.torch_threads=1",
     ]
-    cfg = load("synthetic.yaml", overrides)
-    cfg_path = run_dir / "config.yaml"
-    cfg_path.write_text(cfg.to_yaml())
-    job = LocalJob(cfg, run_dir, cfg_path)
-    job.start_broker("tcp://127.0.0.1:0", "tcp://127.0.0.1:0")
+    job = local_job(load("synthetic.yaml", overrides), run_dir)
     job.start_worker("generator", "generator0")
     return job
 

@@ -84,3 +84,16 @@ def robocasa_available() -> bool:
         return True
     except RoboCasaUnavailable:
         return False
+
+
+def video_frames(path: Path) -> int:
+    """Frames a written video decodes to (GIF through Pillow, MP4 through imageio's ffmpeg)."""
+    if path.suffix == ".gif":
+        from PIL import Image
+
+        with Image.open(path) as im:
+            return im.n_frames
+    import imageio.v2 as iio
+
+    with iio.get_reader(str(path), format="FFMPEG") as r:
+        return sum(1 for _ in r)

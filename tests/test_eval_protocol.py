@@ -14,6 +14,7 @@ import pytest
 
 from rlvla3.config import load
 from rlvla3.lifetime import launcher_env
+from tests.jobs import video_frames
 
 pytest.importorskip("metaworld")
 pytestmark = pytest.mark.slow
@@ -41,18 +42,6 @@ def _eval(*args: str) -> subprocess.CompletedProcess:
                           env={**os.environ, **launcher_env(), "MUJOCO_GL": "egl", "PYOPENGL_PLATFORM": "egl"})
 
 
-def _decoded_frames(path: Path) -> int:
-    if path.suffix == ".gif":
-        from PIL import Image
-
-        with Image.open(path) as im:
-            return im.n_frames
-    import imageio.v2 as iio
-
-    with iio.get_reader(str(path), format="FFMPEG") as r:
-        return sum(1 for _ in r)
-
-
 @pytest.mark.parametrize("fmt", ["mp4", "gif"])
 def test_eval_writes_per_task_table_and_video(tmp_path: Path, fmt: str):
     ckpt = _checkpoint(tmp_path)
@@ -71,9 +60,9 @@ def test_eval_writes_per_task_table_and_video(tmp_path: Path, fmt: str):
         path = Path(v["path"])
         assert path.suffix == f".{fmt}" and path.is_file()
         if fmt == "mp4":
-            assert _decoded_frames(path) == v["frames"]  # the initial frame plus one per env step
+            assert video_frames(path) == v["frames"]  # the initial frame plus one per env step
         else:  # Pillow merges identical consecutive GIF frames (a still arm), so at most that many
-            assert 1 <= _decoded_frames(path) <= v["frames"]
+            assert 1 <= video_frames(path) <= v["frames"]
         assert 2 <= v["frames"] <= 13
 
 

@@ -14,22 +14,11 @@ import numpy as np
 import pytest
 
 from rlvla3.lifetime import launcher_env
+from tests.jobs import video_frames
 
 pa = pytest.importorskip("pyarrow")
 pq = pytest.importorskip("pyarrow.parquet")
 pytestmark = pytest.mark.slow
-
-
-def _frames(path: Path) -> int:
-    if path.suffix == ".gif":
-        from PIL import Image
-
-        with Image.open(path) as im:
-            return im.n_frames
-    import imageio.v2 as iio
-
-    with iio.get_reader(str(path), format="FFMPEG") as r:
-        return sum(1 for _ in r)
 
 
 def test_run_shows_eval_round_curves_videos_and_records_a_dataset(tmp_path: Path):
@@ -48,7 +37,7 @@ def test_run_shows_eval_round_curves_videos_and_records_a_dataset(tmp_path: Path
     rows = [json.loads(x) for x in (run_dir / "metrics.jsonl").read_text().splitlines()]
     assert any(row["eval_version"] is not None for row in rows)
     gifs = sorted((run_dir / "videos").glob("eval_v*_env*.gif"))
-    assert gifs and all(_frames(g) >= 1 for g in gifs)  # Pillow merges identical consecutive GIF frames
+    assert gifs and all(video_frames(g) >= 1 for g in gifs)  # Pillow merges identical consecutive GIF frames
     from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
     acc = EventAccumulator(str(run_dir / "tb"))
@@ -74,7 +63,7 @@ def test_run_shows_eval_round_curves_videos_and_records_a_dataset(tmp_path: Path
     assert cams
     for cam in cams:
         video = ds / info["video_path"].format(video_key=cam, chunk_index=0, file_index=0)
-        assert _frames(video) == n
+        assert video_frames(video) == n
         assert eps[f"videos/{cam}/to_timestamp"][-1] == pytest.approx(n / info["fps"])
     stats = json.loads((ds / "meta" / "stats.json").read_text())
     assert stats["action"]["count"] == [n]
