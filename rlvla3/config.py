@@ -17,6 +17,8 @@ from typing import Any
 
 import yaml
 
+from rlvla3.scale_config import LoraConfig, PlacementConfig, ScaleConfigError, TrainConfig, validate_scale
+
 MODES = ("sync", "async_rollout", "async")
 RATIO_LEVELS = ("unit", "chunk")
 
@@ -122,6 +124,8 @@ class ModelConfig:
     OpenVLA-OFT folder; see docs/checkpoints.md), or a run folder to warm-start from."""
     options: dict = field(default_factory=dict)
     """The family's own options (validated by the family's config dataclass)."""
+    lora: LoraConfig = field(default_factory=LoraConfig)
+    """Low-rank adapters (``rlvla3.scale_config.LoraConfig``); off by default."""
 
 
 @dataclass
@@ -225,6 +229,8 @@ class JobConfig:
     algo: AlgoConfig = field(default_factory=AlgoConfig)
     workers: WorkersConfig = field(default_factory=WorkersConfig)
     weights: WeightsConfig = field(default_factory=WeightsConfig)
+    train: TrainConfig = field(default_factory=TrainConfig)
+    placement: PlacementConfig = field(default_factory=PlacementConfig)
 
     def to_dict(self) -> dict[str, Any]:
         return dataclasses.asdict(self)
@@ -335,6 +341,10 @@ def _coerce(typ: Any, value: Any, key: str) -> Any:
 
 def validate(cfg: JobConfig) -> None:
     """Cross-field rules, each error naming its key."""
+    try:
+        validate_scale(cfg.model.lora, cfg.train, cfg.placement)
+    except ScaleConfigError as exc:
+        raise ConfigError(str(exc)) from None
     if cfg.run.mode not in MODES:
         raise ConfigError(f"run.mode: {cfg.run.mode!r} not in {MODES}")
     if cfg.env.num_envs < 1 or cfg.env.slots < 1:

@@ -35,6 +35,7 @@ import structlog
 import torch
 
 from rlvla3 import protocol as P
+from workers.algorithms.memory import enable_gradient_checkpointing
 from workers.algorithms.staleness import staleness_histogram
 from workers.algorithms.update import TrainState, UpdateResult, update
 from workers.base import WorkerBase
@@ -117,6 +118,8 @@ class TrainerWorker(WorkerBase):
             self._join_group()
         policy = build_policy(cfg, device=self.device)
         policy.train()
+        if cfg.train.gradient_checkpointing:
+            enable_gradient_checkpointing(policy)
         self.state = TrainState.build(policy, cfg.algo)
         self.learner = Learner(cfg, self.counters)
         self.version = int(self.welcome.get("trainer_version", 0))

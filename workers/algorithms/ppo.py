@@ -43,7 +43,14 @@ EvaluateFn = Callable[[Any, torch.Tensor, dict], Any]  # (obs, actions, replay) 
 
 
 def make_optimizer(params: Iterable[nn.Parameter], cfg: AlgoConfig) -> torch.optim.Optimizer:
-    """Adam with eps=1e-5, the usual PPO choice (CleanRL, OpenAI baselines)."""
+    """Adam with eps=1e-5, the usual PPO choice (CleanRL, OpenAI baselines), over the parameters
+    that train. bf16 parameters (``model.dtype: bfloat16``) get :class:`MasterAdam`: fp32 master
+    weights and moments, the bf16 copy rewritten after each step."""
+    params = [p for p in params if p.requires_grad]
+    if any(p.dtype in (torch.bfloat16, torch.float16) for p in params):
+        from workers.algorithms.precision import MasterAdam
+
+        return MasterAdam(params, lr=cfg.lr, eps=1e-5)
     return torch.optim.Adam(params, lr=cfg.lr, eps=1e-5)
 
 

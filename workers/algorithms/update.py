@@ -80,7 +80,7 @@ class TrainState:
     @classmethod
     def build(cls, policy: nn.Module, algo: AlgoConfig, model: nn.Module | None = None) -> "TrainState":
         optimizer = make_optimizer(policy.parameters(), algo)
-        critic = [p for n, p in policy.named_parameters() if "value" in n.split(".")[0]]
+        critic = [p for n, p in policy.named_parameters() if "value" in n.split(".")[0] and p.requires_grad]
         critic_optimizer = make_optimizer(critic, algo) if critic else optimizer
         return cls(policy, model if model is not None else policy, optimizer, critic_optimizer)
 
