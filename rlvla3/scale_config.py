@@ -45,7 +45,9 @@ class TrainConfig:
     checkpointing on every transformers tower of the policy): less memory, ~30% more compute."""
     fsdp: bool = False
     """Shard the trainer group's parameters, gradients and optimizer state with FSDP2
-    (``torch.distributed.fsdp.fully_shard``) instead of replicating them with DDP."""
+    (``torch.distributed.fsdp.fully_shard``, ``workers.algorithms.distributed.wrap_fsdp``) instead
+    of replicating them with DDP. Refused for now: publishing and checkpoints read rank 0's
+    parameters whole, and under FSDP they must be gathered on every rank first."""
 
 
 @dataclass
@@ -64,6 +66,9 @@ class PlacementConfig:
 def validate_scale(lora: LoraConfig, train: TrainConfig, placement: PlacementConfig) -> None:
     if lora.rank < 1 or lora.alpha <= 0 or not lora.targets:
         raise ScaleConfigError("model.lora: rank must be >= 1, alpha > 0 and targets non-empty")
+    if train.fsdp:
+        raise ScaleConfigError("train.fsdp: the sharded update works (wrap_fsdp), but the trainer's weight "
+                               "publication and checkpoints do not gather FSDP shards yet; use DDP (false)")
     if placement.mode not in PLACEMENTS:
         raise ScaleConfigError(f"placement.mode: {placement.mode!r} not in {PLACEMENTS}")
     if placement.offload not in OFFLOAD:

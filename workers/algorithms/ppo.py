@@ -343,7 +343,26 @@ def ppo_update(
     result["optimizer_steps"] = float(steps)
     if batch.get("returns") is not None and batch.get("values") is not None:
         result["explained_variance"] = explained_variance(batch["values"][sample_valid], batch["returns"][sample_valid])
+    result.update(logprob_gap(batch["behav_logprob"], batch["prox_logprob"], batch.get("mask"), batch.get("fresh")))
     return result
+
+
+def logprob_gap(behav: torch.Tensor, prox: torch.Tensor, mask: torch.Tensor | None,
+                fresh: torch.Tensor | None) -> dict[str, float]:
+    """Training-inference mismatch: mean |generator log-prob - trainer's recomputed log-prob| over
+    the valid units. On ``fresh`` samples (acted with the weights the trainer holds now) the gap is
+    numerics alone: bf16 kernels, batch shapes, the generator's own fused paths - the mismatch
+    the async RL literature watches. ``logprob_gap`` (all samples) adds the policy's drift."""
+    b, p = behav.float().reshape(len(behav), -1), prox.float().reshape(len(prox), -1).to(behav.device)
+    unit, _ = _unit_and_sample_masks(mask, b.shape, b.device)
+    unit = unit & torch.isfinite(b) & torch.isfinite(p)
+    diff = torch.where(unit, (b - p).abs(), torch.zeros_like(b))
+    out = {"logprob_gap": float(_masked_mean(diff, unit))}
+    if fresh is not None:
+        f = unit & fresh.to(device=b.device, dtype=torch.bool)[:, None]
+        out["logprob_gap_fresh"] = float(_masked_mean(diff, f)) if bool(f.any()) else float("nan")
+        out["logprob_gap_fresh_max"] = float(diff[f].max()) if bool(f.any()) else float("nan")
+    return out
 
 
 def explained_variance(values: torch.Tensor, returns: torch.Tensor) -> float:

@@ -153,6 +153,7 @@ def update(state: TrainState, batch: TrainBatch, algo: AlgoConfig, critic_warmup
     else:  # PPO: GAE on behaviour values, bootstrapped where a fragment was cut
         samples["advantages"], samples["returns"] = _gae(state.policy, batch, algo)
     samples["mask"] = torch.as_tensor(batch.keep)
+    samples["fresh"] = torch.as_tensor(batch.staleness == 0)  # for the training-inference gap
     n = len(batch.keep)
 
     # ---- 2. several ranks: equal batch lengths (padding is masked out) ----------------------
