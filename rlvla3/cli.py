@@ -115,7 +115,8 @@ def worker(role: str, broker_url: str, gpus: str | None, count: int, num_envs: i
            index: int, name: str | None, run_dir: str | None, overrides: tuple[str, ...], resume: str | None,
            keys_dir: str | None, key_name: str | None) -> None:
     """Run simulator, generator or trainer workers that join a broker (at any time)."""
-    from rlvla3.launch import parse_gpus, spawn, stop_processes
+    from rlvla3.launch import spawn, stop_processes
+    from rlvla3.scale_config import parse_gpus
 
     try:
         devices = parse_gpus(gpus)
@@ -273,9 +274,11 @@ def keys(keys_dir: str, clients: tuple[str, ...]) -> None:
 @click.option("--pub", default="tcp://127.0.0.1:0", show_default=True, help="Broker PUB address.")
 @click.option("--resume", "resume", default=None, metavar="RUN_DIR",
               help="Continue RUN_DIR at its latest checkpoint's version, with its config (--steps counts anew).")
+@click.option("--gpus", "gpus", multiple=True, metavar="ROLE=DEVICES",
+              help="Devices per role: --gpus generator=0-3 --gpus trainer=4-7 (sets placement.<role>_gpus).")
 @click.pass_context
 def run(ctx: click.Context, config: str | None, steps: int | None, overrides: tuple[str, ...], run_dir: str | None,
-        bind: str, pub: str, resume: str | None) -> None:
+        bind: str, pub: str, resume: str | None, gpus: tuple[str, ...]) -> None:
     """Run broker and all workers on this machine from one config, with live progress."""
     from rlvla3.launch import JobInterrupted, LocalJob
     from rlvla3.shm import segments_of_run
@@ -293,7 +296,10 @@ def run(ctx: click.Context, config: str | None, steps: int | None, overrides: tu
             raise click.ClickException(f"--resume {resume}: no checkpoint under {folder / 'checkpoints'}")
         cfg = _load(str(folder / "config.yaml"), ())
     else:
-        cfg = _load(config, overrides)
+        bad = [g for g in gpus if g.partition("=")[0] not in ("generator", "trainer") or "=" not in g]
+        if bad:
+            raise click.ClickException(f"--gpus {bad[0]!r}: expected generator=DEVICES or trainer=DEVICES")
+        cfg = _load(config, overrides + tuple(f"placement.{g.split('=')[0]}_gpus='{g.split('=', 1)[1]}'" for g in gpus))
         folder = Path(run_dir) if run_dir else Path(cfg.run.run_dir) / f"{cfg.run.name}-{datetime.now().strftime('%Y%m%d-%H%M%S')}"
     _require_simulator(cfg)
     total = steps or cfg.run.total_env_steps

@@ -342,7 +342,7 @@ def _coerce(typ: Any, value: Any, key: str) -> Any:
 def validate(cfg: JobConfig) -> None:
     """Cross-field rules, each error naming its key."""
     try:
-        validate_scale(cfg.model.lora, cfg.train, cfg.placement)
+        validate_scale(cfg.model.lora, cfg.train, cfg.placement, cfg.workers.generators, cfg.workers.trainers)
     except ScaleConfigError as exc:
         raise ConfigError(str(exc)) from None
     if cfg.run.mode not in MODES:

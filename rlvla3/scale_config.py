@@ -57,19 +57,79 @@ class PlacementConfig:
     mode: str = "disaggregated"
     """``disaggregated``: generators and trainers on separate devices; ``colocated``: they share
     every device; ``hybrid``: some devices are shared, the rest serve or train only."""
+    generator_gpus: str = ""
+    """Devices of the generators (``0-3``, ``0,2``): one generator per device. Empty: no mapping
+    (``workers.device`` for all, as on CPU). ``rlvla3 run --gpus generator=0-3`` sets it."""
+    trainer_gpus: str = ""
+    """Devices of the trainers, one rank per device (``rlvla3 run --gpus trainer=4-7``)."""
     offload: str = "auto"
     """Colocated only: ``always`` moves trainer state (optimizer, gradients, parameters) off the
     device while generators work and back for the update; ``never`` keeps it; ``auto`` offloads
     when the device's free memory is short."""
 
 
-def validate_scale(lora: LoraConfig, train: TrainConfig, placement: PlacementConfig) -> None:
+def parse_gpus(spec: str | None) -> list[int]:
+    """``"0-3"`` -> [0, 1, 2, 3]; ``"0,2"`` -> [0, 2]; ``"1"`` -> [1]; None/"" -> []."""
+    if not spec:
+        return []
+    out: list[int] = []
+    for part in spec.split(","):
+        part = part.strip()
+        if not part:
+            continue
+        if "-" in part:
+            lo, hi = part.split("-", 1)
+            if not (lo.isdigit() and hi.isdigit()) or int(hi) < int(lo):
+                raise ValueError(f"--gpus: bad range {part!r}")
+            out.extend(range(int(lo), int(hi) + 1))
+        elif part.isdigit():
+            out.append(int(part))
+        else:
+            raise ValueError(f"--gpus: {part!r} is not a device index or range")
+    if len(set(out)) != len(out):
+        raise ValueError(f"--gpus: {spec!r} names a device twice")
+    return out
+
+
+def validate_placement(p: PlacementConfig, generators: int, trainers: int) -> dict[str, list[int]]:
+    """The device mapping ``{"generator": [...], "trainer": [...]}`` of a placement, or an error
+    that says what is wrong with it. No mapping at all (CPU) is valid for every mode."""
+    if p.mode not in PLACEMENTS:
+        raise ScaleConfigError(f"placement.mode: {p.mode!r} not in {PLACEMENTS}")
+    if p.offload not in OFFLOAD:
+        raise ScaleConfigError(f"placement.offload: {p.offload!r} not in {OFFLOAD}")
+    try:
+        gen, tr = parse_gpus(p.generator_gpus), parse_gpus(p.trainer_gpus)
+    except ValueError as exc:
+        raise ScaleConfigError(f"placement: {exc}") from None
+    if p.offload != "auto" and p.mode == "disaggregated":
+        raise ScaleConfigError(f"placement.offload: {p.offload} needs a shared device (colocated or hybrid); "
+                               "disaggregated trainers never give theirs up")
+    if not gen and not tr:
+        return {"generator": [], "trainer": []}
+    if not gen or not tr:
+        raise ScaleConfigError("placement: map both roles (--gpus generator=... --gpus trainer=...) or neither")
+    for role, devs, count in (("generator", gen, generators), ("trainer", tr, trainers)):
+        if len(devs) != count:
+            raise ScaleConfigError(f"placement.{role}_gpus names {len(devs)} devices but workers.{role}s is {count} "
+                                   "(one worker per device)")
+    shared = set(gen) & set(tr)
+    if p.mode == "disaggregated" and shared:
+        raise ScaleConfigError(f"placement: disaggregated, but devices {sorted(shared)} serve and train; "
+                               "use colocated or hybrid, or give each role its own devices")
+    if p.mode == "colocated" and set(gen) != set(tr):
+        raise ScaleConfigError(f"placement: colocated shares every device, but generators use {gen} and trainers {tr}")
+    if p.mode == "hybrid" and (not shared or set(gen) == set(tr)):
+        raise ScaleConfigError(f"placement: hybrid shares some devices and not others; generators {gen}, trainers {tr} "
+                               f"({'share none: disaggregated' if not shared else 'share all: colocated'})")
+    return {"generator": gen, "trainer": tr}
+
+
+def validate_scale(lora: LoraConfig, train: TrainConfig, placement: PlacementConfig, generators: int = 1,
+                   trainers: int = 1) -> None:
     if lora.rank < 1 or lora.alpha <= 0 or not lora.targets:
         raise ScaleConfigError("model.lora: rank must be >= 1, alpha > 0 and targets non-empty")
     if train.fsdp:
         raise ScaleConfigError("train.fsdp: the sharded update works (wrap_fsdp), but the trainer's weight "
                                "publication and checkpoints do not gather FSDP shards yet; use DDP (false)")
-    if placement.mode not in PLACEMENTS:
-        raise ScaleConfigError(f"placement.mode: {placement.mode!r} not in {PLACEMENTS}")
-    if placement.offload not in OFFLOAD:
-        raise ScaleConfigError(f"placement.offload: {placement.offload!r} not in {OFFLOAD}")
+    validate_placement(placement, generators, trainers)

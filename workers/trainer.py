@@ -35,7 +35,7 @@ import structlog
 import torch
 
 from rlvla3 import protocol as P
-from workers.algorithms.memory import enable_gradient_checkpointing
+from workers.algorithms.memory import enable_gradient_checkpointing, make_offload
 from workers.algorithms.staleness import staleness_histogram
 from workers.algorithms.update import TrainState, UpdateResult, update
 from workers.base import WorkerBase
@@ -93,6 +93,7 @@ class TrainerWorker(WorkerBase):
         self.counters = Counters()
         self.evals = EvalTally()
         self.learner: Learner | None = None
+        self.offload = None  # colocated placement: workers.algorithms.memory.TrainerOffload
         self.state: TrainState | None = None
         self.metrics: MetricsSink | None = None
         self.last_round = 0.0
@@ -132,6 +133,9 @@ class TrainerWorker(WorkerBase):
             self.version = int(v)
             broadcast_parameters(policy, src=0)
             self.state.model = wrap_ddp(policy)
+        pl = cfg.placement
+        self.offload = make_offload(pl.mode, pl.offload, policy, [self.state.optimizer, self.state.critic_optimizer], policy.device)
+        log.info("trainer_placement", mode=pl.mode, offload=pl.offload, offloading=self.offload is not None)
         self.runner = self.new_runner("update")
         if self.run_dir is not None:
             self.run_dir.mkdir(parents=True, exist_ok=True)
@@ -247,7 +251,12 @@ class TrainerWorker(WorkerBase):
         algo = self.cfg.algo
         batch = build_batch(units, self.version, self.cfg)
         warmup = algo.name == "ppo" and self.counters.updates < algo.critic_warmup_updates
-        return update(self.state, batch, algo, critic_warmup=warmup, pad_to=pad_to)
+        if self.offload is not None:  # colocated: trainer state back on the device for the update
+            self.offload.onload()
+        result = update(self.state, batch, algo, critic_warmup=warmup, pad_to=pad_to)
+        if self.offload is not None:  # and off again while the generators work
+            log.info("trainer_state_offloaded", mb=round(self.offload.offload() / 2**20, 1))
+        return result
 
     # -- after an update (socket thread) ------------------------------------------------------
 
