@@ -115,3 +115,12 @@ def test_offload_decision_per_setting() -> None:
     assert make_offload("colocated", "never", policy, [opt], torch.device("cpu")) is None
     assert make_offload("colocated", "auto", policy, [opt], torch.device("cpu")) is None  # CPU never runs short
     assert make_offload("hybrid", "always", policy, [opt], torch.device("cpu")).params
+
+
+def test_colocated_always_offloads_around_every_update_in_a_real_job(job_factory) -> None:
+    job = job_factory("placement.mode=colocated", "placement.offload=always")
+    job.wait(lambda f: f["trainer_version"] >= 2, 180, "two updates with offload: always")
+    job.stop()
+    log = (job.run_dir / "trainer0.log").read_text()
+    assert "trainer_placement" in log and "offloading=True" in log and "mode=colocated" in log
+    assert log.count("trainer_state_offloaded") >= 2
