@@ -135,7 +135,10 @@ def wrap_fsdp(policy: nn.Module) -> FSDPPolicy:
     the rest (embeddings, heads, projectors) in the root unit. Every rank must call it with the
     same weights (the trainer broadcasts rank 0's first). Build the optimizer after: the
     parameters become sharded DTensors."""
-    from torch.distributed.fsdp import fully_shard
+    try:
+        from torch.distributed.fsdp import fully_shard
+    except ImportError:  # torch 2.4 / 2.5: FSDP2 before it became public
+        from torch.distributed._composable.fsdp import fully_shard
     from transformers.modeling_layers import GradientCheckpointingLayer
 
     for m in policy.modules():
