@@ -29,9 +29,11 @@ def main(log_json: bool, log_level: str) -> None:
     rlog.configure(json=log_json, level=log_level)
 
 
-def _load(config: str | None, overrides: tuple[str, ...]):
+def _load(config: str | None, overrides: tuple[str, ...], gpus: tuple[str, ...] = ()):
+    from rlvla3.scale_config import gpu_overrides
+
     try:
-        return load(config, overrides)
+        return load(config, overrides + gpu_overrides(gpus))
     except ConfigError as exc:
         raise click.ClickException(str(exc)) from None
 
@@ -296,10 +298,7 @@ def run(ctx: click.Context, config: str | None, steps: int | None, overrides: tu
             raise click.ClickException(f"--resume {resume}: no checkpoint under {folder / 'checkpoints'}")
         cfg = _load(str(folder / "config.yaml"), ())
     else:
-        bad = [g for g in gpus if g.partition("=")[0] not in ("generator", "trainer") or "=" not in g]
-        if bad:
-            raise click.ClickException(f"--gpus {bad[0]!r}: expected generator=DEVICES or trainer=DEVICES")
-        cfg = _load(config, overrides + tuple(f"placement.{g.split('=')[0]}_gpus='{g.split('=', 1)[1]}'" for g in gpus))
+        cfg = _load(config, overrides, gpus)
         folder = Path(run_dir) if run_dir else Path(cfg.run.run_dir) / f"{cfg.run.name}-{datetime.now().strftime('%Y%m%d-%H%M%S')}"
     _require_simulator(cfg)
     total = steps or cfg.run.total_env_steps

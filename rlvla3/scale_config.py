@@ -12,8 +12,8 @@ PLACEMENTS = ("disaggregated", "colocated", "hybrid")
 OFFLOAD = ("auto", "always", "never")
 
 
-class ScaleConfigError(ValueError):
-    """A LoRA / train / placement setting that cannot work (raised as the loader's ConfigError)."""
+class ConfigError(ValueError):
+    """A config that cannot run: the message names the key (``rlvla3.config`` raises it too)."""
 
 
 @dataclass
@@ -91,36 +91,44 @@ def parse_gpus(spec: str | None) -> list[int]:
     return out
 
 
+def gpu_overrides(gpus: tuple[str, ...]) -> tuple[str, ...]:
+    """``rlvla3 run --gpus ROLE=DEVICES`` -> the config overrides that set the mapping."""
+    bad = [g for g in gpus if "=" not in g or g.partition("=")[0] not in ("generator", "trainer")]
+    if bad:
+        raise ConfigError(f"--gpus {bad[0]!r}: expected generator=DEVICES or trainer=DEVICES")
+    return tuple(f"placement.{g.partition('=')[0]}_gpus='{g.partition('=')[2]}'" for g in gpus)
+
+
 def validate_placement(p: PlacementConfig, generators: int, trainers: int) -> dict[str, list[int]]:
     """The device mapping ``{"generator": [...], "trainer": [...]}`` of a placement, or an error
     that says what is wrong with it. No mapping at all (CPU) is valid for every mode."""
     if p.mode not in PLACEMENTS:
-        raise ScaleConfigError(f"placement.mode: {p.mode!r} not in {PLACEMENTS}")
+        raise ConfigError(f"placement.mode: {p.mode!r} not in {PLACEMENTS}")
     if p.offload not in OFFLOAD:
-        raise ScaleConfigError(f"placement.offload: {p.offload!r} not in {OFFLOAD}")
+        raise ConfigError(f"placement.offload: {p.offload!r} not in {OFFLOAD}")
     try:
         gen, tr = parse_gpus(p.generator_gpus), parse_gpus(p.trainer_gpus)
     except ValueError as exc:
-        raise ScaleConfigError(f"placement: {exc}") from None
+        raise ConfigError(f"placement: {exc}") from None
     if p.offload != "auto" and p.mode == "disaggregated":
-        raise ScaleConfigError(f"placement.offload: {p.offload} needs a shared device (colocated or hybrid); "
+        raise ConfigError(f"placement.offload: {p.offload} needs a shared device (colocated or hybrid); "
                                "disaggregated trainers never give theirs up")
     if not gen and not tr:
         return {"generator": [], "trainer": []}
     if not gen or not tr:
-        raise ScaleConfigError("placement: map both roles (--gpus generator=... --gpus trainer=...) or neither")
+        raise ConfigError("placement: map both roles (--gpus generator=... --gpus trainer=...) or neither")
     for role, devs, count in (("generator", gen, generators), ("trainer", tr, trainers)):
         if len(devs) != count:
-            raise ScaleConfigError(f"placement.{role}_gpus names {len(devs)} devices but workers.{role}s is {count} "
+            raise ConfigError(f"placement.{role}_gpus names {len(devs)} devices but workers.{role}s is {count} "
                                    "(one worker per device)")
     shared = set(gen) & set(tr)
     if p.mode == "disaggregated" and shared:
-        raise ScaleConfigError(f"placement: disaggregated, but devices {sorted(shared)} serve and train; "
+        raise ConfigError(f"placement: disaggregated, but devices {sorted(shared)} serve and train; "
                                "use colocated or hybrid, or give each role its own devices")
     if p.mode == "colocated" and set(gen) != set(tr):
-        raise ScaleConfigError(f"placement: colocated shares every device, but generators use {gen} and trainers {tr}")
+        raise ConfigError(f"placement: colocated shares every device, but generators use {gen} and trainers {tr}")
     if p.mode == "hybrid" and (not shared or set(gen) == set(tr)):
-        raise ScaleConfigError(f"placement: hybrid shares some devices and not others; generators {gen}, trainers {tr} "
+        raise ConfigError(f"placement: hybrid shares some devices and not others; generators {gen}, trainers {tr} "
                                f"({'share none: disaggregated' if not shared else 'share all: colocated'})")
     return {"generator": gen, "trainer": tr}
 
@@ -128,8 +136,8 @@ def validate_placement(p: PlacementConfig, generators: int, trainers: int) -> di
 def validate_scale(lora: LoraConfig, train: TrainConfig, placement: PlacementConfig, generators: int = 1,
                    trainers: int = 1) -> None:
     if lora.rank < 1 or lora.alpha <= 0 or not lora.targets:
-        raise ScaleConfigError("model.lora: rank must be >= 1, alpha > 0 and targets non-empty")
+        raise ConfigError("model.lora: rank must be >= 1, alpha > 0 and targets non-empty")
     if train.fsdp:
-        raise ScaleConfigError("train.fsdp: the sharded update works (wrap_fsdp), but the trainer's weight "
+        raise ConfigError("train.fsdp: the sharded update works (wrap_fsdp), but the trainer's weight "
                                "publication and checkpoints do not gather FSDP shards yet; use DDP (false)")
     validate_placement(placement, generators, trainers)
