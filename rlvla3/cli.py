@@ -29,9 +29,11 @@ def main(log_json: bool, log_level: str) -> None:
     rlog.configure(json=log_json, level=log_level)
 
 
-def _load(config: str | None, overrides: tuple[str, ...]):
+def _load(config: str | None, overrides: tuple[str, ...], gpus: tuple[str, ...] = ()):
+    from rlvla3.scale_config import gpu_overrides
+
     try:
-        return load(config, overrides)
+        return load(config, overrides + gpu_overrides(gpus))
     except ConfigError as exc:
         raise click.ClickException(str(exc)) from None
 
@@ -115,7 +117,8 @@ def worker(role: str, broker_url: str, gpus: str | None, count: int, num_envs: i
            index: int, name: str | None, run_dir: str | None, overrides: tuple[str, ...], resume: str | None,
            keys_dir: str | None, key_name: str | None) -> None:
     """Run simulator, generator or trainer workers that join a broker (at any time)."""
-    from rlvla3.launch import parse_gpus, spawn, stop_processes
+    from rlvla3.launch import spawn, stop_processes
+    from rlvla3.scale_config import parse_gpus
 
     try:
         devices = parse_gpus(gpus)
@@ -252,10 +255,12 @@ def keys(keys_dir: str, clients: tuple[str, ...]) -> None:
               help="With --record: simulator slot indices to record (default: every slot).")
 @click.option("--keys", "keys_dir", default=None, envvar="RLVLA3_KEYS",
               help="CURVE key folder from `rlvla3 keys`: workers use their role's key pair, STATUS polls `client`.")
+@click.option("--gpus", "gpus", multiple=True, metavar="ROLE=DEVICES",
+              help="Devices per role: --gpus generator=0-3 --gpus trainer=4-7 (sets placement.<role>_gpus).")
 @click.pass_context
 def run(ctx: click.Context, config: str | None, steps: int | None, overrides: tuple[str, ...], run_dir: str | None,
         bind: str, pub: str, resume: str | None, keys_dir: str | None, record_dir: str | None,
-        record_slots: str | None) -> None:
+        record_slots: str | None, gpus: tuple[str, ...]) -> None:
     """Run broker and all workers on this machine from one config, with live progress."""
     from rlvla3.auth import AuthError, check_bind
     from rlvla3.launch import JobInterrupted, LocalJob
@@ -270,7 +275,7 @@ def run(ctx: click.Context, config: str | None, steps: int | None, overrides: tu
             raise click.ClickException(f"--resume {resume}: no checkpoint under {folder / 'checkpoints'}")
         cfg = _load(str(folder / "config.yaml"), ())
     else:
-        cfg = _load(config, overrides)
+        cfg = _load(config, overrides, gpus)
         folder = Path(run_dir) if run_dir else Path(cfg.run.run_dir) / f"{cfg.run.name}-{datetime.now().strftime('%Y%m%d-%H%M%S')}"
     _require_simulator(cfg)
     if record_dir:

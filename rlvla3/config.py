@@ -17,8 +17,10 @@ from typing import Any
 
 import yaml
 
+from rlvla3.algo_rules import validate_algo
+from rlvla3.scale_config import ConfigError, LoraConfig, PlacementConfig, TrainConfig, validate_scale
+
 MODES = ("sync", "async_rollout", "async")
-RATIO_LEVELS = ("unit", "chunk")
 
 
 @dataclass
@@ -150,6 +152,8 @@ class ModelConfig:
     OpenVLA-OFT folder; see docs/checkpoints.md), or a run folder to warm-start from."""
     options: dict = field(default_factory=dict)
     """The family's own options (validated by the family's config dataclass)."""
+    lora: LoraConfig = field(default_factory=LoraConfig)
+    """Low-rank adapters (``rlvla3.scale_config.LoraConfig``); off by default."""
 
 
 @dataclass
@@ -253,16 +257,14 @@ class JobConfig:
     algo: AlgoConfig = field(default_factory=AlgoConfig)
     workers: WorkersConfig = field(default_factory=WorkersConfig)
     weights: WeightsConfig = field(default_factory=WeightsConfig)
+    train: TrainConfig = field(default_factory=TrainConfig)
+    placement: PlacementConfig = field(default_factory=PlacementConfig)
 
     def to_dict(self) -> dict[str, Any]:
         return dataclasses.asdict(self)
 
     def to_yaml(self) -> str:
         return yaml.safe_dump(self.to_dict(), sort_keys=False)
-
-
-class ConfigError(ValueError):
-    """A config that cannot run: the message names the key."""
 
 
 # ---------------------------------------------------------------------------------------------
@@ -363,6 +365,7 @@ def _coerce(typ: Any, value: Any, key: str) -> Any:
 
 def validate(cfg: JobConfig) -> None:
     """Cross-field rules, each error naming its key."""
+    validate_scale(cfg.model.lora, cfg.train, cfg.placement, cfg.workers.generators, cfg.workers.trainers)
     if cfg.run.mode not in MODES:
         raise ConfigError(f"run.mode: {cfg.run.mode!r} not in {MODES}")
     if cfg.env.num_envs < 1 or cfg.env.slots < 1:
@@ -407,34 +410,7 @@ def validate(cfg: JobConfig) -> None:
         raise ConfigError(f"weights.bucket_mb: {cfg.weights.bucket_mb} not in 1..256")
     if not cfg.weights.shm and not cfg.weights.stream_bind:
         raise ConfigError("weights.stream_bind: empty with weights.shm off leaves generators no way to fetch weights")
-    _validate_algo(cfg)
-
-
-def _validate_algo(cfg: JobConfig) -> None:
-    a = cfg.algo
-    if a.name not in ("ppo", "grpo"):
-        raise ConfigError(f"algo.name: {a.name!r} not in ('ppo', 'grpo')")
-    if a.minibatch_size < 1 or a.batch_steps < 1 or a.epochs < 1:
-        raise ConfigError("algo.batch_steps, algo.minibatch_size and algo.epochs must be >= 1")
-    if a.clip_eps <= 0:
-        raise ConfigError(f"algo.clip_eps must be > 0, got {a.clip_eps}")
-    if a.ratio_level not in RATIO_LEVELS:
-        raise ConfigError(f"algo.ratio_level: {a.ratio_level!r} not in {RATIO_LEVELS}")
-    if a.dual_clip != 0 and a.dual_clip <= 1.0:
-        raise ConfigError(f"algo.dual_clip must be > 1 (or 0: off), got {a.dual_clip}")
-    if a.behav_weight_cap != 0 and a.behav_weight_cap < 1.0:
-        # Below 1 it would down-weight even fresh samples, and PPO would no longer be PPO.
-        raise ConfigError(f"algo.behav_weight_cap must be >= 1 (or 0: uncapped), got {a.behav_weight_cap}")
-    if a.value_clip_eps < 0 or a.max_grad_norm <= 0:
-        raise ConfigError("algo.value_clip_eps must be >= 0 and algo.max_grad_norm > 0")
-    if a.max_staleness < 0:
-        raise ConfigError(f"algo.max_staleness must be >= 0, got {a.max_staleness}")
-    if a.grpo_reward not in ("success", "return"):
-        raise ConfigError(f"algo.grpo_reward: {a.grpo_reward!r} not in ('success', 'return')")
-    if a.name == "grpo" and cfg.env.group_size < 2:
-        # A group of one has no variance: nothing would ever be trained on.
-        raise ConfigError(f"algo.name=grpo needs env.group_size >= 2 (episodes compared within a group), "
-                          f"got {cfg.env.group_size}")
+    validate_algo(cfg)
 
 
 def apply_overrides(data: dict[str, Any], overrides: list[str] | tuple[str, ...]) -> dict[str, Any]:

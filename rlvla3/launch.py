@@ -28,29 +28,6 @@ from rlvla3.lifetime import STOP_TIMEOUT_S, launcher_env, stop_timeout_s
 log = structlog.get_logger()
 
 
-def parse_gpus(spec: str | None) -> list[int]:
-    """``"0-3"`` -> [0, 1, 2, 3]; ``"0,2"`` -> [0, 2]; ``"1"`` -> [1]; None/"" -> []."""
-    if not spec:
-        return []
-    out: list[int] = []
-    for part in spec.split(","):
-        part = part.strip()
-        if not part:
-            continue
-        if "-" in part:
-            lo, hi = part.split("-", 1)
-            if not (lo.isdigit() and hi.isdigit()) or int(hi) < int(lo):
-                raise ValueError(f"--gpus: bad range {part!r}")
-            out.extend(range(int(lo), int(hi) + 1))
-        elif part.isdigit():
-            out.append(int(part))
-        else:
-            raise ValueError(f"--gpus: {part!r} is not a device index or range")
-    if len(set(out)) != len(out):
-        raise ValueError(f"--gpus: {spec!r} names a device twice")
-    return out
-
-
 def python_cmd(*args: str) -> list[str]:
     """``python -m rlvla3 ...``: ``rlvla3/__main__.py`` follows the launcher before anything else."""
     return [sys.executable, "-m", "rlvla3", *args]
@@ -220,15 +197,21 @@ class LocalJob:
         return p
 
     def start_all(self) -> None:
-        w = self.cfg.workers
+        from rlvla3.scale_config import validate_placement
+
+        w, pl = self.cfg.workers, self.cfg.placement
+        gpus = validate_placement(pl, w.generators, w.trainers)  # validated at load; here: the mapping
+        on = {role: (lambda i, d=devs: ["--gpus", str(d[i])] if d else []) for role, devs in gpus.items()}
+        log.info("placement_chosen", mode=pl.mode, offload=pl.offload, generator_gpus=gpus["generator"],
+                 trainer_gpus=gpus["trainer"])
         for i in range(w.trainers):
-            self.start_worker("trainer", f"trainer{i}", ["--resume", self.resume] if self.resume else None)
+            self.start_worker("trainer", f"trainer{i}", on["trainer"](i) + (["--resume", self.resume] if self.resume else []))
         if self.resume:
             # Generators must serve the resumed weights from their first batch; otherwise the first
             # episodes would carry version numbers that belong to a different (fresh) policy.
             self.wait_status(lambda f: f.get("policy_version", -1) >= 0, 180.0, "the resumed trainer's WEIGHTS")
         for i in range(w.generators):
-            self.start_worker("generator", f"generator{i}")
+            self.start_worker("generator", f"generator{i}", on["generator"](i))
         for i in range(w.simulators):
             self.start_worker("simulator", f"simulator{i}", ["--index", str(i)])
 

@@ -13,7 +13,7 @@ from pathlib import Path
 import pytest
 
 from rlvla3.config import RENAMED, ConfigError, load
-from rlvla3.launch import parse_gpus
+from rlvla3.scale_config import parse_gpus
 from rlvla3.lifetime import launcher_env
 
 

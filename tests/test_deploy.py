@@ -33,7 +33,7 @@ except ModuleNotFoundError:  # Python 3.10: pytest's own dependency
 
 from rlvla3.cli import main as cli
 from rlvla3.config import load
-from rlvla3.launch import parse_gpus
+from rlvla3.scale_config import parse_gpus
 
 ROOT = Path(__file__).resolve().parents[1]
 DEPLOY = ROOT / "deploy"

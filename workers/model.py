@@ -44,14 +44,19 @@ def build_policy(cfg: JobConfig, spec: EnvSpec | None = None, device: str | None
         job_wide = {"chunk_size": cfg.model.chunk_size, "device": str(dev), "dtype": str(dtype).removeprefix("torch.")}
         options.update({k: v for k, v in job_wide.items() if k in fields})
     torch.manual_seed(cfg.run.seed)
-    if cfg.model.checkpoint and not _is_rlvla3_checkpoint(cfg.model.checkpoint):
+    ours = bool(cfg.model.checkpoint) and _is_rlvla3_checkpoint(cfg.model.checkpoint)
+    if cfg.model.checkpoint and not ours:
         # A released checkpoint (safetensors + config + tokenizer): the family's own loader.
         policy = policy_class(fam).from_pretrained(cfg.model.checkpoint, spec, **options)
     else:
         policy = make_policy(fam, options, spec)
-        if cfg.model.checkpoint:  # an rlvla3 checkpoint or run folder (sft warm start, resume)
-            load_checkpoint_weights(policy, cfg.model.checkpoint)
-    policy.to(device=dev, dtype=dtype)
+    policy.to(device=dev, dtype=dtype)  # the towers are there already (built in place)
+    if cfg.model.lora.enabled:  # after a release loads (base names), before our checkpoints (adapters)
+        from workers.policies.lora import add_lora
+
+        add_lora(policy, cfg.model.lora, seed=cfg.run.seed)
+    if ours:  # an rlvla3 checkpoint or run folder (sft warm start, resume)
+        load_checkpoint_weights(policy, cfg.model.checkpoint)
     return policy
 
 

@@ -40,6 +40,7 @@ import structlog
 import torch
 
 from rlvla3 import protocol as P
+from workers.algorithms.memory import enable_gradient_checkpointing, make_offload
 from workers.algorithms.update import TrainState, UpdateResult, update
 from workers.base import WorkerBase
 from workers.learner import Fragment, Learner, Unit, build_batch
@@ -85,6 +86,7 @@ class TrainerWorker(WorkerBase):
         self.counters = Counters()
         self.evals = EvalTally()
         self.learner: Learner | None = None
+        self.offload = None  # colocated placement: workers.algorithms.memory.TrainerOffload
         self.state: TrainState | None = None
         self.metrics: MetricsSink | None = None
         self.publisher: Any = None  # rank 0's WeightPublisher
@@ -115,6 +117,8 @@ class TrainerWorker(WorkerBase):
             self._join_group()
         policy = build_policy(cfg, device=self.device)
         policy.train()
+        if cfg.train.gradient_checkpointing:
+            enable_gradient_checkpointing(policy)
         self.state = TrainState.build(policy, cfg.algo)
         self.learner = Learner(cfg, self.counters)
         self.version = int(self.welcome.get("trainer_version", 0))
@@ -131,6 +135,9 @@ class TrainerWorker(WorkerBase):
             self.version = int(v)
             broadcast_parameters(policy, src=0)
             self.state.model = wrap_ddp(policy)
+        pl = cfg.placement
+        self.offload = make_offload(pl.mode, pl.offload, policy, [self.state.optimizer, self.state.critic_optimizer], policy.device)
+        log.info("trainer_placement", mode=pl.mode, offload=pl.offload, offloading=self.offload is not None)
         if self.rank == 0:
             from rlvla3.weights.publisher import WeightPublisher
 
@@ -265,12 +272,17 @@ class TrainerWorker(WorkerBase):
         algo = self.cfg.algo
         batch = build_batch(units, self.version, self.cfg)
         warmup = algo.name == "ppo" and self.counters.updates < algo.critic_warmup_updates
+        if self.offload is not None:  # colocated: trainer state back on the device for the update
+            self.offload.onload()
         result = update(self.state, batch, algo, critic_warmup=warmup, pad_to=pad_to)
         announcement = None
         if result.trained and self.publisher is not None and (self.counters.updates + 1) % max(1, algo.publish_every) == 0:
             # Here, on the update thread, no optimizer step runs while the store copies the
-            # parameters (the socket thread only reads the counters until this job is done).
+            # parameters (the socket thread only reads the counters until this job is done), and
+            # before an offload moves them.
             announcement = self.publisher.publish(self.version + 1)
+        if self.offload is not None:  # and off again while the generators work
+            log.info("trainer_state_offloaded", mb=round(self.offload.offload() / 2**20, 1))
         return Trained(result, announcement)
 
     # -- after an update (socket thread) ------------------------------------------------------

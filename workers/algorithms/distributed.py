@@ -140,6 +140,42 @@ def wrap_ddp(policy: nn.Module, find_unused_parameters: bool = True) -> DDPPolic
 
 
 # ---------------------------------------------------------------------------------------------
+# FSDP2 (train.fsdp): parameters, gradients and optimizer state sharded across the ranks
+# ---------------------------------------------------------------------------------------------
+
+
+class FSDPPolicy(EvaluateForward):
+    """The sharded policy: ``evaluate`` goes through ``forward`` so FSDP's hooks gather the
+    root's parameters (each transformer layer gathers its own when it runs)."""
+
+    @property
+    def policy(self) -> nn.Module:
+        return self.module
+
+    def evaluate(self, obs: Any, actions: torch.Tensor, replay: dict[str, torch.Tensor]) -> EvalOutput:
+        logprob, entropy, value = self(obs, actions, replay)
+        return EvalOutput(logprob=logprob, entropy=entropy, value=value)
+
+
+def wrap_fsdp(policy: nn.Module) -> FSDPPolicy:
+    """Shard ``policy`` over the trainer group with FSDP2's ``fully_shard``: one unit per
+    transformer layer (transformers' ``GradientCheckpointingLayer``: decoder/encoder blocks),
+    the rest (embeddings, heads, projectors) in the root unit. Every rank must call it with the
+    same weights (the trainer broadcasts rank 0's first). Build the optimizer after: the
+    parameters become sharded DTensors."""
+    try:
+        from torch.distributed.fsdp import fully_shard
+    except ImportError:  # torch 2.4 / 2.5: FSDP2 before it became public
+        from torch.distributed._composable.fsdp import fully_shard
+    from transformers.modeling_layers import GradientCheckpointingLayer
+
+    for m in policy.modules():
+        if isinstance(m, GradientCheckpointingLayer):
+            fully_shard(m)
+    return fully_shard(FSDPPolicy(policy))
+
+
+# ---------------------------------------------------------------------------------------------
 # Keeping replicas identical
 # ---------------------------------------------------------------------------------------------
 

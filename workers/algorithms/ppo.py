@@ -45,7 +45,14 @@ EvaluateFn = Callable[[Any, torch.Tensor, dict], Any]  # (obs, actions, replay) 
 
 
 def make_optimizer(params: Iterable[nn.Parameter], cfg: AlgoConfig) -> torch.optim.Optimizer:
-    """Adam with eps=1e-5, the usual PPO choice (CleanRL, OpenAI baselines)."""
+    """Adam with eps=1e-5, the usual PPO choice (CleanRL, OpenAI baselines), over the parameters
+    that train. bf16 parameters (``model.dtype: bfloat16``) get :class:`MasterAdam`: fp32 master
+    weights and moments, the bf16 copy rewritten after each step."""
+    params = [p for p in params if p.requires_grad]
+    if any(p.dtype in (torch.bfloat16, torch.float16) for p in params):
+        from workers.algorithms.precision import MasterAdam
+
+        return MasterAdam(params, lr=cfg.lr, eps=1e-5)
     return torch.optim.Adam(params, lr=cfg.lr, eps=1e-5)
 
 
@@ -335,7 +342,26 @@ def ppo_update(
     result["optimizer_steps"] = float(steps)
     if batch.get("returns") is not None and batch.get("values") is not None:
         result["explained_variance"] = explained_variance(batch["values"][sample_valid], batch["returns"][sample_valid])
+    result.update(logprob_gap(batch["behav_logprob"], batch["prox_logprob"], batch.get("mask"), batch.get("fresh")))
     return result
+
+
+def logprob_gap(behav: torch.Tensor, prox: torch.Tensor, mask: torch.Tensor | None,
+                fresh: torch.Tensor | None) -> dict[str, float]:
+    """Training-inference mismatch: mean |generator log-prob - trainer's recomputed log-prob| over
+    the valid units. On ``fresh`` samples (acted with the weights the trainer holds now) the gap is
+    numerics alone: bf16 kernels, batch shapes, the generator's own fused paths - the mismatch
+    the async RL literature watches. ``logprob_gap`` (all samples) adds the policy's drift."""
+    b, p = behav.float().reshape(len(behav), -1), prox.float().reshape(len(prox), -1).to(behav.device)
+    unit, _ = _unit_and_sample_masks(mask, b.shape, b.device)
+    unit = unit & torch.isfinite(b) & torch.isfinite(p)
+    diff = torch.where(unit, (b - p).abs(), torch.zeros_like(b))
+    out = {"logprob_gap": float(_masked_mean(diff, unit))}
+    if fresh is not None:
+        f = unit & fresh.to(device=b.device, dtype=torch.bool)[:, None]
+        out["logprob_gap_fresh"] = float(_masked_mean(diff, f)) if bool(f.any()) else float("nan")
+        out["logprob_gap_fresh_max"] = float(diff[f].max()) if bool(f.any()) else float("nan")
+    return out
 
 
 def explained_variance(values: torch.Tensor, returns: torch.Tensor) -> float:

@@ -80,7 +80,7 @@ class TrainState:
     @classmethod
     def build(cls, policy: nn.Module, algo: AlgoConfig, model: nn.Module | None = None) -> "TrainState":
         optimizer = make_optimizer(policy.parameters(), algo)
-        critic = [p for n, p in policy.named_parameters() if "value" in n.split(".")[0]]
+        critic = [p for n, p in policy.named_parameters() if "value" in n.split(".")[0] and p.requires_grad]
         critic_optimizer = make_optimizer(critic, algo) if critic else optimizer
         return cls(policy, model if model is not None else policy, optimizer, critic_optimizer)
 
@@ -153,6 +153,7 @@ def update(state: TrainState, batch: TrainBatch, algo: AlgoConfig, critic_warmup
     else:  # PPO: GAE on behaviour values, bootstrapped where a fragment was cut
         samples["advantages"], samples["returns"] = _gae(state.policy, batch, algo)
     samples["mask"] = torch.as_tensor(batch.keep)
+    samples["fresh"] = torch.as_tensor(batch.staleness == 0)  # for the training-inference gap
     n = len(batch.keep)
 
     # ---- 2. several ranks: equal batch lengths (padding is masked out) ----------------------

@@ -26,6 +26,7 @@ from workers.policies.base import Policy, register_policy
 from workers.policies.flow_sampler import FlowOptions, FlowPolicy, FlowSampler
 from workers.release.normalize import StatsNorm
 from workers.policies.vla_common import (
+    SIGLIP_BASE,
     SIGLIP_SO400M,
     TINY_VIT,
     ReleaseCheckpointMixin,
@@ -52,6 +53,16 @@ SIZES: dict[str, dict[str, Any]] = {
                     num_key_value_heads=2, head_dim=16, vocab_size=128),
         "dit": dict(hidden=64, heads=4, layers=4, future_tokens=4),
         "pad_dims": False,
+    },
+    # ~0.5B: SigLIP-B tower, a 16-layer 1024-wide Qwen3, 10-layer 1024-wide DiT.
+    "medium": {
+        "image_size": 224,
+        "patch_size": 14,
+        "vision": SIGLIP_BASE,
+        "llm": dict(hidden_size=1024, intermediate_size=3072, num_hidden_layers=16, num_attention_heads=16,
+                    num_key_value_heads=8, head_dim=64, vocab_size=32000),
+        "dit": dict(hidden=1024, heads=16, layers=10, future_tokens=32),
+        "pad_dims": True,
     },
     # Release-like (~1.9B built here): SigLIP So400m/14 at 224, Qwen3-1.7B truncated to 12 layers
     # as N1.5 reads layer 12, 16-layer 1536-wide DiT.
@@ -190,7 +201,7 @@ class Gr00tPolicy(ReleaseCheckpointMixin, FlowPolicy):
         self.model_action_dim = 32 if a["pad_dims"] else spec.action_dim
         lm_dim, vis_dim, d = a["llm"]["hidden_size"], a["vision"]["hidden_size"], a["dit"]
         self.norm = StatsNorm(spec.state_dim, spec.action_dim)
-        with seeded_init(opts.init_seed):
+        with seeded_init(opts):
             self.vision = SiglipVisionModel(SiglipVisionConfig(image_size=a["image_size"], patch_size=a["patch_size"],
                                                                vision_use_head=False, **a["vision"]))
             self.projector = nn.Sequential(nn.LayerNorm(4 * vis_dim), nn.Linear(4 * vis_dim, lm_dim), nn.GELU(),

@@ -26,6 +26,7 @@ from workers.envs.base import EnvSpec
 from workers.policies.base import ActOutput, EvalOutput, Policy, register_policy
 from workers.release.normalize import StatsNorm
 from workers.policies.vla_common import (
+    SIGLIP_BASE,
     SIGLIP_SO400M,
     TINY_VIT,
     ReleaseCheckpointMixin,
@@ -50,6 +51,15 @@ SIZES: dict[str, dict[str, Any]] = {
         "dinov2": TINY_VIT,
         "llm": dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
                     num_key_value_heads=2, vocab_size=160),
+    },
+    # ~0.5B: SigLIP-B + a 12-layer ViT-B DINOv2 at 224 px, a 16-layer 1024-wide Llama.
+    "medium": {
+        "image_size": 224,
+        "patch_size": 14,
+        "siglip": SIGLIP_BASE,
+        "dinov2": dict(hidden_size=768, intermediate_size=3072, num_hidden_layers=12, num_attention_heads=12),
+        "llm": dict(hidden_size=1024, intermediate_size=3072, num_hidden_layers=16, num_attention_heads=16,
+                    num_key_value_heads=16, vocab_size=32064),
     },
     # OpenVLA-7B: SigLIP So400m/14 + DINOv2 ViT-L/14 at 224 px, Llama-2 7B.
     "7b": {
@@ -110,7 +120,7 @@ class OpenVLAOFTPolicy(ReleaseCheckpointMixin, Policy):
             raise ValueError(f"openvla_oft: {opts.n_bins} bins overlap the tokenizer's {len(self.tokenizer)} ids")
         hidden = a["llm"]["hidden_size"]
         self.norm = StatsNorm(spec.state_dim, spec.action_dim)
-        with seeded_init(opts.init_seed):
+        with seeded_init(opts):
             self.siglip = SiglipVisionModel(SiglipVisionConfig(image_size=a["image_size"], patch_size=a["patch_size"],
                                                                vision_use_head=False, **a["siglip"]))
             vis_dim = a["siglip"]["hidden_size"]

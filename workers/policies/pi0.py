@@ -23,6 +23,7 @@ from workers.policies.base import Policy, register_policy
 from workers.policies.flow_sampler import FlowOptions, FlowPolicy, FlowSampler
 from workers.release.normalize import StatsNorm
 from workers.policies.vla_common import (
+    SIGLIP_BASE,
     SIGLIP_SO400M,
     TINY_VIT,
     VLAOptions,
@@ -63,6 +64,18 @@ SIZES: dict[str, dict[str, Any]] = {
                        num_key_value_heads=1, head_dim=16),
         "image_token_id": 127,
         "pad_dims": False,
+    },
+    # ~0.5B with the release layout's shapes (padded dims, 224 px): the big-weight paths on CPU.
+    "medium": {
+        "image_size": 224,
+        "patch_size": 14,
+        "vision": SIGLIP_BASE,
+        "text": dict(hidden_size=1024, intermediate_size=5120, num_hidden_layers=16, num_attention_heads=8,
+                     num_key_value_heads=1, head_dim=128, vocab_size=32000),
+        "expert": dict(hidden_size=512, intermediate_size=2048, num_hidden_layers=16, num_attention_heads=8,
+                       num_key_value_heads=1, head_dim=128),
+        "image_token_id": 31999,
+        "pad_dims": True,
     },
     "3b": {
         "image_size": 224,
@@ -147,7 +160,7 @@ class Pi0Policy(FlowPolicy):
         hidden = int(pcfg.dit_config.hidden_size)
         self.arch = arch_of(pcfg)
         self.norm = StatsNorm(spec.state_dim, spec.action_dim)
-        with seeded_init(opts.init_seed):
+        with seeded_init(opts):
             self.pi0 = PI0ForConditionalGeneration(pcfg)
             self.value_head = ValueHead(hidden)
             self.sampler = FlowSampler(opts.sampler_config(), hidden, self.model_action_dim, spec.action_dim)

@@ -122,7 +122,7 @@ class Pi05Policy(FlowPolicy):
         self.state_dim = spec.state_dim
         width = ecfg.hidden_size
         self._cond = _Cond()
-        with seeded_init(opts.init_seed):
+        with seeded_init(opts):
             self.vlm = AutoModel.from_config(vcfg)
             self.expert = AutoModel.from_config(ecfg)
             for layer in self.expert.layers:

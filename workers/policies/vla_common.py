@@ -206,6 +206,8 @@ def freeze(params: Iterable[nn.Parameter]) -> None:
 TINY_VIT = dict(hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=2)
 SIGLIP_SO400M = dict(hidden_size=1152, intermediate_size=4304, num_hidden_layers=27, num_attention_heads=16)
 """SigLIP So400m/14, the vision tower of the released pi0, pi0.5, GR00T N1.5 and OpenVLA."""
+SIGLIP_BASE = dict(hidden_size=768, intermediate_size=3072, num_hidden_layers=12, num_attention_heads=12)
+"""SigLIP B/16-sized tower: the vision part of every family's ``medium`` preset (~0.5B in all)."""
 
 
 def size_preset(family: str, sizes: dict[str, dict[str, Any]], size: str) -> dict[str, Any]:
@@ -218,7 +220,8 @@ def size_preset(family: str, sizes: dict[str, dict[str, Any]], size: str) -> dic
 @dataclass
 class VLAOptions:
     size: str = "tiny"
-    """Architecture preset: ``tiny`` for tests and CPU, a real size (per family) for GPUs."""
+    """Architecture preset: ``tiny`` for tests and CPU, ``medium`` (~0.5B, the big-weight paths on
+    CPU), or the family's release size for GPUs."""
     chunk_size: int = 4
     """Actions per chunk (T of ``[B, T, A]``)."""
     cameras: list[str] | None = None
@@ -235,20 +238,35 @@ class VLAOptions:
     """Seed of the random initialisation, so two builds of one config are identical."""
 
 
-def seeded_init(seed: int):
-    """Context that seeds parameter init without disturbing the caller's RNG stream."""
+def seeded_init(opts: VLAOptions):
+    """Context a family builds its towers in: seeded init (the caller's RNG stream untouched),
+    on the target device and in the target dtype.
+
+    Parameters are created where they will live, in the dtype they will have (torch's default
+    device and dtype for the duration), so a bf16 model on CUDA never exists as an fp32 copy on
+    the host: building a 7B model costs its bf16 bytes, once, on the device.
+    """
     import contextlib
+
+    dev = resolve_device(opts.device)
+    dtype = resolve_dtype(opts.dtype, dev)
 
     @contextlib.contextmanager
     def ctx():
-        with torch.random.fork_rng(devices=[]):
-            torch.manual_seed(seed)
-            yield
+        before = torch.get_default_dtype()
+        with torch.random.fork_rng(devices=[]), dev:
+            torch.manual_seed(opts.init_seed)
+            torch.set_default_dtype(dtype)
+            try:
+                yield
+            finally:
+                torch.set_default_dtype(before)
 
     return ctx()
 
 
 def place(module: nn.Module, opts: VLAOptions) -> None:
-    """Move a freshly built policy to its configured device and dtype."""
+    """Move what was built outside :func:`seeded_init` (norm stats, small buffers) to the policy's
+    device and dtype; the towers are there already, so this copies no large tensor."""
     dev = resolve_device(opts.device)
     module.to(device=dev, dtype=resolve_dtype(opts.dtype, dev))

@@ -1,0 +1,143 @@
+"""Config sections for models at real size: LoRA, trainer precision/memory/sharding, placement.
+
+Kept apart from ``rlvla3.config`` (which holds the job's other sections and the loader) so each
+module stays small; ``rlvla3.config`` imports these into :class:`~rlvla3.config.JobConfig`.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+PLACEMENTS = ("disaggregated", "colocated", "hybrid")
+OFFLOAD = ("auto", "always", "never")
+
+
+class ConfigError(ValueError):
+    """A config that cannot run: the message names the key (``rlvla3.config`` raises it too)."""
+
+
+@dataclass
+class LoraConfig:
+    """Low-rank adapters on the policy's linear layers (OpenVLA-OFT is trained this way at 7.5B).
+
+    Every process builds them (they are part of the served model); the base weights are frozen,
+    so only the adapters and the ``train_also`` modules train and are published after version 0."""
+
+    enabled: bool = False
+    """Add adapters and freeze everything else (but ``train_also``)."""
+    rank: int = 32
+    """Adapter rank r (OpenVLA-OFT's fine-tuning recipe uses 32)."""
+    alpha: float = 16.0
+    """Scale: the adapter's output is multiplied by ``alpha / rank``."""
+    targets: list[str] = field(default_factory=lambda: ["q_proj", "k_proj", "v_proj", "o_proj",
+                                                         "gate_proj", "up_proj", "down_proj"])
+    """Linear layers that get an adapter, by the last part of their module name."""
+    train_also: list[str] = field(default_factory=lambda: ["value_head", "action_queries", "proprio_proj"])
+    """Top-level parts trained in full next to the adapters (the fresh RL heads; small)."""
+
+
+@dataclass
+class TrainConfig:
+    """How trainer processes hold and step the model (the update's maths is ``algo``'s)."""
+
+    gradient_checkpointing: bool = False
+    """Recompute the transformer layers' activations in backward (transformers' non-reentrant
+    checkpointing on every transformers tower of the policy): less memory, ~30% more compute."""
+    fsdp: bool = False
+    """Shard the trainer group's parameters, gradients and optimizer state with FSDP2
+    (``torch.distributed.fsdp.fully_shard``, ``workers.algorithms.distributed.wrap_fsdp``) instead
+    of replicating them with DDP. Refused for now: publishing and checkpoints read rank 0's
+    parameters whole, and under FSDP they must be gathered on every rank first."""
+
+
+@dataclass
+class PlacementConfig:
+    """Which devices each role uses (``rlvla3 run --gpus``) and how colocated roles share them."""
+
+    mode: str = "disaggregated"
+    """``disaggregated``: generators and trainers on separate devices; ``colocated``: they share
+    every device; ``hybrid``: some devices are shared, the rest serve or train only."""
+    generator_gpus: str = ""
+    """Devices of the generators (``0-3``, ``0,2``): one generator per device. Empty: no mapping
+    (``workers.device`` for all, as on CPU). ``rlvla3 run --gpus generator=0-3`` sets it."""
+    trainer_gpus: str = ""
+    """Devices of the trainers, one rank per device (``rlvla3 run --gpus trainer=4-7``)."""
+    offload: str = "auto"
+    """Colocated only: ``always`` moves trainer state (optimizer, gradients, parameters) off the
+    device while generators work and back for the update; ``never`` keeps it; ``auto`` offloads
+    when the device's free memory is short."""
+
+
+def parse_gpus(spec: str | None) -> list[int]:
+    """``"0-3"`` -> [0, 1, 2, 3]; ``"0,2"`` -> [0, 2]; ``"1"`` -> [1]; None/"" -> []."""
+    if not spec:
+        return []
+    out: list[int] = []
+    for part in spec.split(","):
+        part = part.strip()
+        if not part:
+            continue
+        if "-" in part:
+            lo, hi = part.split("-", 1)
+            if not (lo.isdigit() and hi.isdigit()) or int(hi) < int(lo):
+                raise ValueError(f"--gpus: bad range {part!r}")
+            out.extend(range(int(lo), int(hi) + 1))
+        elif part.isdigit():
+            out.append(int(part))
+        else:
+            raise ValueError(f"--gpus: {part!r} is not a device index or range")
+    if len(set(out)) != len(out):
+        raise ValueError(f"--gpus: {spec!r} names a device twice")
+    return out
+
+
+def gpu_overrides(gpus: tuple[str, ...]) -> tuple[str, ...]:
+    """``rlvla3 run --gpus ROLE=DEVICES`` -> the config overrides that set the mapping."""
+    bad = [g for g in gpus if "=" not in g or g.partition("=")[0] not in ("generator", "trainer")]
+    if bad:
+        raise ConfigError(f"--gpus {bad[0]!r}: expected generator=DEVICES or trainer=DEVICES")
+    return tuple(f"placement.{g.partition('=')[0]}_gpus='{g.partition('=')[2]}'" for g in gpus)
+
+
+def validate_placement(p: PlacementConfig, generators: int, trainers: int) -> dict[str, list[int]]:
+    """The device mapping ``{"generator": [...], "trainer": [...]}`` of a placement, or an error
+    that says what is wrong with it. No mapping at all (CPU) is valid for every mode."""
+    if p.mode not in PLACEMENTS:
+        raise ConfigError(f"placement.mode: {p.mode!r} not in {PLACEMENTS}")
+    if p.offload not in OFFLOAD:
+        raise ConfigError(f"placement.offload: {p.offload!r} not in {OFFLOAD}")
+    try:
+        gen, tr = parse_gpus(p.generator_gpus), parse_gpus(p.trainer_gpus)
+    except ValueError as exc:
+        raise ConfigError(f"placement: {exc}") from None
+    if p.offload != "auto" and p.mode == "disaggregated":
+        raise ConfigError(f"placement.offload: {p.offload} needs a shared device (colocated or hybrid); "
+                               "disaggregated trainers never give theirs up")
+    if not gen and not tr:
+        return {"generator": [], "trainer": []}
+    if not gen or not tr:
+        raise ConfigError("placement: map both roles (--gpus generator=... --gpus trainer=...) or neither")
+    for role, devs, count in (("generator", gen, generators), ("trainer", tr, trainers)):
+        if len(devs) != count:
+            raise ConfigError(f"placement.{role}_gpus names {len(devs)} devices but workers.{role}s is {count} "
+                                   "(one worker per device)")
+    shared = set(gen) & set(tr)
+    if p.mode == "disaggregated" and shared:
+        raise ConfigError(f"placement: disaggregated, but devices {sorted(shared)} serve and train; "
+                               "use colocated or hybrid, or give each role its own devices")
+    if p.mode == "colocated" and set(gen) != set(tr):
+        raise ConfigError(f"placement: colocated shares every device, but generators use {gen} and trainers {tr}")
+    if p.mode == "hybrid" and (not shared or set(gen) == set(tr)):
+        raise ConfigError(f"placement: hybrid shares some devices and not others; generators {gen}, trainers {tr} "
+                               f"({'share none: disaggregated' if not shared else 'share all: colocated'})")
+    return {"generator": gen, "trainer": tr}
+
+
+def validate_scale(lora: LoraConfig, train: TrainConfig, placement: PlacementConfig, generators: int = 1,
+                   trainers: int = 1) -> None:
+    if lora.rank < 1 or lora.alpha <= 0 or not lora.targets:
+        raise ConfigError("model.lora: rank must be >= 1, alpha > 0 and targets non-empty")
+    if train.fsdp:
+        raise ConfigError("train.fsdp: the sharded update works (wrap_fsdp), but the trainer's weight "
+                               "publication and checkpoints do not gather FSDP shards yet; use DDP (false)")
+    validate_placement(placement, generators, trainers)
