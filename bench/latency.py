@@ -44,6 +44,7 @@ from _common import (  # noqa: E402
     summary, wait_readable,
 )
 
+from rlvla3 import names
 from rlvla3 import protocol as P  # noqa: E402
 from rlvla3.config import load  # noqa: E402
 from rlvla3.launch import LocalJob  # noqa: E402
@@ -113,7 +114,7 @@ class Client:
             oi, os_ = self.blocks[slot]
             self.pool.view(oi, "uint8", img.shape)[...] = img
             self.pool.view(os_, "float32", st.shape)[...] = st
-            tensors = {P.tensor_name(IMAGES, "top"): self.pool.ref(oi, "uint8", img.shape),
+            tensors = {names.tensor_name(IMAGES, "top"): self.pool.ref(oi, "uint8", img.shape),
                        STATE: self.pool.ref(os_, "float32", st.shape)}
         else:
             tensors = Observation({"top": img}, st, ["reach the goal"] * self.n).to_tensors()

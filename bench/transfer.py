@@ -41,12 +41,13 @@ import zmq
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from _common import emit, note, parse_bench_args, start_child, stop_child  # noqa: E402
 
+from rlvla3 import names
 from rlvla3 import protocol as P  # noqa: E402
 from rlvla3.lifetime import follow_launcher  # noqa: E402
 from rlvla3.observation import IMAGES  # noqa: E402
 from rlvla3.shm import ShmAttachments, ShmPool, host_id  # noqa: E402
 
-TENSOR = P.tensor_name(IMAGES, "front")
+TENSOR = names.tensor_name(IMAGES, "front")
 """The batch travels as one camera's images of an OBS, named as the simulator names it."""
 
 

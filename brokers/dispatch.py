@@ -20,6 +20,7 @@ from brokers.outgoing import Out, ShmBridge
 from brokers.queue import BatchRule, GeneratorState, PendingRequest, RequestQueue, form_batches
 from brokers.registry import Registry, Worker
 from brokers.stats import BrokerStats
+from rlvla3 import names
 from rlvla3 import protocol as P
 from rlvla3.config import JobConfig
 
@@ -108,7 +109,7 @@ class Dispatcher:
         tensors: dict[str, Any] = {}
         meta = []
         for i, (r, req_tensors) in enumerate(ready):
-            tensors.update(P.with_prefix(P.request_prefix(i), req_tensors))
+            tensors.update(names.with_prefix(names.request_prefix(i), req_tensors))
             meta.append({
                 "req_id": r.req_id, "slot": r.slot, "n": r.n, "instruction": r.header["instruction"],
                 "episode_step": r.episode_step, "deterministic": r.header.get("deterministic", [False] * r.n),
@@ -195,7 +196,7 @@ class Dispatcher:
         if self.adaptive is not None:
             self.adaptive.on_result(sum(r.n for r in batch.requests), now - batch.sent_at)
         self.admission.on_settled(batch.requests)
-        per_request = P.by_request(msg.tensors)
+        per_request = names.by_request(msg.tensors)
         queue_us = msg.get("queue_us") if isinstance(msg.get("queue_us"), list) else []
         out = []
         for i, req in enumerate(batch.requests):

@@ -17,10 +17,9 @@ from typing import Any
 
 import yaml
 
-from rlvla3.algo_rules import validate_algo
-from rlvla3.scale_config import ConfigError, LoraConfig, PlacementConfig, TrainConfig, validate_scale
+from rlvla3.config_rules import validate_job
+from rlvla3.scale_config import ConfigError, LoraConfig, PlacementConfig, TrainConfig
 
-MODES = ("sync", "async_rollout", "async")
 
 
 @dataclass
@@ -364,53 +363,8 @@ def _coerce(typ: Any, value: Any, key: str) -> Any:
 
 
 def validate(cfg: JobConfig) -> None:
-    """Cross-field rules, each error naming its key."""
-    validate_scale(cfg.model.lora, cfg.train, cfg.placement, cfg.workers.generators, cfg.workers.trainers)
-    if cfg.run.mode not in MODES:
-        raise ConfigError(f"run.mode: {cfg.run.mode!r} not in {MODES}")
-    if cfg.env.num_envs < 1 or cfg.env.slots < 1:
-        raise ConfigError("env.num_envs and env.slots must be >= 1")
-    if cfg.env.num_envs % cfg.env.slots:
-        raise ConfigError(f"env.num_envs ({cfg.env.num_envs}) must be a multiple of env.slots ({cfg.env.slots})")
-    if cfg.env.eval_slots < 0 or cfg.env.eval_slots >= cfg.env.slots:
-        raise ConfigError(f"env.eval_slots ({cfg.env.eval_slots}) must leave at least one training slot of env.slots ({cfg.env.slots})")
-    if cfg.env.group_mode not in ("parallel", "sequential"):
-        raise ConfigError(f"env.group_mode: {cfg.env.group_mode!r} not in ('parallel', 'sequential')")
-    training_envs = cfg.env.num_envs - cfg.env.eval_slots * (cfg.env.num_envs // max(cfg.env.slots, 1))
-    if cfg.env.group_mode == "parallel" and cfg.env.group_size > 1 and training_envs % cfg.env.group_size:
-        # A group whose envs reach into an evaluation slot would never complete.
-        raise ConfigError(f"the training envs of a simulator (env.num_envs minus the eval slots' envs: "
-                          f"{training_envs}) must be a multiple of env.group_size ({cfg.env.group_size}) "
-                          f"with env.group_mode=parallel")
-    if cfg.env.parallel not in ("thread", "process"):
-        raise ConfigError(f"env.parallel: {cfg.env.parallel!r} not in ('thread', 'process')")
-    if cfg.batching.assignment not in ("dynamic", "sticky"):
-        raise ConfigError(f"batching.assignment: {cfg.batching.assignment!r} not in ('dynamic', 'sticky')")
-    if cfg.batching.max_batch < 1:
-        raise ConfigError("batching.max_batch must be >= 1")
-    b = cfg.batching
-    if not (1 <= b.adaptive_min_batch <= b.adaptive_max_batch and 0 <= b.adaptive_min_wait_ms <= b.adaptive_max_wait_ms):
-        raise ConfigError("batching.adaptive_*: need 1 <= adaptive_min_batch <= adaptive_max_batch and "
-                          "0 <= adaptive_min_wait_ms <= adaptive_max_wait_ms")
-    if b.adaptive_window_s <= 0:
-        raise ConfigError("batching.adaptive_window_s must be > 0")
-    if cfg.batching.credits < 1:
-        raise ConfigError("batching.credits must be >= 1")
-    if cfg.model.chunk_size < 1:
-        raise ConfigError("model.chunk_size must be >= 1")
-    if cfg.workers.device != "cpu" and not cfg.workers.device.startswith("cuda"):
-        raise ConfigError(f"workers.device: {cfg.workers.device!r} is neither 'cpu' nor 'cuda[:N]'")
-    if min(cfg.workers.simulators, cfg.workers.generators, cfg.workers.trainers) < 0:
-        raise ConfigError("workers.simulators, workers.generators and workers.trainers must be >= 0")
-    if cfg.model.dtype not in ("auto", "float32", "bfloat16"):
-        raise ConfigError(f"model.dtype: {cfg.model.dtype!r} not in ('auto', 'float32', 'bfloat16')")
-    if cfg.weights.copy_threads < 1:
-        raise ConfigError("weights.copy_threads must be >= 1")
-    if not 1 <= cfg.weights.bucket_mb <= 256:
-        raise ConfigError(f"weights.bucket_mb: {cfg.weights.bucket_mb} not in 1..256")
-    if not cfg.weights.shm and not cfg.weights.stream_bind:
-        raise ConfigError("weights.stream_bind: empty with weights.shm off leaves generators no way to fetch weights")
-    validate_algo(cfg)
+    """Cross-field rules (``rlvla3/config_rules.py``), each error naming its key."""
+    validate_job(cfg)
 
 
 def apply_overrides(data: dict[str, Any], overrides: list[str] | tuple[str, ...]) -> dict[str, Any]:

@@ -24,7 +24,7 @@ from typing import Any, Mapping, Sequence
 
 import numpy as np
 
-from rlvla3.protocol import tensor_name, under_prefix
+from rlvla3.names import tensor_name, under_prefix
 
 IMAGES = "images"
 """Name (prefix) of the per-camera image tensors: ``images/<camera>``."""

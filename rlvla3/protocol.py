@@ -24,16 +24,15 @@ Message types and who sends them (``->B`` = to the broker, ``B->`` = from the br
     RESULT      gen ->B   the outputs of one BATCH, per request
     TRAJ        sim ->B, B-> trainer   a finished trajectory fragment
     TRAJ_ACK    trainer ->B, B-> sim   trajectories taken (the sim may free their buffers)
-    WEIGHTS     trainer ->B, B-> gen (PUB and snapshot reply)   a policy version: an
-                announcement (version, manifest, where the bytes are), never the bytes
-                (rlvla3/weights/); the inline-tensor form is what today's trainer still sends
+    WEIGHTS     trainer ->B, B-> gen (PUB, snapshot reply)   a version's announcement (manifest,
+                where the bytes are: rlvla3/weights/), never the bytes
     SNAPSHOT    gen ->B   ask for the latest WEIGHTS (Clone pattern: subscribe first, then ask)
-    FETCH       gen -> trainer rank 0's weight stream (not the broker): one bucket of a version
+    FETCH       gen -> rank 0's weight stream (not the broker): one bucket of a version
     BUCKET      weight stream -> gen   that bucket's bytes (one inline uint8 tensor) or an error
+Tensor names follow one scheme, in rlvla3/names.py.
     TRAIN       trainer ->B   phase of the trainer (begin/end of an update), for alternating modes
     STATUS      any ->B   live figures; B-> reply with them
-    TUNE        client ->B   set the batching rule live (max_batch, max_wait_ms, adaptive on/off);
-                B-> reply with the rule in force
+    TUNE        client ->B   set the batching rule live; B-> reply with the rule in force
     ERROR       B-> any   the sender's message was bad: code + reason; the message is dropped
 
 Nothing here unpickles; decoding validates before anything reads a field.
@@ -42,7 +41,6 @@ Nothing here unpickles; decoding validates before anything reads a field.
 from __future__ import annotations
 
 import math
-
 from dataclasses import dataclass, field
 from typing import Any, Sequence
 
@@ -141,7 +139,6 @@ _REQUEST = F.Map((("req_id", _ID), ("slot", _SLOT), ("n", F.Int(1, F.MAX_COUNT))
                   ("episode_step", F.List(_ID)), ("deterministic", F.List(F.Bool()))),
                  required=("req_id", "slot", "n", "instruction", "episode_step"), closed=True)
 _TRAIN_STATS = F.Map((("staleness_counts", F.Map(finite=True)),), finite=False)
-_STALENESS_KEY = F.Int(0, F.MAX_ID)
 
 SCHEMA: dict[str, tuple[dict[str, Any], dict[str, Any]]] = {  # type -> (required, optional)
     READY: (
@@ -304,9 +301,7 @@ def encode(msg_type: str, fields: dict[str, Any] | None = None, tensors: dict[st
     """
     if msg_type not in MESSAGE_TYPES:
         raise ProtocolError(E_TYPE, f"unknown message type {msg_type!r}")
-    header: dict[str, Any] = {"v": PROTOCOL_VERSION, "type": msg_type}
-    if fields:
-        header.update(fields)
+    header: dict[str, Any] = {"v": PROTOCOL_VERSION, "type": msg_type, **(fields or {})}
     descs: list[dict[str, Any]] = []
     frames: list[Any] = []
     for name, value in (tensors or {}).items():
@@ -366,11 +361,7 @@ def _check_fields(msg_type: str, header: dict[str, Any]) -> None:
                 continue
             if name in BROKER_PRIVATE:
                 raise F.FieldError(f"{name!r} is set by the broker, not sent")
-            spec = optional.get(name)
-            if spec is not None:
-                spec.check(value, name)
-            else:
-                F.Free().check(value, name)
+            (optional.get(name) or F.Free()).check(value, name)  # unknown extras: bounded free data
         if msg_type == OBS:
             n = header["n"]
             for name in ("instruction", "episode_step", "deterministic"):
@@ -453,53 +444,3 @@ def _decode_tensors(descs: Any, frames: Sequence[Any]) -> dict[str, InlineTensor
 def error_frames(code: str, reason: str, ref_type: str | None = None) -> list[Any]:
     """An ERROR message answering a bad one."""
     return encode(ERROR, {"code": code, "reason": reason[:1000], "ref_type": ref_type})
-
-
-# ---------------------------------------------------------------------------------------------
-# Tensor names: one scheme for every message
-# ---------------------------------------------------------------------------------------------
-#
-# A tensor name is parts joined by "/". The prefixes in use:
-#   images/<camera>, state               an observation (OBS; see rlvla3.observation)
-#   r<i>/<name>                          request i of a BATCH or RESULT
-#   replay/<key>                         the policy's replay data (RESULT, ACT, TRAJ)
-#   obs/images/<camera>, obs/state       a fragment's observations (TRAJ)
-# Code builds and parses names only with the helpers below.
-
-NAME_SEP = "/"
-REPLAY = "replay"
-"""Prefix of the policy's replay tensors."""
-FRAGMENT_OBS = "obs"
-"""Prefix of a trajectory fragment's observations."""
-
-
-def tensor_name(*parts: str) -> str:
-    """``parts`` joined into one tensor name; empty parts (no prefix) are left out."""
-    return NAME_SEP.join(p for p in parts if p)
-
-
-def with_prefix(prefix: str, tensors: dict[str, Any]) -> dict[str, Any]:
-    """The same tensors, each named ``prefix/<name>``."""
-    return {tensor_name(prefix, k): v for k, v in tensors.items()}
-
-
-def under_prefix(prefix: str, tensors: Any) -> dict[str, Any]:
-    """The tensors named ``prefix/<rest>``, keyed by ``<rest>`` (the others are left out)."""
-    head = prefix + NAME_SEP
-    return {k[len(head):]: v for k, v in tensors.items() if k.startswith(head)}
-
-
-def request_prefix(index: int) -> str:
-    """The prefix of request ``index``'s tensors in a BATCH or RESULT."""
-    return f"r{index}"
-
-
-def by_request(tensors: dict[str, Any]) -> dict[int, dict[str, Any]]:
-    """Group BATCH/RESULT tensors named ``r<index>/<name>`` by request index, in one pass."""
-    out: dict[int, dict[str, Any]] = {}
-    for key, value in tensors.items():
-        head, sep, name = key.partition(NAME_SEP)
-        if not sep or head[:1] != "r" or not head[1:].isdigit():
-            raise ProtocolError(E_TENSOR, f"tensor {key!r} is not named r<index>/<name>")
-        out.setdefault(int(head[1:]), {})[name] = value
-    return out

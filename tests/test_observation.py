@@ -13,6 +13,7 @@ from collections import Counter
 import numpy as np
 import pytest
 
+from rlvla3 import names
 from rlvla3 import protocol as P
 from rlvla3.observation import IMAGES, STATE, Observation
 from rlvla3.shm import ShmAttachments, ShmPool
@@ -47,7 +48,7 @@ def batch_message(requests: list[tuple[Observation, dict[str, object]]]) -> P.Me
     tensors: dict[str, object] = {}
     meta = []
     for i, (obs, refs) in enumerate(requests):
-        tensors.update(P.with_prefix(P.request_prefix(i), refs))
+        tensors.update(names.with_prefix(names.request_prefix(i), refs))
         meta.append({"req_id": i, "slot": i, "n": len(obs), "instruction": obs.instruction,
                      "episode_step": [0] * len(obs), "deterministic": [i == 1] * len(obs)})
     frames = P.encode(P.BATCH, {"batch_id": 1, "requests": meta}, tensors)
@@ -141,13 +142,13 @@ def test_gather_rejects_tensors_that_disagree_with_n(pool):
 def test_wire_names_are_one_scheme():
     obs = make_obs(2, seed=0)
     assert set(obs.to_tensors()) == {"images/front", "images/wrist", "state"}
-    assert set(obs.to_tensors(P.FRAGMENT_OBS)) == {"obs/images/front", "obs/images/wrist", "obs/state"}
-    named = P.with_prefix(P.request_prefix(3), obs.to_tensors())
+    assert set(obs.to_tensors(names.FRAGMENT_OBS)) == {"obs/images/front", "obs/images/wrist", "obs/state"}
+    named = names.with_prefix(names.request_prefix(3), obs.to_tensors())
     assert set(named) == {"r3/images/front", "r3/images/wrist", "r3/state"}
-    assert set(P.by_request(named)[3]) == set(obs.to_tensors())
-    assert P.under_prefix(IMAGES, obs.to_tensors()).keys() == CAMERAS.keys()
+    assert set(names.by_request(named)[3]) == set(obs.to_tensors())
+    assert names.under_prefix(IMAGES, obs.to_tensors()).keys() == CAMERAS.keys()
     with pytest.raises(P.ProtocolError):
-        P.by_request({"images/front": obs.images["front"]})
+        names.by_request({"images/front": obs.images["front"]})
     back = Observation.from_tensors(obs.to_tensors("obs"), obs.instruction, prefix="obs")
     assert back.images["front"] is obs.images["front"] and back.state is obs.state
 
@@ -181,7 +182,7 @@ def test_fragment_observations_round_trip():
         tr.add(StepRecord(obs=o, actions=np.zeros((2, 3), np.float32), logprob=np.zeros(2, np.float32), value=0.0,
                           replay={"noise": np.ones(5, np.float32)}, version=1, step_reward=np.zeros(2, np.float32)))
     header, tensors = tr.fragment(obs[3], success=False)
-    assert P.under_prefix(P.REPLAY, tensors)["noise"].shape == (3, 5)
+    assert names.under_prefix(names.REPLAY, tensors)["noise"].shape == (3, 5)
     got = fragment_observation(tensors, header["instruction"])
     assert len(got) == 4 and got.instruction == ["task"] * 4
     np.testing.assert_array_equal(got.select(slice(0, -1)).state, np.concatenate([o.state for o in obs[:3]]))

@@ -31,6 +31,7 @@ import zmq
 os.environ.setdefault("MUJOCO_GL", "egl")  # headless GL, inherited by every worker process
 os.environ.setdefault("PYOPENGL_PLATFORM", "egl")
 
+from rlvla3 import names
 from rlvla3 import protocol as P  # noqa: E402
 from rlvla3.config import load  # noqa: E402
 from rlvla3.observation import IMAGES  # noqa: E402
@@ -176,7 +177,7 @@ def test_images_through_broker_upright_and_sized(repo_job, sim: str) -> None:
         ctx.term()
     req = batch["requests"][0]
     assert req["n"] == 1 and req["episode_step"] == [0]
-    t = P.by_request(batch.tensors)[0][P.tensor_name(IMAGES, cam)]
+    t = names.by_request(batch.tensors)[0][names.tensor_name(IMAGES, cam)]
     assert isinstance(t, P.InlineTensor), "the broker should inline shared-memory bytes for another host"
     img = P.inline_array(t)
     assert img.shape == (1, h, w, 3) and img.dtype == np.uint8, (img.shape, img.dtype)

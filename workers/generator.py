@@ -28,6 +28,7 @@ import torch
 import zmq
 
 from rlvla3 import auth
+from rlvla3 import names
 from rlvla3 import protocol as P
 from rlvla3.observation import Observation
 from rlvla3.shm import ShmAttachments
@@ -51,7 +52,7 @@ def gather(msg: P.Message, attach: ShmAttachments) -> tuple[Observation, list[in
     copy, one new array per field, as batching must.
     """
     parts, sizes, det = [], [], []
-    per_request = P.by_request(msg.tensors)
+    per_request = names.by_request(msg.tensors)
     for i, req in enumerate(msg["requests"]):
         views = {name: attach.materialize(t) for name, t in per_request.get(i, {}).items()}
         obs = Observation.from_tensors(views, req["instruction"])
@@ -232,7 +233,7 @@ class GeneratorWorker(WorkerBase):
                 sub = obs if len(groups) == 1 else obs.select(g)
                 out = self.policy.act(sub, deterministic=det)
                 part = {"actions": out.actions, "logprob": out.logprob, "value": out.value,
-                        **P.with_prefix(P.REPLAY, out.replay)}
+                        **names.with_prefix(names.REPLAY, out.replay)}
                 for name, v in part.items():
                     arr = v.float().cpu().numpy() if v.dtype == torch.bfloat16 or name in ("actions", "logprob", "value") else v.cpu().numpy()
                     if len(groups) == 1:
@@ -271,7 +272,7 @@ class GeneratorWorker(WorkerBase):
             tensors: dict[str, Any] = {}
             start = 0
             for i, n in enumerate(sizes):
-                tensors.update(P.with_prefix(P.request_prefix(i), {name: arr[start:start + n] for name, arr in res.items()}))
+                tensors.update(names.with_prefix(names.request_prefix(i), {name: arr[start:start + n] for name, arr in res.items()}))
                 start += n
             self.send(P.RESULT, {"batch_id": batch_id, "version": version, "forward_us": int(secs * 1e6),
                                  "queue_us": queue_us}, tensors)

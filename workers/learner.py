@@ -28,6 +28,7 @@ from typing import Any
 import numpy as np
 import torch
 
+from rlvla3 import names
 from rlvla3 import protocol as P
 from rlvla3.config import JobConfig
 from rlvla3.observation import Observation
@@ -248,7 +249,7 @@ def build_batch(units: list[Unit], version: int, cfg: JobConfig) -> TrainBatch:
     versions = torch.as_tensor(np.concatenate([f.arrays["version"] for f in frags]), dtype=torch.int64)
     keep, _dropped = filter_stale(versions, version, cfg.algo.max_staleness)
     observations = [fragment_observation(f.arrays, f.header.get("instruction", "")) for f in frags]
-    replay = [P.under_prefix(P.REPLAY, f.arrays) for f in frags]
+    replay = [names.under_prefix(names.REPLAY, f.arrays) for f in frags]
     samples = {
         "obs": Observation.concat([o.select(slice(0, -1)) for o in observations]),
         "actions": torch.as_tensor(np.concatenate([f.arrays["actions"] for f in frags])),

@@ -19,6 +19,7 @@ from typing import Any
 import numpy as np
 import structlog
 
+from rlvla3 import names
 from rlvla3 import protocol as P
 from rlvla3.observation import Observation
 from rlvla3.shm import ShmPool, sweep_leftovers
@@ -305,7 +306,7 @@ class SimulatorWorker(WorkerBase):
     def _finish_chunk(self, slot: Slot, outcome: ChunkOutcome) -> None:
         out = slot.out
         slot.out = None
-        replay = P.under_prefix(P.REPLAY, out)
+        replay = names.under_prefix(names.REPLAY, out)
         frag_len = self.cfg.env.fragment_len
         self.env_steps += int(outcome.steps.sum())
         self.restarts_unreported += outcome.restarts

@@ -24,7 +24,7 @@ from typing import Any
 import numpy as np
 
 from rlvla3.observation import STATE, Observation
-from rlvla3.protocol import FRAGMENT_OBS, REPLAY, tensor_name, with_prefix
+from rlvla3.names import FRAGMENT_OBS, REPLAY, tensor_name, with_prefix
 
 
 @dataclass

@@ -1,0 +1,88 @@
+"""The config's cross-field rules (``rlvla3.config.validate``): each error names its key."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from rlvla3.scale_config import ConfigError, validate_scale
+
+MODES = ("sync", "async_rollout", "async")
+RATIO_LEVELS = ("unit", "chunk")
+
+
+def validate_job(cfg: Any) -> None:
+    """Every rule of the job's config."""
+    validate_scale(cfg.model.lora, cfg.train, cfg.placement, cfg.workers.generators, cfg.workers.trainers)
+    if cfg.run.mode not in MODES:
+        raise ConfigError(f"run.mode: {cfg.run.mode!r} not in {MODES}")
+    if cfg.env.num_envs < 1 or cfg.env.slots < 1:
+        raise ConfigError("env.num_envs and env.slots must be >= 1")
+    if cfg.env.num_envs % cfg.env.slots:
+        raise ConfigError(f"env.num_envs ({cfg.env.num_envs}) must be a multiple of env.slots ({cfg.env.slots})")
+    if cfg.env.eval_slots < 0 or cfg.env.eval_slots >= cfg.env.slots:
+        raise ConfigError(f"env.eval_slots ({cfg.env.eval_slots}) must leave at least one training slot of env.slots ({cfg.env.slots})")
+    if cfg.env.group_mode not in ("parallel", "sequential"):
+        raise ConfigError(f"env.group_mode: {cfg.env.group_mode!r} not in ('parallel', 'sequential')")
+    training_envs = cfg.env.num_envs - cfg.env.eval_slots * (cfg.env.num_envs // max(cfg.env.slots, 1))
+    if cfg.env.group_mode == "parallel" and cfg.env.group_size > 1 and training_envs % cfg.env.group_size:
+        # A group whose envs reach into an evaluation slot would never complete.
+        raise ConfigError(f"the training envs of a simulator (env.num_envs minus the eval slots' envs: "
+                          f"{training_envs}) must be a multiple of env.group_size ({cfg.env.group_size}) "
+                          f"with env.group_mode=parallel")
+    if cfg.env.parallel not in ("thread", "process"):
+        raise ConfigError(f"env.parallel: {cfg.env.parallel!r} not in ('thread', 'process')")
+    if cfg.batching.assignment not in ("dynamic", "sticky"):
+        raise ConfigError(f"batching.assignment: {cfg.batching.assignment!r} not in ('dynamic', 'sticky')")
+    if cfg.batching.max_batch < 1:
+        raise ConfigError("batching.max_batch must be >= 1")
+    b = cfg.batching
+    if not (1 <= b.adaptive_min_batch <= b.adaptive_max_batch and 0 <= b.adaptive_min_wait_ms <= b.adaptive_max_wait_ms):
+        raise ConfigError("batching.adaptive_*: need 1 <= adaptive_min_batch <= adaptive_max_batch and "
+                          "0 <= adaptive_min_wait_ms <= adaptive_max_wait_ms")
+    if b.adaptive_window_s <= 0:
+        raise ConfigError("batching.adaptive_window_s must be > 0")
+    if cfg.batching.credits < 1:
+        raise ConfigError("batching.credits must be >= 1")
+    if cfg.model.chunk_size < 1:
+        raise ConfigError("model.chunk_size must be >= 1")
+    if cfg.workers.device != "cpu" and not cfg.workers.device.startswith("cuda"):
+        raise ConfigError(f"workers.device: {cfg.workers.device!r} is neither 'cpu' nor 'cuda[:N]'")
+    if min(cfg.workers.simulators, cfg.workers.generators, cfg.workers.trainers) < 0:
+        raise ConfigError("workers.simulators, workers.generators and workers.trainers must be >= 0")
+    if cfg.model.dtype not in ("auto", "float32", "bfloat16"):
+        raise ConfigError(f"model.dtype: {cfg.model.dtype!r} not in ('auto', 'float32', 'bfloat16')")
+    if cfg.weights.copy_threads < 1:
+        raise ConfigError("weights.copy_threads must be >= 1")
+    if not 1 <= cfg.weights.bucket_mb <= 256:
+        raise ConfigError(f"weights.bucket_mb: {cfg.weights.bucket_mb} not in 1..256")
+    if not cfg.weights.shm and not cfg.weights.stream_bind:
+        raise ConfigError("weights.stream_bind: empty with weights.shm off leaves generators no way to fetch weights")
+    validate_algo(cfg)
+
+
+def validate_algo(cfg: Any) -> None:
+    """The algorithm's rules (``config.validate`` calls it), each error naming its key."""
+    a = cfg.algo
+    if a.name not in ("ppo", "grpo"):
+        raise ConfigError(f"algo.name: {a.name!r} not in ('ppo', 'grpo')")
+    if a.minibatch_size < 1 or a.batch_steps < 1 or a.epochs < 1:
+        raise ConfigError("algo.batch_steps, algo.minibatch_size and algo.epochs must be >= 1")
+    if a.clip_eps <= 0:
+        raise ConfigError(f"algo.clip_eps must be > 0, got {a.clip_eps}")
+    if a.ratio_level not in RATIO_LEVELS:
+        raise ConfigError(f"algo.ratio_level: {a.ratio_level!r} not in {RATIO_LEVELS}")
+    if a.dual_clip != 0 and a.dual_clip <= 1.0:
+        raise ConfigError(f"algo.dual_clip must be > 1 (or 0: off), got {a.dual_clip}")
+    if a.behav_weight_cap != 0 and a.behav_weight_cap < 1.0:
+        # Below 1 it would down-weight even fresh samples, and PPO would no longer be PPO.
+        raise ConfigError(f"algo.behav_weight_cap must be >= 1 (or 0: uncapped), got {a.behav_weight_cap}")
+    if a.value_clip_eps < 0 or a.max_grad_norm <= 0:
+        raise ConfigError("algo.value_clip_eps must be >= 0 and algo.max_grad_norm > 0")
+    if a.max_staleness < 0:
+        raise ConfigError(f"algo.max_staleness must be >= 0, got {a.max_staleness}")
+    if a.grpo_reward not in ("success", "return"):
+        raise ConfigError(f"algo.grpo_reward: {a.grpo_reward!r} not in ('success', 'return')")
+    if a.name == "grpo" and cfg.env.group_size < 2:
+        # A group of one has no variance: nothing would ever be trained on.
+        raise ConfigError(f"algo.name=grpo needs env.group_size >= 2 (episodes compared within a group), "
+                          f"got {cfg.env.group_size}")
