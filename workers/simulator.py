@@ -283,17 +283,22 @@ class SimulatorWorker(WorkerBase):
             log.warning("act_unexpected", slot=s, req_id=msg["req_id"], expected=slot.req_id)
             return
         k = len(slot.envs)
-        if msg.get("error"):  # the policy could not serve this request: restart the slot's episodes
-            log.error("act_failed_resetting_slot", slot=s, error=msg["error"])
+        error = msg.get("error")
+        out: dict[str, Any] = {}
+        if not error:
+            try:
+                out = {name: self.attach.materialize(t, copy=True) for name, t in msg.tensors.items()}
+            except (P.ProtocolError, OSError, ValueError) as err:
+                error = f"unreadable ACT: {err}"
+        actions = out.get("actions")
+        if not error and (actions is None or actions.ndim != 3 or actions.shape[0] != k):
+            error = f"ACT actions of shape {None if actions is None else actions.shape}, slot has {k} envs"
+        if error:  # the policy could not serve this request: restart the slot's episodes, ask again
+            log.error("act_failed_resetting_slot", slot=s, error=error)
             slot.waiting = False
             for tr in slot.trajs:
                 tr.records = []
             slot.runner.submit(lambda: self._reset_all(slot), ("reset", s))
-            return
-        out = {name: self.attach.materialize(t, copy=True) for name, t in msg.tensors.items()}
-        actions = out.get("actions")
-        if actions is None or actions.ndim != 3 or actions.shape[0] != k:
-            log.error("act_bad_shape", slot=s, shape=None if actions is None else actions.shape)
             return
         slot.waiting = False
         slot.pending_obs = None
