@@ -7,7 +7,10 @@ import time
 from pathlib import Path
 from typing import Any, Callable
 
+import numpy as np
+
 from rlvla3.launch import LocalJob
+from rlvla3.observation import Observation
 
 # Small and quick on a 2-core machine: few envs, short fragments, tiny updates.
 FAST = (
@@ -97,3 +100,9 @@ def video_frames(path: Path) -> int:
 
     with iio.get_reader(str(path), format="FFMPEG") as r:
         return sum(1 for _ in r)
+
+
+def random_observation(spec: Any, n: int, rng: Any, instruction: str = "reach") -> Observation:
+    """``n`` envs of random camera images and proprio state for an env spec (policy tests)."""
+    return Observation({c: rng.integers(0, 256, (n, h, w, 3), dtype=np.uint8) for c, (h, w) in spec.cameras.items()},
+                       rng.uniform(-1, 1, (n, spec.state_dim)).astype(np.float32), [instruction] * n)

@@ -9,6 +9,7 @@ import torch
 import torch.multiprocessing as mp
 
 from rlvla3.config import load
+from tests.jobs import random_observation
 from workers.algorithms.distributed import destroy_trainer_group, init_trainer_group, wrap_ddp, wrap_fsdp
 from workers.algorithms.ppo import make_optimizer, ppo_update
 from workers.model import build_policy, job_spec
@@ -22,8 +23,7 @@ def _free_port() -> int:
 
 def _batch(policy, cfg, rank: int) -> dict:
     spec, rng, n = job_spec(cfg), np.random.default_rng(rank), 8
-    obs = {"images": {c: rng.integers(0, 256, (n, h, w, 3), dtype=np.uint8) for c, (h, w) in spec.cameras.items()},
-           "state": rng.uniform(-1, 1, (n, spec.state_dim)).astype(np.float32), "instruction": ["reach the target"] * n}
+    obs = random_observation(spec, n, rng, "reach the target")
     torch.manual_seed(rank)
     out = policy.act(obs)
     return {"obs": obs, "actions": out.actions, "replay": out.replay, "behav_logprob": out.logprob,

@@ -5,6 +5,7 @@ import numpy as np
 import torch
 
 from rlvla3.config import load
+from tests.jobs import random_observation
 from workers.algorithms.ppo import ppo_update
 from workers.algorithms.ppo import make_optimizer
 from workers.model import build_policy, job_spec
@@ -15,8 +16,7 @@ def test_gap_is_zero_on_fresh_fp32_samples_and_counts_stale_drift() -> None:
                                                       "algo.minibatch_size=3"])
     policy = build_policy(cfg)
     spec, rng, n = job_spec(cfg), np.random.default_rng(0), 6
-    obs = {"images": {c: rng.integers(0, 256, (n, h, w, 3), dtype=np.uint8) for c, (h, w) in spec.cameras.items()},
-           "state": rng.uniform(-1, 1, (n, spec.state_dim)).astype(np.float32), "instruction": ["reach"] * n}
+    obs = random_observation(spec, n, rng, "reach")
     out = policy.act(obs)  # the generator's call: one batch of 6
     behav = out.logprob.clone()
     behav[3:] += 0.25  # samples 3..5 were acted by an older version: their log-probs differ

@@ -9,8 +9,10 @@ import numpy as np
 import torch
 
 from rlvla3.config import load
+from rlvla3.observation import Observation
 from rlvla3.weights.announce import parse_announcement
 from rlvla3.weights.publisher import WeightPublisher
+from tests.jobs import random_observation
 from workers.algorithms.ppo import make_optimizer
 from workers.model import build_policy, job_spec
 
@@ -21,10 +23,9 @@ def _cfg(*sets: str):
     return load("configs/synthetic_openvla_oft.yaml", ["workers.device=cpu", "model.dtype=float32", *sets])
 
 
-def _obs(cfg, n: int = 3) -> dict:
+def _obs(cfg, n: int = 3) -> Observation:
     spec, rng = job_spec(cfg), np.random.default_rng(0)
-    return {"images": {c: rng.integers(0, 256, (n, h, w, 3), dtype=np.uint8) for c, (h, w) in spec.cameras.items()},
-            "state": rng.uniform(-1, 1, (n, spec.state_dim)).astype(np.float32), "instruction": ["reach the target"] * n}
+    return random_observation(spec, n, rng, "reach the target")
 
 
 def _adapted(name: str) -> bool:

@@ -14,6 +14,7 @@ import torch
 
 from rlvla3.config import ConfigError, load
 from rlvla3.scale_config import validate_placement
+from tests.jobs import random_observation
 from workers.algorithms.memory import TrainerOffload, make_offload
 from workers.algorithms.ppo import make_optimizer, ppo_update
 from workers.model import build_policy, job_spec
@@ -68,8 +69,7 @@ def test_run_refuses_a_bad_gpu_mapping_before_starting_anything(tmp_path) -> Non
 
 def _batch(policy, cfg) -> dict:
     spec, rng, n = job_spec(cfg), np.random.default_rng(0), 8
-    obs = {"images": {c: rng.integers(0, 256, (n, h, w, 3), dtype=np.uint8) for c, (h, w) in spec.cameras.items()},
-           "state": rng.uniform(-1, 1, (n, spec.state_dim)).astype(np.float32), "instruction": ["reach"] * n}
+    obs = random_observation(spec, n, rng, "reach")
     torch.manual_seed(0)
     out = policy.act(obs)
     return {"obs": obs, "actions": out.actions, "replay": out.replay, "behav_logprob": out.logprob,

@@ -8,6 +8,8 @@ import torch
 from torch import nn
 
 from rlvla3.config import load
+from rlvla3.observation import Observation
+from tests.jobs import random_observation
 from workers.algorithms.memory import enable_gradient_checkpointing
 from workers.algorithms.ppo import make_optimizer
 from workers.algorithms.precision import MasterAdam
@@ -71,10 +73,9 @@ def test_bf16_policy_gets_master_adam_and_resumes_it(tmp_path) -> None:
                 assert torch.equal(opt.state[p][key], opt2.state[q][key])
 
 
-def _obs(cfg, n: int = 4) -> dict:
+def _obs(cfg, n: int = 4) -> Observation:
     spec, rng = job_spec(cfg), np.random.default_rng(0)
-    return {"images": {c: rng.integers(0, 256, (n, h, w, 3), dtype=np.uint8) for c, (h, w) in spec.cameras.items()},
-            "state": rng.uniform(-1, 1, (n, spec.state_dim)).astype(np.float32), "instruction": ["reach"] * n}
+    return random_observation(spec, n, rng, "reach")
 
 
 def test_gradient_checkpointing_keeps_fewer_activations_and_the_same_gradients() -> None:
