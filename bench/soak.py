@@ -34,9 +34,8 @@ from typing import Any
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from bench._common import OUT_DIR  # noqa: E402
-from rlvla3.cli import _ask_status  # noqa: E402
 from rlvla3.config import load  # noqa: E402
-from rlvla3.launch import spawn, stop_processes  # noqa: E402
+from rlvla3.launch import request_status, spawn, stop_processes  # noqa: E402
 
 RSS_SLACK_MB = 32.0
 FATES = ("evaluation", "trained", "stale", "discarded", "unreadable", "lost_with_trainer", "held_by_trainers")
@@ -123,7 +122,7 @@ class Soak:
 
     def status(self) -> dict[str, Any] | None:
         try:
-            return _ask_status(self.url, 5.0, None, "client")
+            return request_status(self.url, 5.0)
         except TimeoutError:
             return None
 

@@ -228,9 +228,10 @@ class NetnsJob:
         return self.hosts.spawn(self.host(host), args, self.folder / f"{name}.log")
 
     def status(self, timeout_s: float = 10.0) -> dict[str, Any]:
-        from rlvla3.cli import _ask_status
+        from rlvla3.launch import request_status
 
-        return self.hosts.call_in(self.hosts.hosts["head"], lambda: _ask_status(self.url, timeout_s, str(self.keys), "client"),
+        return self.hosts.call_in(self.hosts.hosts["head"],
+                                  lambda: request_status(self.url, timeout_s, keys_dir=str(self.keys), key_name="client"),
                                   timeout_s + 5)
 
     def wait(self, pred: Callable[[dict[str, Any]], bool], timeout_s: float, what: str) -> dict[str, Any]:

@@ -6,7 +6,8 @@ the broker for its snapshot (SNAPSHOT), then apply only updates newer than what 
 the snapshot's version is in, the generator announces no credits, so it takes no batches with
 weights older than the job's; when the broker has no version yet (-1), it waits for version 0
 from trainer rank 0: the weights it built itself are never served, so generators do not rely on
-identical seeded builds.
+identical seeded builds. The one exception is a job with no trainer (``workers.trainers=0``:
+evaluation, benchmarks), where nothing would ever publish: there it serves its build.
 
 A WEIGHTS announcement (version + manifest + where the bytes are) goes to a
 :class:`~rlvla3.weights.receiver.WeightReceiver`: a "weights" thread copies and verifies the
@@ -186,6 +187,13 @@ class GeneratorWorker(WorkerBase):
     def on_message(self, msg: P.Message) -> None:
         if msg.type == P.WEIGHTS:  # snapshot reply
             version = msg["version"]
+            if version < 0 and self.cfg.workers.trainers == 0 and not self.serving:
+                # No trainer in this job (evaluation, benchmarks): nothing will publish, so serve
+                # the build (and swap to any version a trainer started by hand announces later).
+                self.serving = True
+                self.send(P.HEARTBEAT, self.heartbeat_fields())
+                log.info("generator_serving", version=self.version, own_build=True)
+                return
             if version >= 0:
                 self._on_weights(msg)
             # Serve once the snapshot's version is in; with none yet, once rank 0's version 0 is.
