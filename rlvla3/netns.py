@@ -223,9 +223,12 @@ class NetnsJob:
         self._poll(info.exists, timeout_s, "the broker to listen")
 
     def worker(self, host: str, role: str, name: str, *extra: str) -> subprocess.Popen:
+        h = self.host(host)
         args = ["worker", "--role", role, "--broker", self.url, "--keys", str(self.keys), "--key-name", role,
                 "--name", name, *extra]
-        return self.hosts.spawn(self.host(host), args, self.folder / f"{name}.log")
+        if role == "trainer":  # rank 0's weight stream, reachable from the other hosts
+            args += ["--set", f"weights.stream_bind=tcp://{h.addr}:0"]
+        return self.hosts.spawn(h, args, self.folder / f"{name}.log")
 
     def status(self, timeout_s: float = 10.0) -> dict[str, Any]:
         from rlvla3.launch import request_status
