@@ -81,7 +81,8 @@ class TrajectoryRouter:
                 kept.append(traj)
                 break
             if training and self.hold_steps is not None:
-                free = [w for w in free if self.holding(w.identity) < self.hold_steps]
+                # A GRPO trainer (its heartbeat says so) holds incomplete groups by design: no bound.
+                free = [w for w in free if w.info.get("algo") == "grpo" or self.holding(w.identity) < self.hold_steps]
                 if not free:  # every trainer holds an update's worth: it reports fates first
                     kept.append(traj)
                     continue

@@ -133,7 +133,8 @@ _TEXT = F.Str(F.MAX_TEXT)
 _NAME = F.Str(MAX_NAME_LEN)
 _REASON = F.Str(F.MAX_TEXT)
 _US = F.Int(0, F.MAX_ID)
-_INFO = F.Map((("dist", F.Free()), ("env_steps", F.Int(0, F.MAX_ID)), ("version", _VERSION), ("served", F.Int(0, F.MAX_ID))),
+_INFO = F.Map((("dist", F.Free()), ("env_steps", F.Int(0, F.MAX_ID)), ("version", _VERSION), ("served", F.Int(0, F.MAX_ID)),
+               ("algo", F.Str(16))),
               closed=True, nullable=True)  # closed: the broker keeps it per worker, so no key may grow it
 _REQUEST = F.Map((("req_id", _ID), ("slot", _SLOT), ("n", F.Int(1, F.MAX_COUNT)), ("instruction", F.List(_TEXT)),
                   ("episode_step", F.List(_ID)), ("deterministic", F.List(F.Bool()))),

@@ -104,7 +104,8 @@ class TrainerWorker(WorkerBase):
         return {"credits": self.credits, "info": {"dist": self.dist_info, "version": self.version}}
 
     def heartbeat_fields(self) -> dict[str, Any]:
-        return {"credits": self.credits, "version": self.version}
+        algo = {"info": {"algo": self.cfg.algo.name}} if self.cfg is not None else {}  # GRPO holds groups
+        return {"credits": self.credits, "version": self.version, **algo}
 
     # -- set-up (off the socket thread) -------------------------------------------------------
 
