@@ -25,7 +25,7 @@ import torch
 from torch import nn
 
 from rlvla3.config import AlgoConfig
-from workers.algorithms.gae import compute_gae
+from workers.algorithms.gae import compute_gae_batch
 from workers.algorithms.ppo import explained_variance, index_batch, make_optimizer, ppo_update
 
 
@@ -202,15 +202,9 @@ def _gae(policy: nn.Module, batch: TrainBatch, algo: AlgoConfig) -> tuple[torch.
     with torch.no_grad():  # the bare policy, not DDP: no collective for a forward pass
         out = policy.evaluate(b["obs"], b["actions"].to(dev), {k: v.to(dev) for k, v in b["replay"].items()})
     boot = out.value.float().cpu().tolist()
-    advs, rets = [], []
-    start = 0
-    values = batch.samples["values"]
-    for length, bv in zip(batch.lengths, boot):
-        sl = slice(start, start + length)
-        terminated = batch.terminated[sl]
-        adv, ret = compute_gae(batch.rewards[sl] * algo.reward_scale, values[sl], terminated,
-                               0.0 if bool(terminated[-1]) else bv, algo.gamma, algo.lam)
-        advs.append(adv)
-        rets.append(ret)
-        start += length
-    return torch.cat(advs).float(), torch.cat(rets).float()
+    lengths = list(batch.lengths)
+    terminated = torch.split(batch.terminated, lengths)
+    adv, ret = compute_gae_batch(torch.split(batch.rewards * algo.reward_scale, lengths),
+                                 torch.split(batch.samples["values"], lengths), terminated,
+                                 [0.0 if bool(t[-1]) else bv for t, bv in zip(terminated, boot)], algo.gamma, algo.lam)
+    return adv.float(), ret.float()

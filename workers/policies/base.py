@@ -132,7 +132,7 @@ def make_policy(family: str, options: dict[str, Any] | None, spec: EnvSpec) -> P
     """Build the family's policy from its options dict (validated into its config dataclass)."""
     _import_builtin_policies(family)
     if family not in _POLICIES:
-        raise ValueError(f"unknown model family {family!r}; registered: {sorted(_POLICIES)}")
+        raise ValueError(f"unknown model family {family!r}; registered: {policy_families()}")
     builder, cfg_cls = _POLICIES[family]
     cfg = parse_options(cfg_cls, options, f"model.options for {family!r}")
     policy = builder(cfg, spec)
