@@ -5,6 +5,8 @@
 #
 #   RLVLA3_VENV   where the venv lives (default: .venv in the repo)
 #   RLVLA3_SIMS   0 to skip the simulators (default: 1)
+#   RLVLA3_ROBOCASA  1 to also make .venv-robocasa: RoboCasa's code (rlinf-robocasa365) with
+#                 robosuite>=1.5.2, which LIBERO's robosuite 1.4 rules out of the main venv
 set -euo pipefail
 HERE="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 VENV="${RLVLA3_VENV:-$HERE/.venv}"
@@ -23,5 +25,13 @@ if [[ "${RLVLA3_SIMS:-1}" == "1" ]]; then
   else
     PY="$PY" SKIP_APT=1 bash "$HERE/.ci/install_sims.sh"
   fi
+fi
+if [[ "${RLVLA3_ROBOCASA:-0}" == "1" ]]; then
+  RC="$HERE/.venv-robocasa"
+  [[ -x "$RC/bin/python" ]] || "$PYTHON" -m venv "$RC"
+  "$RC/bin/python" -m pip install -q --disable-pip-version-check "torch==2.13.0" || "$RC/bin/python" -m pip install -q "torch>=2.4"
+  "$RC/bin/python" -m pip install -q --disable-pip-version-check rlinf-robocasa365 "robosuite>=1.5.2" -e "$HERE"
+  # What it can and cannot build here: docs/robocasa.md.
+  "$RC/bin/python" -m workers.envs.robocasa || true
 fi
 echo "$VENV"

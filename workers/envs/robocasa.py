@@ -47,7 +47,7 @@ class RoboCasaUnavailable(RuntimeError):
 @dataclass
 class RoboCasaOptions:
     task: str = "PnPCounterToCab"
-    """RoboCasa env name (e.g. PnPCounterToCab, OpenSingleDoor, TurnOnSinkFaucet)."""
+    """RoboCasa env name (e.g. PnPCounterToCab, OpenDrawer, OpenDoor, TurnOnSinkFaucet)."""
     robot: str = "PandaOmron"
     """Robot (RoboCasa's default mobile manipulator)."""
     cameras: list[str] = field(default_factory=lambda: ["robot0_agentview_left", "robot0_eye_in_hand"])
@@ -64,8 +64,46 @@ class RoboCasaOptions:
     """Kitchen styles to draw from; None: RoboCasa's default set."""
 
 
+# The asset packs RoboCasa's download script fetches (robocasa/scripts/download_kitchen_assets.py).
+# The registry's code redistributions (rlinf-robocasa365, praxis-robocasa) ship none of them.
+ASSET_PACKS = {
+    "textures": "models/assets/textures",
+    "generative_textures": "models/assets/generative_textures",
+    "fixtures_lightwheel": "models/assets/fixtures/sinks",  # one of its folders (sinks, stoves, fridges...)
+    "objaverse": "models/assets/objects/objaverse",
+    "aigen_objs": "models/assets/objects/aigen_objs",
+    "objects_lightwheel": "models/assets/objects/lightwheel",
+}
+
+
+def missing_assets(root: Path) -> list[str]:
+    """The asset packs absent under a robocasa package root, as ``name (path)``."""
+    return [f"{name} ({(root / rel).resolve()})" for name, rel in ASSET_PACKS.items()
+            if not (root / rel).is_dir() or not any((root / rel).iterdir())]
+
+
+def robosuite_api_gap(root: Path) -> str | None:
+    """Why this robosuite cannot build this robocasa's kitchens, or None.
+
+    RoboCasa's Kitchen passes ``load_model_on_init`` to robosuite's ManipulationEnv, an argument
+    only robosuite's development branch takes (1.5.2, the newest release, does not): every
+    kitchen task then fails in its constructor, before any asset is read.
+    """
+    kitchen = root / "environments" / "kitchen" / "kitchen.py"
+    if not kitchen.is_file() or "load_model_on_init" not in kitchen.read_text():
+        return None
+    import inspect
+
+    from robosuite.environments.manipulation.manipulation_env import ManipulationEnv
+
+    if "load_model_on_init" in inspect.signature(ManipulationEnv.__init__).parameters:
+        return None
+    return ("this robocasa passes load_model_on_init to robosuite's ManipulationEnv, which the "
+            "installed robosuite does not accept (robosuite's development branch does; no release does)")
+
+
 def check_available() -> None:
-    """Raise :class:`RoboCasaUnavailable` with install steps unless robocasa can build envs here."""
+    """Raise :class:`RoboCasaUnavailable` naming what is missing unless robocasa can build envs here."""
     if importlib.util.find_spec("robocasa") is None:
         raise RoboCasaUnavailable("robocasa is not installed in this environment.\n" + INSTALL_HELP)
     try:
@@ -79,11 +117,16 @@ def check_available() -> None:
         raise RoboCasaUnavailable(f"robocasa needs robosuite>=1.5.2, found {rs}.\n" + INSTALL_HELP)
     spec = importlib.util.find_spec("robocasa")
     root = Path(next(iter(spec.submodule_search_locations or [""])))  # type: ignore[union-attr]
-    kitchen = root / "models" / "assets" / "textures"
-    fixtures = root / "models" / "assets" / "fixtures"
-    if not (kitchen.is_dir() and fixtures.is_dir() and any(fixtures.iterdir())):
-        raise RoboCasaUnavailable(f"robocasa's kitchen assets are missing under {root / 'models' / 'assets'}.\n"
-                                  + INSTALL_HELP)
+    problems = []
+    gap = robosuite_api_gap(root)
+    if gap:
+        problems.append(f"robosuite {rs}: {gap}")
+    missing = missing_assets(root)
+    if missing:
+        problems.append("kitchen asset packs missing: " + ", ".join(missing))
+    if problems:
+        raise RoboCasaUnavailable("robocasa cannot build kitchens here:\n  - " + "\n  - ".join(problems)
+                                  + "\n" + INSTALL_HELP)
 
 
 @register_env("robocasa", options=RoboCasaOptions)
@@ -157,3 +200,12 @@ class RoboCasaEnv(RobosuiteAdapter):
         images = {c: np.stack([np.ascontiguousarray(r[f"{c}_image"][::-1]) for r in raws]).astype(np.uint8)
                   for c in self.opts.cameras}  # robosuite's default OpenGL row order: flip upright
         return Observation(images, np.stack([self._state(r) for r in raws]), [self._instr[i] for i in ids])
+
+
+if __name__ == "__main__":  # `python -m workers.envs.robocasa`: can this environment build kitchens?
+    try:
+        check_available()
+    except RoboCasaUnavailable as e:
+        print(e)
+        raise SystemExit(1) from None
+    print("robocasa: kitchens can be built here")
