@@ -71,6 +71,7 @@ class Slot:
     runner: JobRunner
     trajs: list[EnvTrajectory]
     blocks: tuple[Observation, Observation]  # the slot's two observation blocks (views of shared memory)
+    refs: tuple[dict[str, P.ShmRef], ...]  # each block's descriptors, by tensor name
     front: int = 1  # the block the last OBS named; the envs write the other one
     req_id: int = 0
     waiting: bool = False  # an OBS is out, waiting for ACT
@@ -153,6 +154,7 @@ class SimulatorWorker(WorkerBase):
                       observation_block(self.obs_pool, spec.cameras, spec.state_dim, k))
             slot = Slot(index=s, envs=envs, adapter=adapter, runner=self.new_runner(f"slot{s}"),
                         trajs=[EnvTrajectory(env=self.index * 100_000 + e) for e in envs], blocks=blocks,
+                        refs=tuple({name: locate(a) for name, a in b.to_tensors().items()} for b in blocks),
                         eval=s >= n_slots - cfg.env.eval_slots)
             self.slots.append(slot)
         if self.use_shm:
@@ -375,8 +377,8 @@ class SimulatorWorker(WorkerBase):
         slot.req_id += 1
         k = len(slot.envs)
         tensors: dict[str, Any] = slot.obs.to_tensors()  # written in place by the envs: nothing to copy
-        if self.use_shm:  # the block's descriptor (it is rewritten only after this request's ACT)
-            tensors = {name: locate(arr) for name, arr in tensors.items()}
+        if self.use_shm:  # the block's descriptors (it is rewritten only after this request's ACT)
+            tensors = dict(slot.refs[slot.front])
         fields = {
             "slot": slot.index, "req_id": slot.req_id, "n": k, "instruction": list(slot.obs.instruction),
             "episode_step": [tr.episode_step for tr in slot.trajs],
