@@ -154,7 +154,8 @@ class ManiSkillEnv(SimEnv):
 
         limit = o.max_episode_steps or REGISTERED_ENVS[o.task].max_episode_steps or 100
         first = self._envs[0].reset(seed=[int(s) for s in self._seeds[:per_sim]])[0]
-        self._last: list[tuple[Any, int]] = [(first, 0)] * num_envs  # env -> (the obs batch holding it, its row)
+        # env -> (the obs batch holding its last observation, its row there); reset() sets it
+        self._last: list[tuple[Any, int]] = [(first, i if self.gpu else 0) for i in range(num_envs)]
         state_dim = self._state(first).shape[-1]
         act = self._envs[0].unwrapped.single_action_space
         self._act_low, self._act_high = act.low.astype(np.float32), act.high.astype(np.float32)

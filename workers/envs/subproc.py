@@ -206,6 +206,7 @@ class SubprocEnv(EnvAdapter):
         n = self.blank().to_tensors()
         self._pool = ShmPool("env", sum(a.nbytes + 64 for a in n.values()) + 64)
         self._own = observation_block(self._pool, self.spec.cameras, self.spec.state_dim, num_envs)
+        self._located: dict[int, tuple[Observation, dict[str, ShmRef]]] = {}  # id(block) -> (block, its descriptors)
 
     # -- lifecycle ---------------------------------------------------------------------------
 
@@ -233,7 +234,7 @@ class SubprocEnv(EnvAdapter):
             try:
                 self._start(self.seed + _RESEED_STRIDE * self.restarts)
                 ids = list(range(self.num_envs))
-                self._child.request("reset", (ids, None, self._refs(self._own)))  # type: ignore[union-attr]
+                self._child.request("reset", (ids, None, self._target(None)[1]))  # type: ignore[union-attr]
                 _, instr = self._child.result(self.reset_timeout_s)  # type: ignore[union-attr]
                 _set_instructions(self._own, ids, instr)
                 return self._own
@@ -265,10 +266,10 @@ class SubprocEnv(EnvAdapter):
         for i in ids:
             self._lost.pop(i, None)  # a fresh episode supersedes a lost one
         assert self._child is not None, "env is closed"
-        target = self._target(into)
+        target, refs = self._target(into)
         for attempt in range(self.max_consecutive_restarts + 1):
             try:
-                self._child.request("reset", (ids, seeds, self._refs(target)))
+                self._child.request("reset", (ids, seeds, refs))
                 _, instr = self._child.result(self.reset_timeout_s)
                 _set_instructions(target, ids, instr)
                 return self._answer(target, ids, into)
@@ -288,11 +289,11 @@ class SubprocEnv(EnvAdapter):
         ids = [int(i) for i in ids]
         actions = np.asarray(actions, dtype=np.float32)
         live = [k for k, i in enumerate(ids) if i not in self._lost]
-        target = self._target(into)
+        target, refs = self._target(into)
         self._pending = ((ids, live, target, into), time.monotonic())
         if live:
             try:
-                self._child.request("step", ([ids[k] for k in live], actions[live], self._refs(target)))
+                self._child.request("step", ([ids[k] for k in live], actions[live], refs))
             except OSError:
                 pass  # a dead child is found and restarted in step_wait
 
@@ -327,17 +328,22 @@ class SubprocEnv(EnvAdapter):
 
     # -- helpers -----------------------------------------------------------------------------
 
-    def _target(self, into: Observation | None) -> Observation:
-        """Where the child writes: the caller's rows when they are in shared memory."""
-        if into is not None and all(locate(a) is not None for a in into.to_tensors().values()):
-            return into
-        return self._own
-
-    @staticmethod
-    def _refs(target: Observation) -> dict[str, ShmRef]:
-        refs = {name: locate(a) for name, a in target.to_tensors().items()}
-        assert all(r is not None for r in refs.values()), "observation block is not in shared memory"
-        return refs  # type: ignore[return-value]
+    def _target(self, into: Observation | None) -> tuple[Observation, dict[str, ShmRef]]:
+        """Where the child writes, and its descriptors: the caller's rows when they are in
+        shared memory, else this env's own block. A caller's block is located once."""
+        for block in (into, self._own):
+            if block is None:
+                continue
+            hit = self._located.get(id(block))
+            if hit is None:
+                refs = {name: locate(a) for name, a in block.to_tensors().items()}
+                if not all(refs.values()):
+                    continue  # private memory: the child cannot write it
+                if len(self._located) >= 8:
+                    self._located.clear()
+                hit = self._located[id(block)] = (block, refs)  # type: ignore[assignment]
+            return hit
+        raise AssertionError("this env's own block is in shared memory")
 
     def _answer(self, target: Observation, ids: list[int], into: Observation | None) -> Observation:
         """``into``, or a new batch of ``ids``, holding what the child wrote into ``target``."""
