@@ -1,27 +1,37 @@
-"""Moving a batch of camera images between two processes: shared memory vs inline frames.
+"""Camera images from the renderer's output in a simulator to a tensor ready in a generator:
+shared memory vs inline frames.
 
-    python bench/transfer.py [--images 32] [--size 224] [--reps 30] [--out bench/out] [--quick | --smoke]
+    python bench/transfer.py [--images 32] [--size 224] [--requests 1] [--reps 30] [--device cpu|auto]
+                             [--out bench/out] [--quick | --smoke]
 
-Both ways run side by side in one run, repetitions interleaved (shm, inline, shm, ...), between
-this process (the writer) and a receiver process, over tcp://127.0.0.1:
+This process plays the simulator, a child process the generator, over tcp://127.0.0.1. The
+batch is ``--requests`` slots' observations (``--images`` uint8 images in all, plus their
+states), sent as the BATCH the broker forwards (the broker's own hop, the same either way, is
+``bench/latency.py``'s). One request (the default) is one slot's 32 images, as this benchmark
+always measured; with several, the generator's gather copies the batch once, both ways. Each repetition's time runs from the renderer's output to the
+generator's tensor; the renderer itself is not timed. Three ways, interleaved rep by rep:
 
-- ``shm``: the writer copies the batch into a block of its :class:`rlvla3.shm.ShmPool` (the
-  simulator's observation write) and sends an OBS whose tensor is a ShmRef descriptor; the
-  receiver decodes, maps the segment (once, :class:`ShmAttachments`) and copies the block into
-  its own buffer.
-- ``inline``: the writer encodes the batch with :func:`rlvla3.protocol.encode` (a zero-copy
-  frame) and sends it; the receiver decodes and copies the frame into its own buffer.
+- ``shm``: the production path. The renderer wrote each slot's images straight into the slot's
+  shared-memory block (MuJoCo's pixels are read into it: ``workers/envs/metaworld.py``); the
+  BATCH names the blocks; the generator maps them and gathers the batch with the real
+  :func:`workers.generator.gather` (one copy for several requests, none for one), then
+  ``Observation.to_torch``.
+- ``shm_copy``: as ``shm`` for a simulator that hands over a fresh array in GL row order
+  (robosuite, ManiSkill's tensors): one flipped copy into the block, timed.
+- ``inline``: the renderer wrote the same blocks, but the generator is on another host: the
+  BATCH carries the bytes as zero-copy frames; the generator wraps the received frames, gathers
+  and makes the tensor the same way.
 
-- ``shm_view`` (extra, for context): as ``shm``, but the receiver uses the mapped view in place
-  (no copy into its own buffer), as a reader that feeds the block straight to its model would.
-
-Each message is acknowledged before the next one reuses the writer's buffer. A repetition's time
-runs from the start of the write (shm) or encode (inline) to the ack. The receiver reports its
-own decode and copy times in the ack so the number can be explained.
+With ``--device auto`` and a CUDA device, the generator's gather goes into pinned memory and the
+tensor is on the GPU (synchronised before the clock stops).
 
 Last line of stdout: one JSON object (``shm_mb_s``, ``inline_mb_s``, ``ratio`` = shm/inline from
-total time over the reps, ``ratio_median`` from median reps, ``shm_view_mb_s``, ``batch_bytes``,
-``reps``, ...). Writes ``transfer.png`` and ``transfer.json`` under ``--out``. MB = 10^6 bytes.
+total time over the reps, ``ratio_median`` from median reps, ``shm_copy_mb_s``, ``ratio_copy``,
+``<way>_cpu_median_ms`` (CPU time of both processes, zmq's I/O threads and the kernel's socket
+copies included: what the way costs, robust to a loaded machine) and ``ratio_cpu`` from them,
+``parts_median_us`` per way and stage: ``write`` (into the block), ``encode``, ``wire`` (send,
+transport, ack), ``decode``, ``gather``, ``torch``; ``batch_bytes``, ``reps``, ...). Writes
+``transfer.png`` and ``transfer.json`` under ``--out``. MB = 10^6 bytes.
 """
 
 from __future__ import annotations
@@ -41,30 +51,35 @@ import zmq
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from _common import emit, note, parse_bench_args, start_child, stop_child  # noqa: E402
 
-from rlvla3 import names
+from rlvla3 import names  # noqa: E402
 from rlvla3 import protocol as P  # noqa: E402
 from rlvla3.lifetime import follow_launcher  # noqa: E402
-from rlvla3.observation import IMAGES  # noqa: E402
-from rlvla3.shm import ShmAttachments, ShmPool, host_id  # noqa: E402
+from rlvla3.observation import Observation  # noqa: E402
+from rlvla3.shm import ShmAttachments, ShmPool, locate, observation_block  # noqa: E402
 
-TENSOR = names.tensor_name(IMAGES, "front")
-"""The batch travels as one camera's images of an OBS, named as the simulator names it."""
+MODES = ("shm", "shm_copy", "inline")
+STATE_DIM = 8
+STAGES = ("write_us", "encode_us", "wire_us", "decode_us", "gather_us", "torch_us")
 
 
 # =============================================================================================
-# Receiver (separate process)
+# Generator side (separate process)
 # =============================================================================================
 
 
-def receiver(images: int, size: int) -> None:
+def receiver(device_opt: str) -> None:
     follow_launcher()  # SIGTERM (default action: exit) when the benchmark dies
+    import torch
+
+    from workers.generator import gather
+
+    device = "cuda" if device_opt == "auto" and torch.cuda.is_available() else "cpu"
     ctx = zmq.Context()
     sock = ctx.socket(zmq.ROUTER)
     sock.setsockopt(zmq.LINGER, 0)
     sock.setsockopt(zmq.MAXMSGSIZE, P.MAX_MESSAGE_BYTES)
     sock.bind("tcp://127.0.0.1:0")
     print(sock.getsockopt(zmq.LAST_ENDPOINT).decode(), flush=True)
-    own = np.ones((images, size, size, 3), np.uint8)  # touched: no page faults in the timed copy
     att = ShmAttachments()
     try:
         while True:
@@ -77,12 +92,16 @@ def receiver(images: int, size: int) -> None:
             t0 = time.perf_counter_ns()
             msg = P.decode(body)
             t1 = time.perf_counter_ns()
-            arr = att.materialize(msg.tensors[TENSOR])
-            if msg.get("copy", True):
-                np.copyto(own, arr)
+            obs, _, _ = gather(msg, att, pinned=device == "cuda")
             t2 = time.perf_counter_ns()
-            sock.send_multipart([ident, msgpack.packb({"decode_us": (t1 - t0) // 1000, "copy_us": (t2 - t1) // 1000,
-                                                       "sum": int(own[:, 0, 0, 0].sum())})])
+            ready = obs.to_torch(device)
+            if device == "cuda":
+                torch.cuda.synchronize()
+            t3 = time.perf_counter_ns()
+            check = int(sum(int(t.reshape(-1)[-1]) for t in ready.images.values()))
+            sock.send_multipart([ident, msgpack.packb({
+                "decode_us": (t1 - t0) // 1000, "gather_us": (t2 - t1) // 1000, "torch_us": (t3 - t2) // 1000,
+                "device": device, "check": check, "cpu_ns": time.process_time_ns()})])
     finally:
         att.close()
         sock.close()
@@ -90,12 +109,8 @@ def receiver(images: int, size: int) -> None:
 
 
 # =============================================================================================
-# Writer
+# Simulator side
 # =============================================================================================
-
-
-def fields(n: int, rep: int, copy: bool = True) -> dict[str, Any]:
-    return {"slot": 0, "req_id": rep, "n": n, "instruction": [""] * n, "episode_step": [0] * n, "copy": copy}
 
 
 def wait_ack(sock: zmq.Socket, timeout_s: float = 30.0) -> dict[str, Any]:
@@ -104,23 +119,37 @@ def wait_ack(sock: zmq.Socket, timeout_s: float = 30.0) -> dict[str, Any]:
     return msgpack.unpackb(sock.recv())
 
 
+def batch_fields(blocks: list[Observation], rep: int) -> dict[str, Any]:
+    reqs = [{"req_id": rep, "slot": i, "n": len(b), "instruction": b.instruction, "episode_step": [0] * len(b)}
+            for i, b in enumerate(blocks)]
+    return {"batch_id": rep, "requests": reqs}
+
+
 def bar_chart(res: dict[str, Any], path: Path) -> Path:
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    modes = ["shm", "inline", "shm_view"]
-    fig, ax = plt.subplots(figsize=(5.5, 4))
-    vals = [res[f"{m}_mb_s"] for m in modes]
-    bars = ax.bar(modes, vals, color=["tab:green", "tab:blue", "tab:olive"])
-    for m, b in zip(modes, bars):
+    fig, (ax, ax2) = plt.subplots(1, 2, figsize=(10, 4))
+    vals = [res[f"{m}_mb_s"] for m in MODES]
+    bars = ax.bar(MODES, vals, color=["tab:green", "tab:olive", "tab:blue"])
+    for m, b in zip(MODES, bars):
         per = res["per_rep_mb_s"][m]
         ax.scatter([b.get_x() + b.get_width() / 2] * len(per), per, color="k", s=6, zorder=3)
         ax.annotate(f"{b.get_height():.0f}", (b.get_x() + b.get_width() / 2, b.get_height()), ha="center", va="bottom")
-    ax.set_ylabel("MB/s (batch bytes / write-to-ack time)")
-    ax.set_title(f"{res['images']}x{res['size']}x{res['size']}x3 uint8 = {res['batch_bytes'] / 1e6:.1f} MB, "
-                 f"{res['reps']} reps; shm/inline = {res['ratio']}x", fontsize=9)
+    ax.set_ylabel("MB/s (batch bytes / renderer output to tensor)")
+    ax.set_title(f"{res['images']}x{res['size']}x{res['size']}x3 uint8 in {res['requests']} request(s) = "
+                 f"{res['batch_bytes'] / 1e6:.1f} MB, {res['reps']} reps\nshm/inline = {res['ratio']}x, "
+                 f"shm_copy/inline = {res['ratio_copy']}x", fontsize=9)
+    bottom = np.zeros(len(MODES))
+    for stage in STAGES:
+        h = np.array([res["parts_median_us"][m][stage] for m in MODES], float)
+        ax2.bar(MODES, h, bottom=bottom, label=stage.removesuffix("_us"))
+        bottom += h
+    ax2.set_ylabel("median us per batch")
+    ax2.set_title("where the time goes (median rep)", fontsize=9)
+    ax2.legend(fontsize=8)
     fig.tight_layout()
     path.parent.mkdir(parents=True, exist_ok=True)
     fig.savefig(path, dpi=110)
@@ -130,86 +159,115 @@ def bar_chart(res: dict[str, Any], path: Path) -> Path:
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--images", type=int, default=32)
+    ap.add_argument("--images", type=int, default=32, help="images in the batch, over all requests")
     ap.add_argument("--size", type=int, default=224)
+    ap.add_argument("--requests", type=int, default=1,
+                    help="requests (slots) gathered into the batch; above 1 the gather's one copy is paid both ways")
     ap.add_argument("--reps", type=int, default=30, help="timed repetitions per way")
-    args = parse_bench_args(ap, "short run (well under 60 s)", lambda a: receiver(a.images, a.size))
+    ap.add_argument("--device", choices=("cpu", "auto"), default="cpu", help="auto: the tensor on CUDA if present")
+    args = parse_bench_args(ap, "short run (well under 60 s)", lambda a: receiver(a.device))
     if args is None:
         return
     if args.quick:
         args.reps = min(args.reps, 15)
     if args.smoke:
-        args.reps, args.images = 2, min(args.images, 4)
+        args.reps, args.images, args.requests = 2, min(args.images, 4), min(args.requests, 2)
+    if args.images % args.requests:
+        raise SystemExit(f"--images {args.images} is not a multiple of --requests {args.requests}")
     out = Path(args.out)
     t_start = time.monotonic()
 
-    shape = (args.images, args.size, args.size, 3)
-    batch = np.random.default_rng(0).integers(0, 256, shape, dtype=np.uint8)
-    nbytes = batch.nbytes
-    proc, ep = start_child([__file__, "--child", "--images", str(args.images), "--size", str(args.size)])
+    k, s = args.images // args.requests, args.size
+    cams = {"front": (s, s)}
+    pool = ShmPool(f"bench{os.getpid()}", args.requests * (k * (s * s * 3 + STATE_DIM * 4) + 256) + 4096)
+    blocks = [observation_block(pool, cams, STATE_DIM, k) for _ in range(args.requests)]
+    rng = np.random.default_rng(0)
+    # Two renderer outputs per slot, alternated by rep (so no rep reads what the last one left).
+    rendered = [rng.integers(0, 256, (args.requests, k, s, s, 3), dtype=np.uint8) for _ in range(2)]
+    for b in blocks:
+        b.state[:] = rng.standard_normal(b.state.shape)
+        b.instruction[:] = ["pick up the cube"] * k
+    refs = [{name: locate(arr) for name, arr in b.to_tensors().items()} for b in blocks]  # as a slot keeps them
+    nbytes = args.images * s * s * 3
+    proc, ep = start_child([__file__, "--child", "--device", args.device])
     ctx = zmq.Context()
     sock = ctx.socket(zmq.DEALER)
     sock.setsockopt(zmq.LINGER, 0)
     sock.connect(ep)
-    pool = ShmPool(f"bench{os.getpid()}", nbytes + 4096, host=host_id())
-    off = pool.alloc(nbytes)
-    times: dict[str, list[int]] = {"shm": [], "inline": [], "shm_view": []}
-    parts: dict[str, dict[str, list[int]]] = {m: {"write_us": [], "decode_us": [], "copy_us": []} for m in times}
+    times: dict[str, list[int]] = {m: [] for m in MODES}
+    parts: dict[str, dict[str, list[int]]] = {m: {st: [] for st in STAGES} for m in MODES}
+    cpu: dict[str, list[int]] = {m: [] for m in MODES}
+    device = "cpu"
+    last_cpu = [0]  # the generator's CPU clock at its last ack
     try:
         def once(mode: str, rep: int, keep: bool) -> None:
+            nonlocal device
+            frame = rendered[rep % 2]
+            if mode != "shm_copy":  # the renderer writes into the block (not timed)
+                for b, img in zip(blocks, frame):
+                    np.copyto(b.images["front"], img)
+            c0 = time.process_time_ns()
             t0 = time.perf_counter_ns()
-            if mode in ("shm", "shm_view"):
-                pool.view(off, "uint8", shape)[...] = batch
-                frames = P.encode(P.OBS, fields(args.images, rep, mode == "shm"), {TENSOR: pool.ref(off, "uint8", shape)})
-            else:
-                frames = P.encode(P.OBS, fields(args.images, rep), {TENSOR: batch})
+            if mode == "shm_copy":  # the simulator hands over a fresh, bottom-up array: one copy
+                for b, img in zip(blocks, frame):
+                    np.copyto(b.images["front"], img[:, ::-1])
             t1 = time.perf_counter_ns()
+            tensors: dict[str, Any] = {}
+            for i, b in enumerate(blocks):
+                wire = b.to_tensors() if mode == "inline" else refs[i]
+                tensors.update(names.with_prefix(names.request_prefix(i), wire))
+            frames = P.encode(P.BATCH, batch_fields(blocks, rep), tensors)
+            t2 = time.perf_counter_ns()
             sock.send_multipart(frames, copy=False)
             ack = wait_ack(sock)
-            t2 = time.perf_counter_ns()
+            t3 = time.perf_counter_ns()
+            c3 = time.process_time_ns()
+            device = ack["device"]
+            gen_cpu, last_cpu[0] = ack["cpu_ns"] - last_cpu[0], ack["cpu_ns"]
             if keep:
-                times[mode].append(t2 - t0)
-                parts[mode]["write_us"].append((t1 - t0) // 1000)
-                parts[mode]["decode_us"].append(ack["decode_us"])
-                parts[mode]["copy_us"].append(ack["copy_us"])
+                times[mode].append(t3 - t0)
+                cpu[mode].append(c3 - c0 + gen_cpu)
+                p = parts[mode]
+                p["write_us"].append((t1 - t0) // 1000)
+                p["encode_us"].append((t2 - t1) // 1000)
+                for st in ("decode_us", "gather_us", "torch_us"):
+                    p[st].append(ack[st])
+                p["wire_us"].append(max(0, (t3 - t2) // 1000 - ack["decode_us"] - ack["gather_us"] - ack["torch_us"]))
 
         for rep in range(2):  # warm-up: page faults, segment attach, socket buffers
-            once("shm", rep, False)
-            once("inline", rep, False)
-            once("shm_view", rep, False)
+            for mode in MODES:
+                once(mode, rep, False)
         for rep in range(args.reps):
-            order = ("shm", "inline", "shm_view") if rep % 2 == 0 else ("shm_view", "inline", "shm")
-            for mode in order:
+            for mode in (MODES if rep % 2 == 0 else MODES[::-1]):
                 once(mode, rep, True)
         sock.send(b"stop")
     finally:
         sock.close(0)
         ctx.term()
         stop_child(proc)
+        for b in blocks:
+            del b
+        blocks.clear()
         pool.close()
 
     def mb_s(ns: list[int]) -> float:
         return round(nbytes * len(ns) / (sum(ns) / 1e9) / 1e6, 1)
 
     med = {m: float(np.median(v)) for m, v in times.items()}
-    res: dict[str, Any] = {
-        "shm_mb_s": mb_s(times["shm"]),
-        "inline_mb_s": mb_s(times["inline"]),
-        "shm_view_mb_s": mb_s(times["shm_view"]),
-    }
+    res: dict[str, Any] = {f"{m}_mb_s": mb_s(times[m]) for m in MODES}
     res["ratio"] = round(res["shm_mb_s"] / res["inline_mb_s"], 2)
     res.update({
         "target_ratio": 5.0,
-        "shm_median_mb_s": round(nbytes / (med["shm"] / 1e9) / 1e6, 1),
-        "inline_median_mb_s": round(nbytes / (med["inline"] / 1e9) / 1e6, 1),
         "ratio_median": round(med["inline"] / med["shm"], 2),
-        "ratio_view": round(res["shm_view_mb_s"] / res["inline_mb_s"], 2),
-        "shm_view_median_mb_s": round(nbytes / (med["shm_view"] / 1e9) / 1e6, 1),
-        "shm_median_ms": round(med["shm"] / 1e6, 3),
-        "shm_view_median_ms": round(med["shm_view"] / 1e6, 3),
-        "inline_median_ms": round(med["inline"] / 1e6, 3),
+        "ratio_copy": round(res["shm_copy_mb_s"] / res["inline_mb_s"], 2),
+        "ratio_copy_median": round(med["inline"] / med["shm_copy"], 2),
+        **{f"{m}_median_mb_s": round(nbytes / (med[m] / 1e9) / 1e6, 1) for m in MODES},
+        **{f"{m}_median_ms": round(med[m] / 1e6, 3) for m in MODES},
         "parts_median_us": {m: {k: int(np.median(v)) for k, v in p.items()} for m, p in parts.items()},
-        "batch_bytes": nbytes, "images": args.images, "size": args.size, "reps": args.reps,
+        **{f"{m}_cpu_median_ms": round(float(np.median(cpu[m])) / 1e6, 3) for m in MODES},
+        "ratio_cpu": round(float(np.median(cpu["inline"]) / np.median(cpu["shm"])), 2),
+        "batch_bytes": nbytes, "images": args.images, "size": args.size, "requests": args.requests,
+        "reps": args.reps, "device": device,
         "per_rep_mb_s": {m: [round(nbytes / (t / 1e9) / 1e6, 1) for t in v] for m, v in times.items()},
         "wall_s": round(time.monotonic() - t_start, 1),
     })
@@ -217,7 +275,8 @@ def main() -> None:
     out.mkdir(parents=True, exist_ok=True)
     (out / "transfer.json").write_text(json.dumps(res, indent=1))
     res.pop("per_rep_mb_s")
-    note(f"shm {res['shm_mb_s']} MB/s, inline {res['inline_mb_s']} MB/s, ratio {res['ratio']}")
+    note(f"shm {res['shm_mb_s']} MB/s, shm_copy {res['shm_copy_mb_s']} MB/s, inline {res['inline_mb_s']} MB/s, "
+         f"ratio {res['ratio']} (copy {res['ratio_copy']})")
     emit(res)
 
 

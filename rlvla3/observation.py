@@ -9,7 +9,9 @@ simulator output - and nothing here copies them unless it says so:
 
 * :meth:`Observation.from_tensors` wraps arrays (views stay views);
 * :meth:`Observation.concat` of one part is that part; of several it is one new array per
-  field (exactly the one copy that batching requests costs);
+  field (exactly the one copy that batching requests costs). For a CUDA policy the new arrays
+  are pinned host memory (``pinned=True``, one part copied too), so :meth:`to_torch` moves the
+  batch with one asynchronous DMA copy;
 * :meth:`Observation.select` with a slice is a view, with indices a copy (numpy's rule).
 
 On the wire an observation is the tensors ``images/<camera>`` and ``state`` (under a prefix
@@ -66,20 +68,26 @@ class Observation:
                    np.zeros((n, state_dim), np.float32), [""] * n)
 
     @staticmethod
-    def concat(parts: Sequence["Observation"]) -> "Observation":
+    def concat(parts: Sequence["Observation"], pinned: bool = False) -> "Observation":
         """Stack observations along the env axis: one part is returned as it is (no copy);
-        several cost one new array per field, filled straight from the parts."""
+        several cost one new array per field, filled straight from the parts. ``pinned``: the
+        new arrays are page-locked host memory for a CUDA copy, and one part is copied too."""
         if not parts:
             raise ValueError("observation: nothing to concatenate")
-        if len(parts) == 1:
+        if len(parts) == 1 and not pinned:
             return parts[0]
         cams = list(parts[0].images)
         for p in parts[1:]:
             if list(p.images) != cams:
                 raise ValueError(f"observation: cameras {list(p.images)} do not match {cams}")
+
+        def stacked(arrays: list[np.ndarray]) -> np.ndarray:
+            shape = (sum(len(a) for a in arrays), *arrays[0].shape[1:])
+            return np.concatenate(arrays, out=_host_array(shape, arrays[0].dtype, pinned))
+
         return Observation(
-            {c: np.concatenate([p.images[c] for p in parts]) for c in cams},
-            np.concatenate([p.state for p in parts]),
+            {c: stacked([p.images[c] for p in parts]) for c in cams},
+            stacked([np.asarray(p.state, np.float32) for p in parts]),
             [s for p in parts for s in p.instruction],
         )
 
@@ -135,12 +143,24 @@ class Observation:
 
     def to_torch(self, device: Any, cameras: Sequence[str] | None = None) -> "Observation":
         """The same observation as torch tensors on ``device`` (``cameras`` only, when named):
-        on the CPU these share memory with the numpy arrays; the state becomes float32."""
+        on the CPU these share memory with the numpy arrays; on a GPU each field is one
+        host-to-device copy, asynchronous from pinned memory (:meth:`concat`); the state
+        becomes float32."""
         import torch  # local: the wire side of this module must not need torch
 
+        def moved(a: Any, dtype: Any = None) -> Any:
+            return torch.as_tensor(a).to(device=device, dtype=dtype, non_blocking=True)
+
         cams = list(self.images) if cameras is None else list(cameras)
-        return Observation(
-            {c: torch.as_tensor(self.images[c], device=device) for c in cams},
-            torch.as_tensor(self.state, dtype=torch.float32, device=device),
-            list(self.instruction),
-        )
+        return Observation({c: moved(self.images[c]) for c in cams}, moved(self.state, torch.float32),
+                           list(self.instruction))
+
+
+def _host_array(shape: tuple[int, ...], dtype: Any, pinned: bool) -> np.ndarray:
+    """A new host array; ``pinned``: page-locked by torch's CUDA host allocator (the numpy
+    array keeps the tensor, and so the memory, alive)."""
+    if not pinned:
+        return np.empty(shape, dtype)
+    import torch
+
+    return torch.empty(shape, dtype=torch.from_numpy(np.empty(0, dtype)).dtype, pin_memory=True).numpy()

@@ -30,6 +30,7 @@ import numpy as np
 import structlog
 
 from rlvla3.lifetime import add_exit_cleanup
+from rlvla3.observation import Observation
 from rlvla3.protocol import SHM_PREFIX, InlineTensor, ShmRef, _itemsize, _np_dtype, as_numpy, dtype_name, inline_array
 
 log = structlog.get_logger()
@@ -249,6 +250,34 @@ class ShmPool(OwnedSegment):
 
 
 _OWNED: "weakref.WeakSet[ShmPool]" = weakref.WeakSet()
+
+
+def observation_block(pool: ShmPool, cameras: dict[str, tuple[int, int]], state_dim: int, n: int) -> Observation:
+    """A blank observation of ``n`` envs whose arrays are views of new blocks of ``pool``: where
+    envs write their observations in place (:func:`locate` gives the blocks' descriptors)."""
+    blank = Observation.zeros(cameras, state_dim, n).to_tensors()
+    views: dict[str, np.ndarray] = {}
+    for name, arr in blank.items():
+        off = pool.alloc(arr.nbytes)
+        if off is None:
+            raise RuntimeError(f"shared-memory pool {pool.name} is too small for an observation block of {n} env(s)")
+        views[name] = pool.view(off, dtype_name(arr), arr.shape)
+    return Observation.from_tensors(views, [""] * n)
+
+
+def locate(arr: np.ndarray) -> ShmRef | None:
+    """The descriptor of a C-contiguous array that lies in a pool this process owns (so another
+    process can write or read it in place), or None for private memory."""
+    if not isinstance(arr, np.ndarray) or not arr.flags.c_contiguous or not arr.nbytes:
+        return None
+    addr = arr.__array_interface__["data"][0]
+    for pool in list(_OWNED):
+        if pool.buf is None:
+            continue
+        base = pool.buf.__array_interface__["data"][0]
+        if base <= addr and addr + arr.nbytes <= base + pool.size:
+            return pool.ref(addr - base, dtype_name(arr), arr.shape)
+    return None
 
 
 def unlink_owned() -> None:

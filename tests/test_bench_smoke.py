@@ -63,6 +63,7 @@ def check_transfer(r: dict[str, Any], out: Path) -> None:
         assert key in r, key
     assert r["shm_mb_s"] > 0 and r["inline_mb_s"] > 0 and r["ratio"] > 0
     assert r["batch_bytes"] == r["images"] * r["size"] * r["size"] * 3
+    assert set(r["parts_median_us"]) == {"shm", "shm_copy", "inline"} and r["parts_median_us"]["shm"]["write_us"] >= 0
     assert (out / "transfer.png").stat().st_size > 0
     assert json.loads((out / "transfer.json").read_text())["reps"] == r["reps"]
 

@@ -7,16 +7,18 @@ protocol codec, over a real shared-memory segment written by its owner.
 from __future__ import annotations
 
 import os
+import time
 import tracemalloc
 from collections import Counter
 
 import numpy as np
 import pytest
+import zmq
 
 from rlvla3 import names
 from rlvla3 import protocol as P
 from rlvla3.observation import IMAGES, STATE, Observation
-from rlvla3.shm import ShmAttachments, ShmPool
+from rlvla3.shm import POISON, ShmAttachments, ShmPool, host_id
 from workers.generator import gather
 from workers.trajectory import EnvTrajectory, StepRecord, fragment_observation
 
@@ -187,3 +189,70 @@ def test_fragment_observations_round_trip():
     assert len(got) == 4 and got.instruction == ["task"] * 4
     np.testing.assert_array_equal(got.select(slice(0, -1)).state, np.concatenate([o.state for o in obs[:3]]))
     np.testing.assert_array_equal(got.select(slice(-1, None)).images["front"], obs[3].images["front"])
+
+
+def _held_batch(sock, timeout_s: float = 60.0) -> P.Message:
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        if sock.poll(200):
+            msg = P.decode(sock.recv_multipart())
+            if msg.type == P.BATCH:
+                return msg
+        sock.send_multipart(P.encode(P.HEARTBEAT, {"credits": 1}))  # stay alive while waiting
+    raise AssertionError(f"no BATCH within {timeout_s} s")
+
+
+def test_simulator_writes_in_place_but_never_the_block_a_reader_holds(job_factory, zctx):
+    """A real simulator's envs write their observations straight into the block that a generator
+    on the same host reads (no copy on the way), and the block an OBS named is not rewritten
+    while the chunk its ACT started runs: the next OBS names the slot's other block, and the
+    held one still reads as it did. Every row the reader sees was written (never the pool's
+    poison)."""
+    job = job_factory("workers.generators=0", "workers.trainers=0", "env.slots=1", "env.num_envs=2",
+                      "env.eval_slots=0", start=False)
+    job.start_worker("simulator", "simulator0")
+    gen = zctx.socket(zmq.DEALER)
+    gen.setsockopt(zmq.LINGER, 0)
+    gen.connect(job.endpoint)
+    att = ShmAttachments()
+    try:
+        gen.send_multipart(P.encode(P.READY, {"role": "generator", "host": host_id(), "pid": os.getpid(),
+                                              "name": "reader", "credits": 1}))
+        held: list[tuple[P.ShmRef, np.ndarray]] = []  # (state block, what it read when it arrived)
+        for _ in range(4):
+            batch = _held_batch(gen)
+            ref = batch.tensors[names.tensor_name(names.request_prefix(0), STATE)]
+            assert isinstance(ref, P.ShmRef), "same host: the OBS names the slot's block"
+            state = att.array(ref)
+            assert not (state == POISON).any(), f"the reader got unwritten rows: {state}"
+            if held:  # the chunk wrote the other block; the one the last OBS named is intact
+                assert ref.offset != held[-1][0].offset
+                np.testing.assert_array_equal(att.array(held[-1][0]), held[-1][1])
+            if len(held) >= 2:  # ... and two requests on, that block was written again in place
+                assert ref.offset == held[-2][0].offset and not np.array_equal(state, held[-2][1])
+            held.append((ref, state.copy()))
+            n = batch["requests"][0]["n"]
+            outputs = {"actions": np.ones((n, 1, 2), np.float32), "logprob": np.zeros((n, 1), np.float32),
+                       "value": np.zeros(n, np.float32)}
+            gen.send_multipart(P.encode(P.RESULT, {"batch_id": batch["batch_id"], "version": 0},
+                                        names.with_prefix(names.request_prefix(0), outputs)))
+    finally:
+        att.close()
+        gen.close()
+
+
+def test_a_cuda_batch_is_one_copy_into_pinned_memory_then_one_transfer(pool):
+    torch = pytest.importorskip("torch")
+    if not torch.cuda.is_available():
+        pytest.skip("no CUDA device")
+    obs = make_obs(3, seed=1)
+    refs = shm_request(pool, obs)
+    att = ShmAttachments()
+    try:
+        got, _, _ = gather(batch_message([(obs, refs)]), att, pinned=True)
+        for name, arr in got.to_tensors().items():
+            assert torch.from_numpy(arr).is_pinned() and not np.shares_memory(arr, att.array(refs[name]))
+        on_gpu = got.to_torch("cuda")
+        np.testing.assert_array_equal(on_gpu.images["front"].cpu().numpy(), obs.images["front"])
+    finally:
+        att.close()

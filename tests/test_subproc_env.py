@@ -16,7 +16,8 @@ import numpy as np
 import pytest
 
 from rlvla3.observation import Observation
-from workers.envs.base import EnvAdapter, EnvSpec, StepResult, register_env
+from rlvla3.shm import POISON, ShmPool, observation_block
+from workers.envs.base import EnvSpec, SimEnv, StepResult, register_env
 from workers.envs.subproc import EnvCrashed, GuardedEnv, SubprocEnv
 
 MOD = __name__
@@ -37,7 +38,7 @@ class FaultyOptions:
 
 
 @register_env("test_faulty", options=FaultyOptions)
-class FaultyEnv(EnvAdapter):
+class FaultyEnv(SimEnv):
     """A tiny state-only env: state = [step count, seed]; succeeds at step 3."""
 
     def __init__(self, num_envs: int, seed: int = 0, options: FaultyOptions | None = None) -> None:
@@ -52,22 +53,20 @@ class FaultyEnv(EnvAdapter):
         self.armed = seed == 0 or not self.opts.first_child_only
         self.rng = np.random.default_rng(seed)
 
-    def _obs(self, ids: Sequence[int]) -> Observation:
-        ids = list(ids)
-        return Observation(
-            {"cam": np.zeros((len(ids), 4, 4, 3), np.uint8)},
-            np.stack([self.t[ids], self.s[ids]], 1).astype(np.float32),
-            ["count"] * len(ids),
-        )
+    def observe(self, ids: list[int], into: Observation, rows: Sequence[int]) -> None:
+        rows = list(rows)
+        into.images["cam"][rows] = 0
+        into.state[rows] = np.stack([self.t[ids], self.s[ids]], 1)
+        for r in rows:
+            into.instruction[r] = "count"
 
-    def reset(self, ids: Sequence[int], seeds: Sequence[int | None] | None = None) -> Observation:
+    def _reset(self, ids: list[int], seeds: Sequence[int | None] | None) -> None:
         for k, i in enumerate(ids):
             seed = None if seeds is None else seeds[k]
             self.t[i] = 0
             self.s[i] = seed if seed is not None else int(self.rng.integers(1000, 2000))
-        return self._obs(ids)
 
-    def step(self, ids: Sequence[int], actions: np.ndarray) -> StepResult:
+    def _step(self, ids: list[int], actions: np.ndarray) -> StepResult:
         self.calls += 1
         if not self.armed:
             pass
@@ -81,7 +80,7 @@ class FaultyEnv(EnvAdapter):
         self.t[ids] += 1
         n = len(ids)
         t = self.t[ids]
-        return StepResult(self._obs(ids), np.ones(n, np.float32), t == 3, t >= 5, t == 3, {})
+        return StepResult(np.ones(n, np.float32), t == 3, t >= 5, t == 3, {})
 
 
 def _step_n(env: SubprocEnv, n: int) -> list[StepResult]:
@@ -98,6 +97,15 @@ def test_steps_and_reset_in_child() -> None:
         res = _step_n(env, 3)[-1]
         assert res.success.all() and res.terminated.all() and env.restarts == 0
         assert res.obs.state[:, 0].tolist() == [3, 3]
+        # Into a shared-memory block (a simulator slot's): the child writes the named rows in
+        # place and nothing else; the parent copies nothing.
+        pool = ShmPool(f"subproc{os.getpid()}", 1 << 16)
+        block = observation_block(pool, env.spec.cameras, env.spec.state_dim, 2)
+        assert env.reset([1], [9], into=block) is block
+        res = env.step([1], np.zeros((1, 1), np.float32), into=block)
+        assert res.obs is block and block.state[1].tolist() == [1, 9] and block.instruction == ["", "count"]
+        assert (block.state[0] == POISON).all(), "a row that was not named was written"
+        pool.close()
     finally:
         env.close()
     assert env.pid is None

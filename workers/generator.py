@@ -44,13 +44,15 @@ INLINE_FORWARD_S = 0.005
 """Forward passes shorter than this run on the socket thread instead of a JobRunner."""
 
 
-def gather(msg: P.Message, attach: ShmAttachments) -> tuple[Observation, list[int], np.ndarray]:
+def gather(msg: P.Message, attach: ShmAttachments, pinned: bool = False) -> tuple[Observation, list[int], np.ndarray]:
     """A BATCH's requests as one observation, with each request's size and deterministic flags.
 
-    Each request is first wrapped without a copy (views into shared memory or the received
-    frames). One request stays that view: safe, since a slot rewrites its observation block only
-    after its ACT, which is sent after this batch's forward pass. Several requests cost one
-    copy, one new array per field, as batching must.
+    Each request is first wrapped without a copy (views into shared memory, where the
+    simulator's envs wrote them, or the received frames). One request stays that view: safe,
+    since a slot rewrites its observation block only after its ACT, which is sent after this
+    batch's forward pass. Several requests cost one copy, one new array per field, as batching
+    must. ``pinned`` (a CUDA policy): that one copy goes into pinned host memory, also for one
+    request, and the policy's host-to-device copy is the only other.
     """
     parts, sizes, det = [], [], []
     per_request = names.by_request(msg.tensors)
@@ -64,7 +66,7 @@ def gather(msg: P.Message, attach: ShmAttachments) -> tuple[Observation, list[in
         sizes.append(n)
         flags = list(req.get("deterministic") or [])
         det.extend(bool(flags[j]) if j < len(flags) else False for j in range(n))
-    return Observation.concat(parts), sizes, np.asarray(det, dtype=bool)
+    return Observation.concat(parts, pinned=pinned), sizes, np.asarray(det, dtype=bool)
 
 
 def pub_address(pub: str, broker_url: str) -> str:
@@ -203,7 +205,7 @@ class GeneratorWorker(WorkerBase):
             # Gather now, even while a forward pass runs: the next batch is ready the moment
             # the current one finishes (its slots do not rewrite their observations before ACT).
             try:
-                obs, sizes, det = gather(msg, self.attach)
+                obs, sizes, det = gather(msg, self.attach, pinned=self.policy.device.type == "cuda")
             except (KeyError, ValueError, P.ProtocolError) as err:
                 log.error("batch_unreadable", batch_id=msg["batch_id"], error=str(err))
                 self.send(P.RESULT, {"batch_id": msg["batch_id"], "version": self.version, "error": str(err)})

@@ -5,15 +5,19 @@ own thread, or in a child process with ``env.parallel: process``) -> record the 
 -> send the next OBS at once. Finished episodes and long-episode fragments go out as TRAJ; their
 buffers are freed when the broker forwards the trainer's TRAJ_ACK.
 
-On the same host as the broker, observations and trajectories travel through shared memory
-(each slot owns a fixed observation block, rewritten only after its ACT arrived); elsewhere
-they travel as inline frames. The slot code does not know which.
+Each slot owns two observation blocks in shared memory, and its envs render and write their
+observations straight into them (``into``): the block the generator reads is the one the
+simulator wrote, with no copy in between. The blocks alternate: an OBS names the *front* block,
+and the chunk that ACT starts writes the *back* one, so the front block stays as the policy saw
+it (its trajectory record is taken from it) and a block is rewritten only after the ACT of the
+request that last named it. On the same host as the broker, the OBS carries the block's
+descriptor; elsewhere the block's bytes go inline. Trajectories travel the same two ways.
 """
 
 from __future__ import annotations
 
 import hashlib
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
@@ -22,7 +26,7 @@ import structlog
 from rlvla3 import names
 from rlvla3 import protocol as P
 from rlvla3.observation import Observation
-from rlvla3.shm import ShmPool, sweep_leftovers
+from rlvla3.shm import ShmPool, locate, observation_block, sweep_leftovers
 from workers.base import JobRunner, WorkerBase
 from workers.envs.base import EnvAdapter
 from workers.envs.subproc import GuardedEnv, SubprocEnv
@@ -53,8 +57,8 @@ class ChunkOutcome:
     terminated: np.ndarray  # [k]
     truncated: np.ndarray  # [k]
     success: np.ndarray  # [k]
-    final_obs: Observation  # obs after each env's last executed step
-    reset_obs: Observation | None  # obs of the new episodes of done envs (rows in done order)
+    next_obs: Observation  # the back block: each env's obs after the chunk (a new episode's for reset envs)
+    terminal_obs: Observation | None  # copy of the reset envs' last obs before their reset (rows in done order)
     done_ids: list[int]
     restarts: int = 0
 
@@ -66,16 +70,31 @@ class Slot:
     adapter: EnvAdapter
     runner: JobRunner
     trajs: list[EnvTrajectory]
-    obs: Observation | None = None
+    blocks: tuple[Observation, Observation]  # the slot's two observation blocks (views of shared memory)
+    refs: tuple[dict[str, P.ShmRef], ...]  # each block's descriptors, by tensor name
+    front: int = 1  # the block the last OBS named; the envs write the other one
     req_id: int = 0
     waiting: bool = False  # an OBS is out, waiting for ACT
     out: dict[str, np.ndarray] | None = None  # the policy outputs being executed
     version: int = -1
-    obs_block: dict[str, P.ShmRef] = field(default_factory=dict)  # tensor name -> the slot's block for it
     pending_obs: list[Any] | None = None  # last OBS frames, re-sent after a reconnect
     eval: bool = False  # an evaluation slot: deterministic actions, held-out starts, never trained on
     frozen: np.ndarray | None = None  # eval: envs whose episode of this round is over
     eval_version: int = -1  # eval: the policy version this round evaluates
+
+    @property
+    def obs(self) -> Observation:
+        """The observations the last OBS sent (the policy's view while its ACT is awaited)."""
+        return self.blocks[self.front]
+
+    @property
+    def back(self) -> Observation:
+        """The block the envs write next."""
+        return self.blocks[1 - self.front]
+
+    def flip(self) -> None:
+        """The back block, written, becomes what the next OBS sends."""
+        self.front = 1 - self.front
 
 
 class SimulatorWorker(WorkerBase):
@@ -123,24 +142,24 @@ class SimulatorWorker(WorkerBase):
             self.recorder = EpisodeRecorder(cfg.run.record_dir, self.name, cfg.run.record_slots)
         run_id = self.welcome.get("run_id", "run")
         seed0 = cfg.run.seed * 1_000_003 + self.index * 10_007
-        for s in range(n_slots):
+        sweep_leftovers()
+        adapters = [self._make_adapter(k, seed0 + s) for s in range(n_slots)]
+        spec = adapters[0].spec
+        per_env = sum(h * w * 3 for h, w in spec.cameras.values()) + spec.state_dim * 4 + 64 * (len(spec.cameras) + 1)
+        # The envs write here in every layout (a child process too); only the wire differs.
+        self.obs_pool = ShmPool(run_id, 2 * per_env * num_envs + 64 * 2 * n_slots * (len(spec.cameras) + 1) + 4096)
+        for s, adapter in enumerate(adapters):
             envs = list(range(s * k, (s + 1) * k))
-            adapter = self._make_adapter(k, seed0 + s)
+            blocks = (observation_block(self.obs_pool, spec.cameras, spec.state_dim, k),
+                      observation_block(self.obs_pool, spec.cameras, spec.state_dim, k))
             slot = Slot(index=s, envs=envs, adapter=adapter, runner=self.new_runner(f"slot{s}"),
-                        trajs=[EnvTrajectory(env=self.index * 100_000 + e) for e in envs],
+                        trajs=[EnvTrajectory(env=self.index * 100_000 + e) for e in envs], blocks=blocks,
+                        refs=tuple({name: locate(a) for name, a in b.to_tensors().items()} for b in blocks),
                         eval=s >= n_slots - cfg.env.eval_slots)
             self.slots.append(slot)
         if self.use_shm:
-            sweep_leftovers()
-            spec = self.slots[0].adapter.spec
-            per_env = sum(h * w * 3 for h, w in spec.cameras.values()) + spec.state_dim * 4 + 64 * (len(spec.cameras) + 1)
-            self.obs_pool = ShmPool(run_id, per_env * num_envs + 4096)
             steps = cfg.env.fragment_len + 1
             self.traj_pool = ShmPool(run_id, max(per_env * steps * num_envs * 4, 1 << 20))
-            blank = Observation.zeros(spec.cameras, spec.state_dim, k).to_tensors()
-            for slot in self.slots:
-                slot.obs_block = {name: self.obs_pool.ref(self.obs_pool.alloc(arr.nbytes), P.dtype_name(arr), arr.shape)
-                                  for name, arr in blank.items()}
         log.info("simulator_ready", env=cfg.env.name, num_envs=num_envs, slots=n_slots, shm=self.use_shm, parallel=cfg.env.parallel)
 
     def start(self) -> None:
@@ -197,14 +216,14 @@ class SimulatorWorker(WorkerBase):
         used = [sd if sd is not None else 0 for sd in seeds]
         for tr, sd in zip(slot.trajs, used):
             tr.records = []
-        slot.runner.submit(lambda: (slot.adapter.reset(ids, used), used), ("eval_reset", slot.index))
+        slot.runner.submit(lambda: (slot.adapter.reset(ids, used, into=slot.back), used), ("eval_reset", slot.index))
 
     # -- slot work (runs on the slot's thread) ------------------------------------------------
 
     def _reset_all(self, slot: Slot) -> Observation:
         ids = list(range(len(slot.envs)))
         seeds = [self._seed_for(slot.trajs[i].env, slot.trajs[i].episode + 1) for i in ids]
-        return slot.adapter.reset(ids, seeds)
+        return slot.adapter.reset(ids, seeds, into=slot.back)
 
     def _run_chunk(self, slot: Slot, actions: np.ndarray) -> ChunkOutcome:
         k, T = actions.shape[0], actions.shape[1]
@@ -214,16 +233,18 @@ class SimulatorWorker(WorkerBase):
         trunc = np.zeros(k, bool)
         success = np.zeros(k, bool)
         active = np.ones(k, bool) if slot.frozen is None else ~slot.frozen
-        cur = slot.obs.copy()
+        back = slot.back  # the envs write here; the front block stays as the policy saw it
+        if not active.all():  # envs that do not step (a finished evaluation episode) keep their obs
+            back.assign(np.flatnonzero(~active), slot.obs.select(~active))
         restarts = 0
         for t in range(T):
             ids = np.flatnonzero(active)
             if not len(ids):
                 break
-            res = slot.adapter.step(ids.tolist(), actions[ids, t])  # Guarded/SubprocEnv: crashes come back as restarts
+            # Guarded/SubprocEnv: crashes come back as restarts
+            res = slot.adapter.step(ids.tolist(), actions[ids, t], into=back)
             step_reward[ids, t] = res.reward
             steps[ids] += 1
-            cur.assign(ids, res.obs)
             term[ids] |= res.terminated
             trunc[ids] |= res.truncated & ~res.terminated
             success[ids] |= res.success
@@ -233,13 +254,14 @@ class SimulatorWorker(WorkerBase):
                 trunc[np.asarray(restarted, dtype=np.int64)] = True
             active[ids] = ~(term[ids] | trunc[ids])
         done_ids = np.flatnonzero(term | trunc).tolist()
-        reset_obs = None
         if done_ids and slot.eval:  # evaluation envs wait for the rest of their round
-            return ChunkOutcome(step_reward, steps, term, trunc, success, cur, None, done_ids, restarts)
-        if done_ids:
+            return ChunkOutcome(step_reward, steps, term, trunc, success, back, None, done_ids, restarts)
+        terminal = None
+        if done_ids:  # their last obs goes into their trajectories; the reset overwrites it in place
+            terminal = back.select(done_ids)
             seeds = [self._seed_for(slot.trajs[i].env, slot.trajs[i].episode + 1) for i in done_ids]
-            reset_obs = slot.adapter.reset(done_ids, seeds)
-        return ChunkOutcome(step_reward, steps, term, trunc, success, cur, reset_obs, done_ids, restarts)
+            slot.adapter.reset(done_ids, seeds, into=back)
+        return ChunkOutcome(step_reward, steps, term, trunc, success, back, terminal, done_ids, restarts)
 
     # -- loop-side handling -------------------------------------------------------------------
 
@@ -250,15 +272,15 @@ class SimulatorWorker(WorkerBase):
             log.error("slot_failed", slot=s, kind=kind, error=repr(error)[:500])
             raise error
         if kind == "reset":
-            slot.obs = result
+            slot.flip()
             for i, tr in enumerate(slot.trajs):
-                tr.begin_episode(result.instruction[i], self._seed_for(tr.env, tr.episode + 1))
+                tr.begin_episode(slot.obs.instruction[i], self._seed_for(tr.env, tr.episode + 1))
             self._send_obs(slot, env_steps=0)
         elif kind == "eval_reset":
-            obs, seeds = result
-            slot.obs = obs
+            _, seeds = result
+            slot.flip()
             for i, tr in enumerate(slot.trajs):
-                tr.begin_episode(obs.instruction[i], seeds[i])
+                tr.begin_episode(slot.obs.instruction[i], seeds[i])
             self._send_obs(slot, env_steps=0)
         elif kind == "chunk":
             self._finish_chunk(slot, result)
@@ -327,26 +349,23 @@ class SimulatorWorker(WorkerBase):
             ))
             done = i in reset_row
             if done or len(tr.records) >= frag_len:
-                header, tensors = tr.fragment(outcome.final_obs.select([i]), bool(outcome.success[i]))
+                last = (outcome.terminal_obs.select([reset_row[i]]) if done and outcome.terminal_obs is not None
+                        else outcome.next_obs.select([i]))
+                header, tensors = tr.fragment(last, bool(outcome.success[i]))
                 tr.records = []
                 if slot.eval:
                     header.update({"eval": True, "eval_version": slot.eval_version})
                 self._ship(slot, header, tensors)
             if done and not slot.eval:
-                tr.begin_episode(outcome.reset_obs.instruction[reset_row[i]], self._seed_for(tr.env, tr.episode + 1))
+                tr.begin_episode(outcome.next_obs.instruction[i], self._seed_for(tr.env, tr.episode + 1))
+        slot.flip()  # the back block, written by the chunk, is what the next OBS sends
         if slot.eval:
             slot.frozen = slot.frozen | np.isin(np.arange(len(slot.envs)), outcome.done_ids)
-            slot.obs = outcome.final_obs
             if slot.frozen.all():  # this slot's episodes of the round are over
                 self._next_eval_episodes(slot, self.eval_round_version)
             else:
                 self._send_obs(slot, env_steps=int(outcome.steps.sum()))
             return
-        # next observation: post-chunk obs, with new episodes' first obs for done envs
-        nxt = outcome.final_obs
-        if outcome.done_ids:
-            nxt.assign(outcome.done_ids, outcome.reset_obs)
-        slot.obs = nxt
         self._send_obs(slot, env_steps=int(outcome.steps.sum()))
 
     def _latest_version(self) -> int:
@@ -357,12 +376,9 @@ class SimulatorWorker(WorkerBase):
     def _send_obs(self, slot: Slot, env_steps: int) -> None:
         slot.req_id += 1
         k = len(slot.envs)
-        tensors: dict[str, Any] = slot.obs.to_tensors()
-        if self.use_shm:  # into the slot's own block: rewritten only after this request's ACT
-            for name, arr in tensors.items():
-                block = slot.obs_block[name]
-                self.obs_pool.view(block.offset, block.dtype, block.shape)[...] = arr
-                tensors[name] = block
+        tensors: dict[str, Any] = slot.obs.to_tensors()  # written in place by the envs: nothing to copy
+        if self.use_shm:  # the block's descriptors (it is rewritten only after this request's ACT)
+            tensors = dict(slot.refs[slot.front])
         fields = {
             "slot": slot.index, "req_id": slot.req_id, "n": k, "instruction": list(slot.obs.instruction),
             "episode_step": [tr.episode_step for tr in slot.trajs],

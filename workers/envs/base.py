@@ -4,9 +4,14 @@ An adapter owns ``num_envs`` environments that the simulator worker steps togeth
 *slot* (DESIGN §3). It never auto-resets: the worker decides when an env starts a new episode,
 and with which seed / init state, so GRPO groups and evaluation can replay the same start.
 
-Observations are :class:`rlvla3.observation.Observation` batches over the envs named in the
-call, in the order named: a uint8 ``[n, H, W, 3]`` image per camera (upright), a float32
-``[n, state_dim]`` state and ``n`` instructions.
+Observations are :class:`rlvla3.observation.Observation` batches: a uint8 ``[n, H, W, 3]`` image
+per camera (upright), a float32 ``[n, state_dim]`` state and ``n`` instructions. The simulator
+worker hands ``reset``/``step`` its slot's shared-memory block as ``into`` (row ``i`` is env
+``i``), and the simulator renders and writes each env's observation straight into its row: the
+generator reads that block, so nothing is copied on the way from renderer to policy (a simulator
+that hands over a fresh array, such as robosuite's flipped images or ManiSkill's tensors, costs
+one copy into the block). Without ``into`` the call returns a new batch of the envs named, in
+the order named (evaluation, demos, tests).
 
 Adapters register themselves with ``@register_env("name")`` and are built from the job config
 by :func:`make_env`. An adapter's own options arrive as a dict (``env.options`` in YAML) and are
@@ -45,14 +50,15 @@ class EnvSpec:
 
 @dataclass
 class StepResult:
-    """One env step for the envs named in the call, in the order named."""
+    """One env step for the envs named in the call, in the order named (``obs``: see
+    :meth:`EnvAdapter.step`)."""
 
-    obs: Observation
     reward: np.ndarray  # float32 [n]
     terminated: np.ndarray  # bool [n]
     truncated: np.ndarray  # bool [n]
     success: np.ndarray  # bool [n]
     info: dict[str, Any] = field(default_factory=dict)
+    obs: Observation | None = None
 
 
 class EnvAdapter(ABC):
@@ -64,12 +70,21 @@ class EnvAdapter(ABC):
     """The simulator's own env objects, where the adapter holds them in this process."""
 
     @abstractmethod
-    def reset(self, ids: Sequence[int], seeds: Sequence[int | None] | None = None) -> Observation:
-        """Start a new episode in each env of ``ids``; ``seeds[i]`` fixes its initial state."""
+    def reset(self, ids: Sequence[int], seeds: Sequence[int | None] | None = None,
+              into: Observation | None = None) -> Observation:
+        """Start a new episode in each env of ``ids``; ``seeds[i]`` fixes its initial state.
+        Returns ``into`` with env ``i``'s first observation written into row ``i`` (for each
+        ``i`` in ``ids``; other rows untouched), or without ``into`` a new batch of ``ids``."""
 
     @abstractmethod
-    def step(self, ids: Sequence[int], actions: np.ndarray) -> StepResult:
-        """Apply ``actions[i]`` (float32 [action_dim]) to env ``ids[i]``, one physics step each."""
+    def step(self, ids: Sequence[int], actions: np.ndarray, into: Observation | None = None) -> StepResult:
+        """Apply ``actions[i]`` (float32 [action_dim]) to env ``ids[i]``, one physics step each.
+        The result's ``obs`` is ``into`` written in place as :meth:`reset` writes it, or a new
+        batch of ``ids``."""
+
+    def blank(self, n: int | None = None) -> Observation:
+        """A zeroed batch of ``n`` envs (default all of them) in this env's shapes."""
+        return Observation.zeros(self.spec.cameras, self.spec.state_dim, self.num_envs if n is None else n)
 
     def close(self) -> None:
         """Release simulator resources: closes every env in ``_envs`` (an adapter that holds
@@ -77,6 +92,48 @@ class EnvAdapter(ABC):
         for env in self._envs:
             env.close()
         self._envs = []
+
+
+class SimEnv(EnvAdapter):
+    """An adapter whose simulator lives in this process: moving the simulator and writing its
+    observations are separate, so that every observation is written once, where it is read.
+
+    A subclass moves its envs in ``_reset``/``_step`` and writes their current observations in
+    :meth:`observe`, rendering into the caller's rows where its renderer can.
+    """
+
+    @abstractmethod
+    def _reset(self, ids: list[int], seeds: Sequence[int | None] | None) -> None:
+        """Start a new episode in each env of ``ids`` (``seeds`` as in :meth:`reset`)."""
+
+    @abstractmethod
+    def _step(self, ids: list[int], actions: np.ndarray) -> StepResult:
+        """One physics step of each env of ``ids``; the result without ``obs``."""
+
+    @abstractmethod
+    def observe(self, ids: list[int], into: Observation, rows: Sequence[int]) -> None:
+        """Write env ``ids[j]``'s current observation (images, state, instruction) into row
+        ``rows[j]`` of ``into``, in place."""
+
+    def reset(self, ids: Sequence[int], seeds: Sequence[int | None] | None = None,
+              into: Observation | None = None) -> Observation:
+        ids = [int(i) for i in ids]
+        self._reset(ids, seeds)
+        return self._observed(ids, into)
+
+    def step(self, ids: Sequence[int], actions: np.ndarray, into: Observation | None = None) -> StepResult:
+        ids = [int(i) for i in ids]
+        res = self._step(ids, np.asarray(actions, np.float32))
+        res.obs = self._observed(ids, into)
+        return res
+
+    def _observed(self, ids: list[int], into: Observation | None) -> Observation:
+        if into is None:
+            out = self.blank(len(ids))
+            self.observe(ids, out, range(len(ids)))
+            return out
+        self.observe(ids, into, ids)
+        return into
 
 
 def reset_seeds(ids: Sequence[int], seeds: Sequence[int | None] | None, rng: np.random.Generator) -> list[int]:

@@ -22,7 +22,6 @@ from typing import Any, Sequence
 import numpy as np
 import structlog
 
-from rlvla3.observation import Observation
 from workers.envs.base import EnvSpec, register_env, reset_seeds
 from workers.envs.robosuite_common import RobosuiteAdapter
 
@@ -169,6 +168,7 @@ class LiberoEnv(RobosuiteAdapter):
             self._envs.append(env)
             self.instructions.append(task.language)
         self._t = np.zeros(num_envs, np.int64)
+        self._last: list[dict[str, Any]] = [{} for _ in range(num_envs)]
         log.info("libero_ready", suite=SUITES[o.suite], tasks=sorted(set(self.task_ids)), num_envs=num_envs)
 
     @staticmethod
@@ -179,9 +179,7 @@ class LiberoEnv(RobosuiteAdapter):
 
     # -- contract ----------------------------------------------------------------------------
 
-    def reset(self, ids: Sequence[int], seeds: Sequence[int | None] | None = None) -> Observation:
-        ids = [int(i) for i in ids]
-        raws = []
+    def _reset(self, ids: list[int], seeds: Sequence[int | None] | None) -> None:
         for i, s in zip(ids, reset_seeds(ids, seeds, self._rng)):
             env = self._envs[i]
             env.seed(s % 2**32)  # fixtures are placed at reset from numpy's global RNG, not the init state
@@ -193,8 +191,7 @@ class LiberoEnv(RobosuiteAdapter):
             for _ in range(self.opts.settle_steps):
                 raw, _, _, _ = env.step(DUMMY_ACTION)
             self._t[i] = 0
-            raws.append(raw)
-        return self._obs(ids, raws)
+            self._last[i] = raw
 
     # -- helpers -----------------------------------------------------------------------------
 
@@ -206,10 +203,13 @@ class LiberoEnv(RobosuiteAdapter):
     def _after_reset(env: Any) -> None:
         _disable_extras(getattr(env.sim, "_render_context_offscreen", None))
 
-    def _obs(self, ids: list[int], raws: list[dict[str, Any]]) -> Observation:
-        state = np.stack([np.concatenate([r["robot0_eef_pos"], r["robot0_eef_quat"], r["robot0_gripper_qpos"]])
-                          for r in raws]).astype(np.float32)
-        # robosuite renders in OpenGL row order (bottom row first): flip rows to get upright images
-        images = {c: np.stack([np.ascontiguousarray(r[f"{CAMERAS[c]}_image"][::-1]) for r in raws]).astype(np.uint8)
-                  for c in self.opts.cameras}
-        return Observation(images, state, [self.instructions[i] for i in ids])
+    @staticmethod
+    def _state(raw: dict[str, Any]) -> np.ndarray:
+        return np.concatenate([raw["robot0_eef_pos"], raw["robot0_eef_quat"], raw["robot0_gripper_qpos"]])
+
+    def _instruction(self, i: int) -> str:
+        return self.instructions[i]
+
+    @staticmethod
+    def _image_key(camera: str) -> str:
+        return f"{CAMERAS[camera]}_image"

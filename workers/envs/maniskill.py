@@ -19,7 +19,7 @@ import numpy as np
 import structlog
 
 from rlvla3.observation import Observation
-from workers.envs.base import EnvAdapter, EnvSpec, StepResult, episode_ends, register_env, reset_seeds
+from workers.envs.base import EnvSpec, SimEnv, StepResult, episode_ends, register_env, reset_seeds
 
 log = structlog.get_logger()
 
@@ -101,8 +101,18 @@ def _np(x: Any) -> np.ndarray:
     return np.asarray(x)
 
 
+def _copy_into(dst: np.ndarray, src: Any) -> None:
+    """One copy of a ManiSkill tensor (CPU or CUDA) straight into ``dst`` (e.g. a shared-memory row)."""
+    if hasattr(src, "detach"):
+        import torch
+
+        torch.from_numpy(dst).copy_(src.detach())
+    else:
+        np.copyto(dst, src)
+
+
 @register_env("maniskill", options=ManiSkillOptions)
-class ManiSkillEnv(EnvAdapter):
+class ManiSkillEnv(SimEnv):
     """ManiSkill task envs; a GPU batch when CUDA is present, else one CPU env per index."""
 
     def __init__(self, num_envs: int, seed: int = 0, options: ManiSkillOptions | None = None) -> None:
@@ -144,7 +154,8 @@ class ManiSkillEnv(EnvAdapter):
 
         limit = o.max_episode_steps or REGISTERED_ENVS[o.task].max_episode_steps or 100
         first = self._envs[0].reset(seed=[int(s) for s in self._seeds[:per_sim]])[0]
-        self._last_obs: list[Any] = [first] + [None] * (n_sims - 1)
+        # env -> (the obs batch holding its last observation, its row there); reset() sets it
+        self._last: list[tuple[Any, int]] = [(first, i if self.gpu else 0) for i in range(num_envs)]
         state_dim = self._state(first).shape[-1]
         act = self._envs[0].unwrapped.single_action_space
         self._act_low, self._act_high = act.low.astype(np.float32), act.high.astype(np.float32)
@@ -162,8 +173,7 @@ class ManiSkillEnv(EnvAdapter):
 
     # -- contract ----------------------------------------------------------------------------
 
-    def reset(self, ids: Sequence[int], seeds: Sequence[int | None] | None = None) -> Observation:
-        ids = [int(i) for i in ids]
+    def _reset(self, ids: list[int], seeds: Sequence[int | None] | None) -> None:
         self._seeds[ids] = reset_seeds(ids, seeds, self._rng)
         self._t[ids] = 0
         if self.gpu:
@@ -172,17 +182,14 @@ class ManiSkillEnv(EnvAdapter):
             env = self._envs[0]
             obs = env.reset(seed=[int(s) for s in self._seeds],
                             options={"env_idx": torch.tensor(ids, device=env.unwrapped.device)})[0]
-            self._last_obs[0] = obs
-            return self._obs_rows([(obs, i) for i in ids], ids)
-        rows = []
+            for i in ids:
+                self._last[i] = (obs, i)
+            return
         for i in ids:
-            obs = self._envs[i].reset(seed=int(self._seeds[i]))[0]
-            rows.append((obs, 0))
-        return self._obs_rows(rows, ids)
+            self._last[i] = (self._envs[i].reset(seed=int(self._seeds[i]))[0], 0)
 
-    def step(self, ids: Sequence[int], actions: np.ndarray) -> StepResult:
-        ids = [int(i) for i in ids]
-        a = np.clip(np.asarray(actions, np.float32), -1.0, 1.0)
+    def _step(self, ids: list[int], actions: np.ndarray) -> StepResult:
+        a = np.clip(actions, -1.0, 1.0)
         if self._scale:
             a = self._act_low + (a + 1.0) * 0.5 * (self._act_high - self._act_low)
         n = len(ids)
@@ -200,18 +207,18 @@ class ManiSkillEnv(EnvAdapter):
             # ManiSkill steps the whole GPU batch: unnamed envs advance too (documented limit).
             reward[:] = _np(r)[ids]
             success[:] = _np(info.get("success", np.zeros(self.num_envs, bool)))[ids].astype(bool)
-            rows = [(obs, i) for i in ids]
+            for i in ids:
+                self._last[i] = (obs, i)
         else:
-            rows = []
             for k, i in enumerate(ids):
                 obs, r, _, _, info = self._envs[i].step(a[k : k + 1])
                 reward[k] = float(_np(r).reshape(-1)[0])
                 success[k] = bool(_np(info.get("success", False)).reshape(-1)[0])
-                rows.append((obs, 0))
+                self._last[i] = (obs, 0)
         self._t[ids] += 1
         terminated, truncated = episode_ends(self._t[ids], success, self.opts.terminate_on_success,
                                              self.spec.max_episode_steps)
-        return StepResult(self._obs_rows(rows, ids), reward, terminated, truncated, success)
+        return StepResult(reward, terminated, truncated, success)
 
     # -- helpers -----------------------------------------------------------------------------
 
@@ -226,9 +233,14 @@ class ManiSkillEnv(EnvAdapter):
                 parts.append(x.reshape(x.shape[0], -1))
         return np.concatenate(parts, axis=1)
 
-    def _obs_rows(self, rows: list[tuple[Any, int]], ids: list[int]) -> Observation:
-        state = np.stack([self._state(obs)[j] for obs, j in rows])
-        images = {c: np.stack([_np(obs["sensor_data"][c]["rgb"][j]) for obs, j in rows]).astype(np.uint8)
-                  for c in self.spec.cameras} if hasattr(self, "spec") else {}
+    def observe(self, ids: list[int], into: Observation, rows: Sequence[int]) -> None:
         instr = INSTRUCTIONS.get(self.opts.task, self.opts.task.split("-v")[0])
-        return Observation(images, state.astype(np.float32), [instr] * len(ids))
+        states: dict[int, np.ndarray] = {}  # one state computation per obs batch
+        for i, row in zip(ids, rows):
+            obs, j = self._last[i]
+            if id(obs) not in states:
+                states[id(obs)] = self._state(obs)
+            into.state[row] = states[id(obs)][j]
+            for c in self.spec.cameras:  # ManiSkill hands over tensors: one copy into the row
+                _copy_into(into.images[c][row], obs["sensor_data"][c]["rgb"][j])
+            into.instruction[row] = instr

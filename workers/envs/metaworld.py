@@ -18,7 +18,7 @@ import numpy as np
 import structlog
 
 from rlvla3.observation import Observation
-from workers.envs.base import EnvAdapter, EnvSpec, StepResult, episode_ends, register_env, reset_seeds
+from workers.envs.base import EnvSpec, SimEnv, StepResult, episode_ends, register_env, reset_seeds
 
 log = structlog.get_logger()
 
@@ -125,14 +125,24 @@ class _FastRenderer:
         flags[mujoco.mjtRndFlag.mjRND_REFLECTION] = 0
         self.cameras = list(cameras)
         self.flip = {c for c in self.cameras if camera_is_upside_down(model, data, c)}
+        self._scratch = np.empty((height, width, 3), np.uint8)
 
-    def render(self, data: Any) -> dict[str, np.ndarray]:
-        out = {}
+    def render_into(self, data: Any, out: dict[str, np.ndarray]) -> None:
+        """Render each camera straight into ``out[camera]`` (a C-contiguous uint8 ``[H, W, 3]``,
+        e.g. a row of a shared-memory block). GL reads pixels bottom row first: that is the upright
+        image of an upside-down camera, read in place; any other camera is read into a scratch
+        buffer and written flipped (one copy, as mujoco's own ``Renderer.render`` flips)."""
+        mj, r = self._mj, self._renderer
         for cam in self.cameras:
-            self._renderer.update_scene(data, camera=cam)
-            img = self._renderer.render()
-            out[cam] = np.ascontiguousarray(img[::-1]) if cam in self.flip else img.copy()
-        return out
+            r.update_scene(data, camera=cam)
+            if r._gl_context:  # mujoco.Renderer's own steps, minus its flip of the pixels
+                r._gl_context.make_current()
+            mj.mjr_render(r._rect, r._scene, r._mjr_context)
+            if cam in self.flip:
+                mj.mjr_readPixels(out[cam], None, r._rect, r._mjr_context)
+            else:
+                mj.mjr_readPixels(self._scratch, None, r._rect, r._mjr_context)
+                np.copyto(out[cam], self._scratch[::-1])
 
     def close(self) -> None:
         self._renderer.close()
@@ -179,7 +189,7 @@ def _import_metaworld() -> Any:
 
 
 @register_env("metaworld", options=MetaWorldOptions)
-class MetaWorldEnv(EnvAdapter):
+class MetaWorldEnv(SimEnv):
     """A batch of Meta-World task envs stepped in this process (wrap in SubprocEnv for cores)."""
 
     def __init__(self, num_envs: int, seed: int = 0, options: MetaWorldOptions | None = None) -> None:
@@ -218,6 +228,7 @@ class MetaWorldEnv(EnvAdapter):
         self._t = np.zeros(num_envs, np.int64)
         self._succeeded = np.zeros(num_envs, bool)  # this episode has succeeded (success_bonus paid)
         self._raw = [np.zeros(39)] * num_envs  # last unmasked observation, for the expert
+        self._last = [np.zeros(39)] * num_envs  # last observation as the env returned it
         self._experts: dict[str, Any] = {}
         log.info("metaworld_ready", benchmark=bench, tasks=sorted(set(self.task_names)), num_envs=num_envs,
                  cameras=o.cameras, flipped=sorted(self._renderers[0].flip) if self._renderers[0] else [])
@@ -234,9 +245,7 @@ class MetaWorldEnv(EnvAdapter):
 
     # -- contract ----------------------------------------------------------------------------
 
-    def reset(self, ids: Sequence[int], seeds: Sequence[int | None] | None = None) -> Observation:
-        ids = [int(i) for i in ids]
-        raws = []
+    def _reset(self, ids: list[int], seeds: Sequence[int | None] | None) -> None:
         for i, seed in zip(ids, reset_seeds(ids, seeds, self._rng)):
             env = self._envs[i]
             tasks = self._tasks[self.task_names[i]]
@@ -248,16 +257,13 @@ class MetaWorldEnv(EnvAdapter):
             raw, _ = env.reset()
             self._t[i] = 0
             self._succeeded[i] = False
-            raws.append(self._remember(i, raw))
-        return self._obs(ids, raws)
+            self._remember(i, raw)
 
-    def step(self, ids: Sequence[int], actions: np.ndarray) -> StepResult:
-        ids = [int(i) for i in ids]
-        actions = np.clip(np.asarray(actions, np.float32), -1.0, 1.0)
+    def _step(self, ids: list[int], actions: np.ndarray) -> StepResult:
+        actions = np.clip(actions, -1.0, 1.0)
         n = len(ids)
         reward = np.zeros(n, np.float32)
         success = np.zeros(n, bool)
-        raws = []
         for k, i in enumerate(ids):
             raw, r, _, _, info = self._envs[i].step(actions[k])
             self._t[i] += 1
@@ -266,10 +272,10 @@ class MetaWorldEnv(EnvAdapter):
             if success[k] and not self._succeeded[i]:
                 self._succeeded[i] = True
                 reward[k] += self.opts.success_bonus
-            raws.append(self._remember(i, raw))
+            self._remember(i, raw)
         terminated, truncated = episode_ends(self._t[ids], success, self.opts.terminate_on_success,
                                              self.opts.max_episode_steps)
-        return StepResult(self._obs(ids, raws), reward, terminated, truncated, success)
+        return StepResult(reward, terminated, truncated, success)
 
     def close(self) -> None:
         for r in self._renderers:
@@ -280,29 +286,22 @@ class MetaWorldEnv(EnvAdapter):
 
     # -- helpers -----------------------------------------------------------------------------
 
-    def _remember(self, i: int, raw: np.ndarray) -> np.ndarray:
+    def _remember(self, i: int, raw: np.ndarray) -> None:
+        self._last[i] = raw
         full = np.array(raw, np.float64)
         env = self._envs[i]
         if not np.any(full[-3:]) and getattr(env, "_target_pos", None) is not None:
             full[-3:] = env._target_pos  # ML1 hides the goal; the expert still needs it
         self._raw[i] = full
-        return raw
 
-    def _obs(self, ids: list[int], raws: list[np.ndarray]) -> Observation:
-        raw = np.asarray(raws, np.float32).reshape(len(ids), -1)
-        state = raw if self.opts.state == "full" else raw[:, :4]
-        images: dict[str, list[np.ndarray]] = {c: [] for c in self.opts.cameras}
-        for i in ids:
+    def observe(self, ids: list[int], into: Observation, rows: Sequence[int]) -> None:
+        d = self.spec.state_dim
+        for i, row in zip(ids, rows):
+            into.state[row] = np.asarray(self._last[i], np.float32).reshape(-1)[:d]
             r = self._renderers[i]
             if r is not None:
-                for cam, img in r.render(self._envs[i].data).items():
-                    images[cam].append(img)
-        h, w = self.opts.image_size
-        return Observation(
-            {c: (np.stack(v) if v else np.zeros((0, h, w, 3), np.uint8)) for c, v in images.items()},
-            np.ascontiguousarray(state, np.float32),
-            [instruction_for(self.task_names[i]) for i in ids],
-        )
+                r.render_into(self._envs[i].data, {c: into.images[c][row] for c in r.cameras})
+            into.instruction[row] = instruction_for(self.task_names[i])
 
     def expert_policy(self, i: int) -> Any:
         """Meta-World's scripted policy for env ``i``'s task (cached per task)."""

@@ -18,7 +18,6 @@ from typing import Any, Sequence
 import numpy as np
 import structlog
 
-from rlvla3.observation import Observation
 from workers.envs.base import EnvSpec, register_env, reset_seeds
 from workers.envs.robosuite_common import RobosuiteAdapter
 
@@ -162,26 +161,26 @@ class RoboCasaEnv(RobosuiteAdapter):
         self._rng = np.random.default_rng(seed)
         self._t = np.zeros(num_envs, np.int64)
         self._instr = [""] * num_envs
-        first = self._reset_one(0, seed)
-        self.spec = EnvSpec(cameras={c: (int(h), int(w)) for c in o.cameras}, state_dim=int(self._state(first).size),
+        self._last: list[dict[str, Any]] = [{} for _ in range(num_envs)]
+        self._reset_one(0, seed)
+        self.spec = EnvSpec(cameras={c: (int(h), int(w)) for c in o.cameras}, state_dim=int(self._state(self._last[0]).size),
                             action_dim=int(self._low.size), max_episode_steps=o.max_episode_steps)
         log.info("robocasa_ready", task=o.task, robot=o.robot, num_envs=num_envs, action_dim=self.spec.action_dim)
 
-    def _reset_one(self, i: int, seed: int) -> dict[str, Any]:
+    def _reset_one(self, i: int, seed: int) -> None:
         env = self._envs[i]
         if hasattr(env, "set_ep_meta"):
             env.set_ep_meta({})  # fresh layout/style/object draw from the seeded RNG
         env.rng = np.random.default_rng(seed)  # robocasa draws kitchens and objects from env.rng
         np.random.seed(seed % 2**32)
-        raw = env.reset()
+        self._last[i] = env.reset()
         self._t[i] = 0
         meta = env.get_ep_meta() if hasattr(env, "get_ep_meta") else {}
         self._instr[i] = str(meta.get("lang", self.opts.task))
-        return raw
 
-    def reset(self, ids: Sequence[int], seeds: Sequence[int | None] | None = None) -> Observation:
-        ids = [int(i) for i in ids]
-        return self._obs(ids, [self._reset_one(i, s) for i, s in zip(ids, reset_seeds(ids, seeds, self._rng))])
+    def _reset(self, ids: list[int], seeds: Sequence[int | None] | None) -> None:
+        for i, s in zip(ids, reset_seeds(ids, seeds, self._rng)):
+            self._reset_one(i, s)
 
     def _scale_action(self, a: np.ndarray) -> np.ndarray:
         return self._low + (a + 1.0) * 0.5 * (self._high - self._low)  # [-1, 1] -> robosuite's bounds
@@ -196,10 +195,12 @@ class RoboCasaEnv(RobosuiteAdapter):
                             "robot0_gripper_qpos") if k in raw]
         return np.concatenate([np.asarray(raw[k], np.float32).reshape(-1) for k in keys])
 
-    def _obs(self, ids: list[int], raws: list[dict[str, Any]]) -> Observation:
-        images = {c: np.stack([np.ascontiguousarray(r[f"{c}_image"][::-1]) for r in raws]).astype(np.uint8)
-                  for c in self.opts.cameras}  # robosuite's default OpenGL row order: flip upright
-        return Observation(images, np.stack([self._state(r) for r in raws]), [self._instr[i] for i in ids])
+    def _instruction(self, i: int) -> str:
+        return self._instr[i]
+
+    @staticmethod
+    def _image_key(camera: str) -> str:
+        return f"{camera}_image"
 
 
 if __name__ == "__main__":  # `python -m workers.envs.robocasa`: can this environment build kitchens?

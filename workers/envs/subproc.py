@@ -7,6 +7,11 @@ process boundary is also the fault boundary: a simulator that raises, segfaults 
 with a fresh reset observation (``info["restarted"]``), a restart counter goes up, and the
 caller goes on.
 
+The child writes its observations straight into the caller's rows of shared memory (the
+simulator's slot block, located with :func:`rlvla3.shm.locate`); only rewards, flags and
+instructions cross the pipe. A caller without a shared-memory block gets a copy out of this
+env's own block.
+
 The child is a local ``spawn`` process talking over a pipe; nothing from the network crosses it.
 It exits when its parent dies (a watchdog thread waits on the parent's sentinel) and is killed
 on :meth:`SubprocEnv.close`, on garbage collection and at interpreter exit.
@@ -28,6 +33,8 @@ import numpy as np
 import structlog
 
 from rlvla3.observation import Observation
+from rlvla3.protocol import ShmRef
+from rlvla3.shm import ShmAttachments, ShmPool, locate, observation_block
 from workers.envs.base import EnvAdapter, EnvSpec, StepResult, make_env
 
 log = structlog.get_logger()
@@ -63,6 +70,7 @@ def _child_main(conn: Connection, name: str, num_envs: int, seed: int, options: 
     except BaseException:  # noqa: BLE001 - everything goes back to the parent
         conn.send(("err", traceback.format_exc()))
         return
+    att = ShmAttachments()
     while True:
         try:
             cmd, args = conn.recv()
@@ -71,18 +79,25 @@ def _child_main(conn: Connection, name: str, num_envs: int, seed: int, options: 
         if cmd == "close":
             break
         try:
+            *call, refs = args
+            views = {name: att.array(ref) for name, ref in refs.items()}
+            into = Observation.from_tensors(views, [""] * len(views["state"]))
+            ids = call[0]
+            res: StepResult | None = None
             if cmd == "reset":
-                out: Any = env.reset(*args)
+                env.reset(ids, call[1], into)
             elif cmd == "step":
-                out = env.step(*args)
+                res = env.step(ids, call[1], into)
+                res.obs = None  # it is in the caller's block already
             else:
                 raise ValueError(f"unknown command {cmd!r}")
-            conn.send(("ok", out))
+            conn.send(("ok", (res, [into.instruction[i] for i in ids])))
         except BaseException:  # noqa: BLE001
             conn.send(("err", traceback.format_exc()))
     try:
         env.close()
     finally:
+        att.close()
         conn.close()
 
 
@@ -183,10 +198,15 @@ class SubprocEnv(EnvAdapter):
         self._ctx = mp.get_context("spawn")
         self._child: _Child | None = None
         self._finalizer: weakref.finalize | None = None
-        self._pending: tuple[str, tuple, float] | None = None
+        self._pending: tuple[tuple, float] | None = None
         # envs whose episode was lost in a restart but not yet reported: id -> fresh obs
         self._lost: dict[int, Observation] = {}
         self.spec: EnvSpec = self._start(seed)
+        # Where the child writes when the caller's rows are not in shared memory, and restarts.
+        n = self.blank().to_tensors()
+        self._pool = ShmPool("env", sum(a.nbytes + 64 for a in n.values()) + 64)
+        self._own = observation_block(self._pool, self.spec.cameras, self.spec.state_dim, num_envs)
+        self._located: dict[int, tuple[Observation, dict[str, ShmRef]]] = {}  # id(block) -> (block, its descriptors)
 
     # -- lifecycle ---------------------------------------------------------------------------
 
@@ -203,7 +223,8 @@ class SubprocEnv(EnvAdapter):
             raise
 
     def _restart(self, reason: str) -> Observation:
-        """Kill the child, build a new one and reset all its envs; returns the fresh obs."""
+        """Kill the child, build a new one and reset all its envs (into this env's own block,
+        never the caller's); returns the fresh obs."""
         assert self._child is not None
         self._child.kill()
         for attempt in range(1, self.max_consecutive_restarts + 1):
@@ -213,8 +234,10 @@ class SubprocEnv(EnvAdapter):
             try:
                 self._start(self.seed + _RESEED_STRIDE * self.restarts)
                 ids = list(range(self.num_envs))
-                self._child.request("reset", (ids, None))  # type: ignore[union-attr]
-                return self._child.result(self.reset_timeout_s)  # type: ignore[union-attr]
+                self._child.request("reset", (ids, None, self._target(None)[1]))  # type: ignore[union-attr]
+                _, instr = self._child.result(self.reset_timeout_s)  # type: ignore[union-attr]
+                _set_instructions(self._own, ids, instr)
+                return self._own
             except EnvCrashed as exc:
                 reason = str(exc)
                 if self._child is not None:
@@ -227,6 +250,8 @@ class SubprocEnv(EnvAdapter):
             if self._finalizer is not None:
                 self._finalizer.detach()
             self._child = None
+        self._own = None  # type: ignore[assignment]
+        self._pool.close()
 
     @property
     def pid(self) -> int | None:
@@ -235,15 +260,19 @@ class SubprocEnv(EnvAdapter):
 
     # -- reset -------------------------------------------------------------------------------
 
-    def reset(self, ids: Sequence[int], seeds: Sequence[int | None] | None = None) -> Observation:
+    def reset(self, ids: Sequence[int], seeds: Sequence[int | None] | None = None,
+              into: Observation | None = None) -> Observation:
         ids = [int(i) for i in ids]
         for i in ids:
             self._lost.pop(i, None)  # a fresh episode supersedes a lost one
         assert self._child is not None, "env is closed"
+        target, refs = self._target(into)
         for attempt in range(self.max_consecutive_restarts + 1):
             try:
-                self._child.request("reset", (ids, seeds))
-                return self._child.result(self.reset_timeout_s)
+                self._child.request("reset", (ids, seeds, refs))
+                _, instr = self._child.result(self.reset_timeout_s)
+                _set_instructions(target, ids, instr)
+                return self._answer(target, ids, into)
             except (EnvCrashed, OSError) as exc:
                 if attempt == self.max_consecutive_restarts:
                     raise
@@ -253,23 +282,24 @@ class SubprocEnv(EnvAdapter):
 
     # -- step --------------------------------------------------------------------------------
 
-    def step_async(self, ids: Sequence[int], actions: np.ndarray) -> None:
+    def step_async(self, ids: Sequence[int], actions: np.ndarray, into: Observation | None = None) -> None:
         """Send a step to the child; collect it with :meth:`step_wait`."""
         assert self._child is not None, "env is closed"
         assert self._pending is None, "step_async called twice without step_wait"
         ids = [int(i) for i in ids]
         actions = np.asarray(actions, dtype=np.float32)
         live = [k for k, i in enumerate(ids) if i not in self._lost]
-        self._pending = ("step", (ids, actions, live), time.monotonic())
+        target, refs = self._target(into)
+        self._pending = ((ids, live, target, into), time.monotonic())
         if live:
             try:
-                self._child.request("step", ([ids[k] for k in live], actions[live]))
+                self._child.request("step", ([ids[k] for k in live], actions[live], refs))
             except OSError:
                 pass  # a dead child is found and restarted in step_wait
 
     def step_wait(self) -> StepResult:
         assert self._pending is not None, "step_wait without step_async"
-        _, (ids, actions, live), t0 = self._pending
+        (ids, live, target, into), t0 = self._pending
         self._pending = None
         n = len(ids)
         lost_now = [k for k in range(n) if k not in set(live)]
@@ -279,22 +309,51 @@ class SubprocEnv(EnvAdapter):
             assert self._child is not None
             remaining = max(0.0, self.step_timeout_s - (time.monotonic() - t0))
             try:
-                res = self._child.result(remaining)
+                res, instr = self._child.result(remaining)
+                _set_instructions(target, [ids[k] for k in live], instr)
             except EnvCrashed as exc:
                 error = str(exc)
                 fresh = self._restart(error)
                 self._mark_lost(fresh, exclude=())
                 lost_now = list(range(n))
-        if not lost_now:
-            assert res is not None
-            return res
-        return self._merge(ids, live, res, lost_now, error)
+        if lost_now:
+            res = self._merge(ids, live, res, lost_now, error, target)
+        assert res is not None
+        res.obs = self._answer(target, ids, into)
+        return res
 
-    def step(self, ids: Sequence[int], actions: np.ndarray) -> StepResult:
-        self.step_async(ids, actions)
+    def step(self, ids: Sequence[int], actions: np.ndarray, into: Observation | None = None) -> StepResult:
+        self.step_async(ids, actions, into)
         return self.step_wait()
 
     # -- helpers -----------------------------------------------------------------------------
+
+    def _target(self, into: Observation | None) -> tuple[Observation, dict[str, ShmRef]]:
+        """Where the child writes, and its descriptors: the caller's rows when they are in
+        shared memory, else this env's own block. A caller's block is located once."""
+        for block in (into, self._own):
+            if block is None:
+                continue
+            hit = self._located.get(id(block))
+            if hit is None:
+                refs = {name: locate(a) for name, a in block.to_tensors().items()}
+                if not all(refs.values()):
+                    continue  # private memory: the child cannot write it
+                if len(self._located) >= 8:
+                    self._located.clear()
+                hit = self._located[id(block)] = (block, refs)  # type: ignore[assignment]
+            return hit
+        raise AssertionError("this env's own block is in shared memory")
+
+    def _answer(self, target: Observation, ids: list[int], into: Observation | None) -> Observation:
+        """``into``, or a new batch of ``ids``, holding what the child wrote into ``target``."""
+        if target is into:
+            return into
+        rows = target.select(ids)  # a copy out of our own block: callers without shared memory only
+        if into is None:
+            return rows
+        into.assign(ids, rows)
+        return into
 
     def _mark_lost(self, fresh: Observation, exclude: Sequence[int]) -> None:
         skip = set(exclude)
@@ -303,11 +362,10 @@ class SubprocEnv(EnvAdapter):
                 self._lost[i] = fresh.select([i])
 
     def _merge(self, ids: list[int], live: list[int], res: StepResult | None, lost: list[int],
-               error: str | None) -> StepResult:
-        """Report ``lost`` positions as truncated episodes with their fresh obs."""
+               error: str | None, target: Observation) -> StepResult:
+        """Report ``lost`` positions as truncated episodes, their fresh obs written into ``target``."""
         n = len(ids)
         lost_set = set(lost)
-        parts: list[Observation] = []
         live_pos = {k: j for j, k in enumerate(live)}
         reward = np.zeros(n, np.float32)
         terminated = np.zeros(n, bool)
@@ -315,12 +373,11 @@ class SubprocEnv(EnvAdapter):
         success = np.zeros(n, bool)
         for k, i in enumerate(ids):
             if k in lost_set:
-                parts.append(self._lost.pop(i))
+                target.assign([i], self._lost.pop(i))
                 truncated[k] = True
             else:
                 assert res is not None
                 j = live_pos[k]
-                parts.append(res.obs.select([j]))
                 reward[k], terminated[k] = res.reward[j], res.terminated[j]
                 truncated[k], success[k] = res.truncated[j], res.success[j]
         info: dict[str, Any] = dict(res.info) if (res is not None and error is None) else {}
@@ -328,7 +385,12 @@ class SubprocEnv(EnvAdapter):
         info["restarts"] = self.restarts
         if error is not None:
             info["error"] = error.strip().splitlines()[-1][:500] if error.strip() else "crashed"
-        return StepResult(Observation.concat(parts), reward, terminated, truncated, success, info)
+        return StepResult(reward, terminated, truncated, success, info)
+
+
+def _set_instructions(target: Observation, ids: Sequence[int], instructions: Sequence[str]) -> None:
+    for i, text in zip(ids, instructions):
+        target.instruction[i] = text
 
 
 class GuardedEnv(EnvAdapter):
@@ -355,22 +417,28 @@ class GuardedEnv(EnvAdapter):
                              options=self.options)
         return self._env.reset(list(range(self.num_envs)), None)
 
-    def reset(self, ids: Sequence[int], seeds: Sequence[int | None] | None = None) -> Observation:
+    def reset(self, ids: Sequence[int], seeds: Sequence[int | None] | None = None,
+              into: Observation | None = None) -> Observation:
         try:
-            return self._env.reset(ids, seeds)
+            return self._env.reset(ids, seeds, into)
         except Exception as exc:  # noqa: BLE001
             self._rebuild(exc)
-            return self._env.reset(ids, seeds)
+            return self._env.reset(ids, seeds, into)
 
-    def step(self, ids: Sequence[int], actions: np.ndarray) -> StepResult:
+    def step(self, ids: Sequence[int], actions: np.ndarray, into: Observation | None = None) -> StepResult:
         try:
-            return self._env.step(ids, actions)
+            return self._env.step(ids, actions, into)
         except Exception as exc:  # noqa: BLE001
             fresh = self._rebuild(exc)
+            ids = [int(i) for i in ids]
             n = len(ids)
+            obs = fresh.select(ids)
+            if into is not None:
+                into.assign(ids, obs)
+                obs = into
             return StepResult(
-                fresh.select(list(ids)), np.zeros(n, np.float32), np.zeros(n, bool), np.ones(n, bool),
-                np.zeros(n, bool), {"restarted": list(ids), "restarts": self.restarts, "error": repr(exc)[:500]},
+                np.zeros(n, np.float32), np.zeros(n, bool), np.ones(n, bool), np.zeros(n, bool),
+                {"restarted": ids, "restarts": self.restarts, "error": repr(exc)[:500]}, obs,
             )
 
     def close(self) -> None:

@@ -16,7 +16,7 @@ from typing import Sequence
 import numpy as np
 
 from rlvla3.observation import Observation
-from workers.envs.base import EnvAdapter, EnvSpec, StepResult, register_env
+from workers.envs.base import EnvSpec, SimEnv, StepResult, register_env
 
 
 @dataclass
@@ -81,7 +81,7 @@ class LatencyModel:
 
 
 @register_env("synthetic", options=SyntheticOptions)
-class SyntheticReach(EnvAdapter):
+class SyntheticReach(SimEnv):
     """Point-reaching envs sharing one latency model."""
 
     def __init__(self, num_envs: int, seed: int = 0, options: SyntheticOptions | None = None) -> None:
@@ -101,8 +101,7 @@ class SyntheticReach(EnvAdapter):
         s = opts.image_size
         return EnvSpec(cameras={"top": (s, s)}, state_dim=4, action_dim=2, max_episode_steps=opts.max_episode_steps)
 
-    def reset(self, ids: Sequence[int], seeds: Sequence[int | None] | None = None) -> Observation:
-        ids = list(ids)
+    def _reset(self, ids: list[int], seeds: Sequence[int | None] | None) -> None:
         for j, i in enumerate(ids):
             seed = None if seeds is None else seeds[j]
             rng = np.random.default_rng(seed) if seed is not None else self.rng
@@ -112,10 +111,8 @@ class SyntheticReach(EnvAdapter):
                 goal = rng.uniform(0.1, 0.9, 2)
             self.goal[i] = goal
             self.t[i] = 0
-        return self._obs(ids)
 
-    def step(self, ids: Sequence[int], actions: np.ndarray) -> StepResult:
-        ids = list(ids)
+    def _step(self, ids: list[int], actions: np.ndarray) -> StepResult:
         self.global_steps += 1
         if self.opts.fail_on_step and self.global_steps == self.opts.fail_on_step:
             raise RuntimeError("synthetic env: deliberate failure (fail_on_step)")
@@ -133,19 +130,18 @@ class SyntheticReach(EnvAdapter):
         success = after < self.opts.goal_radius
         reward = (before - after) * 10.0 + success.astype(np.float32) * 1.0
         truncated = (self.t[idx] >= self.opts.max_episode_steps) & ~success
-        return StepResult(
-            obs=self._obs(ids), reward=reward.astype(np.float32), terminated=success,
-            truncated=truncated, success=success,
-        )
+        return StepResult(reward=reward.astype(np.float32), terminated=success, truncated=truncated, success=success)
 
-    def _obs(self, ids: list[int]) -> Observation:
+    def observe(self, ids: list[int], into: Observation, rows: Sequence[int]) -> None:
         s = self.opts.image_size
-        n = len(ids)
-        img = np.zeros((n, s, s, 3), np.uint8)
-        rows = np.arange(n)
+        rows = np.asarray(rows, np.int64)
+        img = into.images["top"]
+        img[rows] = 0  # the picture is drawn in the caller's rows
         g = np.clip((self.goal[ids] * (s - 1)).round().astype(int), 0, s - 1)
         p = np.clip((self.pos[ids] * (s - 1)).round().astype(int), 0, s - 1)
         img[rows, s - 1 - g[:, 1], g[:, 0], 0] = 255  # image row 0 is the top: y grows upwards
         img[rows, s - 1 - p[:, 1], p[:, 0], 1] = 255
-        state = np.concatenate([self.pos[ids], self.goal[ids]], axis=1).astype(np.float32)
-        return Observation({"top": img}, state, ["reach the red dot"] * n)
+        into.state[rows, :2] = self.pos[ids]
+        into.state[rows, 2:] = self.goal[ids]
+        for r in rows.tolist():
+            into.instruction[r] = "reach the red dot"
