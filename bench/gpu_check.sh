@@ -5,6 +5,7 @@
 #   bash bench/gpu_check.sh --prepare [--carry gpu_carry]   # here, with a network: fill the carry folder
 #   bash bench/gpu_check.sh [--carry gpu_carry] [--out DIR]  # on the GPU machine
 #   bash bench/gpu_check.sh --dry-run [--out DIR]            # every stage on CPU with tiny models
+#   ... --stages update,job_async                            # only these (a rerun; the rest: "not selected")
 #
 # Stages, in order, each under its own timeout, each writing OUT/<stage>.json the moment it ends
 # (a stage that runs out of time loses only itself, and keeps the figures it printed so far):
@@ -15,8 +16,9 @@
 #   job_async  bench/gpu_job.py --mode async: the same job, generation and training overlapped
 # The last line of stdout is one JSON object summarising every stage (also OUT/summary.json).
 # Without CUDA (and no --dry-run) the GPU stages are skipped, said so, and the script exits 0.
-# Timeouts (seconds, GPU run): GPU_CHECK_T_INSTALL=30, GPU_CHECK_T_MODELS=60, GPU_CHECK_T_UPDATE=60;
-# the two job stages share what those leave of GPU_CHECK_TOTAL_S=285, at most 90 s each.
+# Timeouts (seconds, GPU run): GPU_CHECK_T_INSTALL=45, GPU_CHECK_T_MODELS=60, GPU_CHECK_T_UPDATE=75;
+# the two job stages share what those leave of GPU_CHECK_TOTAL_S=285, at most 90 s each (the
+# dry run's defaults are longer, for a loaded CPU: 120, 180, 240 and 180 per job).
 set -uo pipefail
 
 HERE="$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)"
@@ -26,13 +28,15 @@ DRY=0
 PREPARE=0
 OUT="bench/out/gpu_check"
 CARRY="gpu_carry"
+SELECTED="install,models,update,job_sync,job_async"
 while [[ $# -gt 0 ]]; do
   case "$1" in
     --dry-run|--tiny) DRY=1 ;;
     --prepare) PREPARE=1 ;;
     --out) OUT="$2"; shift ;;
     --carry) CARRY="$2"; shift ;;
-    -h|--help) sed -n '2,20p' "$0"; exit 0 ;;
+    --stages) SELECTED="$2"; shift ;;
+    -h|--help) sed -n '2,23p' "$0"; exit 0 ;;
     *) echo "gpu_check: unknown argument $1 (see --help)" >&2; exit 2 ;;
   esac
   shift
@@ -87,6 +91,10 @@ elapsed() { "$PY" -c "import sys; print(round(float(sys.argv[2]) - float(sys.arg
 run_stage() {
   local name=$1 tmo=$2; shift 2
   local t1 rc
+  if [[ ",$SELECTED," != *",$name,"* ]]; then
+    "$PY" "$HERE/gpu_report.py" skip "$name" "not selected (--stages)" >"$OUT/$name.json"
+    return
+  fi
   echo "gpu_check: stage $name (timeout ${tmo} s): $*" >&2
   t1=$(date +%s.%N)
   timeout -k 10 "$tmo" "$@" >"$OUT/logs/$name.out" 2>"$OUT/logs/$name.log"
@@ -103,9 +111,9 @@ job_budget() {  # what is left for the job stages, split between those still to 
 }
 
 if [[ $DRY == 1 ]]; then
-  run_stage install 120 "$PY" bench/gpu_install.py --carry "$CARRY" --site "$SITE" --dry-run
-  run_stage models 180 "$PY" bench/gpu_models.py --device cpu --tiny --batches 1,2 --reps 1
-  run_stage update 240 "$PY" bench/gpu_update.py --device cpu --tiny --updates 1 --batch-steps 8 --minibatch 8 \
+  run_stage install "${GPU_CHECK_T_INSTALL:-120}" "$PY" bench/gpu_install.py --carry "$CARRY" --site "$SITE" --dry-run
+  run_stage models "${GPU_CHECK_T_MODELS:-180}" "$PY" bench/gpu_models.py --device cpu --tiny --batches 1,2 --reps 1
+  run_stage update "${GPU_CHECK_T_UPDATE:-240}" "$PY" bench/gpu_update.py --device cpu --tiny --updates 1 --batch-steps 8 --minibatch 8 \
     --fragment-len 4 --group-size 2
   tiny_job=(--device cpu --tiny --until-version 1 --simulators 1 --envs 2 --slots 1 --batch-steps 8 --minibatch 8
             --fragment-len 4 --seconds 150)
@@ -113,11 +121,11 @@ if [[ $DRY == 1 ]]; then
   run_stage job_async 180 "$PY" bench/gpu_job.py --mode async "${tiny_job[@]}"
   CUDA=0
 else
-  run_stage install "${GPU_CHECK_T_INSTALL:-30}" "$PY" bench/gpu_install.py --carry "$CARRY" --site "$SITE"
+  run_stage install "${GPU_CHECK_T_INSTALL:-45}" "$PY" bench/gpu_install.py --carry "$CARRY" --site "$SITE"
   if "$PY" -c "import sys, torch; sys.exit(0 if torch.cuda.is_available() else 3)" 2>/dev/null; then
     CUDA=1
     run_stage models "${GPU_CHECK_T_MODELS:-60}" "$PY" bench/gpu_models.py --reps 2
-    run_stage update "${GPU_CHECK_T_UPDATE:-60}" "$PY" bench/gpu_update.py
+    run_stage update "${GPU_CHECK_T_UPDATE:-75}" "$PY" bench/gpu_update.py --updates 1
     t=$(job_budget 2)
     run_stage job_sync "$t" "$PY" bench/gpu_job.py --mode sync --seconds $((t - 15))
     t=$(job_budget 1)

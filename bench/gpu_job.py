@@ -29,6 +29,7 @@ from __future__ import annotations
 import argparse
 import importlib.util
 import json
+import re
 import shutil
 import signal
 import subprocess
@@ -120,8 +121,16 @@ def staleness(fig: dict[str, Any]) -> dict[str, Any]:
     h = fig.get("staleness") or {}
     if not h.get("count"):
         return {"count": 0}
-    return {"count": h["count"], **{k: (h[k] - 1 if isinstance(h.get(k), (int, float)) else None)
+    return {"count": h["count"], **{k: (round(h[k] - 1, 3) if isinstance(h.get(k), (int, float)) else None)
                                     for k in ("p50", "p90", "max", "mean")}}
+
+
+class Stopped(Exception):
+    """SIGTERM (``bench/gpu_check.sh``'s stage timeout): stop the job, report what was measured."""
+
+
+def _stopped(signum: int, frame: Any) -> None:
+    raise Stopped()
 
 
 def run(args: argparse.Namespace, run_dir: Path) -> dict[str, Any]:
@@ -134,6 +143,7 @@ def run(args: argparse.Namespace, run_dir: Path) -> dict[str, Any]:
     samples: list[tuple[float, int, int]] = []  # (t, env_steps, policy_version)
     fig: dict[str, Any] = {}
     error = None
+    signal.signal(signal.SIGTERM, _stopped)
     try:
         job.start_broker("tcp://127.0.0.1:0", "tcp://127.0.0.1:0")
         job.start_all()
@@ -151,13 +161,16 @@ def run(args: argparse.Namespace, run_dir: Path) -> dict[str, Any]:
                     and args.until_version in publish_to_swap(run_dir)[0] and staleness(fig)["count"]:
                 break  # --until-version: enough for every figure (the smoke run)
             time.sleep(min(1.0, max(0.0, end - time.monotonic())))  # polling STATUS with a deadline
+    except Stopped:
+        error = f"stopped by SIGTERM after {time.monotonic() - t0:.0f} s (the figures so far)"
     finally:
+        signal.signal(signal.SIGTERM, signal.SIG_IGN)  # the clean-up runs to its end
         for p in job.workers[:1]:  # the trainer (started first): no release-size shutdown checkpoint
             if p.poll() is None:
                 p.send_signal(signal.SIGKILL)
-        stop_processes(job.workers, timeout_s=15)
+        stop_processes(job.workers, timeout_s=6)
         if job.broker_proc is not None:
-            stop_processes([job.broker_proc], timeout_s=5)
+            stop_processes([job.broker_proc], timeout_s=3)
     moving = [s for s in samples if s[1] > 0]
     first = moving[0] if moving else None
     last = samples[-1] if samples else None
@@ -193,13 +206,13 @@ def run(args: argparse.Namespace, run_dir: Path) -> dict[str, Any]:
 
 
 def last_error(path: Path) -> str | None:
-    """The last error-level JSON log line of ``path``, or else its last line that is not JSON
-    (a traceback's), for the JSON of a failed run (its run folder is temporary)."""
+    """The last error-level JSON log line of ``path``, or else its last exception line (a
+    traceback's), for the JSON of a failed run (its run folder is temporary)."""
     lines = path.read_text(errors="replace").splitlines()
     for line in reversed(lines):
         if line.startswith("{") and '"level": "error"' in line:
             return line[:600]
-    plain = [ln for ln in lines if ln.strip() and not ln.startswith("{")]
+    plain = [ln for ln in lines if not ln.startswith("{") and re.search(r"Error|Exception|Traceback", ln)]
     return plain[-1][:600] if plain else None
 
 

@@ -163,7 +163,10 @@ def run_case(policy: Any, family: str, algo: str, args: argparse.Namespace, devi
     return row
 
 
-def run_family(family: str, algos: list[str], args: argparse.Namespace, device: torch.device) -> dict[str, Any]:
+def run_family(family: str, algos: list[str], args: argparse.Namespace, device: torch.device,
+               results: dict[str, Any]) -> None:
+    """Build once, then each algo's case on a fresh optimizer; ``results[family]`` is printed
+    (with everything before it) after the build and after each case."""
     cfg = job_config(family, algos[0], args)
     t0 = time.perf_counter()
     policy = build_policy(cfg, TINY_SPEC if args.tiny else SPEC, device=str(device))
@@ -177,6 +180,8 @@ def run_family(family: str, algos: list[str], args: argparse.Namespace, device: 
                            "trainable_m": round(trainable / 1e6, 3), "dtype": str(next(policy.parameters()).dtype),
                            "gradient_checkpointing": cfg.train.gradient_checkpointing}
     print(f"{family}: {fam}", file=sys.stderr, flush=True)
+    results[family] = fam
+    print(json.dumps(results), flush=True)
     for algo in algos:
         try:
             fam[algo] = run_case(policy, family, algo, args, device)
@@ -190,7 +195,7 @@ def run_family(family: str, algos: list[str], args: argparse.Namespace, device: 
         gc.collect()
         if device.type == "cuda":
             torch.cuda.empty_cache()
-    return fam
+        print(json.dumps(results), flush=True)  # the figures so far: a run cut short keeps them
 
 
 def main() -> None:
@@ -216,7 +221,7 @@ def main() -> None:
     results: dict[str, Any] = {"_device": torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu"}
     for family in args.families.split(","):
         try:
-            results[family] = run_family(family, args.algos.split(","), args, device)
+            run_family(family, args.algos.split(","), args, device, results)
         except Exception as exc:
             results[family] = {"error": f"{type(exc).__name__}: {exc}"[:500]}
             print(f"{family}: FAILED {exc!r}", file=sys.stderr, flush=True)

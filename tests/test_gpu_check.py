@@ -2,7 +2,8 @@
 
 One run of the whole script (the same stage scripts and flags as on the GPU, tiny sizes): each
 stage writes its own JSON as it ends, each holds the figures its GPU run will report, and the
-summary is the last line of stdout. This is also where the GPU machine's stack is covered on
+summary is the last line of stdout. The install stage is given 1 s, less than its interpreter
+needs to import torch: it times out, says so, and the stages after it run as if it had not. This is also where the GPU machine's stack is covered on
 CPU: the update and job stages run the trainer's real path (build, learner, update, weights).
 No timing assertions."""
 
@@ -30,21 +31,21 @@ def test_gpu_check_dry_run_writes_every_stage(tmp_path: Path) -> None:
         ["bash", str(ROOT / "bench" / "gpu_check.sh"), "--dry-run", "--out", str(out), "--carry", str(tmp_path / "none")],
         cwd=tmp_path, capture_output=True, text=True, timeout=840,
         env={**os.environ, **launcher_env(), "PYTHON": sys.executable, "GPU_CHECK_SITE": str(tmp_path / "site"),
-             "MUJOCO_GL": os.environ.get("MUJOCO_GL", "egl")},
+             "MUJOCO_GL": os.environ.get("MUJOCO_GL", "egl"), "GPU_CHECK_T_INSTALL": "1"},
     )
     assert proc.returncode == 0, proc.stderr[-3000:]
     summary = json.loads(proc.stdout.strip().splitlines()[-1])
     stages = summary["stages"]
     assert summary["dry_run"] is True and set(stages) == set(STAGES)
-    assert summary["ok"], {n: stages[n].get("error") for n in summary["failed"]}
-    for name in STAGES:  # each stage's own file, written as it ended, says the same
+    assert summary["failed"] == ["install"], {n: stages[n].get("error") for n in summary["failed"]}
+    assert not summary["ok"] and json.loads((out / "summary.json").read_text())["failed"] == ["install"]
+    install = json.loads((out / "install.json").read_text())
+    assert install["timed_out"] and install["rc"] == 124 and install["result"] is None
+    assert "timed out" in install["error"] and install["seconds"] < 15
+    for name in STAGES[1:]:  # each stage's own file, written as it ended, says the same
         own = json.loads((out / f"{name}.json").read_text())
         assert own["stage"] == name and own["ok"] and not own["timed_out"] and own["seconds"] > 0
         assert own["result"] == stages[name]["result"]
-    assert json.loads((out / "summary.json").read_text())["ok"]
-
-    install = stages["install"]["result"]
-    assert install["missing"] == [] and install["modules"]["zmq"] != "" and not install["carry_found"]
 
     models = stages["models"]["result"]
     assert set(models) >= FAMILIES
