@@ -4,6 +4,10 @@
     python bench/gpu_report.py skip NAME REASON > OUT/NAME.json
     python bench/gpu_report.py summary OUT DRY_RUN CUDA TOTAL_S      # one JSON object (also OUT/summary.json)
 
+The summary holds every stage's JSON under ``stages`` and, under ``headline``, the figures a
+note quotes: act samples/s per family and batch, each update's time and peak memory, and per
+job mode env steps/s, publish -> swap (median), staleness p50/max.
+
 A stage's result is the last line of its stdout that parses as a JSON object: the stage scripts
 print their figures so far after each part, so one cut off by its timeout (``RC`` 124 or 137)
 still hands in what it measured. A stage is ``ok`` when it exited 0 and its result holds no
@@ -64,6 +68,25 @@ def stage(name: str, rc: int, seconds: float, timeout_s: float, stdout: Path, st
     return row
 
 
+def headline(stages: dict[str, Any]) -> dict[str, Any]:
+    """The figures a note quotes, picked out of the stage results (None where a stage has none)."""
+    res = {n: (r.get("result") or {}) for n, r in stages.items()}
+    models = {f: {b: row.get("samples_per_s") for b, row in (v.get("batches") or {}).items()}
+              for f, v in res["models"].items() if isinstance(v, dict) and "batches" in v}
+    peak = {f: max([row["peak_mem_gib"] for row in v["batches"].values() if row.get("peak_mem_gib") is not None],
+                   default=None)
+            for f, v in res["models"].items() if isinstance(v, dict) and "batches" in v}
+    updates = {f"{f}.{a}": {"update_s": c.get("update_s"), "peak_mem_gib": c.get("peak_mem_gib")}
+               for f, v in res["update"].items() if isinstance(v, dict)
+               for a, c in v.items() if a in ("ppo", "grpo") and isinstance(c, dict)}
+    jobs = {n[4:]: {k: res[n].get(k) for k in ("env_steps_per_s", "env_steps_per_s_after_v1", "versions",
+                                                "publish_to_swap_ms_median", "startup_s", "seconds")}
+            | {"staleness_p50": (res[n].get("staleness") or {}).get("p50"),
+               "staleness_max": (res[n].get("staleness") or {}).get("max")}
+            for n in ("job_sync", "job_async") if res[n]}
+    return {"act_samples_per_s": models, "act_peak_mem_gib": peak, "updates": updates, "jobs": jobs}
+
+
 def summary(out: Path, dry_run: bool, cuda: str, total_s: float) -> dict[str, Any]:
     stages = {}
     for name in STAGES:
@@ -73,7 +96,8 @@ def summary(out: Path, dry_run: bool, cuda: str, total_s: float) -> dict[str, An
         row.pop("stderr_tail", None)  # in OUT/NAME.json; the summary stays short
     return {"check": "gpu_check", "dry_run": dry_run, "cuda": {"1": True, "0": False}.get(cuda),
             "ok": all(r.get("ok") for r in stages.values()), "total_s": round(total_s, 1),
-            "failed": [n for n, r in stages.items() if not r.get("ok")], "stages": stages}
+            "failed": [n for n, r in stages.items() if not r.get("ok")], "headline": headline(stages),
+            "stages": stages}
 
 
 def main(argv: list[str]) -> None:
