@@ -5,7 +5,9 @@ peak memory at batch 1, 8, 32, 64.
 
 Weights are created directly on the GPU in bf16 (no download, no CPU copy of a 7B model).
 Prints one JSON object last: ``{family: {"params_b": .., "build_s": .., "batches": {batch:
-{"samples_per_s", "latency_ms", "peak_mem_gib"}}}}``. Without CUDA it says so and exits 2.
+{"samples_per_s", "latency_ms", "peak_mem_gib"}}}}``, and the figures so far after each family
+(the last line wins: ``bench/gpu_check.sh`` keeps them when a run is cut short). Without CUDA
+it says so and exits 2.
 ``--device cpu --tiny`` runs the same code on the tiny configs (a smoke test of this script).
 """
 
@@ -86,7 +88,7 @@ def bench_family(family: str, preset: tuple, spec: EnvSpec, batches: list[int], 
             lat = min(times)
             peak = torch.cuda.max_memory_allocated(device) / 2**30 if device.type == "cuda" else None
             row["batches"][str(b)] = {"samples_per_s": round(b / lat, 2), "latency_ms": round(lat * 1e3, 1),
-                                      "peak_mem_gib": round(peak, 2)}
+                                      "peak_mem_gib": None if peak is None else round(peak, 2)}
         except torch.OutOfMemoryError:
             row["batches"][str(b)] = {"error": "out of memory"}
             torch.cuda.empty_cache()
@@ -126,7 +128,7 @@ def main() -> None:
         except Exception as exc:  # one family failing must not hide the others' figures
             results[fam] = {"error": f"{type(exc).__name__}: {exc}"[:500]}
             print(f"{fam}: FAILED {exc!r}", file=sys.stderr)
-    print(json.dumps(results))
+        print(json.dumps(results), flush=True)  # the figures so far: a run cut short keeps them
 
 
 if __name__ == "__main__":

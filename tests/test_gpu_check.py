@@ -1,0 +1,74 @@
+"""``bench/gpu_check.sh --dry-run``: the prepared GPU check rehearsed on CPU with tiny models.
+
+One run of the whole script (the same stage scripts and flags as on the GPU, tiny sizes): each
+stage writes its own JSON as it ends, each holds the figures its GPU run will report, and the
+summary is the last line of stdout. The install stage is given 1 s, less than its interpreter
+needs to import torch: it times out, says so, and the stages after it run as if it had not. This is also where the GPU machine's stack is covered on
+CPU: the update and job stages run the trainer's real path (build, learner, update, weights).
+No timing assertions."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from rlvla3.lifetime import launcher_env
+
+ROOT = Path(__file__).resolve().parents[1]
+STAGES = ("install", "models", "update", "job_sync", "job_async")
+FAMILIES = {"pi0", "pi05", "gr00t_n15", "openvla_oft"}
+
+
+@pytest.mark.timeout(900)  # ~1 min alone; process start-up is slow on a loaded 2-core VM
+def test_gpu_check_dry_run_writes_every_stage(tmp_path: Path) -> None:
+    out = tmp_path / "gc"
+    proc = subprocess.run(
+        ["bash", str(ROOT / "bench" / "gpu_check.sh"), "--dry-run", "--out", str(out), "--carry", str(tmp_path / "none")],
+        cwd=tmp_path, capture_output=True, text=True, timeout=840,
+        env={**os.environ, **launcher_env(), "PYTHON": sys.executable, "GPU_CHECK_SITE": str(tmp_path / "site"),
+             "MUJOCO_GL": os.environ.get("MUJOCO_GL", "egl"), "GPU_CHECK_T_INSTALL": "1"},
+    )
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    summary = json.loads(proc.stdout.strip().splitlines()[-1])
+    stages = summary["stages"]
+    assert summary["dry_run"] is True and set(stages) == set(STAGES)
+    assert summary["failed"] == ["install"], {n: stages[n].get("error") for n in summary["failed"]}
+    assert not summary["ok"] and json.loads((out / "summary.json").read_text())["failed"] == ["install"]
+    install = json.loads((out / "install.json").read_text())
+    assert install["timed_out"] and install["rc"] == 124 and install["result"] is None
+    assert "timed out" in install["error"] and install["seconds"] < 15
+    for name in STAGES[1:]:  # each stage's own file, written as it ended, says the same
+        own = json.loads((out / f"{name}.json").read_text())
+        assert own["stage"] == name and own["ok"] and not own["timed_out"] and own["seconds"] > 0
+        assert own["result"] == stages[name]["result"]
+
+    models = stages["models"]["result"]
+    assert set(models) >= FAMILIES
+    for fam in FAMILIES:
+        assert set(models[fam]["batches"]) == {"1", "2"}, models[fam]
+        assert all(row["samples_per_s"] > 0 for row in models[fam]["batches"].values())
+
+    update = stages["update"]["result"]
+    assert update["pi0"]["lora"] is False and update["openvla_oft"]["lora"] is True
+    assert update["openvla_oft"]["trainable_m"] < update["openvla_oft"]["params_m"] / 2  # adapters and heads only
+    for fam in ("pi0", "openvla_oft"):
+        for algo in ("ppo", "grpo"):
+            case = update[fam][algo]
+            assert case["update_s"][0] > 0 and case["samples"][0] > 0, (fam, algo, case)
+
+    for mode in ("sync", "async"):
+        job = stages[f"job_{mode}"]["result"]
+        assert job["mode"] == mode and job["placement"] == "colocated" and job["family"] == "pi0"
+        assert job["env_steps"] > 0 and job["env_steps_per_s"] > 0 and job["versions"] >= 1
+        assert job["publish_to_swap_ms"]["1"] > 0 and job["staleness"]["count"] > 0
+        assert job["update_s"] and job["offloading"] is False  # auto on CPU keeps the state
+    assert stages["job_sync"]["result"]["staleness"]["max"] == 0  # sync alternates: always fresh
+    head = summary["headline"]  # what a note quotes, picked out of the stages
+    assert set(head["act_samples_per_s"]) >= FAMILIES and set(head["jobs"]) == {"sync", "async"}
+    assert set(head["updates"]) == {f"{f}.{a}" for f in ("pi0", "openvla_oft") for a in ("ppo", "grpo")}
+    assert head["jobs"]["async"]["publish_to_swap_ms_median"] == stages["job_async"]["result"]["publish_to_swap_ms_median"]
