@@ -14,9 +14,9 @@ makes it: the policy's own ``act()`` gives actions, log-probs, values and replay
 share a start), the ``Learner`` turns them into units (GRPO scores each group) and
 ``build_batch`` + ``workers.algorithms.update.update`` run the update.
 
-Gradient checkpointing (``--grad-ckpt``) is on for OpenVLA-OFT only: π0's expert reads the
-KV cache its VLM writes over the prefix, and transformers drops that cache in checkpointed
-layers (``'NoneType' object has no attribute 'get_seq_length'`` in ``Pi0Policy._context``).
+Gradient checkpointing (``--grad-ckpt``) is on for both: OpenVLA-OFT recomputes its towers,
+π0 only its vision tower (its expert reads the KV cache the language model writes, see
+``Pi0Policy.checkpoint_towers``).
 
 Releases: π0 at 3B trains in full; OpenVLA-OFT at 7.5B trains with LoRA (full Adam does not fit
 one H200), as ``configs/models/*`` and the README say. Two 224x224 cameras, as
@@ -207,7 +207,7 @@ def main() -> None:
     ap.add_argument("--minibatch", type=int, default=16, help="decisions per gradient step")
     ap.add_argument("--fragment-len", type=int, default=8, help="decisions per fragment / GRPO episode")
     ap.add_argument("--group-size", type=int, default=4, help="GRPO: episodes per group")
-    ap.add_argument("--grad-ckpt", default="openvla_oft",
+    ap.add_argument("--grad-ckpt", default="pi0,openvla_oft",
                     help="families trained with train.gradient_checkpointing (comma list; empty: none)")
     ap.add_argument("--device", default="cuda")
     ap.add_argument("--tiny", action="store_true", help="tiny configs (a smoke test of this script)")

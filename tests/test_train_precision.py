@@ -4,6 +4,7 @@ its state surviving a checkpoint, and gradient checkpointing recomputing layers 
 from __future__ import annotations
 
 import numpy as np
+import pytest
 import torch
 from torch import nn
 
@@ -100,6 +101,28 @@ def test_gradient_checkpointing_keeps_fewer_activations_and_the_same_gradients()
         saved.append(nbytes[0])
         grads.append({k: p.grad.clone() for k, p in policy.named_parameters() if p.grad is not None})
     assert saved[1] < 0.7 * saved[0], saved  # layer activations were not kept
+    assert grads[0].keys() == grads[1].keys()
+    for k in grads[0]:
+        torch.testing.assert_close(grads[0][k], grads[1][k], rtol=1e-5, atol=1e-6)
+
+
+@pytest.mark.parametrize("config", ["configs/synthetic_pi0.yaml", "configs/synthetic_pi05.yaml"])
+def test_gradient_checkpointing_of_a_cache_reading_expert_gives_the_same_gradients(config: str) -> None:
+    """pi0/pi0.5's expert reads the KV cache its VLM writes: only the vision tower may recompute."""
+    cfg = load(config, ["workers.device=cpu", "model.dtype=float32"])
+    obs = _obs(cfg, 2)
+    grads = []
+    for checkpointing in (False, True):
+        torch.manual_seed(0)
+        policy = build_policy(cfg)
+        policy.train()
+        if checkpointing:
+            assert enable_gradient_checkpointing(policy) == 1
+        torch.manual_seed(1)
+        out = policy.act(obs, deterministic=True)
+        ev = policy.evaluate(obs, out.actions, out.replay)
+        (ev.logprob.mean() + ev.value.pow(2).mean()).backward()
+        grads.append({k: p.grad.clone() for k, p in policy.named_parameters() if p.grad is not None})
     assert grads[0].keys() == grads[1].keys()
     for k in grads[0]:
         torch.testing.assert_close(grads[0][k], grads[1][k], rtol=1e-5, atol=1e-6)

@@ -15,10 +15,15 @@ def enable_gradient_checkpointing(policy: nn.Module) -> int:
 
     Towers nested in an outer transformers model are covered by the outer one. Custom heads
     (GR00T's DiT, the value heads) keep their activations: they are a small part of the memory.
+    A policy whose action expert reads a KV cache that its VLM writes (pi0, pi0.5) names the
+    towers that are safe in ``checkpoint_towers()``: a checkpointed language model writes no cache,
+    and a checkpointed expert would append its keys to the cache again when it recomputes.
     """
     from transformers import PreTrainedModel
 
-    towers = [m for m in policy.modules() if isinstance(m, PreTrainedModel) and m.supports_gradient_checkpointing]
+    named = getattr(policy, "checkpoint_towers", None)
+    towers = list(named()) if named else [
+        m for m in policy.modules() if isinstance(m, PreTrainedModel) and m.supports_gradient_checkpointing]
     outer = [m for m in towers if not any(m is not o and any(m is s for s in o.modules()) for o in towers)]
     for m in outer:  # transformers >= 5.x names it activation_checkpointing_enable; 5.0 has the old name
         enable = getattr(m, "activation_checkpointing_enable", None) or m.gradient_checkpointing_enable

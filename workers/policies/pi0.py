@@ -196,6 +196,10 @@ class Pi0Policy(FlowPolicy):
                 "pixel_attention_mask": torch.ones(b, ncam, dtype=torch.bool, device=dev),
                 "state": state_tensor(obs.state, self.state_dim).to(dt)}
 
+    def checkpoint_towers(self) -> list[Any]:
+        """Only the vision tower recomputes: the expert reads the cache the language model writes."""
+        return [self.pi0.model.vlm.vision_tower]
+
     def _context(self, obs: Observation) -> dict[str, Any]:
         """Run the VLM over images + instruction once; the cache serves every denoising step."""
         inp = self.model_inputs(obs)

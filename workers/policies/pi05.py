@@ -144,6 +144,10 @@ class Pi05Policy(FlowPolicy):
     def _dtype(self) -> torch.dtype:
         return self.action_in_proj.weight.dtype
 
+    def checkpoint_towers(self) -> list[Any]:
+        """Only the vision tower recomputes: the expert reads the cache the language model writes."""
+        return [self.vlm.vision_tower]
+
     def _context(self, obs: Observation) -> dict[str, Any]:
         """VLM pass over [images, "Task: ..., State: ...;\\nAction: "]; keeps cache and value."""
         dev, dt = self.device, self._dtype
