@@ -109,6 +109,9 @@ class BrokerState:
         if self.curve and not access.role_allowed(key, role):
             raise P.ProtocolError(P.E_AUTH, f"key {key!r} may not join as {role}: a key named {role}* may "
                                             "(make one with `rlvla3 keys DIR --client NAME`)")
+        reported = (msg.get("info") or {}).get("version")
+        if role == "trainer" and isinstance(reported, int):  # checked before anything changes
+            access.check_version_step(reported, self.version_reference(), self.cfg.broker.max_version_step, "READY")
         out: list[Out] = []
         if identity in self.registry:
             out += self._worker_gone(identity, "re_ready")
@@ -213,7 +216,7 @@ class BrokerState:
 
     def _on_weights(self, w: Worker, msg: P.Message, now: float) -> list[Out]:
         access.check_weights(w, msg["version"], max(self.weights.version, self.trainer_version),
-                             self.cfg.broker.max_version_step)
+                             self.cfg.broker.max_version_step, msg.get("store"))
         spec = access.manifest_spec(msg.get("manifest"))
         if spec is not None and self.model_spec is not None and spec != self.model_spec:
             raise P.ProtocolError(P.E_FIELD, "WEIGHTS manifest does not match the model's tensors (names, dtypes, "
@@ -233,6 +236,7 @@ class BrokerState:
             self.training_pause = False
             self.steps_since_update = 0
             return []
+        access.check_version_step(msg["version"], self.version_reference(), self.cfg.broker.max_version_step, "TRAIN")
         self.trainer_version = max(self.trainer_version, msg["version"])
         steps = msg.get("steps")
         taken = steps if msg["phase"] == "begin" and isinstance(steps, int) and not isinstance(steps, bool) else None
@@ -246,6 +250,13 @@ class BrokerState:
                 except (TypeError, ValueError):
                     pass
         return []
+
+    def version_reference(self) -> int | None:
+        """What trainers' version reports are bounded from: the newest version known, once this
+        broker has accepted an announcement. Before that (a fresh or restarted broker) a trainer's
+        report is taken as it is: a resumed trainer sends TRAIN with its checkpoint's version,
+        which may be far ahead, before its first WEIGHTS (``access.check_version_step``)."""
+        return None if self.weights.version < 0 else max(self.weights.version, self.trainer_version)
 
     def _on_heartbeat(self, w: Worker, msg: P.Message, now: float) -> list[Out]:
         credits = msg.get("credits")
