@@ -158,6 +158,9 @@ class BrokerState:
         return out + [Out(identity, P.READY, reply)]
 
     def _on_obs(self, w: Worker, msg: P.Message, now: float) -> list[Out]:
+        again = self.dispatcher.duplicate(w, msg)  # a re-sent request: never served twice
+        if again is not None:
+            return again
         window = self.admission.window(self.cfg.batching.max_batch)
         if window is not None and not msg.get("eval") and msg["n"] > window:
             raise P.ProtocolError(P.E_LIMIT, f"OBS of {msg['n']} envs: no admission window holds more than {window} "

@@ -64,6 +64,7 @@ class BrokerStats:
     batches: int = 0
     errors: int = 0
     requeued: int = 0
+    duplicates: int = 0  # re-sent OBS of a request already taken (not served again)
     traj_received: int = 0
     traj_delivered: int = 0
     traj_acked: int = 0
@@ -139,6 +140,7 @@ class BrokerStats:
             "batches": self.batches,
             "errors": self.errors,
             "requeued": self.requeued,
+            "duplicates": self.duplicates,
             "traj": {
                 "received": self.traj_received, "delivered": self.traj_delivered,
                 "acked": self.traj_acked, "requeued": self.traj_requeued, "dropped": self.traj_dropped,

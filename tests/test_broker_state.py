@@ -287,3 +287,22 @@ def test_weights_are_announcements_the_broker_never_holds_bytes():
     assert msg["version"] == 2 and msg["manifest"]["version"] == 2 and msg.tensors == {}
     [bad] = s.send(TRAINER, P.WEIGHTS, {"version": 3, "manifest": {"version": 3, "entries": []}})  # nowhere to fetch
     assert bad.type == P.ERROR and s.state.weights.version == 2
+
+
+def test_a_resent_request_is_served_once_and_an_answered_one_gets_its_act_again():
+    s = Script("batching.max_batch=2")
+    s.simulator(SIM)
+    s.generator(GEN, credits=1)
+    obs = {"slot": 0, "req_id": 1, "n": 2, "instruction": ["go"] * 2, "episode_step": [1, 1], "env_steps": 2}
+    image = {"image": np.zeros((2, 2, 2, 3), np.uint8)}
+    assert s.send(SIM, P.OBS, obs, image) == []
+    assert s.send(SIM, P.OBS, obs, image) == []  # a copy while queued: dropped
+    [batch] = of_type(s.tick(1.0), P.BATCH, GEN)
+    assert s.send(SIM, P.OBS, obs, image) == []  # a copy while at the generator: dropped
+    assert of_type(s.tick(1.0), P.BATCH) == []
+    [act] = s.result(batch)
+    again = s.send(SIM, P.OBS, obs, image)  # its ACT was lost: the same ACT again, no new batch
+    assert again == [act] and of_type(s.tick(1.0), P.BATCH) == []
+    assert s.send(SIM, P.OBS, dict(obs, req_id=0), image) == []  # an older request: dropped
+    fig = s.state.status(s.now)
+    assert fig["duplicates"] == 4 and fig["requests"] == 1 and fig["env_steps"] == 2

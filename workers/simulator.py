@@ -13,6 +13,7 @@ they travel as inline frames. The slot code does not know which.
 from __future__ import annotations
 
 import hashlib
+import time
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -72,7 +73,8 @@ class Slot:
     out: dict[str, np.ndarray] | None = None  # the policy outputs being executed
     version: int = -1
     obs_block: dict[str, P.ShmRef] = field(default_factory=dict)  # tensor name -> the slot's block for it
-    pending_obs: list[Any] | None = None  # last OBS frames, re-sent after a reconnect
+    pending_obs: list[Any] | None = None  # last OBS frames, re-sent after a reconnect or env.obs_resend_s
+    sent_at: float = 0.0  # when pending_obs last went out (monotonic)
     eval: bool = False  # an evaluation slot: deterministic actions, held-out starts, never trained on
     frozen: np.ndarray | None = None  # eval: envs whose episode of this round is over
     eval_version: int = -1  # eval: the policy version this round evaluates
@@ -376,6 +378,7 @@ class SimulatorWorker(WorkerBase):
         self.restarts_unreported = 0
         slot.waiting = True
         slot.pending_obs = [fields, tensors]
+        slot.sent_at = time.monotonic()
         self.send(P.OBS, fields, tensors)
 
     def _ship(self, slot: Slot, header: dict[str, Any], tensors: dict[str, np.ndarray]) -> None:
@@ -398,12 +401,22 @@ class SimulatorWorker(WorkerBase):
         self.unacked[tid] = (fields, send_tensors, offsets)
         self.send(P.TRAJ, fields, send_tensors)
 
+    def tick(self, now: float) -> None:
+        """A request whose ACT is late goes again (the broker serves it once whatever happens)."""
+        every = self.cfg.env.obs_resend_s
+        for slot in self.slots:
+            if every > 0 and slot.waiting and slot.pending_obs is not None and now - slot.sent_at >= every:
+                log.warning("obs_resent", slot=slot.index, req_id=slot.req_id, waited_s=round(now - slot.sent_at, 3))
+                slot.sent_at = now
+                self.send(P.OBS, *slot.pending_obs)
+
     def on_reconnected(self) -> None:
         """The broker restarted: re-send what it may have lost (requests and unacked TRAJ)."""
         for slot in self.slots:
             if slot.waiting and slot.pending_obs is not None:  # its steps are in READY's total
-                fields, tensors = slot.pending_obs
-                self.send(P.OBS, dict(fields, env_steps=0), tensors)
+                slot.pending_obs[0] = dict(slot.pending_obs[0], env_steps=0)
+                slot.sent_at = time.monotonic()
+                self.send(P.OBS, *slot.pending_obs)
         for fields, tensors, _ in self.unacked.values():
             self.send(P.TRAJ, fields, tensors)
 
