@@ -4,6 +4,7 @@ survived by every worker."""
 
 from __future__ import annotations
 
+import json
 import os
 import signal
 import time
@@ -53,19 +54,27 @@ def test_trainer_killed_its_trajectories_go_to_the_next(job_factory):
 
 
 def test_workers_survive_a_broker_restart_and_its_counters_are_rebuilt(job_factory):
+    """... and the generator follows the new broker's PUB address (its READY reply says where):
+    versions published after the restart reach it."""
     job = job_factory()
     fig = job.wait(lambda f: f["env_steps"] > 100 and f["trainer_version"] >= 1, 120, "stepping and training")
     endpoint, pub = job.endpoint, fig["run_id"]
     steps, version = fig["env_steps"], fig["trainer_version"]
+    served = max(w["version"] or 0 for w in fig["per_worker"] if w["role"] == "generator")
+    old_pub = json.loads((job.run_dir / "broker.json").read_text())["pub"]
     job.broker_proc.send_signal(signal.SIGKILL)
     job.broker_proc.wait(10)
-    job.start_broker(endpoint, None)  # same address; a new broker knows nobody
+    job.start_broker(endpoint, "tcp://127.0.0.1:0")  # same address, another PUB port; a new broker knows nobody
+    assert json.loads((job.run_dir / "broker.json").read_text())["pub"] != old_pub
     fig = job.wait(lambda f: f["workers"] == {"simulator": 1, "generator": 1, "trainer": 1}, 120,
                    "workers re-joined the restarted broker")
     # The simulators' and trainer's own counts rebuild the counters: nothing starts from 0.
     assert fig["env_steps"] >= steps and fig["trainer_version"] >= version, (fig["env_steps"], steps)
     fig = job.wait(lambda f: f["env_steps"] > steps + 100, 120, "stepping on after the restart")
     assert fig["run_id"] != pub
+    job.wait(lambda f: any((w["version"] or 0) > max(served, version) + 1 for w in f["per_worker"] if w["role"] == "generator"),
+             120, "a version published after the restart served by the generator")
+    assert "weights_sub_moved" in (job.run_dir / "generator0.log").read_text()
 
 
 def test_a_reconnecting_trainer_takes_back_its_rank_and_nobody_else_can(job_factory, zctx):

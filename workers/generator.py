@@ -82,6 +82,7 @@ class GeneratorWorker(WorkerBase):
     def __init__(self, broker: str, **kw: Any) -> None:
         super().__init__(broker, **kw)
         self.sub: zmq.Socket | None = None
+        self.sub_addr = ""  # the PUB endpoint subscribed to (a restarted broker's READY may move it)
         self.policy = None
         self.version = 0
         self.serving = False
@@ -112,10 +113,24 @@ class GeneratorWorker(WorkerBase):
         self.sub.setsockopt(zmq.RCVHWM, 4)
         self.sub.setsockopt(zmq.MAXMSGSIZE, P.MAX_MESSAGE_BYTES)
         auth.configure_client(self.sub, self.keys_dir, self.key_name)
-        self.sub.connect(pub_address(self.welcome["pub"], self.broker_url))
+        self.sub_addr = pub_address(self.welcome["pub"], self.broker_url)
+        self.sub.connect(self.sub_addr)
         self.send(P.SNAPSHOT, {})
         log.info("generator_ready", family=cfg.model.family, device=str(self.policy.device),
                  params=sum(p.numel() for p in self.policy.parameters()))
+
+    def on_reconnected(self) -> None:
+        """A restarted broker may publish on another address (its READY reply says where):
+        subscribe there, then ask for its snapshot again (the Clone pattern, as at start)."""
+        if self.sub is None:
+            return
+        addr = pub_address(self.welcome["pub"], self.broker_url)
+        if addr != self.sub_addr:
+            log.info("weights_sub_moved", old=self.sub_addr, new=addr)
+            self.sub.disconnect(self.sub_addr)
+            self.sub.connect(addr)
+            self.sub_addr = addr
+        self.send(P.SNAPSHOT, {})
 
     def extra_sockets(self) -> list[zmq.Socket]:
         return [self.sub] if self.sub is not None else []
