@@ -220,10 +220,18 @@ class Dispatcher:
         self.admission.on_settled(batch.requests)
         per_request = names.by_request(msg.tensors)
         queue_us = msg.get("queue_us") if isinstance(msg.get("queue_us"), list) else []
+        dropped = set(msg.get("dropped") or ())  # requests the generator could not read
         out = []
         for i, req in enumerate(batch.requests):
+            if i in dropped:
+                self.stats.requests_unreadable += 1
             if req.sim not in self.registry:
                 continue  # its simulator left; nothing to deliver
+            if i in dropped:  # alone: the slot restarts its episodes and asks again
+                out.append(self._answered(req, Out(req.sim, P.ACT, {
+                    "slot": req.slot, "req_id": req.req_id, "version": -1,
+                    "error": "the generator could not read this request's observation (its shared memory is gone?)"})))
+                continue
             fields = {
                 "slot": req.slot, "req_id": req.req_id, "version": msg["version"],
                 "queue_us": int(queue_us[i]) if i < len(queue_us) else 0,
@@ -237,7 +245,7 @@ class Dispatcher:
         out = []
         for r in batch.requests:
             r.attempts += 1
-            if r.attempts < MAX_ATTEMPTS:
+            if r.attempts < MAX_ATTEMPTS and r.sim in self.registry:  # a gone simulator's: never again
                 self.queue.push(r)
                 self.stats.requeued += 1
             else:
@@ -279,6 +287,9 @@ class Dispatcher:
             if batch is None:
                 continue
             for r in batch.requests:
+                if r.sim not in self.registry:  # its simulator left too (its memory may be gone)
+                    self.admission.on_settled([r])
+                    continue
                 self.queue.push(r)
                 self.stats.requeued += 1
             log.warning("batch_requeued", batch_id=batch_id, requests=len(batch.requests))

@@ -65,6 +65,7 @@ class BrokerStats:
     errors: int = 0
     requeued: int = 0
     duplicates: int = 0  # re-sent OBS of a request already taken (not served again)
+    requests_unreadable: int = 0  # requests a generator could not read (left out of its batch alone)
     traj_received: int = 0
     traj_delivered: int = 0
     traj_acked: int = 0
@@ -141,6 +142,7 @@ class BrokerStats:
             "errors": self.errors,
             "requeued": self.requeued,
             "duplicates": self.duplicates,
+            "requests_unreadable": self.requests_unreadable,
             "traj": {
                 "received": self.traj_received, "delivered": self.traj_delivered,
                 "acked": self.traj_acked, "requeued": self.traj_requeued, "dropped": self.traj_dropped,

@@ -306,3 +306,27 @@ def test_a_resent_request_is_served_once_and_an_answered_one_gets_its_act_again(
     assert s.send(SIM, P.OBS, dict(obs, req_id=0), image) == []  # an older request: dropped
     fig = s.state.status(s.now)
     assert fig["duplicates"] == 4 and fig["requests"] == 1 and fig["env_steps"] == 2
+
+
+def test_a_request_the_generator_cannot_read_fails_alone_and_a_gone_simulators_is_never_requeued():
+    s = Script("batching.max_batch=4")
+    s.simulator(SIM)
+    s.simulator(SIM2)
+    s.generator(GEN, credits=1)
+    s.obs(SIM, 0)
+    s.obs(SIM2, 0)
+    [batch] = of_type(s.tick(1.0), P.BATCH, GEN)
+    first, second = batch.fields["requests"]
+    outs = s.send(GEN, P.RESULT, {"batch_id": batch.fields["batch_id"], "version": 0, "dropped": [0]},
+                  {"r1/action": np.zeros((2, 4), np.float32)})
+    by_sim = {o.to: o for o in of_type(outs, P.ACT)}
+    assert "could not read" in by_sim[SIM].fields["error"] and by_sim[SIM].fields["req_id"] == first["req_id"]
+    assert "error" not in by_sim[SIM2].fields and set(by_sim[SIM2].tensors) == {"action"}
+    assert s.state.status(s.now)["requests_unreadable"] == 1
+    # A batch holding a request of a simulator that left fails: only the live one goes back.
+    s.obs(SIM, 0)
+    s.obs(SIM2, 0)
+    [batch] = of_type(s.tick(1.0), P.BATCH, GEN)
+    s.send(SIM, P.DISCONNECT)
+    s.result(batch, error="boom")
+    assert [r.sim for _, r in s.state.dispatcher.queue.ordered()] == [SIM2]

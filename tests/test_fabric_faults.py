@@ -8,6 +8,7 @@ import json
 import os
 import signal
 import time
+from pathlib import Path
 
 import pytest
 import zmq
@@ -134,3 +135,24 @@ def test_a_rejection_flood_writes_a_bounded_log(job_factory, zctx):
         sock.close()
     lines = log.read_text().count("message_rejected")
     assert lines <= job.cfg.broker.reject_log_per_s * (elapsed + 2), (lines, elapsed)
+
+
+def test_a_request_whose_shared_memory_is_gone_fails_alone(job_factory):
+    """A simulator killed with its request queued: its shared memory is unlinked (by its resource
+    tracker) before the broker notices it left, and a generator that never mapped that memory
+    gets the request in a batch. It leaves that request out, counts it, and serves the rest of the
+    batch; nothing is re-queued. (A SIGTERM'd simulator withdraws its queued requests with its
+    DISCONNECT; one that reaches a generator before the DISCONNECT reaches the broker is this case.)"""
+    job = job_factory("workers.generators=0", "workers.trainers=0", "env.slots=1", "env.num_envs=2", "env.eval_slots=0",
+                      "broker.liveness=60", start=False)
+    doomed = job.start_worker("simulator", "doomed")
+    job.start_worker("simulator", "survivor")
+    job.wait(lambda f: f["queue_depth"] == 2, 90, "both simulators' requests queued (no generator yet)")
+    os.kill(doomed.pid, signal.SIGKILL)
+    wait_until(lambda: not list(Path("/dev/shm").glob(f"rlvla3_*_{doomed.pid}_*")), 30, "the killed simulator's memory unlinked")
+    job.start_worker("generator", "gen")
+    fig = job.wait(lambda f: f["requests_unreadable"] >= 1 and ((job.worker(f, "survivor") or {}).get("env_steps") or 0) > 0,
+                   90, "the unreadable request left out and the other served")
+    assert fig["requeued"] == 0 and fig["queue_depth"] <= 1, fig
+    assert "act_failed_resetting_slot" not in (job.run_dir / "survivor.log").read_text()
+    assert "request_unreadable" in (job.run_dir / "gen.log").read_text()
