@@ -31,6 +31,9 @@ from rlvla3.config import JobConfig
 
 log = structlog.get_logger()
 
+STATUS_REFRESH_S = 0.25
+"""STATUS figures are built at most this often (percentiles at most once a second: ``brokers.stats``)."""
+
 
 class BrokerState:
     def __init__(self, cfg: JobConfig, now: float, run_id: str, host: str, pid: int = 0, pub: str = "",
@@ -56,6 +59,7 @@ class BrokerState:
         self.steps_since_update = 0
         self.training_pause = False
         self._last_hb = now
+        self._status: tuple[float, dict[str, Any], list[Any]] | None = None  # (built at, figures, frames)
 
     # =========================================================================================
     # Messages in
@@ -75,7 +79,7 @@ class BrokerState:
             except P.ProtocolError as err:
                 return self.reject(identity, err.code, err.reason, msg.type, now)
         if msg.type == P.STATUS:
-            return [Out(identity, P.STATUS, {"figures": self.status(now)})]
+            return [self._status_reply(identity, now)]
         if worker is None:
             return self.reject(identity, P.E_STATE, f"{msg.type} before READY: send READY first", msg.type, now)
         handler = self._HANDLERS.get(msg.type)
@@ -375,6 +379,15 @@ class BrokerState:
     # =========================================================================================
     # STATUS
     # =========================================================================================
+
+    def _status_reply(self, identity: bytes, now: float) -> Out:
+        """STATUS, answered from figures built and encoded at most every ``STATUS_REFRESH_S``:
+        between refreshes an answer costs the loop a send, whatever the job's size (a flood of
+        STATUS once stalled the loop for seconds; ``bench/status_flood.py`` measures it)."""
+        if self._status is None or now - self._status[0] >= STATUS_REFRESH_S:
+            fig = self.status(now)
+            self._status = (now, fig, P.encode(P.STATUS, {"figures": fig}))
+        return Out(identity, P.STATUS, {"figures": self._status[1]}, frames=self._status[2])
 
     def status(self, now: float) -> dict[str, Any]:
         gens = self.dispatcher.generators
