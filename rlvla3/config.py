@@ -65,7 +65,8 @@ class BrokerConfig:
     become CURVE servers that admit only the public keys in ``DIR/clients``. Empty: no CURVE, and
     a non-loopback bind is refused unless the broker is started with ``--insecure``."""
     max_version_step: int = 1000
-    """WEIGHTS may move the policy version at most this far past the newest the broker knows."""
+    """WEIGHTS, and trainers' version reports (TRAIN, READY) once a version is announced, may move
+    the policy version at most this far past the newest the broker knows."""
     max_peer_requests: int = 256
     """OBS requests one simulator may have queued at once; more are answered with ERROR."""
     max_peer_trajs: int = 1024
