@@ -330,3 +330,23 @@ def test_a_request_the_generator_cannot_read_fails_alone_and_a_gone_simulators_i
     s.send(SIM, P.DISCONNECT)
     s.result(batch, error="boom")
     assert [r.sim for _, r in s.state.dispatcher.queue.ordered()] == [SIM2]
+
+
+def test_a_failed_batch_is_retried_request_by_request():
+    s = Script("batching.max_batch=8")
+    s.simulator(SIM)
+    s.simulator(SIM2)
+    s.generator(GEN, credits=1)
+    s.obs(SIM, 0)
+    s.obs(SIM2, 0)
+    [batch] = of_type(s.tick(1.0), P.BATCH)
+    assert len(batch.fields["requests"]) == 2
+    s.result(batch, error="nan in the forward pass")
+    s.obs(SIM, 1)  # a fresh request never shares a batch with a retried one
+    rounds = []
+    for _ in range(3):
+        [b] = of_type(s.tick(1.0), P.BATCH)
+        rounds.append((b.to, served(b)))
+        s.result(b)
+    assert [r for _, r in rounds] == [[(0, 1)], [(0, 1)], [(1, 1)]]
+    assert {to for to, _ in rounds} == {GEN} and s.state.status(s.now)["requeued"] == 2
