@@ -135,12 +135,15 @@ def test_gather_leaves_out_a_request_it_cannot_read_and_serves_the_rest(pool):
     gone = shm_request(gone_pool, obs)
     gone_pool.close()  # its owner left: the segment is unlinked before the generator ever mapped it
     good = make_obs(2, seed=2)
+    past_end = dict(shm_request(pool, obs))  # a block that would run past the segment's end
+    past_end[STATE] = P.ShmRef(pool.name, pool.shm.size - 8, 3 * STATE_DIM * 4, "float32", (3, STATE_DIM), pool.host)
     att = ShmAttachments()
     try:
         got, sizes, det, dropped = gather(batch_message([(obs, bad), (obs, gone), (good, shm_request(pool, good)),
-                                                         (obs, {})]), att)
-        assert sizes == [0, 0, 2, 0] and sorted(dropped) == [0, 1, 3] and len(det) == 2
+                                                         (obs, {}), (obs, past_end)]), att)
+        assert sizes == [0, 0, 2, 0, 0] and sorted(dropped) == [0, 1, 3, 4] and len(det) == 2
         assert "state of shape" in dropped[0] and "is gone" in dropped[1] and "no tensor 'state'" in dropped[3]
+        assert "beyond segment size" in dropped[4]
         np.testing.assert_array_equal(got.state, good.state)
         none, sizes, _, dropped = gather(batch_message([(obs, gone)]), att)
         assert none is None and sizes == [0] and list(dropped) == [0]
