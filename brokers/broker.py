@@ -26,7 +26,7 @@ from rlvla3.shm import host_id
 log = structlog.get_logger()
 
 DRAIN = 256  # messages read per turn before the timers run again ...
-DRAIN_S = 0.002  # ... or fewer, once a turn has read for this long: a flood never holds the timers back
+DRAIN_S = 0.001  # ... or fewer, once a turn has read for this long: a flood never holds the timers back
 
 
 class Broker:

@@ -332,7 +332,8 @@ class BrokerState:
         out: list[Out] = []
         for w in self.registry.expired(now):
             out += self._worker_gone(w.identity, "expired")
-        return out + [Out(w.identity, P.HEARTBEAT) for w in self.registry]
+        frames = P.encode(P.HEARTBEAT)  # encoded once for every worker: a large job's heartbeat stays cheap
+        return out + [Out(w.identity, P.HEARTBEAT, frames=frames) for w in self.registry]
 
     def wait_s(self, now: float) -> float:
         """How long the shell may block in poll before ``tick`` has work."""
