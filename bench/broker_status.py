@@ -1,7 +1,9 @@
 """What a STATUS answer costs the broker's loop: ``BrokerState.handle`` of one STATUS, timed,
 with figures as full as a long run's (64 workers, histograms of 100k values, 1000 evaluation
-versions). Percentiles are refreshed at most once a second, so the figure that matters is the
-cost of an answer in between (``cached_us``) and of the refresh itself (``refresh_us``). On a
+versions). The figures are built and encoded at most every ``STATUS_REFRESH_S`` (percentiles at
+most once a second), so the figure that matters is the cost of an answer in between
+(``cached_us``) and of the refresh itself (``refresh_us``). ``bench/status_flood.py`` measures
+the same on a live broker under a flood. On a
 busy machine the tails measure the scheduler; the medians measure the broker.
 
     python bench/broker_status.py
@@ -37,7 +39,7 @@ def main() -> None:
     now, cached, refresh = 10.0, [], []
     state.status(now)  # builds the percentile tables once, as the first STATUS of a run does
     for i in range(2000):
-        now += 0.01 if i % 100 else 1.0
+        now += 0.001 if i % 100 else 1.0  # 99 answers within STATUS_REFRESH_S, then a refresh
         t0 = time.perf_counter()
         out = state.handle(b"client", status, now)
         out[0].encode()  # the shell encodes the answer in the loop too

@@ -21,6 +21,7 @@ advancing, RSS growth <= 64 MB.
 
     python bench/fuzz.py            # 100,000 messages
     python bench/fuzz.py --quick    # 5,000 messages
+    python bench/fuzz.py --curve    # the same against a broker with CURVE keys (roles bound to keys)
 """
 
 from __future__ import annotations
@@ -40,6 +41,7 @@ import zmq
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from bench._common import OUT_DIR, emit, local_job, note  # noqa: E402
+from rlvla3 import auth  # noqa: E402
 from rlvla3 import protocol as P  # noqa: E402
 from rlvla3.config import load  # noqa: E402
 from rlvla3.launch import request_status  # noqa: E402
@@ -109,10 +111,12 @@ def hostile_valid(rng: random.Random, role: str) -> list:
 class Fuzzer(threading.Thread):
     """One client: joins as ``role`` (or never, for the stranger) and sends ``count`` messages."""
 
-    def __init__(self, ctx: zmq.Context, endpoint: str, role: str | None, count: int, seed: int) -> None:
+    def __init__(self, ctx: zmq.Context, endpoint: str, role: str | None, count: int, seed: int,
+                 keys_dir: str | None = None) -> None:
         super().__init__(daemon=True, name=f"fuzz-{role}")
         self.sock = ctx.socket(zmq.DEALER)
         self.sock.setsockopt(zmq.LINGER, 0)
+        auth.configure_client(self.sock, keys_dir, role or "client")  # with CURVE: an allowlisted key of its role
         self.sock.connect(endpoint)
         self.role, self.count, self.rng = role, count, random.Random(seed)
         self.sent = self.errors = self.replies = 0
@@ -178,6 +182,19 @@ class Fuzzer(threading.Thread):
             self.sock.close()
 
 
+def keyless_answered(ctx: zmq.Context, endpoint: str) -> bool:
+    """Whether a peer without a key gets any answer (READY, then STATUS) within 3 s."""
+    sock = ctx.socket(zmq.DEALER)
+    sock.setsockopt(zmq.LINGER, 0)
+    sock.connect(endpoint)
+    try:
+        for frames in (P.encode(P.READY, {**VALID[P.READY], "role": "client"}), P.encode(P.STATUS, {})):
+            sock.send_multipart(frames, zmq.DONTWAIT)
+        return bool(sock.poll(3000))
+    finally:
+        sock.close()
+
+
 def rss_mb(pid: int) -> float:
     for line in Path(f"/proc/{pid}/status").read_text().splitlines():
         if line.startswith("VmRSS:"):
@@ -193,11 +210,18 @@ def main() -> None:
     ap.add_argument("--smoke", action="store_true", help="1,000 messages: checks the script runs, measures nothing.")
     ap.add_argument("--out", default=OUT_DIR, help="Folder for fuzz.json (default ./bench/out).")
     ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--curve", action="store_true",
+                    help="The broker runs with CURVE keys (rlvla3 keys): the clients hold allowlisted keys of their "
+                         "roles (the stranger the client key, never joining), and a peer without a key must get nothing.")
     args = ap.parse_args()
     total = 1_000 if args.smoke else 5_000 if args.quick else args.messages
 
     root = Path(tempfile.mkdtemp(prefix="rlvla3-fuzz-"))
-    cfg = load("synthetic.yaml", list(JOB))
+    keys = None
+    if args.curve:
+        keys = str(root / "keys")
+        auth.make_keys(keys)
+    cfg = load("synthetic.yaml", [*JOB, *([f"broker.keys_dir={keys}"] if keys else [])])
     job = local_job(cfg, root)
     result: dict = {}
     try:
@@ -208,8 +232,8 @@ def main() -> None:
         note(f"job running (env_steps={before['env_steps']}, version={before['policy_version']}); fuzzing with {total} messages")
         ctx = zmq.Context()
         roles = ["simulator", "generator", "client", None]
-        fuzzers = [Fuzzer(ctx, endpoint, roles[i % len(roles)], total // args.clients + (i < total % args.clients), args.seed + i)
-                   for i in range(args.clients)]
+        fuzzers = [Fuzzer(ctx, endpoint, roles[i % len(roles)], total // args.clients + (i < total % args.clients),
+                          args.seed + i, keys) for i in range(args.clients)]
         t0 = time.monotonic()
         for f in fuzzers:
             f.start()
@@ -226,8 +250,9 @@ def main() -> None:
                                         f["policy_version"] > before["policy_version"], 120.0, "the job to advance")
             except (TimeoutError, RuntimeError) as exc:
                 note(f"job did not advance: {exc}")
-                after = request_status(endpoint)
+                after = request_status(endpoint, keys_dir=keys)
         rss1 = rss_mb(job.broker_proc.pid) if alive else 0.0
+        keyless = keyless_answered(ctx, endpoint) if keys else None
         ctx.term()
         result = {
             "sent": sum(f.sent for f in fuzzers),
@@ -245,6 +270,8 @@ def main() -> None:
             "workers_alive": all(p.poll() is None for p in job.workers),
             "client_failures": [f.failure for f in fuzzers if f.failure],
             "broker_log_mb": round((root / "broker.log").stat().st_size / 2**20, 2),  # rejections are rate-limited
+            "curve": bool(keys),
+            "keyless_answered": keyless,  # with CURVE: a peer without an allowlisted key gets nothing back
             "targets": {"broker_alive": True, "job_advanced": True, "rss_growth_mb_max": 64},
         }
     finally:

@@ -31,32 +31,45 @@ def role_allowed(key_name: str | None, role: str) -> bool:
     return bool(key_name) and str(key_name).startswith(role)
 
 
+def _own_segment(w: Worker, what: str, seg: str, host: str, suffix: str) -> None:
+    """``seg`` on ``host`` must be a segment this worker created: on its host, named
+    ``rlvla3_<any run id>_<its pid>_<suffix>`` (``rlvla3.shm``; a worker's segments outlive a
+    broker restart, which starts a new run id)."""
+    if host != w.host:
+        raise P.ProtocolError(P.E_AUTH, f"{what}: segment on host {host!r}, the worker is on {w.host!r}")
+    if not re.fullmatch(rf"{re.escape(P.SHM_PREFIX)}[A-Za-z0-9]+_{w.pid}_{suffix}", seg):
+        raise P.ProtocolError(P.E_AUTH, f"{what}: segment {seg!r} is not one of this worker's "
+                                        f"(rlvla3_<run>_{w.pid}_...)")
+
+
 def check_segments(w: Worker, tensors: dict[str, Any]) -> None:
-    """Every shared-memory reference must name a segment of this worker: on its host, created by
-    its pid (``rlvla3_<run id>_<pid>_<n>``, ``rlvla3.shm.ShmPool``). The run id part is any run's:
-    a worker's pools outlive a broker restart, which starts a new run id. Bounds are checked
-    where the bytes are read (``ShmAttachments.array``)."""
-    pattern = None
+    """Every shared-memory reference must name one of this worker's pools (``ShmPool``:
+    ``rlvla3_<run>_<pid>_<n>``). Bounds are checked where the bytes are read
+    (``ShmAttachments.array``)."""
     for name, t in tensors.items():
-        if not isinstance(t, P.ShmRef):
-            continue
-        if t.host != w.host:
-            raise P.ProtocolError(P.E_AUTH, f"tensor {name!r}: segment on host {t.host!r}, the worker is on {w.host!r}")
-        pattern = pattern or re.compile(rf"{re.escape(P.SHM_PREFIX)}[A-Za-z0-9]+_{w.pid}_\d+")
-        if not pattern.fullmatch(t.seg):
-            raise P.ProtocolError(P.E_AUTH, f"tensor {name!r}: segment {t.seg!r} is not one of this worker's "
-                                            f"(rlvla3_<run>_{w.pid}_<n>)")
+        if isinstance(t, P.ShmRef):
+            _own_segment(w, f"tensor {name!r}", t.seg, t.host, r"\d+")
 
 
-def check_weights(w: Worker, version: int, newest: int, max_step: int) -> None:
-    """WEIGHTS comes from trainer rank 0 and moves the version at most ``max_step`` past the
-    newest the broker knows (snapshot, TRAIN reports, trainers' READY): a peer cannot jump the
-    job to version 2^62 and make every later real version look old."""
+def check_version_step(version: int, newest: int | None, max_step: int, what: str) -> None:
+    """A version report may move the job's version at most ``max_step`` past the newest the broker
+    knows (``None``: it knows none yet, a fresh broker, and takes the first report as it is: a
+    resumed trainer may be far ahead of it). One rule for WEIGHTS, TRAIN and a trainer's READY,
+    so a peer cannot jump the job to version 2^50 and make every later real version look old."""
+    if newest is not None and version > max(newest, 0) + max_step:
+        raise P.ProtocolError(P.E_VERSION, f"{what} version {version} is more than broker.max_version_step="
+                                           f"{max_step} past the newest known ({newest})")
+
+
+def check_weights(w: Worker, version: int, newest: int | None, max_step: int, store: Any) -> None:
+    """WEIGHTS comes from trainer rank 0, in a sane version step, and a weight store it names
+    must be rank 0's own segment (``WeightStore``: ``rlvla3_<run>_<pid>_w<k>``): generators map
+    what the announcement names, so nobody may point them at another process's memory."""
     if w.rank != 0:
         raise P.ProtocolError(P.E_ROLE, f"WEIGHTS comes from trainer rank 0, not rank {w.rank}")
-    if version > max(newest, 0) + max_step:
-        raise P.ProtocolError(P.E_VERSION, f"WEIGHTS version {version} is more than broker.max_version_step="
-                                           f"{max_step} past the newest known ({newest})")
+    check_version_step(version, newest, max_step, "WEIGHTS")
+    if isinstance(store, dict):  # its shape is checked by the announcement rule (rlvla3.weights.announce)
+        _own_segment(w, "WEIGHTS store", str(store.get("seg")), str(store.get("host")), r"w\d+")
 
 
 def manifest_spec(manifest: Any) -> tuple | None:

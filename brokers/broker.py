@@ -25,7 +25,8 @@ from rlvla3.shm import host_id
 
 log = structlog.get_logger()
 
-DRAIN = 256  # messages read per turn before the timers run again
+DRAIN = 256  # messages read per turn before the timers run again ...
+DRAIN_S = 0.001  # ... or fewer, once a turn has read for this long: a flood never holds the timers back
 
 
 class Broker:
@@ -60,21 +61,27 @@ class Broker:
         poller.register(self.router, zmq.POLLIN)
         while not self._stop and (until is None or time.monotonic() < until):
             events = dict(poller.poll(max(0, int(self.state.wait_s(time.monotonic()) * 1000))))
-            turn = time.perf_counter()
+            turn, turn_cpu = time.perf_counter(), time.thread_time()
             if self.router in events:
                 for _ in range(DRAIN):
                     try:
                         frames = self.router.recv_multipart(zmq.DONTWAIT, copy=False)
                     except zmq.Again:
                         break
-                    self._send_all(self._handle(frames))
+                    t0 = time.thread_time_ns()
+                    outs = self._handle(frames)
+                    self._send_all(outs)
+                    if outs and outs[0].type == P.STATUS:  # what one answer costs the loop (CPU), sending included
+                        self.state.stats.status_cpu_us.record_value(max(1, (time.thread_time_ns() - t0) // 1000))
+                    if time.perf_counter() - turn > DRAIN_S:
+                        break
             t0 = time.perf_counter_ns()
             outs = self.state.tick(time.monotonic())
             self._send_all(outs)
             batches = sum(1 for o in outs if o.type == P.BATCH)
             for _ in range(batches):  # forming and sending, per batch of this pass
                 self.state.stats.batch_form_us.record_value(max(1, (time.perf_counter_ns() - t0) // 1000 // batches))
-            self.state.stats.loop_turn(time.perf_counter() - turn)
+            self.state.stats.loop_turn(time.perf_counter() - turn, time.thread_time() - turn_cpu, time.monotonic())
         self.close()
 
     def _handle(self, frames: list[Any]) -> list[Out]:

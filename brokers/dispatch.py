@@ -4,6 +4,10 @@ Owns the request queue, the generators' credits, the batches out at generators a
 slot map. A batch lost with its generator, or failed on it, goes back into the queue with its
 arrival time (served first again); a request that failed ``MAX_ATTEMPTS`` times is answered
 with an error ACT instead. Admission (``brokers.admission``) is told what goes out and settles.
+
+Requests are idempotent by (simulator, slot, req_id): a simulator re-sends an OBS whose ACT is
+late (``env.obs_resend_s``); a copy of a request that is queued or out at a generator is
+dropped, and a copy of one already answered gets the same ACT again. Nothing is served twice.
 """
 
 from __future__ import annotations
@@ -52,8 +56,25 @@ class Dispatcher:
         self.sticky: dict[tuple[bytes, int], bytes] = {}  # (simulator, slot) -> generator
         self.batches: dict[int, Batch] = {}
         self._next_batch = 0
+        self.last_req: dict[tuple[bytes, int], int] = {}  # (simulator, slot) -> newest req_id taken
+        self.answers: dict[tuple[bytes, int], Out] = {}  # (simulator, slot) -> its last ACT
 
     # ---- requests in -------------------------------------------------------------------------
+
+    def duplicate(self, w: Worker, msg: P.Message) -> list[Out] | None:
+        """``None`` for a new request; for a copy of one already taken (a re-send), what to send
+        back: its ACT again when it was answered, nothing while it is queued or at a generator."""
+        key = (w.identity, msg["slot"])
+        last = self.last_req.get(key)
+        if last is None or msg["req_id"] > last:
+            return None
+        self.stats.duplicates += 1
+        answer = self.answers.get(key)
+        return [answer] if answer is not None and answer.fields["req_id"] == msg["req_id"] else []
+
+    def _answered(self, req: PendingRequest, act: Out) -> Out:
+        self.answers[req.slot_key] = act
+        return act
 
     def on_obs(self, w: Worker, msg: P.Message, now: float) -> None:
         n = msg["n"]
@@ -67,6 +88,7 @@ class Dispatcher:
             header=msg.header, tensors=msg.tensors, host=w.host,
             starts=sum(1 for s in msg["episode_step"] if s == 0),
         ))
+        self.last_req[(w.identity, msg["slot"])] = msg["req_id"]
         self.stats.requests += 1
         w.count_frames(msg.tensors)
         if self.adaptive is not None:
@@ -198,16 +220,24 @@ class Dispatcher:
         self.admission.on_settled(batch.requests)
         per_request = names.by_request(msg.tensors)
         queue_us = msg.get("queue_us") if isinstance(msg.get("queue_us"), list) else []
+        dropped = set(msg.get("dropped") or ())  # requests the generator could not read
         out = []
         for i, req in enumerate(batch.requests):
+            if i in dropped:
+                self.stats.requests_unreadable += 1
             if req.sim not in self.registry:
                 continue  # its simulator left; nothing to deliver
+            if i in dropped:  # alone: the slot restarts its episodes and asks again
+                out.append(self._answered(req, Out(req.sim, P.ACT, {
+                    "slot": req.slot, "req_id": req.req_id, "version": -1,
+                    "error": "the generator could not read this request's observation (its shared memory is gone?)"})))
+                continue
             fields = {
                 "slot": req.slot, "req_id": req.req_id, "version": msg["version"],
                 "queue_us": int(queue_us[i]) if i < len(queue_us) else 0,
                 "forward_us": int(msg.get("forward_us", 0)),
             }
-            out.append(Out(req.sim, P.ACT, fields, per_request.get(i, {})))
+            out.append(self._answered(req, Out(req.sim, P.ACT, fields, per_request.get(i, {}))))
         return out
 
     def _failed(self, batch_id: int, batch: Batch, generator: str, error: str) -> list[Out]:
@@ -215,7 +245,7 @@ class Dispatcher:
         out = []
         for r in batch.requests:
             r.attempts += 1
-            if r.attempts < MAX_ATTEMPTS:
+            if r.attempts < MAX_ATTEMPTS and r.sim in self.registry:  # a gone simulator's: never again
                 self.queue.push(r)
                 self.stats.requeued += 1
             else:
@@ -225,7 +255,8 @@ class Dispatcher:
     def _give_up(self, reqs: list[PendingRequest], error: str) -> list[Out]:
         """Answer requests that will not be served with an error ACT (the slot restarts)."""
         self.admission.on_settled(reqs)
-        return [Out(r.sim, P.ACT, {"slot": r.slot, "req_id": r.req_id, "version": -1, "error": error[:300]})
+        return [self._answered(r, Out(r.sim, P.ACT, {"slot": r.slot, "req_id": r.req_id, "version": -1,
+                                                      "error": error[:300]}))
                 for r in reqs if r.sim in self.registry]
 
     def expire(self, now: float) -> list[Out]:
@@ -256,6 +287,9 @@ class Dispatcher:
             if batch is None:
                 continue
             for r in batch.requests:
+                if r.sim not in self.registry:  # its simulator left too (its memory may be gone)
+                    self.admission.on_settled([r])
+                    continue
                 self.queue.push(r)
                 self.stats.requeued += 1
             log.warning("batch_requeued", batch_id=batch_id, requests=len(batch.requests))
@@ -264,8 +298,9 @@ class Dispatcher:
 
     def simulator_gone(self, identity: bytes) -> None:
         self.queue.remove_where(lambda r: r.sim == identity)
-        for key in [k for k in self.sticky if k[0] == identity]:
-            del self.sticky[key]
+        for table in (self.sticky, self.last_req, self.answers):
+            for key in [k for k in table if k[0] == identity]:
+                del table[key]
 
     def wait_s(self, now: float) -> float | None:
         """Seconds until the oldest request is due for an idle generator (``None``: no such

@@ -3,7 +3,8 @@
 A batch goes to a generator with a free credit as soon as the queued envs reach ``max_batch``
 or the oldest request has waited ``max_wait_ms``. A request (one slot's envs) is never split.
 With ``sticky`` assignment a slot stays with the generator that first served it (until that
-generator leaves).
+generator leaves). A request whose batch failed goes again in a batch of its own, so one bad
+request fails alone and the others of its batch are served.
 """
 
 from __future__ import annotations
@@ -150,6 +151,8 @@ def form_batches(
             picked: list[tuple[int, PendingRequest]] = []
             envs = 0
             for seq, req in order:
+                if req.attempts and picked:
+                    continue  # a request whose batch failed is retried alone: a bad one fails alone
                 units = req.n if cost is None else cost(req)
                 if budget is not None and units > budget:
                     continue
@@ -163,7 +166,7 @@ def form_batches(
                 envs += req.n
                 if budget is not None:
                     budget -= units
-                if envs >= rule.max_batch:
+                if envs >= rule.max_batch or req.attempts:
                     break
             if not picked:
                 continue

@@ -31,6 +31,9 @@ from rlvla3.config import JobConfig
 
 log = structlog.get_logger()
 
+STATUS_REFRESH_S = 0.25
+"""STATUS figures are built at most this often (percentiles at most once a second: ``brokers.stats``)."""
+
 
 class BrokerState:
     def __init__(self, cfg: JobConfig, now: float, run_id: str, host: str, pid: int = 0, pub: str = "",
@@ -56,6 +59,7 @@ class BrokerState:
         self.steps_since_update = 0
         self.training_pause = False
         self._last_hb = now
+        self._status: tuple[float, dict[str, Any], list[Any]] | None = None  # (built at, figures, frames)
 
     # =========================================================================================
     # Messages in
@@ -75,7 +79,7 @@ class BrokerState:
             except P.ProtocolError as err:
                 return self.reject(identity, err.code, err.reason, msg.type, now)
         if msg.type == P.STATUS:
-            return [Out(identity, P.STATUS, {"figures": self.status(now)})]
+            return [self._status_reply(identity, now)]
         if worker is None:
             return self.reject(identity, P.E_STATE, f"{msg.type} before READY: send READY first", msg.type, now)
         handler = self._HANDLERS.get(msg.type)
@@ -109,6 +113,9 @@ class BrokerState:
         if self.curve and not access.role_allowed(key, role):
             raise P.ProtocolError(P.E_AUTH, f"key {key!r} may not join as {role}: a key named {role}* may "
                                             "(make one with `rlvla3 keys DIR --client NAME`)")
+        reported = (msg.get("info") or {}).get("version")
+        if role == "trainer" and isinstance(reported, int):  # checked before anything changes
+            access.check_version_step(reported, self.version_reference(), self.cfg.broker.max_version_step, "READY")
         out: list[Out] = []
         if identity in self.registry:
             out += self._worker_gone(identity, "re_ready")
@@ -155,6 +162,9 @@ class BrokerState:
         return out + [Out(identity, P.READY, reply)]
 
     def _on_obs(self, w: Worker, msg: P.Message, now: float) -> list[Out]:
+        again = self.dispatcher.duplicate(w, msg)  # a re-sent request: never served twice
+        if again is not None:
+            return again
         window = self.admission.window(self.cfg.batching.max_batch)
         if window is not None and not msg.get("eval") and msg["n"] > window:
             raise P.ProtocolError(P.E_LIMIT, f"OBS of {msg['n']} envs: no admission window holds more than {window} "
@@ -213,7 +223,7 @@ class BrokerState:
 
     def _on_weights(self, w: Worker, msg: P.Message, now: float) -> list[Out]:
         access.check_weights(w, msg["version"], max(self.weights.version, self.trainer_version),
-                             self.cfg.broker.max_version_step)
+                             self.cfg.broker.max_version_step, msg.get("store"))
         spec = access.manifest_spec(msg.get("manifest"))
         if spec is not None and self.model_spec is not None and spec != self.model_spec:
             raise P.ProtocolError(P.E_FIELD, "WEIGHTS manifest does not match the model's tensors (names, dtypes, "
@@ -233,6 +243,7 @@ class BrokerState:
             self.training_pause = False
             self.steps_since_update = 0
             return []
+        access.check_version_step(msg["version"], self.version_reference(), self.cfg.broker.max_version_step, "TRAIN")
         self.trainer_version = max(self.trainer_version, msg["version"])
         steps = msg.get("steps")
         taken = steps if msg["phase"] == "begin" and isinstance(steps, int) and not isinstance(steps, bool) else None
@@ -246,6 +257,13 @@ class BrokerState:
                 except (TypeError, ValueError):
                     pass
         return []
+
+    def version_reference(self) -> int | None:
+        """What trainers' version reports are bounded from: the newest version known, once this
+        broker has accepted an announcement. Before that (a fresh or restarted broker) a trainer's
+        report is taken as it is: a resumed trainer sends TRAIN with its checkpoint's version,
+        which may be far ahead, before its first WEIGHTS (``access.check_version_step``)."""
+        return None if self.weights.version < 0 else max(self.weights.version, self.trainer_version)
 
     def _on_heartbeat(self, w: Worker, msg: P.Message, now: float) -> list[Out]:
         credits = msg.get("credits")
@@ -314,7 +332,8 @@ class BrokerState:
         out: list[Out] = []
         for w in self.registry.expired(now):
             out += self._worker_gone(w.identity, "expired")
-        return out + [Out(w.identity, P.HEARTBEAT) for w in self.registry]
+        frames = P.encode(P.HEARTBEAT)  # encoded once for every worker: a large job's heartbeat stays cheap
+        return out + [Out(w.identity, P.HEARTBEAT, frames=frames) for w in self.registry]
 
     def wait_s(self, now: float) -> float:
         """How long the shell may block in poll before ``tick`` has work."""
@@ -361,6 +380,15 @@ class BrokerState:
     # =========================================================================================
     # STATUS
     # =========================================================================================
+
+    def _status_reply(self, identity: bytes, now: float) -> Out:
+        """STATUS, answered from figures built and encoded at most every ``STATUS_REFRESH_S``:
+        between refreshes an answer costs the loop a send, whatever the job's size (a flood of
+        STATUS once stalled the loop for seconds; ``bench/status_flood.py`` measures it)."""
+        if self._status is None or now - self._status[0] >= STATUS_REFRESH_S:
+            fig = self.status(now)
+            self._status = (now, fig, P.encode(P.STATUS, {"figures": fig}))
+        return Out(identity, P.STATUS, {"figures": self._status[1]}, frames=self._status[2])
 
     def status(self, now: float) -> dict[str, Any]:
         gens = self.dispatcher.generators

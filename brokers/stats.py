@@ -10,6 +10,10 @@ import numpy as np
 from hdrh.histogram import HdrHistogram
 
 
+STALL_WINDOW_S = 10
+"""``loop_stall_ms_recent`` in STATUS: the longest loop turn of the last this many seconds."""
+
+
 def _hist() -> HdrHistogram:
     return HdrHistogram(1, 60_000_000, 3)  # 1 us .. 60 s
 
@@ -64,6 +68,8 @@ class BrokerStats:
     batches: int = 0
     errors: int = 0
     requeued: int = 0
+    duplicates: int = 0  # re-sent OBS of a request already taken (not served again)
+    requests_unreadable: int = 0  # requests a generator could not read (left out of its batch alone)
     traj_received: int = 0
     traj_delivered: int = 0
     traj_acked: int = 0
@@ -82,7 +88,9 @@ class BrokerStats:
     _recent_returns: deque = field(default_factory=lambda: deque(maxlen=200))
     _recent_success: deque = field(default_factory=lambda: deque(maxlen=200))
     _rate_window: deque = field(default_factory=lambda: deque(maxlen=64))
+    status_cpu_us: HdrHistogram = field(default_factory=_hist)  # the loop's CPU time to answer one STATUS
     max_loop_stall_ms: float = 0.0  # the longest the broker's loop went without polling
+    _stalls: deque = field(default_factory=lambda: deque(maxlen=STALL_WINDOW_S))  # [second, longest turn ms, its cpu ms]
     trainer: dict[str, Any] = field(default_factory=dict)
     evals: dict[int, list[float]] = field(default_factory=dict)  # version -> [episodes, successes, return sum]
     _slow: dict[str, Any] = field(default_factory=dict)  # percentiles and means, refreshed once a second
@@ -108,15 +116,30 @@ class BrokerStats:
         t0, s0 = self._rate_window[0]
         return (self.env_steps - s0) / (now - t0) if now > t0 else 0.0
 
-    def loop_turn(self, busy_s: float) -> None:
-        self.max_loop_stall_ms = max(self.max_loop_stall_ms, busy_s * 1000.0)
+    def loop_turn(self, busy_s: float, cpu_s: float, now: float) -> None:
+        """One turn of the loop (read messages, run timers) took ``busy_s`` of wall time, of which
+        ``cpu_s`` on the loop's thread: the longest since the start (wall), and per second for the
+        last ``STALL_WINDOW_S`` seconds (``loop_stall_ms_recent``, ``loop_stall_cpu_ms_recent``: on
+        a crowded machine the wall time also counts the time the scheduler kept the broker off)."""
+        ms, cpu_ms = busy_s * 1000.0, cpu_s * 1000.0
+        self.max_loop_stall_ms = max(self.max_loop_stall_ms, ms)
+        sec = int(now)
+        if self._stalls and self._stalls[-1][0] == sec:
+            last = self._stalls[-1]
+            last[1], last[2] = max(last[1], ms), max(last[2], cpu_ms)
+        else:
+            self._stalls.append([sec, ms, cpu_ms])
+
+    def recent_stall_ms(self, now: float, cpu: bool = False) -> float:
+        return max((e[2 if cpu else 1] for e in self._stalls if e[0] > now - STALL_WINDOW_S), default=0.0)
 
     def snapshot(self, now: float) -> dict[str, Any]:
         """Counters (histogram counts too) as they are now; percentiles, means and rates as of at
         most a second ago, so that answering STATUS often stays cheap for the loop. A figure that
         was empty at the last refresh and no longer is triggers a refresh at once."""
         hists = {"batch_size": self.batch_size, "queue_wait_us": self.queue_wait_us,
-                 "batch_form_us": self.batch_form_us, "generate_us": self.generate_us, "staleness": self.staleness}
+                 "batch_form_us": self.batch_form_us, "generate_us": self.generate_us, "staleness": self.staleness,
+                 "status_cpu_us": self.status_cpu_us}
         counts = {name: h.get_total_count() for name, h in hists.items()}
         shape = (tuple(c > 0 for c in counts.values()), bool(self._recent_returns), len(self.evals))
         if now - self._slow_at >= 1.0 or shape != self._slow_shape:
@@ -139,6 +162,8 @@ class BrokerStats:
             "batches": self.batches,
             "errors": self.errors,
             "requeued": self.requeued,
+            "duplicates": self.duplicates,
+            "requests_unreadable": self.requests_unreadable,
             "traj": {
                 "received": self.traj_received, "delivered": self.traj_delivered,
                 "acked": self.traj_acked, "requeued": self.traj_requeued, "dropped": self.traj_dropped,
@@ -148,6 +173,8 @@ class BrokerStats:
             "discarded": self.discarded,
             "env_restarts": self.env_restarts,
             "max_loop_stall_ms": round(self.max_loop_stall_ms, 3),
+            "loop_stall_ms_recent": round(self.recent_stall_ms(now), 3),
+            "loop_stall_cpu_ms_recent": round(self.recent_stall_ms(now, cpu=True), 3),
             "trainer": dict(self.trainer),
             **self._slow,
             **fresh,

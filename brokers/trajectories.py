@@ -148,10 +148,14 @@ class TrajectoryRouter:
         self.pending.appendleft(entry[1])
 
     def on_ack(self, w: Worker, msg: P.Message) -> list[Out]:
+        """A trainer acknowledges fragments it was sent (only those: an ack of another trainer's
+        would free a simulator's buffers and credit the ledger for steps nobody holds)."""
         per_sim: dict[bytes, list[int]] = {}
-        for gid in msg["traj_ids"]:
+        for gid in msg["traj_ids"]:  # checked before anything changes
             if not isinstance(gid, int):
                 raise P.ProtocolError(P.E_FIELD, "TRAJ_ACK.traj_ids must be integers")
+            if gid in self.out and self.out[gid][0] != w.identity:
+                raise P.ProtocolError(P.E_AUTH, f"TRAJ_ACK of fragment {gid}, which went to another trainer")
         for gid in msg["traj_ids"]:
             entry = self.out.pop(gid, None)
             w.trajs_inflight.discard(gid)

@@ -65,7 +65,8 @@ class BrokerConfig:
     become CURVE servers that admit only the public keys in ``DIR/clients``. Empty: no CURVE, and
     a non-loopback bind is refused unless the broker is started with ``--insecure``."""
     max_version_step: int = 1000
-    """WEIGHTS may move the policy version at most this far past the newest the broker knows."""
+    """WEIGHTS, and trainers' version reports (TRAIN, READY) once a version is announced, may move
+    the policy version at most this far past the newest the broker knows."""
     max_peer_requests: int = 256
     """OBS requests one simulator may have queued at once; more are answered with ERROR."""
     max_peer_trajs: int = 1024
@@ -118,6 +119,10 @@ class EnvConfig:
     """Where slots step: ``thread`` (in the worker) or ``process`` (a child process per slot)."""
     step_timeout_s: float = 60.0
     """A slot step that takes longer is treated as a hung env and restarted (process mode)."""
+    obs_resend_s: float = 30.0
+    """A slot whose ACT has not come this long after its OBS sends that OBS again (the broker may
+    have refused or lost it, or its ACT was lost); the broker serves each request once and
+    answers a copy of an answered one with the same ACT. 0: never re-send."""
     fragment_len: int = 32
     """Decision steps per shipped trajectory fragment of a long episode."""
     group_size: int = 1

@@ -160,7 +160,8 @@ SCHEMA: dict[str, tuple[dict[str, Any], dict[str, Any]]] = {  # type -> (require
     ),
     ACT: ({"slot": _SLOT, "req_id": _ID, "version": _VERSION}, {"queue_us": _US, "forward_us": _US, "error": _REASON}),
     BATCH: ({"batch_id": _ID, "requests": F.List(_REQUEST)}, {"queue_us": F.List(_US)}),
-    RESULT: ({"batch_id": _ID, "version": _VERSION}, {"error": _REASON, "forward_us": _US, "queue_us": F.List(_US)}),
+    RESULT: ({"batch_id": _ID, "version": _VERSION}, {"error": _REASON, "forward_us": _US, "queue_us": F.List(_US),
+                                                       "dropped": F.List(_COUNT)}),
     TRAJ: (
         {"traj_id": _ID, "slot": _SLOT, "steps": _STEPS},
         {"instruction": _TEXT, "env": _ID, "episode": _ID, "seed": F.Int(0, 2**63), "done": F.Bool(),

@@ -126,7 +126,16 @@ def check_fuzz(r: dict[str, Any], out: Path) -> None:
         assert key in r, key
     assert r["errors"] > 0 and not r["client_failures"]
     assert r["broker_alive"] and r["workers_alive"] and r["all_read"]
+    assert r["keyless_answered"] is (None if not r["curve"] else False)  # CURVE: a peer without a key gets nothing
     assert (out / "fuzz.json").is_file()
+
+
+def check_status_flood(r: dict[str, Any], out: Path) -> None:
+    for key in ("loop_stall_ms_flood", "loop_stall_cpu_ms_flood", "status_answer_cpu_us", "statuses_per_s", "job_advanced"):
+        assert key in r, key
+    assert r["broker_alive"] and r["workers"] == 3 + 8 and r["status_answer_cpu_us"]["count"] > 0
+    assert r["loop_stall_cpu_ms_flood"] <= r["loop_stall_ms_flood"] + 1  # CPU time within the wall time
+    assert (out / "status_flood.json").is_file()
 
 
 def check_multihost(r: dict[str, Any], out: Path) -> None:
@@ -170,7 +179,7 @@ def check_batching_sweep(r: dict[str, Any], out: Path) -> None:
 CHECKS: dict[str, Callable[[dict[str, Any], Path], None]] = {
     "latency": check_latency, "transfer": check_transfer, "ablation": check_ablation,
     "sim_latency": check_sim_latency, "generator": check_generator, "learning": check_learning, "weights": check_weights,
-    "fuzz": check_fuzz, "multihost": check_multihost, "soak": check_soak, "batching_sweep": check_batching_sweep,
+    "fuzz": check_fuzz, "status_flood": check_status_flood, "multihost": check_multihost, "soak": check_soak, "batching_sweep": check_batching_sweep,
 }
 
 

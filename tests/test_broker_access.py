@@ -1,11 +1,13 @@
 """Who may do what at the broker, on ``BrokerState`` with scripted messages: roles bound to CURVE
-key names, WEIGHTS only from rank 0 in bounded steps, shared memory only the sender's own, a
+key names, WEIGHTS only from rank 0 in bounded steps with rank 0's own store, trainers' version
+reports bounded, acks only from the trainer a fragment went to, shared memory only the sender's own, a
 reconnecting worker takes back its place, per-peer caps, counters rebuilt after a restart, and
 a rejection flood that logs a bounded number of lines."""
 
 from __future__ import annotations
 
 import numpy as np
+import pytest
 from structlog.testing import capture_logs
 
 from rlvla3 import protocol as P
@@ -47,6 +49,48 @@ def test_weights_only_from_rank_0_in_bounded_steps_and_with_the_same_model():
     assert code(s.send(T0, P.WEIGHTS, announcement(6, shape=(3, 2)))) == P.E_FIELD
     assert of_type(s.send(T0, P.WEIGHTS, announcement(15)), P.WEIGHTS)
     assert s.state.weights.version == 15
+
+
+def test_trainer_version_reports_move_in_bounded_steps_once_a_version_is_announced():
+    s = Script("workers.trainers=2", "broker.max_version_step=10")
+    s.trainer(T0)
+    # A fresh broker knows no version: a resumed trainer's TRAIN (far ahead) comes before its WEIGHTS.
+    assert s.send(T0, P.TRAIN, {"phase": "end", "version": 5000}) == []
+    assert of_type(s.send(T0, P.WEIGHTS, announcement(5000)), P.WEIGHTS)
+    with pytest.raises(P.ProtocolError, match="version"):  # past any id (2^53): refused by decode
+        P.decode(P.encode(P.TRAIN, {"phase": "end", "version": 2**62}))
+    assert code(s.send(T0, P.TRAIN, {"phase": "begin", "version": 2**50})) == P.E_VERSION
+    assert code(ready(s, T1, "trainer", pid=2, info={"version": 6000})) == P.E_VERSION
+    assert s.state.trainer_version == 5000 and s.state.status(s.now)["workers"]["trainer"] == 1
+    assert s.send(T0, P.TRAIN, {"phase": "end", "version": 5010}) == []  # 5000 + 10 is the most
+    assert of_type(ready(s, T1, "trainer", pid=2, info={"version": 5010}), P.READY)
+    assert s.state.trainer_version == 5010
+
+
+def test_a_weight_store_must_be_rank_0s_own_segment():
+    s = Script("workers.trainers=1")
+    s.trainer(T0)  # pid 1 on HOST
+    for seg, host in (("rlvla3_run_2_w1", HOST), ("rlvla3_run_1_w1", "elsewhere"), ("rlvla3_run_1_3", HOST)):
+        ann = dict(announcement(1), store={"host": host, "seg": seg, "size": 1 << 20})
+        assert code(s.send(T0, P.WEIGHTS, ann)) == P.E_AUTH, seg
+    assert s.state.weights.version == -1
+    ann = dict(announcement(1), store={"host": HOST, "seg": "rlvla3_run_1_w1", "size": 1 << 20})
+    assert of_type(s.send(T0, P.WEIGHTS, ann), P.WEIGHTS)
+
+
+def test_a_trainer_acks_only_the_fragments_it_was_sent():
+    s = Script("workers.trainers=2")
+    s.simulator(SIM)
+    s.trainer(T0, credits=1)
+    s.trainer(T1, credits=1)
+    s.traj(SIM, 1, steps=4)
+    [sent] = of_type(s.tick(), P.TRAJ)
+    other = T1 if sent.to == T0 else T0
+    assert code(s.send(other, P.TRAJ_ACK, {"traj_ids": [sent.fields["gid"]], "trained": 4})) == P.E_AUTH
+    assert s.state.trajs.ledger.figures()["acked"] == 0 and sent.fields["gid"] in s.state.trajs.out
+    acks = s.send(sent.to, P.TRAJ_ACK, {"traj_ids": [sent.fields["gid"]]})
+    assert [o.fields["traj_ids"] for o in of_type(acks, P.TRAJ_ACK, SIM)] == [[1]]
+    assert s.state.trajs.ledger.figures()["acked"] == 4
 
 
 def test_a_peer_may_name_only_its_own_shared_memory():

@@ -287,3 +287,66 @@ def test_weights_are_announcements_the_broker_never_holds_bytes():
     assert msg["version"] == 2 and msg["manifest"]["version"] == 2 and msg.tensors == {}
     [bad] = s.send(TRAINER, P.WEIGHTS, {"version": 3, "manifest": {"version": 3, "entries": []}})  # nowhere to fetch
     assert bad.type == P.ERROR and s.state.weights.version == 2
+
+
+def test_a_resent_request_is_served_once_and_an_answered_one_gets_its_act_again():
+    s = Script("batching.max_batch=2")
+    s.simulator(SIM)
+    s.generator(GEN, credits=1)
+    obs = {"slot": 0, "req_id": 1, "n": 2, "instruction": ["go"] * 2, "episode_step": [1, 1], "env_steps": 2}
+    image = {"image": np.zeros((2, 2, 2, 3), np.uint8)}
+    assert s.send(SIM, P.OBS, obs, image) == []
+    assert s.send(SIM, P.OBS, obs, image) == []  # a copy while queued: dropped
+    [batch] = of_type(s.tick(1.0), P.BATCH, GEN)
+    assert s.send(SIM, P.OBS, obs, image) == []  # a copy while at the generator: dropped
+    assert of_type(s.tick(1.0), P.BATCH) == []
+    [act] = s.result(batch)
+    again = s.send(SIM, P.OBS, obs, image)  # its ACT was lost: the same ACT again, no new batch
+    assert again == [act] and of_type(s.tick(1.0), P.BATCH) == []
+    assert s.send(SIM, P.OBS, dict(obs, req_id=0), image) == []  # an older request: dropped
+    fig = s.state.status(s.now)
+    assert fig["duplicates"] == 4 and fig["requests"] == 1 and fig["env_steps"] == 2
+
+
+def test_a_request_the_generator_cannot_read_fails_alone_and_a_gone_simulators_is_never_requeued():
+    s = Script("batching.max_batch=4")
+    s.simulator(SIM)
+    s.simulator(SIM2)
+    s.generator(GEN, credits=1)
+    s.obs(SIM, 0)
+    s.obs(SIM2, 0)
+    [batch] = of_type(s.tick(1.0), P.BATCH, GEN)
+    first, second = batch.fields["requests"]
+    outs = s.send(GEN, P.RESULT, {"batch_id": batch.fields["batch_id"], "version": 0, "dropped": [0]},
+                  {"r1/action": np.zeros((2, 4), np.float32)})
+    by_sim = {o.to: o for o in of_type(outs, P.ACT)}
+    assert "could not read" in by_sim[SIM].fields["error"] and by_sim[SIM].fields["req_id"] == first["req_id"]
+    assert "error" not in by_sim[SIM2].fields and set(by_sim[SIM2].tensors) == {"action"}
+    assert s.state.status(s.now)["requests_unreadable"] == 1
+    # A batch holding a request of a simulator that left fails: only the live one goes back.
+    s.obs(SIM, 0)
+    s.obs(SIM2, 0)
+    [batch] = of_type(s.tick(1.0), P.BATCH, GEN)
+    s.send(SIM, P.DISCONNECT)
+    s.result(batch, error="boom")
+    assert [r.sim for _, r in s.state.dispatcher.queue.ordered()] == [SIM2]
+
+
+def test_a_failed_batch_is_retried_request_by_request():
+    s = Script("batching.max_batch=8")
+    s.simulator(SIM)
+    s.simulator(SIM2)
+    s.generator(GEN, credits=1)
+    s.obs(SIM, 0)
+    s.obs(SIM2, 0)
+    [batch] = of_type(s.tick(1.0), P.BATCH)
+    assert len(batch.fields["requests"]) == 2
+    s.result(batch, error="nan in the forward pass")
+    s.obs(SIM, 1)  # a fresh request never shares a batch with a retried one
+    rounds = []
+    for _ in range(3):
+        [b] = of_type(s.tick(1.0), P.BATCH)
+        rounds.append((b.to, served(b)))
+        s.result(b)
+    assert [r for _, r in rounds] == [[(0, 1)], [(0, 1)], [(1, 1)]]
+    assert {to for to, _ in rounds} == {GEN} and s.state.status(s.now)["requeued"] == 2

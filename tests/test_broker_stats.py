@@ -39,3 +39,13 @@ def test_a_live_broker_reports_its_longest_loop_turn(job_factory):
     job = job_factory(start=False)
     fig = job.wait(lambda f: "max_loop_stall_ms" in f, 30, "STATUS from the broker")
     assert 0.0 <= fig["max_loop_stall_ms"] < 10_000
+
+
+def test_loop_stall_figures_keep_the_longest_turn_ever_and_of_the_last_seconds():
+    st = BrokerStats(started=0.0)
+    st.loop_turn(0.050, 0.004, 1.2)  # 50 ms of wall time, 4 ms of it on the loop's CPU
+    st.loop_turn(0.002, 0.001, 5.0)
+    fig = st.snapshot(5.5)
+    assert (fig["max_loop_stall_ms"], fig["loop_stall_ms_recent"], fig["loop_stall_cpu_ms_recent"]) == (50.0, 50.0, 4.0)
+    fig = st.snapshot(12.5)  # the 50 ms turn is older than STALL_WINDOW_S
+    assert (fig["max_loop_stall_ms"], fig["loop_stall_ms_recent"], fig["loop_stall_cpu_ms_recent"]) == (50.0, 2.0, 1.0)

@@ -4,9 +4,11 @@ survived by every worker."""
 
 from __future__ import annotations
 
+import json
 import os
 import signal
 import time
+from pathlib import Path
 
 import pytest
 import zmq
@@ -53,19 +55,27 @@ def test_trainer_killed_its_trajectories_go_to_the_next(job_factory):
 
 
 def test_workers_survive_a_broker_restart_and_its_counters_are_rebuilt(job_factory):
+    """... and the generator follows the new broker's PUB address (its READY reply says where):
+    versions published after the restart reach it."""
     job = job_factory()
     fig = job.wait(lambda f: f["env_steps"] > 100 and f["trainer_version"] >= 1, 120, "stepping and training")
     endpoint, pub = job.endpoint, fig["run_id"]
     steps, version = fig["env_steps"], fig["trainer_version"]
+    served = max(w["version"] or 0 for w in fig["per_worker"] if w["role"] == "generator")
+    old_pub = json.loads((job.run_dir / "broker.json").read_text())["pub"]
     job.broker_proc.send_signal(signal.SIGKILL)
     job.broker_proc.wait(10)
-    job.start_broker(endpoint, None)  # same address; a new broker knows nobody
+    job.start_broker(endpoint, "tcp://127.0.0.1:0")  # same address, another PUB port; a new broker knows nobody
+    assert json.loads((job.run_dir / "broker.json").read_text())["pub"] != old_pub
     fig = job.wait(lambda f: f["workers"] == {"simulator": 1, "generator": 1, "trainer": 1}, 120,
                    "workers re-joined the restarted broker")
     # The simulators' and trainer's own counts rebuild the counters: nothing starts from 0.
     assert fig["env_steps"] >= steps and fig["trainer_version"] >= version, (fig["env_steps"], steps)
     fig = job.wait(lambda f: f["env_steps"] > steps + 100, 120, "stepping on after the restart")
     assert fig["run_id"] != pub
+    job.wait(lambda f: any((w["version"] or 0) > max(served, version) + 1 for w in f["per_worker"] if w["role"] == "generator"),
+             120, "a version published after the restart served by the generator")
+    assert "weights_sub_moved" in (job.run_dir / "generator0.log").read_text()
 
 
 def test_a_reconnecting_trainer_takes_back_its_rank_and_nobody_else_can(job_factory, zctx):
@@ -125,3 +135,24 @@ def test_a_rejection_flood_writes_a_bounded_log(job_factory, zctx):
         sock.close()
     lines = log.read_text().count("message_rejected")
     assert lines <= job.cfg.broker.reject_log_per_s * (elapsed + 2), (lines, elapsed)
+
+
+def test_a_request_whose_shared_memory_is_gone_fails_alone(job_factory):
+    """A simulator killed with its request queued: its shared memory is unlinked (by its resource
+    tracker) before the broker notices it left, and a generator that never mapped that memory
+    gets the request in a batch. It leaves that request out, counts it, and serves the rest of the
+    batch; nothing is re-queued. (A SIGTERM'd simulator withdraws its queued requests with its
+    DISCONNECT; one that reaches a generator before the DISCONNECT reaches the broker is this case.)"""
+    job = job_factory("workers.generators=0", "workers.trainers=0", "env.slots=1", "env.num_envs=2", "env.eval_slots=0",
+                      "broker.liveness=60", start=False)
+    doomed = job.start_worker("simulator", "doomed")
+    job.start_worker("simulator", "survivor")
+    job.wait(lambda f: f["queue_depth"] == 2, 90, "both simulators' requests queued (no generator yet)")
+    os.kill(doomed.pid, signal.SIGKILL)
+    wait_until(lambda: not list(Path("/dev/shm").glob(f"rlvla3_*_{doomed.pid}_*")), 30, "the killed simulator's memory unlinked")
+    job.start_worker("generator", "gen")
+    fig = job.wait(lambda f: f["requests_unreadable"] >= 1 and ((job.worker(f, "survivor") or {}).get("env_steps") or 0) > 0,
+                   90, "the unreadable request left out and the other served")
+    assert fig["requeued"] == 0 and fig["queue_depth"] <= 1, fig
+    assert "act_failed_resetting_slot" not in (job.run_dir / "survivor.log").read_text()
+    assert "request_unreadable" in (job.run_dir / "gen.log").read_text()

@@ -5,6 +5,7 @@ rank 0 with the production publisher (a shared-memory weight store per model) ov
 
 from __future__ import annotations
 
+import os
 import uuid
 
 import numpy as np
@@ -12,6 +13,7 @@ import torch
 import zmq
 
 from rlvla3 import protocol as P
+from rlvla3.shm import host_id
 from rlvla3.weights.publisher import WeightPublisher
 from tests.jobs import wait_until
 from workers.model import build_policy
@@ -44,7 +46,9 @@ def test_generator_keeps_weights_when_a_version_fails_to_load(job_factory, zctx)
         return publishers[-1]
 
     try:
-        trainer.send_multipart(P.encode(P.READY, {"role": "trainer", "host": "t", "pid": 1, "name": "hand-trainer"}))
+        # This process is rank 0: the stores it announces are its own (host, pid), as the broker checks.
+        trainer.send_multipart(P.encode(P.READY, {"role": "trainer", "host": host_id(), "pid": os.getpid(),
+                                                  "name": "hand-trainer"}))
         assert trainer.poll(5000) and P.decode(trainer.recv_multipart()).type == P.READY
         # The broker takes announcements only: a WEIGHTS with the bytes inline is an ERROR.
         good_model = build_policy(job.cfg)

@@ -69,7 +69,7 @@ def test_one_request_stays_a_view_of_shared_memory(pool):
     refs = shm_request(pool, obs)
     att = ShmAttachments()
     try:
-        got, sizes, det = gather(batch_message([(obs, refs)]), att)
+        got, sizes, det, _ = gather(batch_message([(obs, refs)]), att)
         assert sizes == [3] and det.tolist() == [False] * 3 and got.instruction == obs.instruction
         for name, arr in got.to_tensors().items():
             assert np.shares_memory(arr, att.array(refs[name])), f"{name} was copied"
@@ -93,7 +93,7 @@ def test_gathering_several_requests_costs_exactly_one_copy(pool):
             before = tracemalloc.take_snapshot()
             tracemalloc.reset_peak()
             base, _ = tracemalloc.get_traced_memory()
-            got, sizes, det = gather(msg, att)
+            got, sizes, det, _ = gather(msg, att)
             _, peak = tracemalloc.get_traced_memory()
             after = tracemalloc.take_snapshot()
         finally:
@@ -124,19 +124,33 @@ def test_gathering_several_requests_costs_exactly_one_copy(pool):
 
 def test_inline_request_wraps_the_received_frames():
     obs = make_obs(2, seed=5)
-    got, _, _ = gather(batch_message([(obs, obs.to_tensors())]), ShmAttachments())
+    got, _, _, _ = gather(batch_message([(obs, obs.to_tensors())]), ShmAttachments())
     for name, arr in got.to_tensors().items():
         assert not arr.flags.owndata and not arr.flags.writeable, f"{name} was copied out of its frame"
         np.testing.assert_array_equal(arr, obs.to_tensors()[name])
 
 
-def test_gather_rejects_tensors_that_disagree_with_n(pool):
+def test_gather_leaves_out_a_request_it_cannot_read_and_serves_the_rest(pool):
     obs = make_obs(3, seed=1)
-    refs = shm_request(pool, obs.select(slice(0, 2)))  # two rows sent for three instructions
-    with pytest.raises(ValueError, match="state of shape"):
-        gather(batch_message([(obs, refs)]), ShmAttachments())
-    with pytest.raises(ValueError, match="no tensor 'state'"):
-        gather(batch_message([(obs, {})]), ShmAttachments())
+    bad = shm_request(pool, obs.select(slice(0, 2)))  # two rows sent for three instructions
+    gone_pool = ShmPool(f"obsgone{os.getpid()}", 1 << 20)
+    gone = shm_request(gone_pool, obs)
+    gone_pool.close()  # its owner left: the segment is unlinked before the generator ever mapped it
+    good = make_obs(2, seed=2)
+    past_end = dict(shm_request(pool, obs))  # a block that would run past the segment's end
+    past_end[STATE] = P.ShmRef(pool.name, pool.shm.size - 8, 3 * STATE_DIM * 4, "float32", (3, STATE_DIM), pool.host)
+    att = ShmAttachments()
+    try:
+        got, sizes, det, dropped = gather(batch_message([(obs, bad), (obs, gone), (good, shm_request(pool, good)),
+                                                         (obs, {}), (obs, past_end)]), att)
+        assert sizes == [0, 0, 2, 0, 0] and sorted(dropped) == [0, 1, 3, 4] and len(det) == 2
+        assert "state of shape" in dropped[0] and "is gone" in dropped[1] and "no tensor 'state'" in dropped[3]
+        assert "beyond segment size" in dropped[4]
+        np.testing.assert_array_equal(got.state, good.state)
+        none, sizes, _, dropped = gather(batch_message([(obs, gone)]), att)
+        assert none is None and sizes == [0] and list(dropped) == [0]
+    finally:
+        att.close()
     with pytest.raises(ValueError, match="not a list of strings"):
         Observation.from_tensors(obs.to_tensors(), 3)
 

@@ -184,7 +184,7 @@ def test_images_through_broker_upright_and_sized(repo_job, sim: str) -> None:
     assert img.std() > 5, "a blank image came through"
 
     # The same first episode rendered here: env 0's first initial-state seed with run.seed 0.
-    from workers.simulator import episode_seed
+    from workers.slots import episode_seed
 
     seed = episode_seed(0, 0, 1, job.cfg.env.group_size, job.cfg.env.group_mode)
     env = make_env(sim, 1, seed=0, options=opts)

@@ -44,9 +44,13 @@ INLINE_FORWARD_S = 0.005
 """Forward passes shorter than this run on the socket thread instead of a JobRunner."""
 
 
-def gather(msg: P.Message, attach: ShmAttachments, pinned: bool = False) -> tuple[Observation, list[int], np.ndarray]:
-    """A BATCH's requests as one observation, with each request's size and deterministic flags.
+def gather(msg: P.Message, attach: ShmAttachments, pinned: bool = False
+           ) -> tuple[Observation | None, list[int], np.ndarray, dict[int, str]]:
+    """A BATCH's readable requests as one observation, each request's size (0 for one left out)
+    and deterministic flags, and the requests left out with why (``None``: none was readable).
 
+    A request that cannot be read (its shared memory is gone with its simulator, tensors that
+    disagree with ``n``) is left out alone: the rest of the batch is served.
     Each request is first wrapped without a copy (views into shared memory, where the
     simulator's envs wrote them, or the received frames). One request stays that view: safe,
     since a slot rewrites its observation block only after its ACT, which is sent after this
@@ -54,19 +58,24 @@ def gather(msg: P.Message, attach: ShmAttachments, pinned: bool = False) -> tupl
     must. ``pinned`` (a CUDA policy): that one copy goes into pinned host memory, also for one
     request, and the policy's host-to-device copy is the only other.
     """
-    parts, sizes, det = [], [], []
+    parts, sizes, det, dropped = [], [], [], {}
     per_request = names.by_request(msg.tensors)
     for i, req in enumerate(msg["requests"]):
-        views = {name: attach.materialize(t) for name, t in per_request.get(i, {}).items()}
-        obs = Observation.from_tensors(views, req["instruction"])
         n = int(req["n"])
-        if len(obs) != n:
-            raise ValueError(f"request {i}: {len(obs)} observation(s), n={n}")
+        try:
+            views = {name: attach.materialize(t) for name, t in per_request.get(i, {}).items()}
+            obs = Observation.from_tensors(views, req["instruction"])
+            if len(obs) != n:
+                raise ValueError(f"request {i}: {len(obs)} observation(s), n={n}")
+        except (KeyError, ValueError) as err:  # ProtocolError is a ValueError
+            dropped[i] = str(err)[:300]
+            sizes.append(0)
+            continue
         parts.append(obs)
         sizes.append(n)
         flags = list(req.get("deterministic") or [])
         det.extend(bool(flags[j]) if j < len(flags) else False for j in range(n))
-    return Observation.concat(parts, pinned=pinned), sizes, np.asarray(det, dtype=bool)
+    return (Observation.concat(parts, pinned=pinned) if parts else None), sizes, np.asarray(det, dtype=bool), dropped
 
 
 def pub_address(pub: str, broker_url: str) -> str:
@@ -84,6 +93,7 @@ class GeneratorWorker(WorkerBase):
     def __init__(self, broker: str, **kw: Any) -> None:
         super().__init__(broker, **kw)
         self.sub: zmq.Socket | None = None
+        self.sub_addr = ""  # the PUB endpoint subscribed to (a restarted broker's READY may move it)
         self.policy = None
         self.version = 0
         self.serving = False
@@ -114,10 +124,24 @@ class GeneratorWorker(WorkerBase):
         self.sub.setsockopt(zmq.RCVHWM, 4)
         self.sub.setsockopt(zmq.MAXMSGSIZE, P.MAX_MESSAGE_BYTES)
         auth.configure_client(self.sub, self.keys_dir, self.key_name)
-        self.sub.connect(pub_address(self.welcome["pub"], self.broker_url))
+        self.sub_addr = pub_address(self.welcome["pub"], self.broker_url)
+        self.sub.connect(self.sub_addr)
         self.send(P.SNAPSHOT, {})
         log.info("generator_ready", family=cfg.model.family, device=str(self.policy.device),
                  params=sum(p.numel() for p in self.policy.parameters()))
+
+    def on_reconnected(self) -> None:
+        """A restarted broker may publish on another address (its READY reply says where):
+        subscribe there, then ask for its snapshot again (the Clone pattern, as at start)."""
+        if self.sub is None:
+            return
+        addr = pub_address(self.welcome["pub"], self.broker_url)
+        if addr != self.sub_addr:
+            log.info("weights_sub_moved", old=self.sub_addr, new=addr)
+            self.sub.disconnect(self.sub_addr)
+            self.sub.connect(addr)
+            self.sub_addr = addr
+        self.send(P.SNAPSHOT, {})
 
     def extra_sockets(self) -> list[zmq.Socket]:
         return [self.sub] if self.sub is not None else []
@@ -205,12 +229,17 @@ class GeneratorWorker(WorkerBase):
             # Gather now, even while a forward pass runs: the next batch is ready the moment
             # the current one finishes (its slots do not rewrite their observations before ACT).
             try:
-                obs, sizes, det = gather(msg, self.attach, pinned=self.policy.device.type == "cuda")
-            except (KeyError, ValueError, P.ProtocolError) as err:
+                obs, sizes, det, dropped = gather(msg, self.attach, pinned=self.policy.device.type == "cuda")
+            except (KeyError, ValueError) as err:  # requests that cannot be batched together
                 log.error("batch_unreadable", batch_id=msg["batch_id"], error=str(err))
                 self.send(P.RESULT, {"batch_id": msg["batch_id"], "version": self.version, "error": str(err)})
                 return
-            self.batches.append((msg["batch_id"], obs, sizes, det, msg.get("queue_us")))
+            for i, why in dropped.items():  # answered by the broker with an error ACT, alone
+                log.warning("request_unreadable", batch_id=msg["batch_id"], request=i, error=why)
+            if obs is None:
+                self.send(P.RESULT, {"batch_id": msg["batch_id"], "version": self.version, "dropped": sorted(dropped)})
+                return
+            self.batches.append((msg["batch_id"], obs, sizes, det, msg.get("queue_us"), sorted(dropped)))
             self._next_batch()
 
     def _next_batch(self) -> None:
@@ -218,10 +247,10 @@ class GeneratorWorker(WorkerBase):
             return
         if self._weights_waiting():
             self._swap_weights()
-        batch_id, obs, sizes, det, queue_us = self.batches.popleft()
+        batch_id, obs, sizes, det, queue_us, dropped = self.batches.popleft()
         self.busy = True
         version = self.version
-        tag = (batch_id, sizes, version, queue_us)
+        tag = (batch_id, sizes, version, queue_us, dropped)
         if self.forward_ema_s < INLINE_FORWARD_S:
             # A short forward pass costs less than two thread hand-offs: run it right here
             # (heartbeats only need to go out once a second).
@@ -266,7 +295,7 @@ class GeneratorWorker(WorkerBase):
                 self._maybe_serve()
             self._fetch_next()
             return
-        batch_id, sizes, version, queue_us = tag
+        batch_id, sizes, version, queue_us, dropped = tag
         self.busy = False
         if self._weights_waiting():
             self._swap_weights()  # between batches, never during one
@@ -282,10 +311,11 @@ class GeneratorWorker(WorkerBase):
             tensors: dict[str, Any] = {}
             start = 0
             for i, n in enumerate(sizes):
-                tensors.update(names.with_prefix(names.request_prefix(i), {name: arr[start:start + n] for name, arr in res.items()}))
+                if n:  # 0: a request left out (unreadable)
+                    tensors.update(names.with_prefix(names.request_prefix(i), {name: arr[start:start + n] for name, arr in res.items()}))
                 start += n
-            self.send(P.RESULT, {"batch_id": batch_id, "version": version, "forward_us": int(secs * 1e6),
-                                 "queue_us": queue_us}, tensors)
+            fields = {"batch_id": batch_id, "version": version, "forward_us": int(secs * 1e6), "queue_us": queue_us}
+            self.send(P.RESULT, dict(fields, dropped=dropped) if dropped else fields, tensors)
             self.served += 1
         if not threaded:
             self._next_batch()

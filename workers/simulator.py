@@ -16,8 +16,7 @@ descriptor; elsewhere the block's bytes go inline. Trajectories travel the same 
 
 from __future__ import annotations
 
-import hashlib
-from dataclasses import dataclass
+import time
 from typing import Any
 
 import numpy as np
@@ -27,74 +26,14 @@ from rlvla3 import names
 from rlvla3 import protocol as P
 from rlvla3.observation import Observation
 from rlvla3.shm import ShmPool, locate, observation_block, sweep_leftovers
-from workers.base import JobRunner, WorkerBase
+from workers.base import WorkerBase
 from workers.envs.base import EnvAdapter
 from workers.envs.subproc import GuardedEnv, SubprocEnv
 from workers.recorder import EpisodeRecorder
+from workers.slots import ChunkOutcome, Slot, episode_seed
 from workers.trajectory import EnvTrajectory, StepRecord
 
 log = structlog.get_logger()
-
-
-def episode_seed(run_seed: int, env: int, episode: int, group_size: int = 1, group_mode: str = "parallel") -> int:
-    """Initial-state seed of an env's ``episode``-th episode (1-based; ``env`` is the worker's
-    global env index). A GRPO group shares one: neighbouring envs' n-th episodes (``parallel``)
-    or an env's consecutive episodes (``sequential``)."""
-    g = max(1, group_size)
-    if group_mode == "parallel":
-        key = f"{run_seed}:p:{env // g}:{episode}"
-    else:
-        key = f"{run_seed}:s:{env}:{(episode - 1) // g}"
-    return int.from_bytes(hashlib.blake2b(key.encode(), digest_size=4).digest(), "little") & 0x7FFFFFFF
-
-
-@dataclass
-class ChunkOutcome:
-    """What executing one action chunk did to a slot's envs."""
-
-    step_reward: np.ndarray  # [k, T]
-    steps: np.ndarray  # [k]
-    terminated: np.ndarray  # [k]
-    truncated: np.ndarray  # [k]
-    success: np.ndarray  # [k]
-    next_obs: Observation  # the back block: each env's obs after the chunk (a new episode's for reset envs)
-    terminal_obs: Observation | None  # copy of the reset envs' last obs before their reset (rows in done order)
-    done_ids: list[int]
-    restarts: int = 0
-
-
-@dataclass
-class Slot:
-    index: int
-    envs: list[int]  # worker-global env indices
-    adapter: EnvAdapter
-    runner: JobRunner
-    trajs: list[EnvTrajectory]
-    blocks: tuple[Observation, Observation]  # the slot's two observation blocks (views of shared memory)
-    refs: tuple[dict[str, P.ShmRef], ...]  # each block's descriptors, by tensor name
-    front: int = 1  # the block the last OBS named; the envs write the other one
-    req_id: int = 0
-    waiting: bool = False  # an OBS is out, waiting for ACT
-    out: dict[str, np.ndarray] | None = None  # the policy outputs being executed
-    version: int = -1
-    pending_obs: list[Any] | None = None  # last OBS frames, re-sent after a reconnect
-    eval: bool = False  # an evaluation slot: deterministic actions, held-out starts, never trained on
-    frozen: np.ndarray | None = None  # eval: envs whose episode of this round is over
-    eval_version: int = -1  # eval: the policy version this round evaluates
-
-    @property
-    def obs(self) -> Observation:
-        """The observations the last OBS sent (the policy's view while its ACT is awaited)."""
-        return self.blocks[self.front]
-
-    @property
-    def back(self) -> Observation:
-        """The block the envs write next."""
-        return self.blocks[1 - self.front]
-
-    def flip(self) -> None:
-        """The back block, written, becomes what the next OBS sends."""
-        self.front = 1 - self.front
 
 
 class SimulatorWorker(WorkerBase):
@@ -392,6 +331,7 @@ class SimulatorWorker(WorkerBase):
         self.restarts_unreported = 0
         slot.waiting = True
         slot.pending_obs = [fields, tensors]
+        slot.sent_at = time.monotonic()
         self.send(P.OBS, fields, tensors)
 
     def _ship(self, slot: Slot, header: dict[str, Any], tensors: dict[str, np.ndarray]) -> None:
@@ -414,12 +354,22 @@ class SimulatorWorker(WorkerBase):
         self.unacked[tid] = (fields, send_tensors, offsets)
         self.send(P.TRAJ, fields, send_tensors)
 
+    def tick(self, now: float) -> None:
+        """A request whose ACT is late goes again (the broker serves it once whatever happens)."""
+        every = self.cfg.env.obs_resend_s
+        for slot in self.slots:
+            if every > 0 and slot.waiting and slot.pending_obs is not None and now - slot.sent_at >= every:
+                log.warning("obs_resent", slot=slot.index, req_id=slot.req_id, waited_s=round(now - slot.sent_at, 3))
+                slot.sent_at = now
+                self.send(P.OBS, *slot.pending_obs)
+
     def on_reconnected(self) -> None:
         """The broker restarted: re-send what it may have lost (requests and unacked TRAJ)."""
         for slot in self.slots:
             if slot.waiting and slot.pending_obs is not None:  # its steps are in READY's total
-                fields, tensors = slot.pending_obs
-                self.send(P.OBS, dict(fields, env_steps=0), tensors)
+                slot.pending_obs[0] = dict(slot.pending_obs[0], env_steps=0)
+                slot.sent_at = time.monotonic()
+                self.send(P.OBS, *slot.pending_obs)
         for fields, tensors, _ in self.unacked.values():
             self.send(P.TRAJ, fields, tensors)
 
