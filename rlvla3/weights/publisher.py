@@ -43,16 +43,18 @@ class WeightPublisher:
 
     ``shm``: announce the store to same-host generators; ``stream_bind``: serve other hosts (or
     every generator when ``shm`` is off) from this endpoint; empty disables the stream;
-    ``copy_threads``: threads that copy and hash tensors into the store."""
+    ``copy_threads``: threads that copy and hash tensors into the store; ``tensors``: the
+    module's tensors gathered whole, when it is sharded (see :meth:`publish`)."""
 
     def __init__(self, module: torch.nn.Module, run_id: str, *, shm: bool = True,
                  stream_bind: str = "tcp://127.0.0.1:0", advertise_host: str = "", host: str | None = None,
-                 copy_threads: int = 2) -> None:
+                 copy_threads: int = 2, tensors: list[tuple[str, torch.Tensor, bool]] | None = None) -> None:
         if not shm and not stream_bind:
             raise ValueError("weights: with shm off, a stream endpoint is needed (weights.stream_bind)")
         self.module = module
         sweep_leftovers()  # stores (and pools) of processes that died without unlinking
-        self.layout = Layout.plan((n, dtype_name(t), tuple(t.shape), tr) for n, t, tr in module_tensors(module))
+        self.layout = Layout.plan((n, dtype_name(t), tuple(t.shape), tr)
+                                  for n, t, tr in (module_tensors(module) if tensors is None else tensors))
         self.store = WeightStore(run_id, self.layout.frozen_bytes, self.layout.slot_bytes)
         self.stream = StreamServer(self.store, stream_bind, advertise_host) if stream_bind else None
         self.shm = shm
@@ -65,13 +67,15 @@ class WeightPublisher:
         log.info("weight_store_created", seg=self.store.name, mb=round(self.store.size / 1e6, 1),
                  trainable_mb=round(self.layout.trainable_bytes / 1e6, 1), stream=self.stream and self.stream.endpoint)
 
-    def publish(self, version: int) -> dict[str, Any]:
+    def publish(self, version: int, tensors: list[tuple[str, torch.Tensor, bool]] | None = None) -> dict[str, Any]:
         """Write ``version`` into the store and return the WEIGHTS fields announcing it.
-        Call it where no optimizer step runs at the same time (the copy reads the parameters)."""
+        Call it where no optimizer step runs at the same time (the copy reads the parameters).
+        ``tensors``: the module's tensors gathered whole (an FSDP-sharded trainer,
+        ``distributed.gather_tensors``), every one the first time, the trainable ones after."""
         if version <= self.version:
             raise ValueError(f"version {version} is not newer than the last published ({self.version})")
         t0 = time.perf_counter()
-        current = {n: (t, tr) for n, t, tr in module_tensors(self.module)}
+        current = {n: (t, tr) for n, t, tr in (module_tensors(self.module) if tensors is None else tensors)}
         if self._count == 0:
             self._frozen = self._write(FROZEN, version, current, trainable=False)
         slot = SLOTS[self._count % 2]
