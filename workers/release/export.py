@@ -35,6 +35,10 @@ def trained_policy(run_dir: str | Path) -> tuple[Any, Path]:
     cfg.model.dtype = "float32"
     policy = build_policy(cfg, device="cpu")
     load_checkpoint(ck, policy, restore_rng=False)  # either layout (full or sharded)
+    if cfg.model.lora.enabled:  # release layouts hold base weights only: fold the adapters in
+        from workers.policies.lora import merge_lora
+
+        log.info("lora_merged", layers=merge_lora(policy))
     policy.to(torch.float32).eval()
     return policy, ck
 
