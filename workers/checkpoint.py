@@ -279,12 +279,18 @@ def load_checkpoint(
 
         msd, osd = get_state_dict(model, optimizer or [])
         target = {"model": msd, **({"optim": osd} if optimizer is not None else {})}
-        try:
-            dcp.load(target, checkpoint_id=str(path / DCP))
-        except Exception as exc:  # a checkpoint saved without optimizer state, most often
-            raise FileNotFoundError(f"{path}: the sharded checkpoint does not hold what is asked ({exc})"[:600]) from exc
         if optimizer is not None:
-            set_state_dict(model, optimizer, model_state_dict=target["model"], optim_state_dict=target["optim"])
+            # Adam keeps no state for a parameter that never had a gradient (a value head under
+            # GRPO): ask only for the states the checkpoint holds; the others start afresh.
+            saved = set(dcp.FileSystemReader(str(path / DCP)).read_metadata().state_dict_metadata)
+            if not any(k.startswith("optim.") for k in saved):
+                raise FileNotFoundError(f"{path}: saved without optimizer state")
+            for fqn in [f for f in osd["state"] if not any(k.startswith(f"optim.state.{f}.") for k in saved)]:
+                del osd["state"][fqn]
+        dcp.load(target, checkpoint_id=str(path / DCP))  # every model tensor must be there
+        if optimizer is not None:
+            set_state_dict(model, optimizer, model_state_dict=target["model"], optim_state_dict=target["optim"],
+                           options=StateDictOptions(strict=False))
         else:
             set_model_state_dict(model, target["model"])
     else:
@@ -300,7 +306,8 @@ def load_checkpoint(
             if any(isinstance(k, int) for k in osd.get("state", {})):  # keyed by position (older checkpoints)
                 optimizer.load_state_dict(osd)
             else:
-                set_optimizer_state_dict(model, optimizer, osd, options=StateDictOptions(full_state_dict=sharded))
+                # strict=False: parameters that never had a gradient have no state to load
+                set_optimizer_state_dict(model, optimizer, osd, options=StateDictOptions(full_state_dict=sharded, strict=False))
     if restore_rng:
         set_rng_state(json.loads((path / "rng.json").read_text(encoding="utf-8")))
     return {

@@ -48,7 +48,8 @@ class WeightPublisher:
 
     def __init__(self, module: torch.nn.Module, run_id: str, *, shm: bool = True,
                  stream_bind: str = "tcp://127.0.0.1:0", advertise_host: str = "", host: str | None = None,
-                 copy_threads: int = 2, tensors: list[tuple[str, torch.Tensor, bool]] | None = None) -> None:
+                 copy_threads: int = 2, tensors: list[tuple[str, torch.Tensor, bool]] | None = None,
+                 cuda_ipc: bool = False) -> None:
         if not shm and not stream_bind:
             raise ValueError("weights: with shm off, a stream endpoint is needed (weights.stream_bind)")
         self.module = module
@@ -60,6 +61,12 @@ class WeightPublisher:
         self.shm = shm
         self.host = host or host_id()
         self.pool = ThreadPoolExecutor(copy_threads, thread_name_prefix="weights-copy") if copy_threads > 1 else None
+        device = next((t.device for _, t, _ in module_tensors(module)), torch.device("cpu"))
+        self.ipc = None
+        if cuda_ipc and device.type == "cuda":  # UNTESTED (needs CUDA): rlvla3.weights.cuda_ipc
+            from rlvla3.weights.cuda_ipc import DeviceSlots
+
+            self.ipc = DeviceSlots(self.layout.slot_bytes, device)
         self.version = -1
         self._count = 0
         self._frozen: list[Entry] = []
@@ -84,8 +91,9 @@ class WeightPublisher:
         self.version = version
         self.last_write_ms = (time.perf_counter() - t0) * 1000
         store = {"host": self.host, "seg": self.store.name, "size": self.store.size} if self.shm else None
+        ipc = self.ipc.fields(slot, self.store.region_offset(slot)) if self.ipc is not None and self.shm else None
         ann = Announcement(version, Manifest(version, tuple(self._frozen + entries)), store,
-                           self.stream.endpoint if self.stream else None, time.time_ns())
+                           self.stream.endpoint if self.stream else None, time.time_ns(), ipc)
         log.info("weights_written", version=version, slot=slot, tensors=len(entries),
                  ms=round(self.last_write_ms, 2))
         return ann.fields()
@@ -103,6 +111,8 @@ class WeightPublisher:
                                  "a model's tensors and their requires_grad must stay fixed")
             todo.append((spec, self.store.view(base + spec.rel_offset, spec.nbytes), t.detach()))
         self.store.write_begin(region)
+        if trainable and self.ipc is not None:  # the device copy, inside the slot's seqlock window
+            self.ipc.write(region, [(spec.rel_offset, t) for spec, _, t in todo])
         on_host = [(dst, as_numpy(t).reshape(-1).view(np.uint8)) for _, dst, t in todo if t.device.type == "cpu"]
         sums = iter(copy_many(on_host, self.pool))
         out = [Entry(spec.name, spec.dtype, spec.shape, region, base + spec.rel_offset, spec.nbytes,
