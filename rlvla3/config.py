@@ -249,6 +249,10 @@ class WeightsConfig:
     """Bytes (MiB) per bucket on the stream: one FETCH, one reply frame (1-256)."""
     copy_threads: int = 2
     """Threads that copy and hash weights into the store (trainer) and out of it (generator)."""
+    cuda_ipc: bool = False
+    """CUDA only, UNTESTED: trainer rank 0 also keeps its trainable slot on its GPU and announces
+    a CUDA IPC handle; generators on the same GPU copy device to device from it
+    (``rlvla3.weights.cuda_ipc``). No effect on CPU."""
 
 
 @dataclass

@@ -10,6 +10,7 @@ from dataclasses import dataclass, field
 
 PLACEMENTS = ("disaggregated", "colocated", "hybrid")
 OFFLOAD = ("auto", "always", "never")
+CHECKPOINT_FORMATS = ("full", "sharded")
 
 
 class ConfigError(ValueError):
@@ -46,8 +47,13 @@ class TrainConfig:
     fsdp: bool = False
     """Shard the trainer group's parameters, gradients and optimizer state with FSDP2
     (``torch.distributed.fsdp.fully_shard``, ``workers.algorithms.distributed.wrap_fsdp``) instead
-    of replicating them with DDP. Refused for now: publishing and checkpoints read rank 0's
-    parameters whole, and under FSDP they must be gathered on every rank first."""
+    of replicating them with DDP (``workers.trainers`` >= 2). Every rank takes part when rank 0
+    publishes (the trainable parameters are gathered one tensor at a time) and checkpoints."""
+    checkpoint_format: str = "full"
+    """``full``: rank 0 writes ``model.safetensors`` + ``optimizer.pt`` (gathered under FSDP);
+    ``sharded``: every rank writes its shard with torch.distributed.checkpoint (DCP), which
+    resumes on any number of ranks, with or without FSDP. Several hosts need the run folder on
+    a filesystem they share."""
 
 
 @dataclass
@@ -137,7 +143,11 @@ def validate_scale(lora: LoraConfig, train: TrainConfig, placement: PlacementCon
                    trainers: int = 1) -> None:
     if lora.rank < 1 or lora.alpha <= 0 or not lora.targets:
         raise ConfigError("model.lora: rank must be >= 1, alpha > 0 and targets non-empty")
-    if train.fsdp:
-        raise ConfigError("train.fsdp: the sharded update works (wrap_fsdp), but the trainer's weight "
-                               "publication and checkpoints do not gather FSDP shards yet; use DDP (false)")
+    if train.checkpoint_format not in CHECKPOINT_FORMATS:
+        raise ConfigError(f"train.checkpoint_format: {train.checkpoint_format!r} not in {CHECKPOINT_FORMATS}")
+    if train.fsdp and trainers < 2:
+        raise ConfigError("train.fsdp: shards over the trainer group, which needs workers.trainers >= 2")
+    if train.fsdp and placement.offload == "always":
+        raise ConfigError("train.fsdp with placement.offload: always: moving sharded (DTensor) trainer state "
+                          "off the device is not supported; use offload: never or auto")
     validate_placement(placement, generators, trainers)

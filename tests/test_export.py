@@ -39,8 +39,9 @@ def obs_for(spec, batch: int = 3, seed: int = 0) -> Observation:
                        ["reach the red target", "push", "reach"][:batch])
 
 
-def make_run(run_dir: Path, family: str, options: dict):
-    """A run folder as the trainer leaves it: weights moved off their init, statistics set."""
+def make_run(run_dir: Path, family: str, options: dict, lora: dict | None = None):
+    """A run folder as the trainer leaves it: weights moved off their init, statistics set
+    (``lora``: with trained adapters, as a ``model.lora`` run leaves it)."""
     from workers.checkpoint import save_checkpoint
 
     spec = env_spec(ENV["name"], ENV["options"])
@@ -48,15 +49,21 @@ def make_run(run_dir: Path, family: str, options: dict):
     if family != "openvla_oft":
         opts["num_steps"] = 4  # flow families: a power of two, so upstream's time grid is exact too
     policy = make_policy(family, {**opts, "chunk_size": 4}, spec)
+    if lora is not None:
+        from rlvla3.scale_config import LoraConfig
+        from workers.policies.lora import add_lora
+
+        add_lora(policy, LoraConfig(**lora))
     torch.manual_seed(5)
     with torch.no_grad():
-        for p in policy.parameters():
-            p.add_(torch.randn_like(p) * 1e-3)
+        for n, p in policy.named_parameters():
+            p.add_(torch.randn_like(p) * (3e-2 if ".lora_B." in n else 1e-3))  # trained adapters that matter
     # Exactly representable statistics (powers of two), so every file format stores them exactly.
     policy.norm.set(state=(torch.full((spec.state_dim,), 0.25), torch.full((spec.state_dim,), 2.0)),
                     action=(torch.full((spec.action_dim,), -0.5), torch.full((spec.action_dim,), 0.5)))
     cfg = {"env": ENV, "model": {"family": family, "chunk_size": 4, "dtype": "float32",
-                                 "options": {k: v for k, v in opts.items() if k not in ("device", "dtype")}}}
+                                 "options": {k: v for k, v in opts.items() if k not in ("device", "dtype")},
+                                 **({"lora": lora} if lora is not None else {})}}
     save_checkpoint(run_dir, policy, None, version=7, step_counters={"env_steps": 100}, config_yaml=yaml.safe_dump(cfg))
     return policy, spec
 
@@ -83,6 +90,31 @@ def test_export_round_trip_gives_identical_actions(case, tmp_path):
     assert torch.equal(a.actions, b.actions)
     assert torch.equal(a.value, b.value)  # the critic travels in the rlvla3 side file
     assert not torch.equal(policy.norm.action_out(torch.zeros(1)), torch.zeros(1))
+
+
+def test_lora_run_exports_merged_base_weights(tmp_path):
+    """A LoRA run's export holds base weights only (adapters folded in) and acts as the run did."""
+    from safetensors import safe_open
+
+    from workers.release.layouts import load_release
+
+    policy, spec = make_run(tmp_path / "run", "openvla_oft", {"size": "tiny"}, lora={"enabled": True, "rank": 4})
+    assert any(".lora_B." in n for n, _ in policy.named_parameters())
+    res = export(tmp_path / "run", "release", tmp_path / "out")
+    assert res.returncode == 0, res.stderr[-3000:]
+    for f in (tmp_path / "out").rglob("*.safetensors"):
+        with safe_open(str(f), "pt") as st:
+            assert not [k for k in st.keys() if "lora_" in k], f
+    loaded = load_release(str(tmp_path / "out"), "openvla_oft", spec, {"device": "cpu", "dtype": "float32"})
+    assert not any("lora_" in n for n, _ in loaded.named_parameters())
+    obs = obs_for(spec)
+    a, b = policy.act(obs, deterministic=True), loaded.act(obs, deterministic=True)
+    torch.testing.assert_close(b.actions, a.actions, rtol=1e-5, atol=1e-5)  # W x + s B A x vs (W + s B A) x: rounding
+    with torch.no_grad():
+        for n, p in policy.named_parameters():
+            if ".lora_B." in n:
+                p.zero_()
+    assert not torch.allclose(policy.act(obs, deterministic=True).actions, a.actions, atol=1e-3)  # adapters mattered
 
 
 def test_pi0_export_loads_in_upstream_transformers(tmp_path):

@@ -1,18 +1,28 @@
 """FSDP2 (``train.fsdp``) against DDP: two real gloo ranks on CPU, the same tiny OpenVLA-OFT and the
-same per-rank batches; the losses of every optimizer step and the weights after agree."""
+same per-rank batches through the trainer's update (``workers.algorithms.update``); the losses
+of every optimizer step and the weights after agree. Checkpoints move between group sizes: two
+FSDP ranks save (sharded and full) and one process resumes; one process saves and two FSDP
+ranks resume. And ``train.fsdp: true`` in a real job."""
 
 import json
 import socket
 
 import numpy as np
+import pytest
 import torch
 import torch.multiprocessing as mp
 
 from rlvla3.config import load
+from rlvla3.observation import Observation
 from tests.jobs import random_observation
 from workers.algorithms.distributed import destroy_trainer_group, init_trainer_group, wrap_ddp, wrap_fsdp
-from workers.algorithms.ppo import make_optimizer, ppo_update
+from workers.algorithms.ppo import make_optimizer
+from workers.algorithms.update import TrainBatch, TrainState, update
+from workers.checkpoint import load_checkpoint, save_checkpoint
 from workers.model import build_policy, job_spec
+
+OVERRIDES = ["workers.device=cpu", "model.dtype=float32", "algo.epochs=1", "algo.minibatch_size=4", "algo.lr=0.001",
+             "algo.check_replicas=true"]
 
 
 def _free_port() -> int:
@@ -21,39 +31,71 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-def _batch(policy, cfg, rank: int) -> dict:
+def _batch(policy, cfg, rank: int) -> TrainBatch:
+    """Two fragments of 4 steps, acted by ``policy`` (the learner's layout)."""
     spec, rng, n = job_spec(cfg), np.random.default_rng(rank), 8
     obs = random_observation(spec, n, rng, "reach the target")
     torch.manual_seed(rank)
     out = policy.act(obs)
-    return {"obs": obs, "actions": out.actions, "replay": out.replay, "behav_logprob": out.logprob,
-            "advantages": torch.as_tensor(rng.standard_normal(n).astype(np.float32)),
-            "returns": torch.as_tensor(rng.standard_normal(n).astype(np.float32)), "values": out.value}
+    samples = {"obs": obs, "actions": out.actions, "replay": out.replay, "behav_logprob": out.logprob, "values": out.value}
+    ends = [3, 7]
+    boot = {"obs": Observation.concat([obs.select(slice(e, e + 1)) for e in ends]), "actions": out.actions[ends],
+            "replay": {k: v[ends] for k, v in out.replay.items()}}
+    return TrainBatch(samples=samples, keep=np.ones(n, bool), staleness=np.zeros(n, np.int64),
+                      rewards=torch.as_tensor(rng.standard_normal(n).astype(np.float32)),
+                      terminated=torch.zeros(n, dtype=torch.bool), lengths=[4, 4], bootstrap=boot, advantages=None,
+                      env_steps=n)
+
+
+def _full(policy) -> dict:
+    return {n: (p.full_tensor() if hasattr(p, "full_tensor") else p).detach().clone() for n, p in policy.named_parameters()}
 
 
 def _rank(rank: int, port: int, out_dir: str) -> None:
     init_trainer_group(rank, 2, "127.0.0.1", port)
     try:
-        cfg = load("configs/synthetic_openvla_oft.yaml", ["workers.device=cpu", "model.dtype=float32",
-                                                          "algo.epochs=1", "algo.minibatch_size=4", "algo.lr=0.001"])
+        cfg = load("configs/synthetic_openvla_oft.yaml", OVERRIDES)
         result = {}
         for kind, wrap in (("ddp", wrap_ddp), ("fsdp", wrap_fsdp)):
             policy = build_policy(cfg)  # seeded: the same weights on both ranks, for both runs
             batch = _batch(policy, cfg, rank)
             policy.train()
-            model = wrap(policy)
-            stats = ppo_update(model, make_optimizer(model.parameters(), cfg.algo), batch, cfg.algo)
-            full = {n: (p.full_tensor() if hasattr(p, "full_tensor") else p).detach() for n, p in policy.named_parameters()}
-            result[kind] = {"loss": stats["loss"], "steps": stats["optimizer_steps"],
-                            "sharded": sum(hasattr(p, "full_tensor") for p in policy.parameters())}
-            torch.save(full, f"{out_dir}/{kind}{rank}.pt")
+            state = TrainState.build(policy, cfg.algo, wrap(policy))  # the optimizer steps the shards
+            res = update(state, batch, cfg.algo, pad_to=8)
+            result[kind] = {"loss": res.diagnostics["loss"], "steps": res.diagnostics["optimizer_steps"],
+                            "checksum": res.param_checksum, "sharded": sum(hasattr(p, "full_tensor") for p in policy.parameters())}
+            torch.save(_full(policy), f"{out_dir}/{kind}{rank}.pt")
+            if kind == "fsdp":  # two ranks save; the test resumes in one process
+                for fmt in ("sharded", "full"):
+                    save_checkpoint(f"{out_dir}/{fmt}", policy, state.optimizer, 1, {"updates": 1}, "run: {}\n", fmt=fmt)
+        # One process saved (the test, below); the two FSDP ranks resume from it.
+        for fmt in ("sharded", "full"):
+            load_checkpoint(f"{out_dir}/one-{fmt}", state.policy, state.optimizer, restore_rng=False)
+            torch.save(_full(policy), f"{out_dir}/resumed-{fmt}{rank}.pt")
+            with torch.no_grad():
+                for p in policy.parameters():
+                    p.add_(1.0)  # the next load must overwrite every value
         with open(f"{out_dir}/rank{rank}.json", "w") as f:
             json.dump(result, f)
     finally:
         destroy_trainer_group()
 
 
-def test_fsdp2_matches_ddp_on_two_gloo_ranks(tmp_path):
+def _equal(a: dict, b: dict) -> None:
+    assert a.keys() == b.keys()
+    assert all(torch.equal(a[n], b[n]) for n in a), [n for n in a if not torch.equal(a[n], b[n])][:3]
+
+
+def test_fsdp2_matches_ddp_and_checkpoints_move_between_group_sizes(tmp_path):
+    cfg = load("configs/synthetic_openvla_oft.yaml", OVERRIDES)
+    one = build_policy(cfg)
+    with torch.no_grad():
+        for p in one.parameters():
+            p.add_(0.01)  # not the seeded build the ranks start from
+    opt = make_optimizer(one.parameters(), cfg.algo)
+    for fmt in ("sharded", "full"):
+        save_checkpoint(tmp_path / f"one-{fmt}", one, opt, 1, {}, "run: {}\n", fmt=fmt)
+
     mp.spawn(_rank, args=(_free_port(), str(tmp_path)), nprocs=2, join=True)
     for r in (0, 1):
         res = json.loads((tmp_path / f"rank{r}.json").read_text())
@@ -61,9 +103,49 @@ def test_fsdp2_matches_ddp_on_two_gloo_ranks(tmp_path):
         assert ddp["steps"] == fsdp["steps"] == 2
         assert ddp["sharded"] == 0 and fsdp["sharded"] > 0  # FSDP really sharded the parameters
         assert abs(ddp["loss"] - fsdp["loss"]) < 1e-5, (ddp["loss"], fsdp["loss"])
+        assert ddp["checksum"] == pytest.approx(fsdp["checksum"], rel=1e-9)
         a, b = torch.load(tmp_path / f"ddp{r}.pt"), torch.load(tmp_path / f"fsdp{r}.pt")
         assert a.keys() == b.keys()
         for n in a:
             torch.testing.assert_close(a[n], b[n], rtol=1e-4, atol=1e-6, msg=n)
-    w0, w1 = (torch.load(tmp_path / f"fsdp{r}.pt") for r in (0, 1))
-    assert all(torch.equal(w0[n], w1[n]) for n in w0)  # one model, gathered the same on every rank
+        for fmt in ("sharded", "full"):  # saved by one process, resumed by two FSDP ranks
+            _equal(torch.load(tmp_path / f"resumed-{fmt}{r}.pt"), {n: p.detach() for n, p in one.named_parameters()})
+    w0 = torch.load(tmp_path / "fsdp0.pt")
+    _equal(w0, torch.load(tmp_path / "fsdp1.pt"))  # one model, gathered the same on every rank
+    policy = one
+    opt = make_optimizer(policy.parameters(), cfg.algo)
+    for fmt in ("sharded", "full"):  # saved by two FSDP ranks, resumed by one process (no group)
+        with torch.no_grad():
+            for p in policy.parameters():
+                p.add_(1.0)  # the load must overwrite every value
+        load_checkpoint(tmp_path / fmt, policy, opt, restore_rng=False)
+        _equal({n: p.detach() for n, p in policy.named_parameters()}, w0)
+        assert all(opt.state[p]["step"] == 2 for p in policy.parameters() if p.requires_grad)  # Adam's state came too
+
+
+def _rows(path):
+    return [json.loads(line) for line in path.read_text().splitlines()] if path.exists() else []
+
+
+def test_fsdp_trainer_group_publishes_and_checkpoints_shards(job_factory):
+    """``train.fsdp: true`` in a real job: two gloo ranks update together, rank 0 publishes the
+    gathered weights and the generator swaps them in; the sharded (DCP) checkpoint both ranks
+    wrote loads into one process without a group and holds the weights the ranks reported."""
+    from workers.algorithms.distributed import parameter_checksum
+    from workers.checkpoint import latest_checkpoint, load_checkpoint
+
+    job = job_factory("workers.trainers=2", "train.fsdp=true", "train.checkpoint_format=sharded",
+                      "algo.check_replicas=true", "algo.checkpoint_every=2")
+    job.wait(lambda f: f["trainer_version"] >= 3, 240, "three updates by the FSDP trainer group")
+    job.stop()
+    r0, r1 = _rows(job.run_dir / "trainer_metrics.jsonl"), _rows(job.run_dir / "trainer_metrics.rank1.jsonl")
+    both = {r["version"]: r["param_checksum"] for r in r0}
+    assert len(r1) >= 2 and all(both.get(r["version"]) == r["param_checksum"] for r in r1)  # one model, gathered alike
+    swaps = [line for line in (job.run_dir / "generator0.log").read_text().splitlines() if "weights_swapped" in line]
+    assert len(swaps) >= 3, swaps  # version 0 and updates, gathered by the group and published by rank 0
+    ck = latest_checkpoint(job.run_dir)
+    assert (ck / "dcp" / ".metadata").is_file() and len(list((ck / "dcp").glob("*.distcp"))) == 2  # one file per rank
+    policy = build_policy(load(str(job.run_dir / "config.yaml")))
+    saved = load_checkpoint(job.run_dir, policy, make_optimizer(policy.parameters(), load(str(job.run_dir / "config.yaml")).algo),
+                            restore_rng=False)  # two ranks saved, one process resumes
+    assert float(parameter_checksum(policy)) == pytest.approx(both[saved["version"]], rel=1e-6)  # rows keep 8 digits

@@ -322,6 +322,9 @@ def test_broker_rule_keeps_the_newest_announcement_and_never_bytes():
     {"store": {"host": "h", "seg": "rlvla3_x", "size": 100}},  # bytes beyond the store
     {"stream": 5},
     {"version": True},
+    {"ipc": {"uuid": "GPU-0", "slot": 1}},  # a CUDA IPC handle without its bytes
+    {"ipc": {"uuid": "GPU-0", "slot": 0, "base": 0, "device": 0, "handle": b"h", "size": 8, "offset": 0,
+             "ref_handle": b"r", "ref_offset": 0}},  # the frozen region is never handed over by IPC
 ])
 def test_hostile_announcements_are_refused_with_a_reason(bad):
     with pytest.raises(ManifestError):

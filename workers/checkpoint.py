@@ -6,7 +6,12 @@ Layout::
         latest                      text: the name of the newest complete checkpoint
         v00000042/
             model.safetensors       policy weights (safetensors: no pickle, shared tensors ok)
-            optimizer.pt            optimizer.state_dict() (torch.save; loaded weights_only)
+            optimizer.pt            optimizer state keyed by parameter name (torch.save; loaded
+                                    weights_only), as torch.distributed.checkpoint.state_dict
+                                    gives it, so that it loads with or without FSDP
+            dcp/                    instead of both (``train.checkpoint_format: sharded``): one
+                                    torch.distributed.checkpoint file per rank + its metadata;
+                                    loads on any number of ranks (resharded), or in one process
             state.json              version and step counters
             rng.json                python / numpy / torch (and CUDA) RNG states
             config.yaml             the job config, verbatim
@@ -14,6 +19,10 @@ Layout::
 A checkpoint is assembled in a hidden temporary folder next to its final place and renamed into
 place; ``latest`` is then replaced atomically. A reader following ``latest`` therefore always
 finds a complete checkpoint.
+
+Several trainer ranks: a ``full`` checkpoint of replicas (DDP) is rank 0's alone; one of an
+FSDP-sharded policy, and every ``sharded`` one, is a collective (every rank calls
+:func:`save_checkpoint` / :func:`load_checkpoint`; rank 0 writes the small files and renames).
 """
 
 from __future__ import annotations
@@ -29,12 +38,17 @@ from typing import Any
 
 import numpy as np
 import torch
-from safetensors.torch import load_model, save_model
+import torch.distributed as dist
+from safetensors.torch import load_file, load_model, save_file, save_model
 from torch import nn
+from torch.distributed.checkpoint.state_dict import (StateDictOptions, get_optimizer_state_dict, get_state_dict,
+                                                     set_optimizer_state_dict, set_model_state_dict, set_state_dict)
 
 CHECKPOINTS = "checkpoints"
 LATEST = "latest"
 FORMAT_VERSION = 1
+FORMATS = ("full", "sharded")
+DCP = "dcp"
 
 
 def checkpoint_name(version: int) -> str:
@@ -46,6 +60,20 @@ def _unwrap(model: nn.Module) -> nn.Module:
     while isinstance(getattr(model, "module", None), nn.Module):
         model = model.module
     return model
+
+
+def _sharded(model: nn.Module) -> bool:
+    """An FSDP-sharded policy: its parameters are DTensor shards."""
+    return any(hasattr(p, "full_tensor") for p in model.parameters())
+
+
+def _rank() -> int:
+    return dist.get_rank() if dist.is_initialized() else 0
+
+
+def _options(sharded: bool) -> StateDictOptions:
+    """Whole tensors on rank 0's CPU for an FSDP-sharded policy; the tensors as they are otherwise."""
+    return StateDictOptions(full_state_dict=sharded, cpu_offload=sharded)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -115,23 +143,58 @@ def save_checkpoint(
     step_counters: dict[str, int | float],
     config_yaml: str,
     keep_last: int | None = None,
+    fmt: str = "full",
 ) -> Path:
     """Write checkpoint ``version`` into ``run_dir`` and point ``latest`` at it; returns its folder.
 
-    ``keep_last`` prunes older checkpoints (None keeps them all). Call on one rank only.
+    ``keep_last`` prunes older checkpoints (None keeps them all). ``fmt``: ``full`` or
+    ``sharded`` (DCP). Call on rank 0 only for a ``full`` checkpoint of an unsharded policy, on
+    every rank otherwise (the ranks share ``run_dir``).
     """
+    if fmt not in FORMATS:
+        raise ValueError(f"checkpoint format {fmt!r} not in {FORMATS}")
+    model = _unwrap(policy)
+    sharded = _sharded(model)
+    collective = sharded or fmt == "sharded"
+    lead = _rank() == 0 or not collective
     root = Path(run_dir) / CHECKPOINTS
-    root.mkdir(parents=True, exist_ok=True)
     name = checkpoint_name(version)
     final = root / name
-    tmp = root / f".tmp-{name}-{os.getpid()}-{time.monotonic_ns()}"
-    tmp.mkdir()
+    # Every rank of a collective save writes into the same folder: its name cannot hold a pid.
+    tmp = root / (f".tmp-{name}-group" if collective else f".tmp-{name}-{os.getpid()}-{time.monotonic_ns()}")
+    if lead:
+        root.mkdir(parents=True, exist_ok=True)
+        shutil.rmtree(tmp, ignore_errors=True)  # a collective save that died half-way
+        tmp.mkdir()
+    if collective and dist.is_initialized():
+        dist.barrier()  # the folder exists (and holds nothing old) before any rank writes into it
     try:
         # ---- Everything into the temporary folder ---------------------------------------------
-        save_model(_unwrap(policy), str(tmp / "model.safetensors"), metadata={"version": str(int(version))})
-        if optimizer is not None:
-            torch.save(optimizer.state_dict(), tmp / "optimizer.pt")
-        state = {"format": FORMAT_VERSION, "version": int(version), "counters": dict(step_counters)}
+        if fmt == "sharded":
+            msd, osd = get_state_dict(model, optimizer or [])
+            import torch.distributed.checkpoint as dcp
+
+            dcp.save({"model": msd, **({"optim": osd} if optimizer is not None else {})}, checkpoint_id=str(tmp / DCP))
+        elif sharded:  # full, from shards: gathered whole on rank 0 (a collective)
+            msd = {}
+            for n, p in model.named_parameters():
+                full = p.full_tensor() if hasattr(p, "full_tensor") else p.detach()
+                if lead:
+                    msd[n] = full.cpu()
+            osd = get_optimizer_state_dict(model, optimizer, options=_options(True)) if optimizer is not None else None
+            if lead:
+                persistent = set(model.state_dict())  # no gathering: the keys only
+                msd.update((n, b.detach().cpu()) for n, b in model.named_buffers() if n in persistent)
+                save_file({n: t.contiguous() for n, t in msd.items()}, str(tmp / "model.safetensors"),
+                          metadata={"version": str(int(version))})
+        else:
+            save_model(model, str(tmp / "model.safetensors"), metadata={"version": str(int(version))})
+            osd = get_optimizer_state_dict(model, optimizer, options=_options(False)) if optimizer is not None else None
+        if not lead:
+            return final
+        if fmt == "full" and optimizer is not None:
+            torch.save(osd, tmp / "optimizer.pt")
+        state = {"format": FORMAT_VERSION, "layout": fmt, "version": int(version), "counters": dict(step_counters)}
         _write_text(tmp / "state.json", json.dumps(state, indent=1, sort_keys=True))
         _write_text(tmp / "rng.json", json.dumps(rng_state()))
         _write_text(tmp / "config.yaml", config_yaml)
@@ -146,7 +209,8 @@ def save_checkpoint(
         if old is not None:
             shutil.rmtree(old, ignore_errors=True)
     except BaseException:
-        shutil.rmtree(tmp, ignore_errors=True)
+        if lead:
+            shutil.rmtree(tmp, ignore_errors=True)
         raise
 
     # ---- Move the `latest` pointer atomically -------------------------------------------------
@@ -178,6 +242,15 @@ def latest_checkpoint(run_dir: str | os.PathLike) -> Path | None:
     return path if path.is_dir() else None
 
 
+def checkpoint_folder(path: str | os.PathLike) -> Path | None:
+    """``path`` itself when it is a checkpoint folder (either layout), else the one its
+    ``latest`` points at, else None."""
+    path = Path(path)
+    if (path / "model.safetensors").is_file() or (path / DCP).is_dir():
+        return path
+    return latest_checkpoint(path)
+
+
 def load_checkpoint(
     run_dir: str | os.PathLike,
     policy: nn.Module,
@@ -187,11 +260,12 @@ def load_checkpoint(
     """Restore the latest checkpoint of ``run_dir`` (or ``run_dir`` itself if it is one).
 
     Weights go into ``policy`` on its current device, the optimizer state into ``optimizer``,
-    and the RNGs are reset so random draws continue as they would have. Returns
-    ``{"version", "counters", "config_yaml", "path"}``.
+    and the RNGs are reset so random draws continue as they would have. Either layout loads
+    into a sharded or an unsharded policy, on any number of ranks (a ``sharded`` checkpoint, or
+    an FSDP-sharded policy: every rank calls it). Returns ``{"version", "counters",
+    "config_yaml", "path"}``.
     """
-    run_dir = Path(run_dir)
-    path = run_dir if (run_dir / "model.safetensors").is_file() else latest_checkpoint(run_dir)
+    path = checkpoint_folder(run_dir)
     if path is None:
         raise FileNotFoundError(f"no checkpoint under {run_dir}")
     state = json.loads((path / "state.json").read_text(encoding="utf-8"))
@@ -199,13 +273,41 @@ def load_checkpoint(
         raise ValueError(f"{path}: checkpoint format {state.get('format')} is not {FORMAT_VERSION}")
 
     model = _unwrap(policy)
-    device = next(model.parameters()).device
-    load_model(model, str(path / "model.safetensors"), strict=True, device=str(device))
-    if optimizer is not None:
-        opt_file = path / "optimizer.pt"
-        if not opt_file.is_file():
-            raise FileNotFoundError(f"{path}: no optimizer.pt to resume the optimizer from")
-        optimizer.load_state_dict(torch.load(opt_file, map_location="cpu", weights_only=True))
+    sharded = _sharded(model)
+    if (path / DCP).is_dir():
+        import torch.distributed.checkpoint as dcp
+
+        msd, osd = get_state_dict(model, optimizer or [])
+        target = {"model": msd, **({"optim": osd} if optimizer is not None else {})}
+        if optimizer is not None:
+            # Adam keeps no state for a parameter that never had a gradient (a value head under
+            # GRPO): ask only for the states the checkpoint holds; the others start afresh.
+            saved = set(dcp.FileSystemReader(str(path / DCP)).read_metadata().state_dict_metadata)
+            if not any(k.startswith("optim.") for k in saved):
+                raise FileNotFoundError(f"{path}: saved without optimizer state")
+            for fqn in [f for f in osd["state"] if not any(k.startswith(f"optim.state.{f}.") for k in saved)]:
+                del osd["state"][fqn]
+        dcp.load(target, checkpoint_id=str(path / DCP))  # every model tensor must be there
+        if optimizer is not None:
+            set_state_dict(model, optimizer, model_state_dict=target["model"], optim_state_dict=target["optim"],
+                           options=StateDictOptions(strict=False))
+        else:
+            set_model_state_dict(model, target["model"])
+    else:
+        if sharded:  # every rank reads the whole file and keeps its shard
+            set_model_state_dict(model, load_file(str(path / "model.safetensors")), options=StateDictOptions(full_state_dict=True))
+        else:
+            load_model(model, str(path / "model.safetensors"), strict=True, device=str(next(model.parameters()).device))
+        if optimizer is not None:
+            opt_file = path / "optimizer.pt"
+            if not opt_file.is_file():
+                raise FileNotFoundError(f"{path}: no optimizer.pt to resume the optimizer from")
+            osd = torch.load(opt_file, map_location="cpu", weights_only=True)
+            if any(isinstance(k, int) for k in osd.get("state", {})):  # keyed by position (older checkpoints)
+                optimizer.load_state_dict(osd)
+            else:
+                # strict=False: parameters that never had a gradient have no state to load
+                set_optimizer_state_dict(model, optimizer, osd, options=StateDictOptions(full_state_dict=sharded, strict=False))
     if restore_rng:
         set_rng_state(json.loads((path / "rng.json").read_text(encoding="utf-8")))
     return {

@@ -113,7 +113,8 @@ class GeneratorWorker(WorkerBase):
         self.policy = build_policy(cfg, device=self.device)
         self.policy.eval()
         self.receiver = WeightReceiver(self.policy, self.host, shm=cfg.weights.shm, bucket_mb=cfg.weights.bucket_mb,
-                                       copy_threads=cfg.weights.copy_threads)
+                                       copy_threads=cfg.weights.copy_threads,
+                                       cuda_ipc=cfg.weights.cuda_ipc)
 
     def start(self) -> None:
         cfg = self.cfg

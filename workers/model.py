@@ -83,12 +83,19 @@ def _is_rlvla3_checkpoint(path: str) -> bool:
 
 
 def load_checkpoint_weights(policy: Policy, path: str) -> None:
-    """Load ``model.safetensors`` from a run folder's checkpoint (or a direct file)."""
+    """Load ``model.safetensors`` from a run folder's checkpoint (or a direct file), or the
+    weights of a sharded (DCP) checkpoint."""
     from pathlib import Path
 
     from safetensors.torch import load_file
 
+    from workers.checkpoint import DCP, checkpoint_folder, load_checkpoint
+
     p = Path(path)
+    folder = checkpoint_folder(p) if p.is_dir() else None
+    if folder is not None and (folder / DCP).is_dir():
+        load_checkpoint(folder, policy, restore_rng=False)
+        return
     candidates = [p] if p.is_file() else [p / "model.safetensors"]
     latest = p / "checkpoints" / "latest"
     if latest.is_file():  # a pointer file naming the newest checkpoint folder

@@ -120,7 +120,13 @@ class TrainerWorker(WorkerBase):
         policy.train()
         if cfg.train.gradient_checkpointing:
             enable_gradient_checkpointing(policy)
-        self.state = TrainState.build(policy, cfg.algo)
+        model = policy
+        if cfg.train.fsdp:  # sharded before the optimizer is built: it steps the shards
+            from workers.algorithms.distributed import broadcast_parameters, wrap_fsdp
+
+            broadcast_parameters(policy, src=0)
+            model = wrap_fsdp(policy)
+        self.state = TrainState.build(policy, cfg.algo, model)
         self.learner = Learner(cfg, self.counters)
         self.version = int(self.welcome.get("trainer_version", 0))
         self.resumed_from = self._maybe_resume()
@@ -134,18 +140,22 @@ class TrainerWorker(WorkerBase):
             v = torch.tensor([self.version], dtype=torch.int64)
             torch.distributed.broadcast(v, src=0)
             self.version = int(v)
-            broadcast_parameters(policy, src=0)
-            self.state.model = wrap_ddp(policy)
+            if not cfg.train.fsdp:
+                broadcast_parameters(policy, src=0)
+                self.state.model = wrap_ddp(policy)
         pl = cfg.placement
-        self.offload = make_offload(pl.mode, pl.offload, policy, [self.state.optimizer, self.state.critic_optimizer], policy.device)
-        log.info("trainer_placement", mode=pl.mode, offload=pl.offload, offloading=self.offload is not None)
+        self.offload = None if cfg.train.fsdp else make_offload(pl.mode, pl.offload, policy, [self.state.optimizer, self.state.critic_optimizer], policy.device)
+        log.info("trainer_placement", mode=pl.mode, offload=pl.offload, offloading=self.offload is not None, fsdp=cfg.train.fsdp)
+        first = self._gathered(everything=True)  # FSDP: every rank gathers, rank 0 keeps
         if self.rank == 0:
             from rlvla3.weights.publisher import WeightPublisher
 
             w = cfg.weights
             self.publisher = WeightPublisher(policy, str(self.welcome.get("run_id", "run")), shm=w.shm, stream_bind=w.stream_bind,
-                                             advertise_host=w.advertise_host, host=self.host, copy_threads=w.copy_threads)
-            self.announcement = self.publisher.publish(self.version)  # version 0 (or the resumed one)
+                                             advertise_host=w.advertise_host, host=self.host, copy_threads=w.copy_threads,
+                                             tensors=first, cuda_ipc=w.cuda_ipc)
+            self.announcement = self.publisher.publish(self.version, first)  # version 0 (or the resumed one)
+        del first
         self.runner = self.new_runner("update")
         if self.run_dir is not None:
             self.run_dir.mkdir(parents=True, exist_ok=True)
@@ -164,6 +174,20 @@ class TrainerWorker(WorkerBase):
         log.info("trainer_group_joining", rank=self.rank, world_size=self.world, **dist_info)
         init_trainer_group(self.rank, self.world, dist_info["addr"], int(dist_info["port"]), device=self.device)
 
+    @property
+    def collective_checkpoints(self) -> bool:
+        """Every rank saves and loads (FSDP shards, or DCP's files); else rank 0 alone."""
+        return self.cfg.train.fsdp or (self.world > 1 and self.cfg.train.checkpoint_format == "sharded")
+
+    def _gathered(self, everything: bool) -> list | None:
+        """FSDP: the whole tensors rank 0 publishes (a collective, every rank calls it); None for
+        an unsharded policy (the publisher reads the module itself)."""
+        if not self.cfg.train.fsdp:
+            return None
+        from workers.algorithms.distributed import gather_tensors
+
+        return gather_tensors(self.state.policy, keep=self.rank == 0, everything=everything)
+
     def _maybe_resume(self) -> str | None:
         """``--resume RUN_DIR``, or a trainer rejoining a running job with a checkpoint in its run folder."""
         from workers.checkpoint import latest_checkpoint, load_checkpoint
@@ -171,9 +195,20 @@ class TrainerWorker(WorkerBase):
         src = self.resume
         if src is None and self.version > 0 and self.run_dir is not None and latest_checkpoint(self.run_dir) is not None:
             src = str(self.run_dir)
-        if src is None:
+        found = src is not None and latest_checkpoint(src) is not None
+        if self.collective_checkpoints:  # every rank loads its part, so every rank must see the files
+            flags = torch.tensor([int(src is not None), int(found)], dtype=torch.int64)
+            lo = flags.clone()
+            torch.distributed.all_reduce(flags, op=torch.distributed.ReduceOp.MAX)
+            torch.distributed.all_reduce(lo, op=torch.distributed.ReduceOp.MIN)
+            if int(flags[0]) and not int(lo[1]):
+                raise SystemExit(f"trainer rank {self.rank}: resuming a sharded/FSDP group needs the checkpoint on "
+                                 f"every rank (a shared run folder); this rank sees {'it' if found else 'none'}")
+            if not int(flags[0]):
+                return None
+        elif src is None:
             return None
-        if self.rank > 0 and latest_checkpoint(src) is None:
+        elif self.rank > 0 and not found:
             return None  # another host: rank 0's weights arrive by broadcast
         saved = load_checkpoint(src, self.state.policy, self.state.optimizer)
         self.version = max(self.version, saved["version"])
@@ -277,11 +312,13 @@ class TrainerWorker(WorkerBase):
             self.offload.onload()
         result = update(self.state, batch, algo, critic_warmup=warmup, pad_to=pad_to)
         announcement = None
-        if result.trained and self.publisher is not None and (self.counters.updates + 1) % max(1, algo.publish_every) == 0:
+        if result.trained and (self.counters.updates + 1) % max(1, algo.publish_every) == 0:
             # Here, on the update thread, no optimizer step runs while the store copies the
             # parameters (the socket thread only reads the counters until this job is done), and
-            # before an offload moves them.
-            announcement = self.publisher.publish(self.version + 1)
+            # before an offload moves them. FSDP: every rank gathers, rank 0 writes.
+            gathered = self._gathered(everything=False)
+            if self.publisher is not None:
+                announcement = self.publisher.publish(self.version + 1, gathered)
         if self.offload is not None:  # and off again while the generators work
             log.info("trainer_state_offloaded", mb=round(self.offload.offload() / 2**20, 1))
         return Trained(result, announcement)
@@ -306,13 +343,12 @@ class TrainerWorker(WorkerBase):
         if self.world > 1:  # the round went ahead: the steps this rank took count as consumed
             self.send(P.TRAIN, {"phase": "begin", "version": self.version, "steps": self.round_steps})
         self._count(result)
-        if result.trained and self.rank == 0:
-            if done.announcement is not None:
-                self.announcement = done.announcement
-                self.send(P.WEIGHTS, done.announcement)
-            every = self.cfg.algo.checkpoint_every
-            if every > 0 and self.version % every == 0:
-                self._checkpoint()
+        if result.trained and self.rank == 0 and done.announcement is not None:
+            self.announcement = done.announcement
+            self.send(P.WEIGHTS, done.announcement)
+        every = self.cfg.algo.checkpoint_every
+        if result.trained and every > 0 and self.version % every == 0 and (self.rank == 0 or self.collective_checkpoints):
+            self._checkpoint()
         self._report(result)
 
     def _count(self, result: UpdateResult) -> None:
@@ -332,9 +368,11 @@ class TrainerWorker(WorkerBase):
         from workers.checkpoint import save_checkpoint
 
         keep = self.cfg.algo.keep_checkpoints or None
+        fmt = self.cfg.train.checkpoint_format
         path = save_checkpoint(self.run_dir, self.state.policy, self.state.optimizer, self.version,
-                               self.counters.as_dict(), self.cfg.to_yaml(), keep_last=keep)
-        log.info("checkpoint_saved", version=self.version, path=str(path))
+                               self.counters.as_dict(), self.cfg.to_yaml(), keep_last=keep, fmt=fmt)
+        if self.rank == 0:
+            log.info("checkpoint_saved", version=self.version, path=str(path), format=fmt)
 
     def _report(self, result: UpdateResult, to_broker: bool = True) -> None:
         """One metrics row: to the broker (rank 0's figures), the log, JSONL and TensorBoard."""
@@ -362,8 +400,9 @@ class TrainerWorker(WorkerBase):
             finished = not runner._thread.is_alive()
             if finished:
                 self._settle(runner)
-        if self.rank == 0 and self.state is not None and self.counters.updates > 0:
-            # The preemption hook: whatever stopped us, the last trained version is kept.
+        if (self.rank == 0 or self.collective_checkpoints) and self.state is not None and self.counters.updates > 0:
+            # The preemption hook: whatever stopped us, the last trained version is kept (with
+            # several ranks saving together, only if every rank is still there to take part).
             if finished:
                 self._checkpoint()
             else:

@@ -9,6 +9,8 @@ Header fields of WEIGHTS (besides ``v`` and ``type``):
                          shared-memory store, or nil when same-host reads are off
     stream        str    rank 0's weight stream endpoint (FETCH/BUCKET), or nil
     published_at  int    trainer's wall clock (ns) when the version was published
+    ipc           map    optional: the CUDA IPC handle of rank 0's device copy of the trainable
+                         slot (``rlvla3.weights.cuda_ipc``; same-GPU generators; untested)
 
 The broker keeps the newest announcement as its snapshot (the ZeroMQ Guide's Clone pattern),
 accepts only increasing versions and refuses a WEIGHTS that carries tensors: its memory no
@@ -21,6 +23,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from rlvla3 import protocol as P
+from rlvla3.weights.cuda_ipc import parse_ipc
 from rlvla3.weights.manifest import Manifest, ManifestError
 
 MAX_ANNOUNCEMENT_BYTES = P.MAX_HEADER_BYTES
@@ -33,11 +36,12 @@ class Announcement:
     store: dict[str, Any] | None
     stream: str | None
     published_at: int | None
+    ipc: dict[str, Any] | None = None
 
     def fields(self) -> dict[str, Any]:
         """The WEIGHTS header fields that announce this version."""
         return {"version": self.version, "manifest": self.manifest.to_wire(), "store": self.store,
-                "stream": self.stream, "published_at": self.published_at}
+                "stream": self.stream, "published_at": self.published_at, **({"ipc": self.ipc} if self.ipc else {})}
 
 
 def parse_announcement(header: dict[str, Any]) -> Announcement:
@@ -62,7 +66,13 @@ def parse_announcement(header: dict[str, Any]) -> Announcement:
     manifest = Manifest.from_wire(header.get("manifest"), store_size=size)
     if manifest.version != version:
         raise ManifestError(f"manifest is for version {manifest.version}, announcement for {version}")
-    return Announcement(version, manifest, store, stream, at)
+    try:
+        ipc = parse_ipc(header.get("ipc"))
+    except ValueError as err:
+        raise ManifestError(str(err)) from None
+    if ipc is not None and store is None:
+        raise ManifestError("announcement ipc needs the store (its seqlock guards the device copy)")
+    return Announcement(version, manifest, store, stream, at, ipc)
 
 
 class LatestWeights:

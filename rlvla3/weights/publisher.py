@@ -43,21 +43,30 @@ class WeightPublisher:
 
     ``shm``: announce the store to same-host generators; ``stream_bind``: serve other hosts (or
     every generator when ``shm`` is off) from this endpoint; empty disables the stream;
-    ``copy_threads``: threads that copy and hash tensors into the store."""
+    ``copy_threads``: threads that copy and hash tensors into the store; ``tensors``: the
+    module's tensors gathered whole, when it is sharded (see :meth:`publish`)."""
 
     def __init__(self, module: torch.nn.Module, run_id: str, *, shm: bool = True,
                  stream_bind: str = "tcp://127.0.0.1:0", advertise_host: str = "", host: str | None = None,
-                 copy_threads: int = 2) -> None:
+                 copy_threads: int = 2, tensors: list[tuple[str, torch.Tensor, bool]] | None = None,
+                 cuda_ipc: bool = False) -> None:
         if not shm and not stream_bind:
             raise ValueError("weights: with shm off, a stream endpoint is needed (weights.stream_bind)")
         self.module = module
         sweep_leftovers()  # stores (and pools) of processes that died without unlinking
-        self.layout = Layout.plan((n, dtype_name(t), tuple(t.shape), tr) for n, t, tr in module_tensors(module))
+        self.layout = Layout.plan((n, dtype_name(t), tuple(t.shape), tr)
+                                  for n, t, tr in (module_tensors(module) if tensors is None else tensors))
         self.store = WeightStore(run_id, self.layout.frozen_bytes, self.layout.slot_bytes)
         self.stream = StreamServer(self.store, stream_bind, advertise_host) if stream_bind else None
         self.shm = shm
         self.host = host or host_id()
         self.pool = ThreadPoolExecutor(copy_threads, thread_name_prefix="weights-copy") if copy_threads > 1 else None
+        device = next((t.device for _, t, _ in module_tensors(module)), torch.device("cpu"))
+        self.ipc = None
+        if cuda_ipc and device.type == "cuda":  # UNTESTED (needs CUDA): rlvla3.weights.cuda_ipc
+            from rlvla3.weights.cuda_ipc import DeviceSlots
+
+            self.ipc = DeviceSlots(self.layout.slot_bytes, device)
         self.version = -1
         self._count = 0
         self._frozen: list[Entry] = []
@@ -65,13 +74,15 @@ class WeightPublisher:
         log.info("weight_store_created", seg=self.store.name, mb=round(self.store.size / 1e6, 1),
                  trainable_mb=round(self.layout.trainable_bytes / 1e6, 1), stream=self.stream and self.stream.endpoint)
 
-    def publish(self, version: int) -> dict[str, Any]:
+    def publish(self, version: int, tensors: list[tuple[str, torch.Tensor, bool]] | None = None) -> dict[str, Any]:
         """Write ``version`` into the store and return the WEIGHTS fields announcing it.
-        Call it where no optimizer step runs at the same time (the copy reads the parameters)."""
+        Call it where no optimizer step runs at the same time (the copy reads the parameters).
+        ``tensors``: the module's tensors gathered whole (an FSDP-sharded trainer,
+        ``distributed.gather_tensors``), every one the first time, the trainable ones after."""
         if version <= self.version:
             raise ValueError(f"version {version} is not newer than the last published ({self.version})")
         t0 = time.perf_counter()
-        current = {n: (t, tr) for n, t, tr in module_tensors(self.module)}
+        current = {n: (t, tr) for n, t, tr in (module_tensors(self.module) if tensors is None else tensors)}
         if self._count == 0:
             self._frozen = self._write(FROZEN, version, current, trainable=False)
         slot = SLOTS[self._count % 2]
@@ -80,8 +91,9 @@ class WeightPublisher:
         self.version = version
         self.last_write_ms = (time.perf_counter() - t0) * 1000
         store = {"host": self.host, "seg": self.store.name, "size": self.store.size} if self.shm else None
+        ipc = self.ipc.fields(slot, self.store.region_offset(slot)) if self.ipc is not None and self.shm else None
         ann = Announcement(version, Manifest(version, tuple(self._frozen + entries)), store,
-                           self.stream.endpoint if self.stream else None, time.time_ns())
+                           self.stream.endpoint if self.stream else None, time.time_ns(), ipc)
         log.info("weights_written", version=version, slot=slot, tensors=len(entries),
                  ms=round(self.last_write_ms, 2))
         return ann.fields()
@@ -99,6 +111,8 @@ class WeightPublisher:
                                  "a model's tensors and their requires_grad must stay fixed")
             todo.append((spec, self.store.view(base + spec.rel_offset, spec.nbytes), t.detach()))
         self.store.write_begin(region)
+        if trainable and self.ipc is not None:  # the device copy, inside the slot's seqlock window
+            self.ipc.write(region, [(spec.rel_offset, t) for spec, _, t in todo])
         on_host = [(dst, as_numpy(t).reshape(-1).view(np.uint8)) for _, dst, t in todo if t.device.type == "cpu"]
         sums = iter(copy_many(on_host, self.pool))
         out = [Entry(spec.name, spec.dtype, spec.shape, region, base + spec.rel_offset, spec.nbytes,

@@ -33,6 +33,7 @@ import torch
 import zmq
 
 from rlvla3.weights.announce import Announcement, parse_announcement
+from rlvla3.weights.cuda_ipc import DeviceSlotReader
 from rlvla3.weights.manifest import Entry, ManifestError, copy_many
 from rlvla3.weights.publisher import module_tensors
 from rlvla3.weights.store import StoreReader, TornRead
@@ -63,7 +64,7 @@ class Staged:
 
 class WeightReceiver:
     def __init__(self, module: torch.nn.Module, host: str, *, shm: bool = True, bucket_mb: int = 128,
-                 copy_threads: int = 2) -> None:
+                 copy_threads: int = 2, cuda_ipc: bool = False) -> None:
         self.module = module
         self.host = host
         self.use_shm = shm
@@ -84,6 +85,7 @@ class WeightReceiver:
         self._stores: dict[str, StoreReader] = {}
         self._ctx: zmq.Context | None = None
         self.pool = ThreadPoolExecutor(copy_threads, thread_name_prefix="weights-copy") if copy_threads > 1 else None
+        self.ipc = DeviceSlotReader(self.device) if cuda_ipc and self.device.type == "cuda" else None
 
     # -- the state machine (generator's thread) -------------------------------------------
 
@@ -152,26 +154,51 @@ class WeightReceiver:
         self.release()
         entries = ann.manifest.changed_since(self.version)
         self._check_fits(ann, entries)
-        host = {e.name: self._host_buffer(e) for e in entries}
-        flat = {n: _bytes_of(t) for n, t in host.items()}
         store = ann.store
-        if self.use_shm and store is not None and store["host"] == self.host:
-            source, sums = "shm", self._read_store(store["seg"], entries, flat)
+        same_host = self.use_shm and store is not None and store["host"] == self.host
+        on_device: dict[str, torch.Tensor] = {}
+        if same_host and self.ipc is not None and self.ipc.usable(ann.ipc):  # CUDA only, untested
+            on_device = self._read_ipc(ann, [e for e in entries if e.region == ann.ipc["slot"]])
+        rest = [e for e in entries if e.name not in on_device]
+        host = {e.name: self._host_buffer(e) for e in rest}
+        flat = {n: _bytes_of(t) for n, t in host.items()}
+        if not rest and on_device:
+            source, sums = "ipc", {}
+        elif same_host:
+            source, sums = "shm", self._read_store(store["seg"], rest, flat)
         elif ann.stream is not None:
             if self._ctx is None:
                 self._ctx = zmq.Context()
-            source, sums = "stream", stream_read(self._ctx, ann.stream, entries, flat, self.bucket_bytes)
+            source, sums = "stream", stream_read(self._ctx, ann.stream, rest, flat, self.bucket_bytes)
         else:
             raise ManifestError(f"version {ann.version}: its store is on another host and no stream is announced")
-        bad = [e.name for e in entries if sums[e.name] != e.checksum]
+        bad = [e.name for e in rest if sums[e.name] != e.checksum]
         if bad:
             raise CorruptVersion(f"version {ann.version}: {len(bad)} tensor(s) fail their checksum, e.g. {bad[:3]}")
-        nonfinite = [e.name for e in entries if not _finite(host[e.name])]
+        nonfinite = [e.name for e in entries if not _finite(host[e.name] if e.name in host else on_device[e.name])]
         if nonfinite:  # a diverged trainer: keep serving the weights we have
             raise ManifestError(f"version {ann.version}: {len(nonfinite)} tensor(s) hold inf or NaN, e.g. {nonfinite[:3]}")
-        tensors = self._to_device(host, entries)
+        tensors = {**self._to_device(host, rest), **on_device}
         return Staged(ann.version, tensors, source, sum(e.nbytes for e in entries), (time.perf_counter() - t0) * 1000,
                       ann.published_at, {e.name for e in entries if e.trainable})
+
+    def _read_ipc(self, ann: Announcement, entries: list[Entry]) -> dict[str, torch.Tensor]:
+        """UNTESTED (needs CUDA): copy the trainable entries device to device from rank 0's slot
+        buffer (``rlvla3.weights.cuda_ipc``), inside the host slot's seqlock window."""
+        reader = self._store(ann.store["seg"])
+        slot = ann.ipc["slot"]
+        seq = reader.read_begin(slot, ann.version)
+        out = {}
+        for e in entries:
+            dst = self._spare.pop(e.name, None)
+            target = self.targets[e.name]
+            if dst is None or dst.dtype != target.dtype or dst.shape != target.shape or dst.device != target.device:
+                dst = torch.empty_like(target)
+            self.ipc.copy(ann.ipc, e.offset, dst)
+            out[e.name] = dst
+        torch.cuda.synchronize(self.device)
+        reader.read_end(slot, seq)
+        return out
 
     def _check_fits(self, ann: Announcement, entries: list[Entry]) -> None:
         names = {e.name for e in ann.manifest.entries}
@@ -201,12 +228,16 @@ class WeightReceiver:
                 self._pinned[e.name] = t
         return t
 
-    def _read_store(self, seg: str, entries: list[Entry], flat: dict[str, np.ndarray]) -> dict[str, int]:
+    def _store(self, seg: str) -> StoreReader:
         reader = self._stores.get(seg)
         if reader is None:
             for old in self._stores.values():  # a restarted trainer made a new store
                 old.close()
             self._stores = {seg: (reader := StoreReader(seg))}
+        return reader
+
+    def _read_store(self, seg: str, entries: list[Entry], flat: dict[str, np.ndarray]) -> dict[str, int]:
+        reader = self._store(seg)
         seqs = {}
         for e in entries:
             if e.region not in seqs:
@@ -249,6 +280,8 @@ class WeightReceiver:
         self._spare.clear()
         self._pinned.clear()
         self._release.clear()
+        if self.ipc is not None:
+            self.ipc.close()
         if self.pool is not None:
             self.pool.shutdown()
         if self._ctx is not None:

@@ -175,6 +175,30 @@ def wrap_fsdp(policy: nn.Module) -> FSDPPolicy:
     return fully_shard(FSDPPolicy(policy))
 
 
+def is_sharded(model: nn.Module) -> bool:
+    """True for the FSDP-wrapped policy (its parameters are DTensor shards)."""
+    return isinstance(model, FSDPPolicy)
+
+
+@torch.no_grad()
+def gather_tensors(policy: nn.Module, keep: bool, everything: bool) -> list[tuple[str, torch.Tensor, bool]]:
+    """(name, whole tensor, trainable) of an FSDP-sharded ``policy``, as the weight publisher
+    reads a module: the trainable parameters, or with ``everything`` every parameter and buffer
+    (the first publication). Shards are gathered one tensor at a time; a collective, so every
+    rank calls it in the same order, and ranks that do not publish pass ``keep=False`` and drop
+    each tensor once gathered. Rank 0 holds the gathered tensors until the store has them."""
+    out = []
+    for name, p in policy.named_parameters():
+        if not (p.requires_grad or everything):
+            continue
+        full = p.full_tensor() if hasattr(p, "full_tensor") else p.detach()
+        if keep:
+            out.append((name, full, p.requires_grad))
+    if everything and keep:
+        out.extend((name, b, False) for name, b in policy.named_buffers())
+    return out
+
+
 # ---------------------------------------------------------------------------------------------
 # Keeping replicas identical
 # ---------------------------------------------------------------------------------------------
@@ -189,11 +213,12 @@ def broadcast_parameters(model: nn.Module, src: int = 0) -> None:
 
 @torch.no_grad()
 def parameter_checksum(model: nn.Module) -> torch.Tensor:
-    """A float64 scalar that changes when any parameter value changes or two values swap places."""
+    """A float64 scalar that changes when any parameter value changes or two values swap places.
+    FSDP shards are gathered first (a collective): the checksum is the whole model's."""
     device = next(model.parameters()).device
     total = torch.zeros((), dtype=torch.float64, device=device)
     for i, p in enumerate(model.parameters()):
-        flat = p.detach().flatten().to(torch.float64)
+        flat = (p.full_tensor() if hasattr(p, "full_tensor") else p).detach().flatten().to(torch.float64)
         # Position weights make the sum order-sensitive; the index separates equal tensors.
         weights = torch.linspace(1.0, 2.0, flat.numel(), dtype=torch.float64, device=device)
         total += (i + 1) * (flat * weights).sum()

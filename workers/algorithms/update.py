@@ -151,7 +151,7 @@ def update(state: TrainState, batch: TrainBatch, algo: AlgoConfig, critic_warmup
     if batch.advantages is not None:  # GRPO: group-relative scores, broadcast to every step
         samples["advantages"] = batch.advantages.float()
     else:  # PPO: GAE on behaviour values, bootstrapped where a fragment was cut
-        samples["advantages"], samples["returns"] = _gae(state.policy, batch, algo)
+        samples["advantages"], samples["returns"] = _gae(state, batch, algo)
     samples["mask"] = torch.as_tensor(batch.keep)
     samples["fresh"] = torch.as_tensor(batch.staleness == 0)  # for the training-inference gap
     n = len(batch.keep)
@@ -193,14 +193,19 @@ def update(state: TrainState, batch: TrainBatch, algo: AlgoConfig, critic_warmup
     return result
 
 
-def _gae(policy: nn.Module, batch: TrainBatch, algo: AlgoConfig) -> tuple[torch.Tensor, torch.Tensor]:
+def _gae(state: TrainState, batch: TrainBatch, algo: AlgoConfig) -> tuple[torch.Tensor, torch.Tensor]:
     """Advantages and returns ``[N]``, fragment by fragment."""
+    from workers.algorithms.distributed import is_sharded
+
     b = batch.bootstrap
     if b is None:
         raise ValueError("a PPO batch needs the bootstrap observations of its fragments")
-    dev = policy.device
-    with torch.no_grad():  # the bare policy, not DDP: no collective for a forward pass
-        out = policy.evaluate(b["obs"], b["actions"].to(dev), {k: v.to(dev) for k, v in b["replay"].items()})
+    dev = state.policy.device
+    # The bare policy, not DDP (no collective for a forward pass); an FSDP-sharded one runs only
+    # through its root, which gathers the shards (every rank calls this once per update).
+    net = state.model if is_sharded(state.model) else state.policy
+    with torch.no_grad():
+        out = net.evaluate(b["obs"], b["actions"].to(dev), {k: v.to(dev) for k, v in b["replay"].items()})
     boot = out.value.float().cpu().tolist()
     lengths = list(batch.lengths)
     terminated = torch.split(batch.terminated, lengths)

@@ -44,6 +44,23 @@ def add_lora(policy: nn.Module, cfg: LoraConfig, seed: int = 0) -> int:
             nn.init.kaiming_uniform_(layer.lora_A.weight, a=math.sqrt(5))
             nn.init.zeros_(layer.lora_B.weight)
             layer.lora_scale = cfg.alpha / cfg.rank
-            layer.register_forward_hook(_lora_delta)
+            layer.lora_hook = layer.register_forward_hook(_lora_delta)
     return len(layers)
+
+
+@torch.no_grad()
+def merge_lora(policy: nn.Module) -> int:
+    """Fold every adapter into its base weight (``W += B @ A * alpha / r``, summed in fp32) and
+    remove it, so the policy holds the base names only, as the release layouts expect; returns
+    the number of merged layers. Exports call it; the policy's outputs change only by rounding."""
+    merged = 0
+    for layer in policy.modules():
+        if not (isinstance(layer, nn.Linear) and hasattr(layer, "lora_hook")):
+            continue
+        delta = layer.lora_B.weight.float() @ layer.lora_A.weight.float() * layer.lora_scale
+        layer.weight.copy_((layer.weight.float() + delta).to(layer.weight.dtype))
+        layer.lora_hook.remove()
+        del layer.lora_A, layer.lora_B, layer.lora_scale, layer.lora_hook
+        merged += 1
+    return merged
 

@@ -22,11 +22,11 @@ def trained_policy(run_dir: str | Path) -> tuple[Any, Path]:
     import yaml
 
     from rlvla3.config import from_dict
-    from workers.checkpoint import latest_checkpoint
+    from workers.checkpoint import checkpoint_folder, load_checkpoint
     from workers.model import build_policy
 
     run_dir = Path(run_dir)
-    ck = run_dir if (run_dir / "model.safetensors").is_file() and (run_dir / "config.yaml").is_file() else latest_checkpoint(run_dir)
+    ck = checkpoint_folder(run_dir)
     if ck is None:
         raise FileNotFoundError(f"{run_dir}: no checkpoint (expected checkpoints/latest or a checkpoint folder)")
     cfg = from_dict(yaml.safe_load((ck / "config.yaml").read_text(encoding="utf-8")))
@@ -34,9 +34,11 @@ def trained_policy(run_dir: str | Path) -> tuple[Any, Path]:
         raise ValueError("the mlp policy has no release format to export to")
     cfg.model.dtype = "float32"
     policy = build_policy(cfg, device="cpu")
-    from safetensors.torch import load_model
+    load_checkpoint(ck, policy, restore_rng=False)  # either layout (full or sharded)
+    if cfg.model.lora.enabled:  # release layouts hold base weights only: fold the adapters in
+        from workers.policies.lora import merge_lora
 
-    load_model(policy, str(ck / "model.safetensors"), strict=True)
+        log.info("lora_merged", layers=merge_lora(policy))
     policy.to(torch.float32).eval()
     return policy, ck
 
