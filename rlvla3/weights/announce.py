@@ -23,10 +23,21 @@ from dataclasses import dataclass
 from typing import Any
 
 from rlvla3 import protocol as P
-from rlvla3.weights.cuda_ipc import parse_ipc
-from rlvla3.weights.manifest import Manifest, ManifestError
+from rlvla3.weights.manifest import SLOTS, Manifest, ManifestError
 
 MAX_ANNOUNCEMENT_BYTES = P.MAX_HEADER_BYTES
+
+
+def parse_ipc(ipc: Any) -> dict[str, Any] | None:
+    """Validate an announcement's ``ipc`` field (None when absent); raises ValueError."""
+    if ipc is None:
+        return None
+    ints = ("slot", "base", "device", "size", "offset", "ref_offset")
+    if not isinstance(ipc, dict) or not isinstance(ipc.get("uuid"), str) or ipc.get("slot") not in SLOTS \
+            or not all(isinstance(ipc.get(k), int) and ipc[k] >= 0 for k in ints) \
+            or not all(isinstance(ipc.get(k), bytes) for k in ("handle", "ref_handle")):
+        raise ValueError("announcement ipc must be {uuid, slot, base, device, handle, size, offset, ref_handle, ref_offset, ...}")
+    return ipc
 
 
 @dataclass(frozen=True)

@@ -64,18 +64,6 @@ class DeviceSlots:
         return {"uuid": self.uuid, "slot": slot, "base": slot_offset, **self.handles[slot]}
 
 
-def parse_ipc(ipc: Any) -> dict[str, Any] | None:
-    """Validate an announcement's ``ipc`` field (None when absent); raises ValueError."""
-    if ipc is None:
-        return None
-    ints = ("slot", "base", "device", "size", "offset", "ref_offset")
-    if not isinstance(ipc, dict) or not isinstance(ipc.get("uuid"), str) or ipc.get("slot") not in SLOTS \
-            or not all(isinstance(ipc.get(k), int) and ipc[k] >= 0 for k in ints) \
-            or not all(isinstance(ipc.get(k), bytes) for k in ("handle", "ref_handle")):
-        raise ValueError("announcement ipc must be {uuid, slot, base, device, handle, size, offset, ref_handle, ref_offset, ...}")
-    return ipc
-
-
 class DeviceSlotReader:
     """A generator's side: the trainer's slot buffers, opened once per handle."""
 
