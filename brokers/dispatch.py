@@ -270,7 +270,9 @@ class Dispatcher:
     def wait_s(self, now: float) -> float | None:
         """Seconds until the oldest request is due for an idle generator (``None``: no such
         deadline). A busy generator takes only full batches, which only a new request makes."""
+        if not any(g.free > 0 and not g.inflight for g in self.generators.values()):
+            return None
         oldest = self.queue.oldest_arrival()
-        if oldest is None or not any(g.free > 0 and not g.inflight for g in self.generators.values()):
+        if oldest is None:
             return None
         return max(0.0, oldest + self.rule.max_wait_s - now)
