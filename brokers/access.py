@@ -15,6 +15,7 @@ reply would go to whoever asks. Such a broker binds only loopback or owner-only 
 
 from __future__ import annotations
 
+import functools
 import re
 from typing import Any
 
@@ -31,19 +32,24 @@ def role_allowed(key_name: str | None, role: str) -> bool:
     return bool(key_name) and str(key_name).startswith(role)
 
 
+@functools.lru_cache(maxsize=4096)
+def _segments_of(pid: int) -> re.Pattern[str]:
+    """The names of the segments worker ``pid`` may refer to (compiled once per pid: checked on
+    every OBS)."""
+    return re.compile(rf"{re.escape(P.SHM_PREFIX)}[A-Za-z0-9]+_{pid}_\d+")
+
+
 def check_segments(w: Worker, tensors: dict[str, Any]) -> None:
     """Every shared-memory reference must name a segment of this worker: on its host, created by
     its pid (``rlvla3_<run id>_<pid>_<n>``, ``rlvla3.shm.ShmPool``). The run id part is any run's:
     a worker's pools outlive a broker restart, which starts a new run id. Bounds are checked
     where the bytes are read (``ShmAttachments.array``)."""
-    pattern = None
     for name, t in tensors.items():
         if not isinstance(t, P.ShmRef):
             continue
         if t.host != w.host:
             raise P.ProtocolError(P.E_AUTH, f"tensor {name!r}: segment on host {t.host!r}, the worker is on {w.host!r}")
-        pattern = pattern or re.compile(rf"{re.escape(P.SHM_PREFIX)}[A-Za-z0-9]+_{w.pid}_\d+")
-        if not pattern.fullmatch(t.seg):
+        if not _segments_of(w.pid).fullmatch(t.seg):
             raise P.ProtocolError(P.E_AUTH, f"tensor {name!r}: segment {t.seg!r} is not one of this worker's "
                                             f"(rlvla3_<run>_{w.pid}_<n>)")
 

@@ -58,23 +58,27 @@ class Broker:
     def run(self, until: float | None = None) -> None:
         poller = zmq.Poller()
         poller.register(self.router, zmq.POLLIN)
+        router, state, stats = self.router, self.state, self.state.stats
         while not self._stop and (until is None or time.monotonic() < until):
-            events = dict(poller.poll(max(0, int(self.state.wait_s(time.monotonic()) * 1000))))
+            poller.poll(max(0, int(state.wait_s(time.monotonic()) * 1000)))
             turn = time.perf_counter()
-            if self.router in events:
-                for _ in range(DRAIN):
-                    try:
-                        frames = self.router.recv_multipart(zmq.DONTWAIT, copy=False)
-                    except zmq.Again:
-                        break
-                    self._send_all(self._handle(frames))
+            # Drain what is ready (ZMQ_EVENTS, not a zmq.Again raised per turn), replies sent as we go.
+            for _ in range(DRAIN):
+                if not router.getsockopt(zmq.EVENTS) & zmq.POLLIN:
+                    break
+                try:
+                    frames = router.recv_multipart(zmq.DONTWAIT, copy=False)
+                except zmq.Again:
+                    break
+                self._send_all(self._handle(frames))
             t0 = time.perf_counter_ns()
-            outs = self.state.tick(time.monotonic())
-            self._send_all(outs)
-            batches = sum(1 for o in outs if o.type == P.BATCH)
-            for _ in range(batches):  # forming and sending, per batch of this pass
-                self.state.stats.batch_form_us.record_value(max(1, (time.perf_counter_ns() - t0) // 1000 // batches))
-            self.state.stats.loop_turn(time.perf_counter() - turn)
+            outs = state.tick(time.monotonic())
+            if outs:
+                self._send_all(outs)
+                batches = sum(1 for o in outs if o.type == P.BATCH)
+                if batches:  # forming and sending, per batch of this pass
+                    stats.batch_form_us.record_value(max(1, (time.perf_counter_ns() - t0) // 1000 // batches), batches)
+            stats.loop_turn(time.perf_counter() - turn)
         self.close()
 
     def _handle(self, frames: list[Any]) -> list[Out]:

@@ -56,26 +56,28 @@ class Dispatcher:
     # ---- requests in -------------------------------------------------------------------------
 
     def on_obs(self, w: Worker, msg: P.Message, now: float) -> None:
-        n = msg["n"]
-        if n < 1 or len(msg["instruction"]) != n or len(msg["episode_step"]) != n:
+        h = msg.header  # read as a dict: this runs for every request
+        n, steps_of = h["n"], h["episode_step"]
+        if n < 1 or len(h["instruction"]) != n or len(steps_of) != n:
             raise P.ProtocolError(P.E_FIELD, "OBS: n, instruction and episode_step disagree")
-        if not (0 <= msg["slot"] < max(w.slots, 1)):
-            raise P.ProtocolError(P.E_FIELD, f"OBS: slot {msg['slot']} out of range (worker has {w.slots})")
+        slot = h["slot"]
+        if not (0 <= slot < max(w.slots, 1)):
+            raise P.ProtocolError(P.E_FIELD, f"OBS: slot {slot} out of range (worker has {w.slots})")
         self.queue.push(PendingRequest(
-            sim=w.identity, slot=msg["slot"], req_id=msg["req_id"], n=n, arrival=now,
-            episode_step=list(msg["episode_step"]), version=int(msg.get("version", -1)),
-            header=msg.header, tensors=msg.tensors, host=w.host,
-            starts=sum(1 for s in msg["episode_step"] if s == 0),
+            sim=w.identity, slot=slot, req_id=h["req_id"], n=n, arrival=now,
+            episode_step=list(steps_of), version=int(h.get("version", -1)),
+            header=h, tensors=msg.tensors, host=w.host, starts=steps_of.count(0),
         ))
-        self.stats.requests += 1
+        stats = self.stats
+        stats.requests += 1
         w.count_frames(msg.tensors)
         if self.adaptive is not None:
             self.adaptive.on_arrival(n, self.queue.envs)
-        steps = int(msg.get("env_steps", 0))
-        self.stats.env_steps += steps
+        steps = int(h.get("env_steps", 0))
+        stats.env_steps += steps
         w.info["env_steps"] = int(w.info.get("env_steps") or 0) + steps
-        self.stats.decision_steps += int(msg.get("decision_steps", 0))
-        self.stats.env_restarts += int(msg.get("env_restarts", 0))
+        stats.decision_steps += int(h.get("decision_steps", 0))
+        stats.env_restarts += int(h.get("env_restarts", 0))
 
     # ---- batches out -------------------------------------------------------------------------
 
@@ -108,13 +110,16 @@ class Dispatcher:
         reqs = [r for r, _ in ready]
         tensors: dict[str, Any] = {}
         meta = []
+        queue_wait = self.stats.queue_wait_us
         for i, (r, req_tensors) in enumerate(ready):
             tensors.update(names.with_prefix(names.request_prefix(i), req_tensors))
+            header = r.header
             meta.append({
-                "req_id": r.req_id, "slot": r.slot, "n": r.n, "instruction": r.header["instruction"],
-                "episode_step": r.episode_step, "deterministic": r.header.get("deterministic", [False] * r.n),
+                "req_id": r.req_id, "slot": r.slot, "n": r.n, "instruction": header["instruction"],
+                "episode_step": r.episode_step,
+                "deterministic": header["deterministic"] if "deterministic" in header else [False] * r.n,
             })
-            self.stats.queue_wait_us.record_value(max(1, int((now - r.arrival) * 1e6)))
+            queue_wait.record_value(max(1, int((now - r.arrival) * 1e6)))
         gen.inflight.add(batch_id)
         self.batches[batch_id] = Batch(gen.identity, reqs, now)
         self.stats.batches += 1
@@ -199,14 +204,12 @@ class Dispatcher:
         per_request = names.by_request(msg.tensors)
         queue_us = msg.get("queue_us") if isinstance(msg.get("queue_us"), list) else []
         out = []
+        version, forward_us, live = msg["version"], int(msg.get("forward_us", 0)), self.registry.workers
         for i, req in enumerate(batch.requests):
-            if req.sim not in self.registry:
+            if req.sim not in live:
                 continue  # its simulator left; nothing to deliver
-            fields = {
-                "slot": req.slot, "req_id": req.req_id, "version": msg["version"],
-                "queue_us": int(queue_us[i]) if i < len(queue_us) else 0,
-                "forward_us": int(msg.get("forward_us", 0)),
-            }
+            fields = {"slot": req.slot, "req_id": req.req_id, "version": version,
+                      "queue_us": int(queue_us[i]) if i < len(queue_us) else 0, "forward_us": forward_us}
             out.append(Out(req.sim, P.ACT, fields, per_request.get(i, {})))
         return out
 
