@@ -22,8 +22,13 @@ whole core: ``rps_per_broker_core`` divides the rate by the broker process's own
 the same window (its user + system time from /proc, zmq's I/O thread included), at the step
 that gave ``max_rps``. Target: >= 20,000 requests/s per fully used broker core.
 
+A shared machine's load inflates CPU time as well as wall time: ``reference_obs_decode_us``
+(the CPU time of one OBS decode in this process, before and after the ramp) is the yardstick
+to compare figures taken under different loads.
+
 Last line of stdout: one JSON object (``max_rps``, ``rps_per_broker_core``, ``p99_us_at_80pct``,
-``broker_cpu_pct``, ``broker_cpu_us_per_request``, ``curve``, ``ramp`` ...). Writes
+``broker_cpu_pct``, ``broker_cpu_us_per_request``, ``curve``, ``reference_obs_decode_us``,
+``ramp`` ...). Writes
 ``broker_capacity.png`` (achieved against offered rate, and broker CPU) and
 ``broker_capacity.json`` under ``--out``.
 """
@@ -263,6 +268,15 @@ def run_step(sims: list[Any], procs: dict[str, list[psutil.Process]], rate: floa
     }
 
 
+def reference_us(frames: list[Any], reps: int = 2000) -> float:
+    """CPU us of one ``protocol.decode`` of an OBS in this process, now: a yardstick for the
+    machine's state (a loaded shared machine inflates CPU time too), reported beside the rates."""
+    t0 = time.process_time()
+    for _ in range(reps):
+        P.decode(frames)
+    return round((time.process_time() - t0) / reps * 1e6, 2)
+
+
 def plot(ramp: list[dict[str, Any]], path: Path, title: str) -> Path:
     import matplotlib
 
@@ -346,6 +360,12 @@ def main() -> None:
         note(f"up in {time.monotonic() - t_start:.1f} s: {args.sims} simulators x {args.slots} slots, "
              f"max_batch {args.max_batch}, max_wait {args.max_wait_ms} ms, CURVE {'on' if keys else 'off'}")
 
+        ref_frames = P.encode(P.OBS, {"slot": 0, "req_id": 1, "n": 1, "instruction": ["reach the goal"],
+                                      "episode_step": [1], "env_steps": 1},
+                              {names.tensor_name(IMAGES, "top"): P.ShmRef(P.SHM_PREFIX + "ref_1_1", 0, 768, "uint8",
+                                                                          (1, IMAGE, IMAGE, 3), host_id()),
+                               STATE: P.ShmRef(P.SHM_PREFIX + "ref_1_1", 1024, 16, "float32", (1, STATE_DIM), host_id())})
+        ref_before = reference_us(ref_frames)
         run_step(sims, procs, args.start_rate / 2, min(1.0, args.duration))  # warm-up
         ramp: list[dict[str, Any]] = []
         rate = args.start_rate
@@ -375,6 +395,7 @@ def main() -> None:
             "errors": sum(r["errors"] for r in [*ramp, at80]),
             "broker_batch_size": status.get("batch_size"),
             "ramp": ramp, "at_80pct": at80,
+            "reference_obs_decode_us": [ref_before, reference_us(ref_frames)],
             "cpus": os.cpu_count(), "load_avg": [round(x, 2) for x in os.getloadavg()],
             "wall_s": round(time.monotonic() - t_start, 1),
         }

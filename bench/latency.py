@@ -2,7 +2,7 @@
 beside two floors measured in the same run: a raw pyzmq DEALER<->ROUTER echo, and a raw relay
 of the same topology (simulator -> relay -> echo -> relay -> simulator, pyzmq and no logic).
 
-    python bench/latency.py [--rate 150] [--duration 8] [--rounds 2] [--transport shm|inline]
+    python bench/latency.py [--rate 150] [--duration 2] [--rounds 8] [--transport shm|inline]
                             [--generator echo|policy] [--curve] [--out bench/out] [--quick | --smoke]
 
 What runs: a real broker (``LocalJob``: synthetic env spec with 16x16 images, ``max_batch`` 1,
@@ -287,8 +287,8 @@ def generator_serving(fig: dict[str, Any]) -> bool:
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--rate", type=float, default=150.0, help="target requests per second")
-    ap.add_argument("--duration", type=float, default=8.0, help="seconds per phase and round")
-    ap.add_argument("--rounds", type=int, default=2, help="raw/relay/broker rounds, alternating")
+    ap.add_argument("--duration", type=float, default=2.0, help="seconds per phase and round")
+    ap.add_argument("--rounds", type=int, default=8, help="raw/relay/broker rounds, alternating")
     ap.add_argument("--slots", type=int, default=64)
     ap.add_argument("--n", type=int, default=1, help="envs per request")
     ap.add_argument("--transport", choices=("shm", "inline"), default="shm",
@@ -309,8 +309,8 @@ def main() -> None:
     args = parse_bench_args(ap, "short run (under 60 s with start-up)", lambda _: echo_server())
     if args is None:
         return
-    if args.quick:
-        args.rate, args.duration, args.rounds = min(args.rate, 100.0), 3.0, 2
+    if args.quick:  # many short rounds: on a shared machine the noise then falls on all three alike
+        args.rate, args.duration, args.rounds = min(args.rate, 100.0), 1.0, 6
     if args.smoke:
         args.rate, args.duration, args.rounds = min(args.rate, 100.0), 0.5, 1
     out = Path(args.out)
@@ -427,6 +427,8 @@ def main() -> None:
             "relay_p999_us": ls.get("p999"),
             "ratio_p50": ratio(s, rs, "p50"), "ratio_p99": ratio(s, rs, "p99"),
             "p50_over_relay": ratio(s, ls, "p50"), "p99_over_relay": ratio(s, ls, "p99"),
+            "p50_over_relay_by_round": [round(b.latency.get_value_at_percentile(50) / max(1, r.latency.get_value_at_percentile(50)), 2)
+                                        for b, r in zip(rounds["broker"], rounds["relay"])],
             "target_p50_over_relay": 1.5, "target_p99_over_relay": 2.0,
             "generator": args.generator, "curve": bool(keys),
             "target_rate": args.rate,
