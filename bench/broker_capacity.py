@@ -30,7 +30,8 @@ Last line of stdout: one JSON object (``max_rps``, ``rps_per_broker_core``, ``p9
 ``broker_cpu_pct``, ``broker_cpu_us_per_request``, ``curve``, ``reference_obs_decode_us``,
 ``ramp`` ...). Writes
 ``broker_capacity.png`` (achieved against offered rate, and broker CPU) and
-``broker_capacity.json`` under ``--out``.
+``broker_capacity.json`` under ``--out``; with ``--profile``, the broker runs under cProfile
+timed by its own thread's CPU clock, and its top functions go to ``broker_capacity.prof.txt``.
 """
 
 from __future__ import annotations
@@ -60,6 +61,7 @@ from _common import (  # noqa: E402
 from rlvla3 import auth, names  # noqa: E402
 from rlvla3 import protocol as P  # noqa: E402
 from rlvla3.config import load  # noqa: E402
+from rlvla3.launch import LocalJob  # noqa: E402
 from rlvla3.lifetime import follow_launcher  # noqa: E402
 from rlvla3.observation import IMAGES, STATE  # noqa: E402
 from rlvla3.shm import ShmPool, host_id  # noqa: E402
@@ -95,14 +97,18 @@ class FakeSimulator:
                                                     "num_envs": slots}))
         welcome = self._await(P.READY, 30.0)
         self.pool = ShmPool(str(welcome.get("run_id", "bench")), slots * (IMAGE * IMAGE * 3 + STATE_DIM * 4 + 256) + 4096)
-        self.tensors = []
+        self.frames: list[list[Any]] = []
         for _ in range(slots):
             oi, os_ = self.pool.alloc(IMAGE * IMAGE * 3), self.pool.alloc(STATE_DIM * 4)
             self.pool.view(oi, "uint8", (1, IMAGE, IMAGE, 3))[...] = 7
             self.pool.view(os_, "float32", (1, STATE_DIM))[...] = 0.5
-            self.tensors.append({names.tensor_name(IMAGES, "top"): self.pool.ref(oi, "uint8", (1, IMAGE, IMAGE, 3)),
-                                 STATE: self.pool.ref(os_, "float32", (1, STATE_DIM))})
-        self.req_id = 0
+            tensors = {names.tensor_name(IMAGES, "top"): self.pool.ref(oi, "uint8", (1, IMAGE, IMAGE, 3)),
+                       STATE: self.pool.ref(os_, "float32", (1, STATE_DIM))}
+            # Encoded once per slot: a slot has one request out at a time, so its req_id may
+            # repeat, and the load generator spends its CPU on sending, not encoding.
+            self.frames.append(P.encode(P.OBS, {"slot": len(self.frames), "req_id": len(self.frames), "n": 1,
+                                                "instruction": ["reach the goal"], "episode_step": [1],
+                                                "env_steps": 1}, tensors))
         self.last_beat = time.monotonic()
 
     def _await(self, msg_type: str, timeout_s: float) -> dict[str, Any]:
@@ -147,11 +153,8 @@ class FakeSimulator:
             while backlog and free and now < end:
                 due = backlog.popleft()
                 slot = free.pop()
-                self.req_id += 1
-                self.sock.send_multipart(P.encode(P.OBS, {"slot": slot, "req_id": self.req_id, "n": 1,
-                                                          "instruction": ["reach the goal"], "episode_step": [1],
-                                                          "env_steps": 1}, self.tensors[slot]))
-                inflight[slot] = (due, self.req_id)
+                self.sock.send_multipart(self.frames[slot])
+                inflight[slot] = (due, slot)
                 sent += 1
             until = t0 + int(i * period_ns) if i < total and now < end else drain_until
             if wait_readable(self.sock, max(0.0, (until - now) / 1e9)):
@@ -211,6 +214,30 @@ def simulator_child(args: argparse.Namespace) -> None:
                 print(json.dumps(sim.phase(start_at, rate, duration)), flush=True)
     finally:
         sim.close()
+
+
+def profiled_broker(config: str, run_dir: str, prof_out: str) -> None:
+    """``--profiled-broker``: the real ``Broker`` in this process under cProfile, timed by this
+    thread's CPU clock (a busy machine's waits for a core then count for nothing); the 40
+    functions with the most own time go to ``prof_out`` when it stops (SIGTERM)."""
+    import cProfile
+    import io
+    import pstats
+
+    from brokers.broker import Broker
+    from rlvla3.lifetime import on_stop_signals
+    from rlvla3.logging import configure
+
+    follow_launcher()
+    configure(role="broker", pid=os.getpid(), level="warning")
+    broker = Broker(load(config), bind=f"ipc://{run_dir}/broker", pub=f"ipc://{run_dir}/pub")
+    on_stop_signals(broker.stop)
+    print(broker.bound, flush=True)
+    prof = cProfile.Profile(time.thread_time)
+    prof.runcall(broker.run)
+    text = io.StringIO()
+    pstats.Stats(prof, stream=text).sort_stats("tottime").print_stats(40)
+    Path(prof_out).write_text(text.getvalue())
 
 
 # =============================================================================================
@@ -316,10 +343,16 @@ def main() -> None:
     ap.add_argument("--factor", type=float, default=1.5, help="offered rate growth per step")
     ap.add_argument("--steps", type=int, default=10, help="ramp steps at most")
     ap.add_argument("--curve", action="store_true", help="CURVE on: the broker gets a key folder, every peer a key")
+    ap.add_argument("--profile", action="store_true",
+                    help="run the broker under cProfile (its thread's CPU time): broker_capacity.prof.txt")
     ap.add_argument("--endpoint", help=argparse.SUPPRESS)
     ap.add_argument("--keys", help=argparse.SUPPRESS)
+    ap.add_argument("--profiled-broker", nargs=3, metavar=("CONFIG", "RUN_DIR", "OUT"), help=argparse.SUPPRESS)
     args = parse_bench_args(ap, "short ramp (about a minute with start-up)", simulator_child)
     if args is None:
+        return
+    if args.profiled_broker:
+        profiled_broker(*args.profiled_broker)
         return
     if args.quick:
         args.duration, args.steps = 2.0, 7
@@ -343,7 +376,15 @@ def main() -> None:
     children: list[Any] = []
     ok = False
     try:
-        job = local_job(load("synthetic.yaml", overrides), run_dir, f"ipc://{run_dir}/broker", f"ipc://{run_dir}/pub")
+        cfg = load("synthetic.yaml", overrides)
+        if args.profile:  # the broker is this script's child, under cProfile
+            (run_dir / "config.yaml").write_text(cfg.to_yaml())
+            job = LocalJob(cfg, run_dir, run_dir / "config.yaml")
+            prof_path = (out / "broker_capacity.prof.txt").resolve()
+            job.broker_proc, job.endpoint = start_child([__file__, "--profiled-broker", str(run_dir / "config.yaml"),
+                                                         str(run_dir), str(prof_path)])
+        else:
+            job = local_job(cfg, run_dir, f"ipc://{run_dir}/broker", f"ipc://{run_dir}/pub")
         key_args = ["--keys", keys] if keys else []
         gen, _ = start_child([ECHO, "generator", job.endpoint, "--credits", str(args.credits), *key_args])
         children.append(gen)
@@ -390,6 +431,8 @@ def main() -> None:
             "target_rps_per_broker_core": 20_000,
             "saturated": best is not ramp[-1] or ramp[-1]["achieved_rps"] < SATURATED_RATE * ramp[-1]["offered_rps"]
                          or ramp[-1]["broker_cpu_pct"] >= SATURATED_CPU,
+            # Who ran out first: the broker (a core's worth of CPU) or the rest of the machine.
+            "saturated_by": "broker" if max(r["broker_cpu_pct"] for r in ramp) >= SATURATED_CPU else "machine",
             "curve": bool(keys), "transport": "ipc", "sims": args.sims, "slots": args.slots,
             "max_batch": args.max_batch, "max_wait_ms": args.max_wait_ms, "duration_s": args.duration,
             "errors": sum(r["errors"] for r in [*ramp, at80]),
@@ -417,6 +460,9 @@ def main() -> None:
             stop_child(child)
         if job is not None:
             job.stop()
+        if ok and args.profile:
+            result_note = out / "broker_capacity.prof.txt"
+            note(f"broker profile (own CPU time): {result_note}" if result_note.is_file() else "no broker profile written")
         if ok:
             shutil.rmtree(run_dir, ignore_errors=True)
         else:

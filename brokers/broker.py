@@ -9,6 +9,7 @@ fragment that cannot be sent is handed back to the state (``state.unsent``).
 from __future__ import annotations
 
 import os
+import select
 import time
 import uuid
 from typing import Any
@@ -26,6 +27,10 @@ from rlvla3.shm import host_id
 log = structlog.get_logger()
 
 DRAIN = 256  # messages read per turn before the timers run again
+# pyzmq's constants are enum flags: every `&` or `|` on them builds an enum member, a few us each
+# in a loop that runs per message. Plain ints here.
+_EVENTS, _POLLIN, _RCVMORE = int(zmq.EVENTS), int(zmq.POLLIN), int(zmq.RCVMORE)
+_DONTWAIT, _MORE = int(zmq.DONTWAIT), int(zmq.DONTWAIT | zmq.SNDMORE)
 
 
 class Broker:
@@ -56,20 +61,26 @@ class Broker:
                  curve=bool(keys))
 
     def run(self, until: float | None = None) -> None:
-        poller = zmq.Poller()
-        poller.register(self.router, zmq.POLLIN)
         router, state, stats = self.router, self.state, self.state.stats
+        fd = router.getsockopt(zmq.FD)
         while not self._stop and (until is None or time.monotonic() < until):
-            poller.poll(max(0, int(state.wait_s(time.monotonic()) * 1000)))
+            # Sleep until a message or the next timer, to the microsecond: zmq_poll counts whole
+            # milliseconds, and a deadline under 1 ms away became poll(0), a spin. ZMQ_FD is
+            # edge-triggered: ask ZMQ_EVENTS first (which also re-arms it), then wait on the fd.
+            wait = state.wait_s(time.monotonic())
+            if wait > 0 and not router.getsockopt(_EVENTS) & _POLLIN:
+                select.select([fd], [], [], wait)
             turn = time.perf_counter()
             # Drain what is ready (ZMQ_EVENTS, not a zmq.Again raised per turn), replies sent as we go.
             for _ in range(DRAIN):
-                if not router.getsockopt(zmq.EVENTS) & zmq.POLLIN:
+                if not router.getsockopt(_EVENTS) & _POLLIN:
                     break
                 try:
-                    frames = router.recv_multipart(zmq.DONTWAIT, copy=False)
+                    frames = [router.recv(_DONTWAIT, copy=False)]
                 except zmq.Again:
                     break
+                while router.getsockopt(_RCVMORE):  # the rest of a multipart message is there already
+                    frames.append(router.recv(_DONTWAIT, copy=False))
                 self._send_all(self._handle(frames))
             t0 = time.perf_counter_ns()
             outs = state.tick(time.monotonic())
@@ -101,10 +112,19 @@ class Broker:
                     log.warning("weights_pub_full", version=out.fields.get("version"))
                 continue
             try:
-                self.router.send_multipart([out.to, *out.encode()], zmq.DONTWAIT, copy=False)
+                self._send(out.to, out.encode())
             except zmq.ZMQError as err:  # EHOSTUNREACH (peer gone) or EAGAIN (peer's queue full)
                 log.warning("send_failed", peer=out.to.hex()[:16], type=out.type, error=err.strerror)
                 self.state.unsent(out)
+
+    def _send(self, to: bytes, frames: list[Any]) -> None:
+        """``[to, *frames]`` on the ROUTER without blocking. The first part decides: with
+        ROUTER_MANDATORY an unroutable peer or a full queue raises there, before anything went."""
+        send = self.router.send
+        send(to, _MORE, copy=False)
+        for frame in frames[:-1]:
+            send(frame, _MORE, copy=False)
+        send(frames[-1], _DONTWAIT, copy=False)
 
     def stop(self) -> None:
         self._stop = True
