@@ -133,6 +133,7 @@ _TEXT = F.Str(F.MAX_TEXT)
 _NAME = F.Str(MAX_NAME_LEN)
 _REASON = F.Str(F.MAX_TEXT)
 _US = F.Int(0, F.MAX_ID)
+_FREE = F.Free()  # an unknown extra field: bounded, finite data
 _INFO = F.Map((("dist", F.Free()), ("env_steps", F.Int(0, F.MAX_ID)), ("version", _VERSION), ("served", F.Int(0, F.MAX_ID)),
                ("algo", F.Str(16))),
               closed=True, nullable=True)  # closed: the broker keeps it per worker, so no key may grow it
@@ -233,10 +234,7 @@ class InlineTensor:
 
 
 _ITEMSIZE = {d: 2 if d == "bfloat16" else np.dtype(d).itemsize for d in DTYPES}
-
-
-def _itemsize(dtype: str) -> int:
-    return _ITEMSIZE[dtype]
+_itemsize = _ITEMSIZE.__getitem__  # bytes per item of a wire dtype
 
 
 def _np_dtype(dtype: str) -> np.dtype:
@@ -350,10 +348,6 @@ def decode(frames: Sequence[Any]) -> Message:
     return Message(type=msg_type, header=header, tensors=tensors)
 
 
-_SKIP = frozenset(("v", "type", "tensors"))
-_FREE = F.Free()
-
-
 def _check_fields(msg_type: str, header: dict[str, Any]) -> None:
     """Every field against SCHEMA (type, range, finiteness), then the cross-field rules."""
     required, optional = SCHEMA[msg_type]
@@ -363,16 +357,13 @@ def _check_fields(msg_type: str, header: dict[str, Any]) -> None:
                 raise F.FieldError(f"lacks field {name!r}")
             spec.check(header[name], name)
         for name, value in header.items():
-            if name in required or name in _SKIP:
+            if name in required or name in ("v", "type", "tensors"):
                 continue
-            spec = optional.get(name)
-            if spec is None:
-                if type(name) is not str:
-                    raise F.FieldError(f"a field name of type {type(name).__name__}")
-                if name in BROKER_PRIVATE:
-                    raise F.FieldError(f"{name!r} is set by the broker, not sent")
-                spec = _FREE  # unknown extras: bounded free data
-            spec.check(value, name)
+            if type(name) is not str:
+                raise F.FieldError(f"a field name of type {type(name).__name__}")
+            if name in BROKER_PRIVATE:
+                raise F.FieldError(f"{name!r} is set by the broker, not sent")
+            (optional.get(name) or _FREE).check(value, name)
         if msg_type == OBS:
             n = header["n"]
             for name in ("instruction", "episode_step", "deterministic"):
@@ -400,9 +391,6 @@ def _bytes_of(frame: Any) -> bytes | memoryview:
     raise ProtocolError(E_MALFORMED, f"frame of type {type(frame).__name__}")
 
 
-_MAX_DIM = 2**31
-
-
 def _decode_tensors(descs: Any, frames: Sequence[Any]) -> dict[str, InlineTensor | ShmRef]:
     if type(descs) is not list:
         raise ProtocolError(E_TENSOR, "tensors is not a list")
@@ -425,7 +413,7 @@ def _decode_tensors(descs: Any, frames: Sequence[Any]) -> dict[str, InlineTensor
             raise ProtocolError(E_TENSOR, f"tensor {name!r}: bad shape {shape!r}")
         nbytes = itemsize
         for dim in shape:  # exact ints (not bools), each in [0, 2^31)
-            if type(dim) is not int or not 0 <= dim < _MAX_DIM:
+            if type(dim) is not int or not 0 <= dim < 2**31:
                 raise ProtocolError(E_TENSOR, f"tensor {name!r}: bad shape {shape!r}")
             nbytes *= dim
         if nbytes > MAX_SHM_OFFSET:
