@@ -154,10 +154,12 @@ def parse_bench_args(ap: argparse.ArgumentParser, quick_help: str,
     return None
 
 
-def start_child(args: list[str], timeout_s: float = 30.0) -> tuple[subprocess.Popen, str]:
+def start_child(args: list[str], timeout_s: float = 30.0, talk: bool = False) -> tuple[subprocess.Popen, str]:
     """Start ``python args...``; it must print one line (its endpoint) on stdout at once, and call
-    ``rlvla3.lifetime.follow_launcher()`` first so that it ends with this process."""
-    proc = subprocess.Popen([sys.executable, *args], stdout=subprocess.PIPE, stdin=subprocess.DEVNULL,
+    ``rlvla3.lifetime.follow_launcher()`` first so that it ends with this process. ``talk``: its
+    stdin is a pipe (commands from this process; its later stdout lines are the answers)."""
+    proc = subprocess.Popen([sys.executable, *args], stdout=subprocess.PIPE,
+                            stdin=subprocess.PIPE if talk else subprocess.DEVNULL,
                             cwd=str(ROOT), env={**os.environ, "PYTHONPATH": str(ROOT), **launcher_env()})
     deadline = time.monotonic() + timeout_s
     buf = b""
@@ -185,8 +187,9 @@ def stop_child(proc: subprocess.Popen, timeout_s: float = 5.0) -> None:
         except subprocess.TimeoutExpired:
             proc.kill()
             proc.wait(5)
-    if proc.stdout is not None:
-        proc.stdout.close()
+    for pipe in (proc.stdout, proc.stdin):
+        if pipe is not None:
+            pipe.close()
 
 
 # ---------------------------------------------------------------------------------------------
@@ -194,9 +197,10 @@ def stop_child(proc: subprocess.Popen, timeout_s: float = 5.0) -> None:
 # ---------------------------------------------------------------------------------------------
 
 
-def local_job(cfg: Any, run_dir: Path) -> Any:
-    """A job of ``cfg`` on this machine with its broker up on free loopback ports (its config
-    written to ``run_dir``); the caller starts the workers it wants and stops the job."""
+def local_job(cfg: Any, run_dir: Path, bind: str = "tcp://127.0.0.1:0", pub: str = "tcp://127.0.0.1:0") -> Any:
+    """A job of ``cfg`` on this machine with its broker up on ``bind`` and ``pub`` (by default free
+    loopback ports; its config written to ``run_dir``); the caller starts the workers it wants
+    and stops the job."""
     from rlvla3.launch import LocalJob
 
     run_dir.mkdir(parents=True, exist_ok=True)
@@ -204,7 +208,7 @@ def local_job(cfg: Any, run_dir: Path) -> Any:
     cfg_path.write_text(cfg.to_yaml())
     job = LocalJob(cfg, run_dir, cfg_path)
     try:
-        job.start_broker("tcp://127.0.0.1:0", "tcp://127.0.0.1:0")
+        job.start_broker(bind, pub)
     except BaseException:
         job.stop()
         raise

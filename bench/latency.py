@@ -1,17 +1,22 @@
-"""Open-loop request latency through the fabric (simulator -> broker -> generator -> back), with
-a raw pyzmq DEALER<->ROUTER echo measured in the same run as the floor.
+"""Open-loop request latency through the broker (simulator -> broker -> generator -> back),
+beside two floors measured in the same run: a raw pyzmq DEALER<->ROUTER echo, and a raw relay
+of the same topology (simulator -> relay -> echo -> relay -> simulator, pyzmq and no logic).
 
-    python bench/latency.py [--rate 500] [--duration 8] [--rounds 2] [--transport shm|inline]
-                            [--out bench/out] [--quick | --smoke]
+    python bench/latency.py [--rate 150] [--duration 2] [--rounds 8] [--transport shm|inline]
+                            [--generator echo|policy] [--curve] [--out bench/out] [--quick | --smoke]
 
-What runs: a real broker and one real generator process (``LocalJob``: synthetic env spec with
-16x16 images, mlp policy, ``max_batch`` 1, ``max_wait_ms`` 0), and this process acting as a
-simulator with many slots (default 64). Request ``i`` is due at ``t0 + i/rate``; it goes out on
-a free slot (a slot is busy until its ACT is back; with none free it waits, and that wait is part
-of its latency). Latency counts from when the request was *due* (wrk2's cure for coordinated
-omission) and goes into an HdrHistogram in microseconds. The raw floor runs the very same
-client code and the same OBS frames against a ROUTER that echoes every message back (a separate
-process). Rounds alternate raw and fabric so that a noisy neighbour hits both alike.
+What runs: a real broker (``LocalJob``: synthetic env spec with 16x16 images, ``max_batch`` 1,
+``max_wait_ms`` 0) with one generator: by default the echo generator of ``bench/_echo.py``, a
+generator-role peer on the real protocol that answers each BATCH with zero actions and no
+forward pass, so that the figure is the broker's own cost; ``--generator policy`` runs a real
+generator worker with a small mlp instead. This process acts as a simulator with many slots
+(default 64). Request ``i`` is due at ``t0 + i/rate``; it goes out on a free slot (a slot is
+busy until its reply is back; with none free it waits, and that wait is part of its latency).
+Latency counts from when the request was *due* (wrk2's cure for coordinated omission) and goes
+into an HdrHistogram in microseconds. Both floors run the very same client code and OBS frames:
+the echo is a ROUTER that returns every message (one hop each way), the relay has the broker's
+four hops and process wake-ups with nothing done on them. Rounds alternate raw, relay and broker
+so that a noisy neighbour hits all alike. Targets: broker p50 <= 1.5x the relay's, p99 <= 2x.
 
 Latency in parts (p50s, us): ``send_lag`` (due -> sent: pacing and waiting for a slot),
 ``queue_wait`` (broker queue, from ACT.queue_us), ``forward`` (the generator's forward pass,
@@ -19,8 +24,9 @@ ACT.forward_us), ``generate`` (broker: BATCH out -> RESULT in, from STATUS), ``b
 (STATUS), and what remains of the client's round trip: the hops and the Python on them.
 
 Last line of stdout: one JSON object (``p50_us``, ``p99_us``, ``p999_us``, ``raw_p50_us``,
-``raw_p99_us``, ``achieved_rate``, ``target_rate``, ``ratio_p50``, ``parts`` ...). Writes
-``latency.png`` (percentile plot) and ``latency.json`` under ``--out``.
+``raw_p99_us``, ``relay_p50_us``, ``relay_p99_us``, ``p50_over_relay``, ``p99_over_relay``,
+``achieved_rate``, ``target_rate``, ``ratio_p50`` (over the raw echo), ``curve``, ``parts``
+...). Writes ``latency.png`` (percentile plot) and ``latency.json`` under ``--out``.
 """
 
 from __future__ import annotations
@@ -44,7 +50,7 @@ from _common import (  # noqa: E402
     summary, wait_readable,
 )
 
-from rlvla3 import names
+from rlvla3 import auth, names  # noqa: E402
 from rlvla3 import protocol as P  # noqa: E402
 from rlvla3.config import load  # noqa: E402
 from rlvla3.launch import LocalJob  # noqa: E402
@@ -223,7 +229,12 @@ def open_loop(sock: zmq.Socket, client: Client, rate: float, duration_s: float, 
 # =============================================================================================
 
 
-def start_fabric(args: argparse.Namespace, run_dir: Path) -> LocalJob:
+ECHO = str(Path(__file__).resolve().parent / "_echo.py")
+
+
+def start_fabric(args: argparse.Namespace, run_dir: Path, keys: str | None) -> tuple[LocalJob, Any]:
+    """The broker, and its generator: the echo peer (``bench/_echo.py``: the broker's own cost)
+    or a real generator worker with a small policy (``--generator policy``)."""
     overrides = [
         "env.name=synthetic", f"env.options.image_size={IMAGE}", "env.num_envs=1", "env.slots=1",
         "model.family=mlp", f"model.options.hidden={args.hidden}", "model.chunk_size=1",
@@ -231,17 +242,27 @@ def start_fabric(args: argparse.Namespace, run_dir: Path) -> LocalJob:
         f"batching.max_batch={args.max_batch}", f"batching.max_wait_ms={args.max_wait_ms}",
         f"batching.credits={args.credits}", "workers.simulators=0", "workers.generators=1",
         "workers.trainers=0", "run.mode=async", "workers.device=cpu", "workers.torch_threads=1",
+        *([f"broker.keys_dir={keys}"] if keys else []),
     ]
     job = local_job(load("synthetic.yaml", overrides), run_dir)
-    job.start_worker("generator", "generator0")
-    return job
+    if args.generator == "policy":
+        return job, job.start_worker("generator", "generator0")
+    try:
+        gen, _ = start_child([ECHO, "generator", job.endpoint, "--credits", str(args.credits),
+                              *(["--keys", keys] if keys else [])])
+    except BaseException:
+        job.stop()
+        raise
+    return job, gen
 
 
-def connect_simulator(ctx: zmq.Context, endpoint: str, slots: int, n: int, timeout_s: float = 20.0) -> tuple[zmq.Socket, dict[str, Any]]:
+def connect_simulator(ctx: zmq.Context, endpoint: str, slots: int, n: int, timeout_s: float = 20.0,
+                      keys: str | None = None) -> tuple[zmq.Socket, dict[str, Any]]:
     sock = ctx.socket(zmq.DEALER)
     sock.setsockopt(zmq.LINGER, 0)
     sock.setsockopt(zmq.SNDHWM, P.SOCKET_HWM)
     sock.setsockopt(zmq.RCVHWM, P.SOCKET_HWM)
+    auth.configure_client(sock, keys, "simulator")
     sock.connect(endpoint)
     sock.send_multipart(P.encode(P.READY, {"role": "simulator", "host": host_id(), "pid": os.getpid(),
                                            "name": "bench-latency", "slots": slots, "num_envs": slots * n}))
@@ -265,27 +286,31 @@ def generator_serving(fig: dict[str, Any]) -> bool:
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--rate", type=float, default=150.0, help="target requests per second (the fabric saturates near 200/s on a busy 2-core VM)")
-    ap.add_argument("--duration", type=float, default=8.0, help="seconds per phase and round")
-    ap.add_argument("--rounds", type=int, default=2, help="raw/fabric rounds, alternating")
+    ap.add_argument("--rate", type=float, default=150.0, help="target requests per second")
+    ap.add_argument("--duration", type=float, default=2.0, help="seconds per phase and round")
+    ap.add_argument("--rounds", type=int, default=8, help="raw/relay/broker rounds, alternating")
     ap.add_argument("--slots", type=int, default=64)
     ap.add_argument("--n", type=int, default=1, help="envs per request")
     ap.add_argument("--transport", choices=("shm", "inline"), default="shm",
                     help="observation tensors by shared memory (what a same-host simulator does) or inline")
+    ap.add_argument("--generator", choices=("echo", "policy"), default="echo",
+                    help="echo: a generator peer that answers zeros without a forward pass (the broker's own "
+                         "cost); policy: a real generator worker with a small mlp")
+    ap.add_argument("--curve", action="store_true", help="CURVE on: the broker gets a key folder, every peer a key")
     ap.add_argument("--max-batch", type=int, default=1)
     ap.add_argument("--max-wait-ms", type=float, default=0.0)
     ap.add_argument("--credits", type=int, default=2)
     ap.add_argument("--hidden", type=int, default=64)
     ap.add_argument("--policy-images", action="store_true",
-                    help="let the policy encode the image (default: state only, so the figure is the fabric's; "
-                         "the image still travels and the forward pass is reported as its own part)")
+                    help="with --generator policy, let the policy encode the image (default: state only; the "
+                         "image still travels and the forward pass is reported as its own part)")
     ap.add_argument("--spin-us", type=float, default=200.0,
                     help="spin (instead of sleeping) this long before each due time: timer wake-ups on a VM are late")
     args = parse_bench_args(ap, "short run (under 60 s with start-up)", lambda _: echo_server())
     if args is None:
         return
-    if args.quick:
-        args.rate, args.duration, args.rounds = min(args.rate, 100.0), 4.0, 2
+    if args.quick:  # many short rounds: on a shared machine the noise then falls on all three alike
+        args.rate, args.duration, args.rounds = min(args.rate, 100.0), 1.0, 6
     if args.smoke:
         args.rate, args.duration, args.rounds = min(args.rate, 100.0), 0.5, 1
     out = Path(args.out)
@@ -293,22 +318,32 @@ def main() -> None:
 
     t_start = time.monotonic()
     run_dir = Path(tempfile.mkdtemp(prefix="rlvla3_bench_latency_"))
+    keys = str(run_dir / "keys") if args.curve else None
+    if keys:
+        auth.make_keys(keys)
     ctx = zmq.Context()
     job: LocalJob | None = None
-    echo = None
+    children: list[Any] = []
     client: Client | None = None
     socks: list[zmq.Socket] = []
     ok = False
     try:
-        # -- start-up: broker, generator, echo server; join as a simulator ------------------
-        job = start_fabric(args, run_dir)
+        # -- start-up: broker + generator, echo server, relay + its echo; join as a simulator --
+        job, gen = start_fabric(args, run_dir, keys)
+        if gen is not None and args.generator == "echo":
+            children.append(gen)
         echo, echo_ep = start_child([__file__, "--child"])
-        bsock, welcome = connect_simulator(ctx, job.endpoint, args.slots, args.n)
+        children.append(echo)
+        relay, relay_ep = start_child([ECHO, "relay"])
+        children.append(relay)
+        children.append(start_child([ECHO, "relay-echo", relay_ep])[0])
+        bsock, welcome = connect_simulator(ctx, job.endpoint, args.slots, args.n, keys=keys)
         socks.append(bsock)
-        esock = ctx.socket(zmq.DEALER)
-        esock.setsockopt(zmq.LINGER, 0)
-        esock.connect(echo_ep)
-        socks.append(esock)
+        esock, rsock = ctx.socket(zmq.DEALER), ctx.socket(zmq.DEALER)
+        for sk, ep in ((esock, echo_ep), (rsock, relay_ep)):
+            sk.setsockopt(zmq.LINGER, 0)
+            sk.connect(ep)
+            socks.append(sk)
         transport = args.transport
         if transport == "shm" and welcome.get("broker_host") != host_id():
             note("broker is on another shared-memory host: sending inline")
@@ -328,67 +363,79 @@ def main() -> None:
             keepalive()
             if time.monotonic() > deadline:
                 raise TimeoutError(f"the generator did not start serving within 60 s; logs in {run_dir}")
-            if job.workers[0].poll() is not None:
-                raise RuntimeError(f"the generator exited ({job.workers[0].returncode}); logs in {run_dir}")
+            if gen.poll() is not None:
+                raise RuntimeError(f"the generator exited ({gen.returncode}); logs in {run_dir}")
             bsock.poll(100)  # polling STATUS with a deadline
             drain_broker()
-        note(f"fabric up in {time.monotonic() - t_start:.1f} s; transport={transport}, rate={args.rate}/s, "
-             f"{args.rounds} x {args.duration} s per phase")
+        note(f"fabric up in {time.monotonic() - t_start:.1f} s; generator={args.generator}, transport={transport}, "
+             f"curve={bool(keys)}, rate={args.rate}/s, {args.rounds} x {args.duration} s per phase")
 
-        # -- warm-up, then alternating rounds -------------------------------------------------
+        # -- warm-up, then alternating rounds: raw echo, raw relay, broker ----------------------
         spin = args.spin_us / 1e6
+        phases = {"raw": (esock, None, drain_broker), "relay": (rsock, None, drain_broker),
+                  "broker": (bsock, P.ACT, lambda: None)}
         req = 0
         warm = min(1.0, args.duration)
-        req = open_loop(esock, client, args.rate, warm, PhaseResult(), None, keepalive, req, spin)
-        req = open_loop(bsock, client, args.rate, warm, PhaseResult(), P.ACT, lambda: None, req, spin)
+        for sock, expect, tick in phases.values():
+            req = open_loop(sock, client, args.rate, warm, PhaseResult(), expect, tick, req, spin)
         status0 = job.status()
-        raw_rounds, fab_rounds = [], []
+        rounds: dict[str, list[PhaseResult]] = {name: [] for name in phases}
         for r in range(args.rounds):
-            raw, fab = PhaseResult(), PhaseResult()
-            req = open_loop(esock, client, args.rate, args.duration, raw, None, drain_broker, req, spin)
-            req = open_loop(bsock, client, args.rate, args.duration, fab, P.ACT, lambda: None, req, spin)
-            raw_rounds.append(raw)
-            fab_rounds.append(fab)
-            note(f"round {r}: raw p50 {raw.latency.get_value_at_percentile(50)} us, "
-                 f"fabric p50 {fab.latency.get_value_at_percentile(50)} us")
+            for name, (sock, expect, tick) in phases.items():
+                res = PhaseResult()
+                req = open_loop(sock, client, args.rate, args.duration, res, expect, tick, req, spin)
+                rounds[name].append(res)
+            note(f"round {r}: p50 " + ", ".join(f"{k} {v[-1].latency.get_value_at_percentile(50)} us"
+                                                for k, v in rounds.items()))
         status = job.status()
 
         # -- figures ---------------------------------------------------------------------------
-        def mg(rounds: list[PhaseResult], attr: str):
-            return merged(getattr(x, attr) for x in rounds)
+        def mg(name: str, attr: str):
+            return merged(getattr(x, attr) for x in rounds[name])
 
-        lat, raw_lat = mg(fab_rounds, "latency"), mg(raw_rounds, "latency")
-        done = sum(x.done for x in fab_rounds)
-        elapsed = sum(x.elapsed_s for x in fab_rounds)
-        raw_done = sum(x.done for x in raw_rounds)
-        raw_elapsed = sum(x.elapsed_s for x in raw_rounds)
-        s, rs = summary(lat), summary(raw_lat)
+        def rate(name: str) -> float:
+            elapsed = sum(x.elapsed_s for x in rounds[name])
+            return round(sum(x.done for x in rounds[name]) / elapsed, 1) if elapsed else 0.0
+
+        def ratio(a: dict[str, Any], b: dict[str, Any], key: str) -> float | None:
+            return round(a[key] / b[key], 2) if a.get(key) and b.get(key) else None
+
+        lat, raw_lat, relay_lat = mg("broker", "latency"), mg("raw", "latency"), mg("relay", "latency")
+        s, rs, ls = summary(lat), summary(raw_lat), summary(relay_lat)
         parts = {
-            "send_lag_us": summary(mg(fab_rounds, "send_lag")),
-            "service_us": summary(mg(fab_rounds, "service")),
-            "queue_wait_us": summary(mg(fab_rounds, "queue")),
-            "forward_us": summary(mg(fab_rounds, "forward")),
-            "hops_and_python_us": summary(mg(fab_rounds, "rest")),
+            "send_lag_us": summary(mg("broker", "send_lag")),
+            "service_us": summary(mg("broker", "service")),
+            "queue_wait_us": summary(mg("broker", "queue")),
+            "forward_us": summary(mg("broker", "forward")),
+            "hops_and_python_us": summary(mg("broker", "rest")),
             "broker_queue_wait_us": status.get("queue_wait_us"),
             "broker_generate_us": status.get("generate_us"),
             "broker_batch_form_us": status.get("batch_form_us"),
             "broker_batch_size": status.get("batch_size"),
-            "raw_send_lag_us": summary(mg(raw_rounds, "send_lag")),
-            "raw_service_us": summary(mg(raw_rounds, "service")),
+            "raw_send_lag_us": summary(mg("raw", "send_lag")),
+            "raw_service_us": summary(mg("raw", "service")),
+            "relay_send_lag_us": summary(mg("relay", "send_lag")),
+            "relay_service_us": summary(mg("relay", "service")),
         }
+        done = sum(x.done for x in rounds["broker"])
         result = {
             "p50_us": s.get("p50"), "p90_us": s.get("p90"), "p99_us": s.get("p99"), "p999_us": s.get("p999"),
             "max_us": s.get("max"),
             "raw_p50_us": rs.get("p50"), "raw_p90_us": rs.get("p90"), "raw_p99_us": rs.get("p99"),
             "raw_p999_us": rs.get("p999"),
-            "ratio_p50": round(s["p50"] / rs["p50"], 2) if s.get("p50") and rs.get("p50") else None,
-            "ratio_p99": round(s["p99"] / rs["p99"], 2) if s.get("p99") and rs.get("p99") else None,
-            "target_ratio_p50": 2.0,
+            "relay_p50_us": ls.get("p50"), "relay_p90_us": ls.get("p90"), "relay_p99_us": ls.get("p99"),
+            "relay_p999_us": ls.get("p999"),
+            "ratio_p50": ratio(s, rs, "p50"), "ratio_p99": ratio(s, rs, "p99"),
+            "p50_over_relay": ratio(s, ls, "p50"), "p99_over_relay": ratio(s, ls, "p99"),
+            "p50_over_relay_by_round": [round(b.latency.get_value_at_percentile(50) / max(1, r.latency.get_value_at_percentile(50)), 2)
+                                        for b, r in zip(rounds["broker"], rounds["relay"])],
+            "target_p50_over_relay": 1.5, "target_p99_over_relay": 2.0,
+            "generator": args.generator, "curve": bool(keys),
             "target_rate": args.rate,
-            "achieved_rate": round(done / elapsed, 1) if elapsed else 0.0,
-            "raw_achieved_rate": round(raw_done / raw_elapsed, 1) if raw_elapsed else 0.0,
-            "requests": done, "raw_requests": raw_done,
-            "errors": sum(x.errors for x in fab_rounds),
+            "achieved_rate": rate("broker"), "raw_achieved_rate": rate("raw"), "relay_achieved_rate": rate("relay"),
+            "requests": done, "raw_requests": sum(x.done for x in rounds["raw"]),
+            "relay_requests": sum(x.done for x in rounds["relay"]),
+            "errors": sum(x.errors for x in rounds["broker"]),
             "rounds": args.rounds, "duration_s": args.duration, "slots": args.slots, "n": args.n,
             "transport": transport, "spin_us": args.spin_us, "max_batch": args.max_batch, "max_wait_ms": args.max_wait_ms,
             "requests_seen_by_broker": status.get("requests", 0) - status0.get("requests", 0),
@@ -396,11 +443,12 @@ def main() -> None:
             "wall_s": round(time.monotonic() - t_start, 1),
         }
         png = percentile_plot(
-            {f"broker->generator (p50 {s.get('p50')} us)": lat, f"raw pyzmq echo (p50 {rs.get('p50')} us)": raw_lat,
-             "broker: service (sent->ACT)": mg(fab_rounds, "service")},
+            {f"broker, {args.generator} generator (p50 {s.get('p50')} us)": lat,
+             f"raw pyzmq relay (p50 {ls.get('p50')} us)": relay_lat,
+             f"raw pyzmq echo (p50 {rs.get('p50')} us)": raw_lat},
             out / "latency.png",
             f"open-loop {args.rate:.0f} req/s, {transport}, max_batch {args.max_batch}, "
-            f"max_wait {args.max_wait_ms} ms (latency from due time)",
+            f"max_wait {args.max_wait_ms} ms, CURVE {'on' if keys else 'off'} (latency from due time)",
         )
         result["png"] = str(png)
         (out / "latency.json").write_text(__import__("json").dumps(result, indent=1))
@@ -415,8 +463,8 @@ def main() -> None:
             sk.close(0)
         if client is not None:
             client.close()
-        if echo is not None:
-            stop_child(echo)
+        for child in children:
+            stop_child(child)
         if job is not None:
             job.stop()
         ctx.term()

@@ -15,6 +15,7 @@ reply would go to whoever asks. Such a broker binds only loopback or owner-only 
 
 from __future__ import annotations
 
+import functools
 import re
 from typing import Any
 
@@ -31,13 +32,20 @@ def role_allowed(key_name: str | None, role: str) -> bool:
     return bool(key_name) and str(key_name).startswith(role)
 
 
+@functools.lru_cache(maxsize=4096)
+def _segments_of(pid: int, suffix: str) -> re.Pattern[str]:
+    """The names of worker ``pid``'s segments of one kind (compiled once per pid: checked on
+    every OBS)."""
+    return re.compile(rf"{re.escape(P.SHM_PREFIX)}[A-Za-z0-9]+_{pid}_{suffix}")
+
+
 def _own_segment(w: Worker, what: str, seg: str, host: str, suffix: str) -> None:
     """``seg`` on ``host`` must be a segment this worker created: on its host, named
     ``rlvla3_<any run id>_<its pid>_<suffix>`` (``rlvla3.shm``; a worker's segments outlive a
     broker restart, which starts a new run id)."""
     if host != w.host:
         raise P.ProtocolError(P.E_AUTH, f"{what}: segment on host {host!r}, the worker is on {w.host!r}")
-    if not re.fullmatch(rf"{re.escape(P.SHM_PREFIX)}[A-Za-z0-9]+_{w.pid}_{suffix}", seg):
+    if not _segments_of(w.pid, suffix).fullmatch(seg):
         raise P.ProtocolError(P.E_AUTH, f"{what}: segment {seg!r} is not one of this worker's "
                                         f"(rlvla3_<run>_{w.pid}_...)")
 

@@ -9,6 +9,7 @@ fragment that cannot be sent is handed back to the state (``state.unsent``).
 from __future__ import annotations
 
 import os
+import select
 import time
 import uuid
 from typing import Any
@@ -27,6 +28,10 @@ log = structlog.get_logger()
 
 DRAIN = 256  # messages read per turn before the timers run again ...
 DRAIN_S = 0.001  # ... or fewer, once a turn has read for this long: a flood never holds the timers back
+# pyzmq's constants are enum flags: every `&` or `|` on them builds an enum member, a few us each
+# in a loop that runs per message. Plain ints here.
+_EVENTS, _POLLIN, _RCVMORE = int(zmq.EVENTS), int(zmq.POLLIN), int(zmq.RCVMORE)
+_DONTWAIT, _MORE = int(zmq.DONTWAIT), int(zmq.DONTWAIT | zmq.SNDMORE)
 
 
 class Broker:
@@ -57,31 +62,41 @@ class Broker:
                  curve=bool(keys))
 
     def run(self, until: float | None = None) -> None:
-        poller = zmq.Poller()
-        poller.register(self.router, zmq.POLLIN)
+        router, state, stats = self.router, self.state, self.state.stats
+        fd = router.getsockopt(zmq.FD)
         while not self._stop and (until is None or time.monotonic() < until):
-            events = dict(poller.poll(max(0, int(self.state.wait_s(time.monotonic()) * 1000))))
+            # Sleep until a message or the next timer, to the microsecond: zmq_poll counts whole
+            # milliseconds, and a deadline under 1 ms away became poll(0), a spin. ZMQ_FD is
+            # edge-triggered: ask ZMQ_EVENTS first (which also re-arms it), then wait on the fd.
+            wait = state.wait_s(time.monotonic())
+            if wait > 0 and not router.getsockopt(_EVENTS) & _POLLIN:
+                select.select([fd], [], [], wait)
             turn, turn_cpu = time.perf_counter(), time.thread_time()
-            if self.router in events:
-                for _ in range(DRAIN):
-                    try:
-                        frames = self.router.recv_multipart(zmq.DONTWAIT, copy=False)
-                    except zmq.Again:
-                        break
-                    t0 = time.thread_time_ns()
-                    outs = self._handle(frames)
-                    self._send_all(outs)
-                    if outs and outs[0].type == P.STATUS:  # what one answer costs the loop (CPU), sending included
-                        self.state.stats.status_cpu_us.record_value(max(1, (time.thread_time_ns() - t0) // 1000))
-                    if time.perf_counter() - turn > DRAIN_S:
-                        break
+            # Drain what is ready (ZMQ_EVENTS, not a zmq.Again raised per turn), replies sent as we go.
+            for _ in range(DRAIN):
+                if not router.getsockopt(_EVENTS) & _POLLIN:
+                    break
+                try:
+                    frames = [router.recv(_DONTWAIT, copy=False)]
+                except zmq.Again:
+                    break
+                while router.getsockopt(_RCVMORE):  # the rest of a multipart message is there already
+                    frames.append(router.recv(_DONTWAIT, copy=False))
+                t0 = time.thread_time_ns()
+                outs = self._handle(frames)
+                self._send_all(outs)
+                if outs and outs[0].type == P.STATUS:  # what one answer costs the loop (CPU), sending included
+                    stats.status_cpu_us.record_value(max(1, (time.thread_time_ns() - t0) // 1000))
+                if time.perf_counter() - turn > DRAIN_S:
+                    break
             t0 = time.perf_counter_ns()
-            outs = self.state.tick(time.monotonic())
-            self._send_all(outs)
-            batches = sum(1 for o in outs if o.type == P.BATCH)
-            for _ in range(batches):  # forming and sending, per batch of this pass
-                self.state.stats.batch_form_us.record_value(max(1, (time.perf_counter_ns() - t0) // 1000 // batches))
-            self.state.stats.loop_turn(time.perf_counter() - turn, time.thread_time() - turn_cpu, time.monotonic())
+            outs = state.tick(time.monotonic())
+            if outs:
+                self._send_all(outs)
+                batches = sum(1 for o in outs if o.type == P.BATCH)
+                if batches:  # forming and sending, per batch of this pass
+                    stats.batch_form_us.record_value(max(1, (time.perf_counter_ns() - t0) // 1000 // batches), batches)
+            stats.loop_turn(time.perf_counter() - turn, time.thread_time() - turn_cpu, time.monotonic())
         self.close()
 
     def _handle(self, frames: list[Any]) -> list[Out]:
@@ -104,10 +119,19 @@ class Broker:
                     log.warning("weights_pub_full", version=out.fields.get("version"))
                 continue
             try:
-                self.router.send_multipart([out.to, *out.encode()], zmq.DONTWAIT, copy=False)
+                self._send(out.to, out.encode())
             except zmq.ZMQError as err:  # EHOSTUNREACH (peer gone) or EAGAIN (peer's queue full)
                 log.warning("send_failed", peer=out.to.hex()[:16], type=out.type, error=err.strerror)
                 self.state.unsent(out)
+
+    def _send(self, to: bytes, frames: list[Any]) -> None:
+        """``[to, *frames]`` on the ROUTER without blocking. The first part decides: with
+        ROUTER_MANDATORY an unroutable peer or a full queue raises there, before anything went."""
+        send = self.router.send
+        send(to, _MORE, copy=False)
+        for frame in frames[:-1]:
+            send(frame, _MORE, copy=False)
+        send(frames[-1], _DONTWAIT, copy=False)
 
     def stop(self) -> None:
         self._stop = True

@@ -77,27 +77,29 @@ class Dispatcher:
         return act
 
     def on_obs(self, w: Worker, msg: P.Message, now: float) -> None:
-        n = msg["n"]
-        if n < 1 or len(msg["instruction"]) != n or len(msg["episode_step"]) != n:
+        h = msg.header  # read as a dict: this runs for every request
+        n, steps_of = h["n"], h["episode_step"]
+        if n < 1 or len(h["instruction"]) != n or len(steps_of) != n:
             raise P.ProtocolError(P.E_FIELD, "OBS: n, instruction and episode_step disagree")
-        if not (0 <= msg["slot"] < max(w.slots, 1)):
-            raise P.ProtocolError(P.E_FIELD, f"OBS: slot {msg['slot']} out of range (worker has {w.slots})")
+        slot = h["slot"]
+        if not (0 <= slot < max(w.slots, 1)):
+            raise P.ProtocolError(P.E_FIELD, f"OBS: slot {slot} out of range (worker has {w.slots})")
         self.queue.push(PendingRequest(
-            sim=w.identity, slot=msg["slot"], req_id=msg["req_id"], n=n, arrival=now,
-            episode_step=list(msg["episode_step"]), version=int(msg.get("version", -1)),
-            header=msg.header, tensors=msg.tensors, host=w.host,
-            starts=sum(1 for s in msg["episode_step"] if s == 0),
+            sim=w.identity, slot=slot, req_id=h["req_id"], n=n, arrival=now,
+            episode_step=list(steps_of), version=int(h.get("version", -1)),
+            header=h, tensors=msg.tensors, host=w.host, starts=steps_of.count(0),
         ))
-        self.last_req[(w.identity, msg["slot"])] = msg["req_id"]
-        self.stats.requests += 1
+        self.last_req[(w.identity, slot)] = h["req_id"]
+        stats = self.stats
+        stats.requests += 1
         w.count_frames(msg.tensors)
         if self.adaptive is not None:
             self.adaptive.on_arrival(n, self.queue.envs)
-        steps = int(msg.get("env_steps", 0))
-        self.stats.env_steps += steps
+        steps = int(h.get("env_steps", 0))
+        stats.env_steps += steps
         w.info["env_steps"] = int(w.info.get("env_steps") or 0) + steps
-        self.stats.decision_steps += int(msg.get("decision_steps", 0))
-        self.stats.env_restarts += int(msg.get("env_restarts", 0))
+        stats.decision_steps += int(h.get("decision_steps", 0))
+        stats.env_restarts += int(h.get("env_restarts", 0))
 
     # ---- batches out -------------------------------------------------------------------------
 
@@ -130,13 +132,16 @@ class Dispatcher:
         reqs = [r for r, _ in ready]
         tensors: dict[str, Any] = {}
         meta = []
+        queue_wait = self.stats.queue_wait_us
         for i, (r, req_tensors) in enumerate(ready):
             tensors.update(names.with_prefix(names.request_prefix(i), req_tensors))
+            header = r.header
             meta.append({
-                "req_id": r.req_id, "slot": r.slot, "n": r.n, "instruction": r.header["instruction"],
-                "episode_step": r.episode_step, "deterministic": r.header.get("deterministic", [False] * r.n),
+                "req_id": r.req_id, "slot": r.slot, "n": r.n, "instruction": header["instruction"],
+                "episode_step": r.episode_step,
+                "deterministic": header["deterministic"] if "deterministic" in header else [False] * r.n,
             })
-            self.stats.queue_wait_us.record_value(max(1, int((now - r.arrival) * 1e6)))
+            queue_wait.record_value(max(1, int((now - r.arrival) * 1e6)))
         gen.inflight.add(batch_id)
         self.batches[batch_id] = Batch(gen.identity, reqs, now)
         self.stats.batches += 1
@@ -222,21 +227,19 @@ class Dispatcher:
         queue_us = msg.get("queue_us") if isinstance(msg.get("queue_us"), list) else []
         dropped = set(msg.get("dropped") or ())  # requests the generator could not read
         out = []
+        version, forward_us, live = msg["version"], int(msg.get("forward_us", 0)), self.registry.workers
         for i, req in enumerate(batch.requests):
             if i in dropped:
                 self.stats.requests_unreadable += 1
-            if req.sim not in self.registry:
+            if req.sim not in live:
                 continue  # its simulator left; nothing to deliver
             if i in dropped:  # alone: the slot restarts its episodes and asks again
                 out.append(self._answered(req, Out(req.sim, P.ACT, {
                     "slot": req.slot, "req_id": req.req_id, "version": -1,
                     "error": "the generator could not read this request's observation (its shared memory is gone?)"})))
                 continue
-            fields = {
-                "slot": req.slot, "req_id": req.req_id, "version": msg["version"],
-                "queue_us": int(queue_us[i]) if i < len(queue_us) else 0,
-                "forward_us": int(msg.get("forward_us", 0)),
-            }
+            fields = {"slot": req.slot, "req_id": req.req_id, "version": version,
+                      "queue_us": int(queue_us[i]) if i < len(queue_us) else 0, "forward_us": forward_us}
             out.append(self._answered(req, Out(req.sim, P.ACT, fields, per_request.get(i, {}))))
         return out
 
@@ -305,7 +308,9 @@ class Dispatcher:
     def wait_s(self, now: float) -> float | None:
         """Seconds until the oldest request is due for an idle generator (``None``: no such
         deadline). A busy generator takes only full batches, which only a new request makes."""
+        if not any(g.free > 0 and not g.inflight for g in self.generators.values()):
+            return None
         oldest = self.queue.oldest_arrival()
-        if oldest is None or not any(g.free > 0 and not g.inflight for g in self.generators.values()):
+        if oldest is None:
             return None
         return max(0.0, oldest + self.rule.max_wait_s - now)

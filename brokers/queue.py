@@ -9,7 +9,6 @@ request fails alone and the others of its batch are served.
 
 from __future__ import annotations
 
-import heapq
 import itertools
 from dataclasses import dataclass, field
 from typing import Any, Callable, Iterable
@@ -56,58 +55,62 @@ class GeneratorState:
 
 
 class RequestQueue:
-    """A priority queue of pending requests in the order of an ordering function."""
+    """Pending requests, served in the order of an ordering function.
+
+    The broker asks it on every OBS (how much this simulator holds), on every loop turn (the
+    oldest arrival) and per batch formed; so counts are kept as requests come and go, and only
+    forming batches sorts (``ordered``: the queue is small, and nearly sorted already).
+    """
 
     def __init__(self, key: Callable[[PendingRequest], Any]) -> None:
         self.key = key
-        self._heap: list[tuple[Any, int, PendingRequest]] = []
+        self._items: dict[int, tuple[Any, PendingRequest]] = {}  # seq -> (key, request), in push order
         self._seq = itertools.count()
-        self._removed: set[int] = set()
+        self._held: dict[bytes, list[int]] = {}  # simulator -> [requests, inline bytes] queued
         self.envs = 0
         self.evals = 0  # evaluation requests queued (sync mode's barrier does not wait for them)
 
     def __len__(self) -> int:
-        return len(self._heap) - len(self._removed)
+        return len(self._items)
 
     def push(self, req: PendingRequest) -> None:
-        heapq.heappush(self._heap, (self.key(req), next(self._seq), req))
-        self.envs += req.n
-        self.evals += bool(req.header.get("eval"))
+        self._items[next(self._seq)] = (self.key(req), req)
+        self._count(req, 1)
+
+    def _count(self, req: PendingRequest, sign: int) -> None:
+        self.envs += sign * req.n
+        self.evals += sign * bool(req.header.get("eval"))
+        held = self._held.get(req.sim)
+        if held is None:
+            held = self._held[req.sim] = [0, 0]
+        held[0] += sign
+        held[1] += sign * inline_bytes(req.tensors)
+        if not held[0]:
+            del self._held[req.sim]
 
     def held_by(self, sim: bytes) -> tuple[int, int]:
         """How many requests ``sim`` has queued and the inline bytes they hold here."""
-        mine = [r for _, s, r in self._heap if s not in self._removed and r.sim == sim]
-        return len(mine), sum(inline_bytes(r.tensors) for r in mine)
+        held = self._held.get(sim)
+        return (held[0], held[1]) if held else (0, 0)
 
     def oldest_arrival(self) -> float | None:
-        live = [r.arrival for _, s, r in self._heap if s not in self._removed]
-        return min(live) if live else None
+        return min((r.arrival for _, r in self._items.values()), default=None)
 
     def ordered(self) -> Iterable[tuple[int, PendingRequest]]:
-        """Live entries in key order (a sorted copy: the queue is small)."""
-        for _, seq, req in sorted(self._heap, key=lambda e: (e[0], e[1])):
-            if seq not in self._removed:
-                yield seq, req
+        """Live entries in key order (ties: push order), as a sorted copy."""
+        for seq, (_, req) in sorted(self._items.items(), key=lambda e: (e[1][0], e[0])):
+            yield seq, req
 
     def take(self, seqs: Iterable[int]) -> None:
         for seq in seqs:
-            self._removed.add(seq)
-        self._compact()
+            entry = self._items.pop(seq, None)
+            if entry is not None:
+                self._count(entry[1], -1)
 
     def remove_where(self, pred: Callable[[PendingRequest], bool]) -> list[PendingRequest]:
-        gone = [(seq, r) for _, seq, r in self._heap if seq not in self._removed and pred(r)]
+        gone = [(seq, r) for seq, (_, r) in self._items.items() if pred(r)]
         self.take(seq for seq, _ in gone)
         return [r for _, r in gone]
-
-    def _compact(self) -> None:
-        if not self._removed:
-            return
-        keep = [e for e in self._heap if e[1] not in self._removed]
-        self.envs = sum(e[2].n for e in keep)
-        self.evals = sum(bool(e[2].header.get("eval")) for e in keep)
-        heapq.heapify(keep)
-        self._heap = keep
-        self._removed.clear()
 
 
 @dataclass
@@ -136,6 +139,11 @@ def form_batches(
     out in all (admission control: ``brokers.admission``; a re-queued request costs nothing).
     """
     out: list[tuple[GeneratorState, list[PendingRequest]]] = []
+    oldest = queue.oldest_arrival()
+    if oldest is None or not any(g.free > 0 for g in generators):
+        return out
+    if not (force or queue.envs >= rule.max_batch or now - oldest >= rule.max_wait_s):
+        return out  # nothing is due: no need to sort
     order = list(queue.ordered())  # sorted once; entries leave it as they are batched
     formed_for: dict[bytes, int] = {}  # batches formed here per generator, not yet in its inflight
     while order:

@@ -314,16 +314,20 @@ class BrokerState:
             return []
         force = False
         if self.mode == "sync":
-            # Barrier: every live training slot has its request queued and nothing is out
-            # (evaluation slots idle between rounds, so they are not waited for).
-            expected = sum(max(0, w.slots - self.cfg.env.eval_slots) for w in self.registry.of_role("simulator"))
-            if self.dispatcher.batches or len(queue) - queue.evals < expected:
+            if not self._barrier_reached():
                 return []
             force = True
         budget = self.admission.budget(self.dispatcher.rule.max_batch)
         if budget is not None and budget <= 0:
             return []
         return self.dispatcher.dispatch(now, force, budget)
+
+    def _barrier_reached(self) -> bool:
+        """Sync mode's barrier: every live training slot has its request queued and nothing is
+        out (evaluation slots idle between rounds, so they are not waited for)."""
+        queue = self.dispatcher.queue
+        expected = sum(max(0, w.slots - self.cfg.env.eval_slots) for w in self.registry.of_role("simulator"))
+        return not self.dispatcher.batches and len(queue) - queue.evals >= expected
 
     def _heartbeat(self, now: float) -> list[Out]:
         if now - self._last_hb < self.hb_s:
@@ -338,7 +342,8 @@ class BrokerState:
     def wait_s(self, now: float) -> float:
         """How long the shell may block in poll before ``tick`` has work."""
         timeout = self.hb_s
-        held = self.training_pause or (self.admission.enabled and self.admission.grant(1) <= 0)
+        held = (self.training_pause or (self.admission.enabled and self.admission.grant(1) <= 0)
+                or (self.mode == "sync" and not self._barrier_reached()))  # else: a spin until the barrier
         due = None if held else self.dispatcher.wait_s(now)
         return timeout if due is None else min(timeout, due)
 

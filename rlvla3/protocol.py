@@ -133,6 +133,7 @@ _TEXT = F.Str(F.MAX_TEXT)
 _NAME = F.Str(MAX_NAME_LEN)
 _REASON = F.Str(F.MAX_TEXT)
 _US = F.Int(0, F.MAX_ID)
+_FREE = F.Free()  # an unknown extra field: bounded, finite data
 _INFO = F.Map((("dist", F.Free()), ("env_steps", F.Int(0, F.MAX_ID)), ("version", _VERSION), ("served", F.Int(0, F.MAX_ID)),
                ("algo", F.Str(16))),
               closed=True, nullable=True)  # closed: the broker keeps it per worker, so no key may grow it
@@ -233,8 +234,8 @@ class InlineTensor:
         return math.prod(self.shape) * _itemsize(self.dtype)
 
 
-def _itemsize(dtype: str) -> int:
-    return 2 if dtype == "bfloat16" else np.dtype(dtype).itemsize
+_ITEMSIZE = {d: 2 if d == "bfloat16" else np.dtype(d).itemsize for d in DTYPES}
+_itemsize = _ITEMSIZE.__getitem__  # bytes per item of a wire dtype
 
 
 def _np_dtype(dtype: str) -> np.dtype:
@@ -357,13 +358,13 @@ def _check_fields(msg_type: str, header: dict[str, Any]) -> None:
                 raise F.FieldError(f"lacks field {name!r}")
             spec.check(header[name], name)
         for name, value in header.items():
-            if type(name) is not str:
-                raise F.FieldError(f"a field name of type {type(name).__name__}")
             if name in required or name in ("v", "type", "tensors"):
                 continue
+            if type(name) is not str:
+                raise F.FieldError(f"a field name of type {type(name).__name__}")
             if name in BROKER_PRIVATE:
                 raise F.FieldError(f"{name!r} is set by the broker, not sent")
-            (optional.get(name) or F.Free()).check(value, name)  # unknown extras: bounded free data
+            (optional.get(name) or _FREE).check(value, name)
         if msg_type == OBS:
             n = header["n"]
             for name in ("instruction", "episode_step", "deterministic"):
@@ -392,32 +393,44 @@ def _bytes_of(frame: Any) -> bytes | memoryview:
 
 
 def _decode_tensors(descs: Any, frames: Sequence[Any]) -> dict[str, InlineTensor | ShmRef]:
-    if not isinstance(descs, list):
+    if type(descs) is not list:
         raise ProtocolError(E_TENSOR, "tensors is not a list")
     if len(descs) > MAX_FRAMES:
         raise ProtocolError(E_OVERSIZE, f"{len(descs)} tensors > {MAX_FRAMES}")
     out: dict[str, InlineTensor | ShmRef] = {}
     next_frame = 0
     for d in descs:
-        if not isinstance(d, dict):
+        if type(d) is not dict:
             raise ProtocolError(E_TENSOR, "tensor descriptor is not a map")
         name, dtype, shape, where = d.get("name"), d.get("dtype"), d.get("shape"), d.get("where")
-        if not isinstance(name, str) or not name or len(name) > MAX_NAME_LEN:
+        if type(name) is not str or not name or len(name) > MAX_NAME_LEN:
             raise ProtocolError(E_TENSOR, "tensor name missing or too long")
         if name in out:
             raise ProtocolError(E_TENSOR, f"tensor {name!r} appears twice")
-        if dtype not in DTYPES:
+        itemsize = _ITEMSIZE.get(dtype) if type(dtype) is str else None
+        if itemsize is None:
             raise ProtocolError(E_TENSOR, f"tensor {name!r}: dtype {dtype!r} not allowed")
-        if (
-            not isinstance(shape, list)
-            or len(shape) > MAX_TENSOR_DIMS
-            or not all(isinstance(s, int) and not isinstance(s, bool) and 0 <= s < 2**31 for s in shape)
-        ):
+        if type(shape) is not list or len(shape) > MAX_TENSOR_DIMS:
             raise ProtocolError(E_TENSOR, f"tensor {name!r}: bad shape {shape!r}")
-        nbytes = math.prod(shape) * _itemsize(dtype)
+        nbytes = itemsize
+        for dim in shape:  # exact ints (not bools), each in [0, 2^31)
+            if type(dim) is not int or not 0 <= dim < 2**31:
+                raise ProtocolError(E_TENSOR, f"tensor {name!r}: bad shape {shape!r}")
+            nbytes *= dim
         if nbytes > MAX_SHM_OFFSET:
             raise ProtocolError(E_TENSOR, f"tensor {name!r}: {nbytes} bytes is more than any segment")
-        if where == "inline":
+        if where == "shm":
+            seg, offset, nb, host = d.get("seg"), d.get("offset"), d.get("nbytes"), d.get("host")
+            if type(seg) is not str or not seg.startswith(SHM_PREFIX) or len(seg) > MAX_NAME_LEN or "/" in seg:
+                raise ProtocolError(E_TENSOR, f"tensor {name!r}: bad segment name {seg!r}")
+            if type(offset) is not int or not 0 <= offset <= MAX_SHM_OFFSET:
+                raise ProtocolError(E_TENSOR, f"tensor {name!r}: bad offset {offset!r}")
+            if type(nb) is not int or nb != nbytes:
+                raise ProtocolError(E_TENSOR, f"tensor {name!r}: nbytes {nb!r} != shape's {nbytes}")
+            if type(host) is not str or not host or len(host) > MAX_NAME_LEN:
+                raise ProtocolError(E_TENSOR, f"tensor {name!r}: shm descriptor without host")
+            out[name] = ShmRef(seg=seg, offset=offset, nbytes=nbytes, dtype=dtype, shape=tuple(shape), host=host)
+        elif where == "inline":
             if next_frame >= len(frames):
                 raise ProtocolError(E_TENSOR, f"tensor {name!r}: no frame left for it")
             buf = _bytes_of(frames[next_frame])
@@ -425,17 +438,6 @@ def _decode_tensors(descs: Any, frames: Sequence[Any]) -> dict[str, InlineTensor
             if len(buf) != nbytes:
                 raise ProtocolError(E_TENSOR, f"tensor {name!r}: frame has {len(buf)} bytes, shape needs {nbytes}")
             out[name] = InlineTensor(dtype=dtype, shape=tuple(shape), buffer=buf)
-        elif where == "shm":
-            seg, offset, nb, host = d.get("seg"), d.get("offset"), d.get("nbytes"), d.get("host")
-            if not isinstance(seg, str) or not seg.startswith(SHM_PREFIX) or len(seg) > MAX_NAME_LEN or "/" in seg:
-                raise ProtocolError(E_TENSOR, f"tensor {name!r}: bad segment name {seg!r}")
-            if type(offset) is not int or not 0 <= offset <= MAX_SHM_OFFSET:
-                raise ProtocolError(E_TENSOR, f"tensor {name!r}: bad offset {offset!r}")
-            if nb != nbytes:
-                raise ProtocolError(E_TENSOR, f"tensor {name!r}: nbytes {nb!r} != shape's {nbytes}")
-            if not isinstance(host, str) or not host or len(host) > MAX_NAME_LEN:
-                raise ProtocolError(E_TENSOR, f"tensor {name!r}: shm descriptor without host")
-            out[name] = ShmRef(seg=seg, offset=offset, nbytes=nbytes, dtype=dtype, shape=tuple(shape), host=host)
         else:
             raise ProtocolError(E_TENSOR, f"tensor {name!r}: where={where!r}")
     if next_frame != len(frames):

@@ -45,11 +45,12 @@ COMMANDS = readme_bench_commands()
 
 
 def check_latency(r: dict[str, Any], out: Path) -> None:
-    for key in ("p50_us", "p99_us", "p999_us", "raw_p50_us", "raw_p99_us", "achieved_rate", "target_rate",
-                "ratio_p50", "parts"):
+    for key in ("p50_us", "p99_us", "p999_us", "raw_p50_us", "raw_p99_us", "relay_p50_us", "relay_p99_us",
+                "p50_over_relay", "p99_over_relay", "achieved_rate", "target_rate", "ratio_p50", "curve", "parts"):
         assert key in r, key
-    assert r["achieved_rate"] > 0 and r["target_rate"] > 0
-    assert 0 < r["raw_p50_us"] <= r["raw_p99_us"]
+    assert r["achieved_rate"] > 0 and r["target_rate"] > 0 and r["generator"] == "echo"
+    assert 0 < r["raw_p50_us"] <= r["raw_p99_us"] and 0 < r["relay_p50_us"] <= r["relay_p99_us"]
+    assert r["relay_requests"] == r["raw_requests"] > 0
     assert 0 < r["p50_us"] <= r["p99_us"] <= r["p999_us"]
     assert r["requests"] > 0 and r["errors"] == 0
     assert r["parts"]["forward_us"]["count"] == r["requests"]
@@ -176,10 +177,28 @@ def check_batching_sweep(r: dict[str, Any], out: Path) -> None:
     assert json.loads((out / "batching_sweep.json").read_text())["best_grid"] == r["best_grid"]
 
 
+def check_broker_capacity(r: dict[str, Any], out: Path) -> None:
+    for key in ("max_rps", "rps_per_broker_core", "p99_us_at_80pct", "broker_cpu_pct", "curve", "ramp", "saturated"):
+        assert key in r, key
+    assert r["max_rps"] > 0 and r["errors"] == 0 and r["broker_cpu_pct"] > 0
+    assert r["max_rps"] == max(s["achieved_rps"] for s in r["ramp"])
+    assert all(s["done"] > 0 and s["unanswered"] == 0 for s in [*r["ramp"], r["at_80pct"]]), r["ramp"]
+    assert (out / "broker_capacity.png").stat().st_size > 0
+    assert json.loads((out / "broker_capacity.json").read_text())["max_rps"] == r["max_rps"]
+
+
+def check_broker_hotpath(r: dict[str, Any], out: Path) -> None:
+    assert r["requests"] > 0 and r["us_per_request"] > 0
+    assert set(r["stages_us"]) == {"decode_obs", "handle_obs", "tick_and_encode_batch", "decode_result",
+                                   "handle_result", "encode_act"}
+    assert json.loads((out / "broker_hotpath.json").read_text())["requests"] == r["requests"]
+
+
 CHECKS: dict[str, Callable[[dict[str, Any], Path], None]] = {
     "latency": check_latency, "transfer": check_transfer, "ablation": check_ablation,
     "sim_latency": check_sim_latency, "generator": check_generator, "learning": check_learning, "weights": check_weights,
-    "fuzz": check_fuzz, "status_flood": check_status_flood, "multihost": check_multihost, "soak": check_soak, "batching_sweep": check_batching_sweep,
+    "fuzz": check_fuzz, "status_flood": check_status_flood, "multihost": check_multihost, "soak": check_soak,
+    "batching_sweep": check_batching_sweep, "broker_capacity": check_broker_capacity, "broker_hotpath": check_broker_hotpath,
 }
 
 

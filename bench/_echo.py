@@ -1,0 +1,145 @@
+"""Peers with no logic of their own, for measuring the broker against its floors (child processes
+of ``bench/latency.py`` and ``bench/broker_capacity.py``):
+
+    python bench/_echo.py generator ENDPOINT [--credits 4] [--keys DIR]
+        a generator-role peer on the real protocol: READY, heartbeats, and for every BATCH a
+        RESULT of zero actions (no forward pass, nothing read from the observations);
+    python bench/_echo.py relay
+        a ROUTER that forwards every simulator message to one echo DEALER and every echo reply
+        back to the simulator it names: the broker's topology with pyzmq and nothing else;
+    python bench/_echo.py relay-echo ENDPOINT
+        that echo: a DEALER that returns whatever it is sent.
+
+Each prints one line on stdout once it is up (its endpoint, or "ready"), as
+``_common.start_child`` expects, and ends with its launcher (``follow_launcher``). Every loop
+drains what is ready before it polls again.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+import time
+from pathlib import Path
+
+import numpy as np
+import zmq
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from rlvla3 import auth, names  # noqa: E402
+from rlvla3 import protocol as P  # noqa: E402
+from rlvla3.lifetime import follow_launcher  # noqa: E402
+from rlvla3.shm import host_id  # noqa: E402
+
+ACTION_SHAPE = (1, 7)
+"""Per env: a chunk of one 7-dof action, what a small policy returns."""
+HELLO = b"echo"
+"""The relay-echo's first message: the relay learns its identity from it."""
+
+
+def _socket(ctx: zmq.Context, kind: int) -> zmq.Socket:
+    sock = ctx.socket(kind)
+    sock.setsockopt(zmq.LINGER, 0)
+    sock.setsockopt(zmq.SNDHWM, P.SOCKET_HWM)
+    sock.setsockopt(zmq.RCVHWM, P.SOCKET_HWM)
+    return sock
+
+
+def echo_generator(endpoint: str, credits: int, keys_dir: str | None) -> None:
+    """Join ``endpoint`` as a generator and answer every BATCH with zero actions."""
+    ctx = zmq.Context()
+    sock = _socket(ctx, zmq.DEALER)
+    auth.configure_client(sock, keys_dir, "generator")
+    sock.connect(endpoint)
+    beat = P.encode(P.HEARTBEAT, {"credits": credits, "version": 0})
+    sock.send_multipart(P.encode(P.READY, {"role": "generator", "host": host_id(), "pid": os.getpid(),
+                                           "name": "echo-generator", "credits": credits}))
+    zeros: dict[int, np.ndarray] = {}  # n -> zero actions for a request of n envs
+    announced = False
+    last_beat = time.monotonic()
+    while True:
+        now = time.monotonic()
+        if now - last_beat >= 0.5:
+            sock.send_multipart(beat)
+            last_beat = now
+        if not sock.poll(200):
+            continue
+        while sock.getsockopt(zmq.EVENTS) & zmq.POLLIN:
+            msg = P.decode(sock.recv_multipart(copy=False))
+            if msg.type == P.READY and not announced:
+                announced = True
+                print("ready", flush=True)
+            elif msg.type == P.DISCONNECT:
+                return
+            elif msg.type == P.BATCH:
+                tensors = {}
+                for i, req in enumerate(msg["requests"]):
+                    n = req["n"]
+                    if n not in zeros:
+                        zeros[n] = np.zeros((n, *ACTION_SHAPE), np.float32)
+                    tensors[names.tensor_name(names.request_prefix(i), "actions")] = zeros[n]
+                sock.send_multipart(P.encode(P.RESULT, {"batch_id": msg["batch_id"], "version": 0, "forward_us": 0,
+                                                        "queue_us": msg.get("queue_us", [])}, tensors), copy=False)
+
+
+def relay() -> None:
+    """Simulator -> echo -> simulator through one ROUTER, routing by identity frames only."""
+    ctx = zmq.Context()
+    sock = _socket(ctx, zmq.ROUTER)
+    sock.bind("tcp://127.0.0.1:0")
+    print(sock.getsockopt(zmq.LAST_ENDPOINT).decode(), flush=True)
+    echo: bytes | None = None
+    while True:
+        if not sock.poll(200):
+            continue
+        while sock.getsockopt(zmq.EVENTS) & zmq.POLLIN:
+            frames = sock.recv_multipart(copy=False)
+            sender = frames[0].bytes
+            if echo is None:
+                if frames[1].bytes == HELLO:
+                    echo = sender
+                    sock.send_multipart([echo, HELLO])
+                continue
+            if sender == echo:  # [echo, sim, *msg] -> [sim, *msg]
+                sock.send_multipart(frames[1:], copy=False)
+            else:  # [sim, *msg] -> [echo, sim, *msg]
+                sock.send_multipart([echo, *frames], copy=False)
+
+
+def relay_echo(endpoint: str) -> None:
+    """The relay's far end: every message goes back as it came (simulator identity first)."""
+    ctx = zmq.Context()
+    sock = _socket(ctx, zmq.DEALER)
+    sock.connect(endpoint)
+    sock.send(HELLO)
+    if not sock.poll(30_000):
+        raise TimeoutError(f"relay at {endpoint} did not answer within 30 s")
+    sock.recv()  # the relay knows us now
+    print("ready", flush=True)
+    while True:
+        if not sock.poll(200):
+            continue
+        while sock.getsockopt(zmq.EVENTS) & zmq.POLLIN:
+            sock.send_multipart(sock.recv_multipart(copy=False), copy=False)
+
+
+def main() -> None:
+    follow_launcher()  # SIGTERM (default action: exit) when the benchmark dies
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("role", choices=("generator", "relay", "relay-echo"))
+    ap.add_argument("endpoint", nargs="?")
+    ap.add_argument("--credits", type=int, default=4)
+    ap.add_argument("--keys", default=None, help="CURVE key folder (the generator joins as key 'generator')")
+    args = ap.parse_args()
+    if args.role == "generator":
+        echo_generator(args.endpoint, args.credits, args.keys)
+    elif args.role == "relay":
+        relay()
+    else:
+        relay_echo(args.endpoint)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,170 @@
+"""The broker's Python cost per request, stage by stage, with no sockets: what
+``bench/broker_capacity.py`` is bounded by, and where to cut.
+
+    python bench/broker_hotpath.py [--max-batch 32] [--requests 20000] [--profile] [--out bench/out]
+                                   [--quick | --smoke]
+
+What runs, in this one process: a real ``BrokerState`` with one simulator (many slots, one env
+per request, observations as shared-memory references of this process) and one generator
+joined through READY. Each request goes the way the broker's shell takes it, minus the
+sockets: ``protocol.decode`` of the OBS frames, ``state.handle``; once ``--max-batch`` requests
+are queued, ``state.tick`` forms the BATCH and ``Out.encode`` encodes it; the generator's
+RESULT (encoded outside the timed stages: that is the generator's cost) is decoded and
+handled, and every ACT encoded. Times are CPU time of this process (``time.process_time``,
+which a busy neighbour does not inflate the way it does wall time; stages by the thread's
+CPU clock) per request, in us.
+
+``--profile`` runs the same loop under cProfile and writes the 30 functions with the most own
+time to ``broker_hotpath.prof.txt`` under ``--out``.
+
+Last line of stdout: one JSON object (``us_per_request``: the broker's stages summed,
+``requests_per_cpu_s``, ``stages_us`` per request: ``decode_obs``, ``handle_obs``,
+``tick_and_encode_batch``, ``decode_result``, ``handle_result``, ``encode_act``;
+``untimed_us_per_request``: the generator's side and the loop).
+"""
+
+from __future__ import annotations
+
+import argparse
+import cProfile
+import io
+import json
+import os
+import pstats
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from _common import OUT_DIR, emit  # noqa: E402
+
+from brokers.state import BrokerState  # noqa: E402
+from rlvla3 import names  # noqa: E402
+from rlvla3 import protocol as P  # noqa: E402
+from rlvla3.config import load  # noqa: E402
+from rlvla3.logging import configure  # noqa: E402
+from rlvla3.observation import IMAGES, STATE  # noqa: E402
+from rlvla3.shm import ShmPool, host_id  # noqa: E402
+
+SIM, GEN = b"\x00sim", b"\x00gen"
+STAGES = ("decode_obs", "handle_obs", "tick_and_encode_batch", "decode_result", "handle_result", "encode_act")
+
+
+class HotPath:
+    def __init__(self, max_batch: int, slots: int) -> None:
+        cfg = load("synthetic.yaml", ["env.name=synthetic", "env.options.image_size=16", f"batching.max_batch={max_batch}",
+                                      "batching.max_wait_ms=1000", "run.mode=async", "workers.trainers=0"])
+        self.max_batch = max_batch
+        self.state = BrokerState(cfg, time.monotonic(), "hotpath", host_id(), os.getpid(), "")
+        now = time.monotonic()
+        self.state.handle(SIM, P.decode(P.encode(P.READY, {"role": "simulator", "host": host_id(), "pid": os.getpid(),
+                                                           "slots": slots, "num_envs": slots})), now)
+        self.state.handle(GEN, P.decode(P.encode(P.READY, {"role": "generator", "host": host_id(), "pid": os.getpid(),
+                                                           "credits": 2})), now)
+        self.pool = ShmPool("hotpath", slots * 1024 + 4096)
+        self.obs = []
+        for s in range(slots):
+            oi, os_ = self.pool.alloc(16 * 16 * 3), self.pool.alloc(16)
+            tensors = {names.tensor_name(IMAGES, "top"): self.pool.ref(oi, "uint8", (1, 16, 16, 3)),
+                       STATE: self.pool.ref(os_, "float32", (1, 4))}
+            self.obs.append(P.encode(P.OBS, {"slot": s, "req_id": 1, "n": 1, "instruction": ["reach the goal"],
+                                             "episode_step": [1], "env_steps": 1}, tensors))
+        self.zeros = np.zeros((1, 1, 7), np.float32)
+        self.slots = slots
+        self.ns = dict.fromkeys(STAGES, 0)
+        self.acts = 0
+
+    def result_frames(self, batch: P.Message) -> list[Any]:
+        """The echo generator's answer (not timed: the generator's own cost)."""
+        tensors = {names.tensor_name(names.request_prefix(i), "actions"): self.zeros for i in range(len(batch["requests"]))}
+        return P.encode(P.RESULT, {"batch_id": batch["batch_id"], "version": 0, "forward_us": 0,
+                                   "queue_us": batch.get("queue_us", [])}, tensors)
+
+    def run(self, requests: int) -> None:
+        clock, st, ns = time.thread_time_ns, self.state, self.ns  # CPU time: a busy neighbour does not inflate it
+        for k in range(requests // self.max_batch):
+            for j in range(self.max_batch):
+                frames = self.obs[(k * self.max_batch + j) % self.slots]
+                t0 = clock()
+                msg = P.decode(frames)
+                t1 = clock()
+                st.handle(SIM, msg, time.monotonic())
+                ns["decode_obs"] += t1 - t0
+                ns["handle_obs"] += clock() - t1
+            t0 = clock()
+            outs = st.tick(time.monotonic())
+            batches = [o.encode() for o in outs if o.type == P.BATCH]
+            ns["tick_and_encode_batch"] += clock() - t0
+            for frames in batches:
+                result = self.result_frames(P.decode(frames))
+                t0 = clock()
+                msg = P.decode(result)
+                t1 = clock()
+                acts = st.handle(GEN, msg, time.monotonic())
+                t2 = clock()
+                for a in acts:
+                    a.encode()
+                ns["decode_result"] += t1 - t0
+                ns["handle_result"] += t2 - t1
+                ns["encode_act"] += clock() - t2
+                self.acts += len(acts)
+
+    def close(self) -> None:
+        self.pool.close()
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--max-batch", type=int, default=32)
+    ap.add_argument("--slots", type=int, default=256)
+    ap.add_argument("--requests", type=int, default=20000)
+    ap.add_argument("--profile", action="store_true", help="also a cProfile of the loop (own time, top 30)")
+    ap.add_argument("--out", default=OUT_DIR, help="folder for the JSON (default: ./bench/out)")
+    ap.add_argument("--quick", action="store_true", help="fewer requests")
+    ap.add_argument("--smoke", action="store_true", help="tiny run for CI (no timing value)")
+    args = ap.parse_args()
+    if args.quick:
+        args.requests = 10000
+    if args.smoke:
+        args.requests = 640
+    configure(level="warning")
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    hot = HotPath(args.max_batch, args.slots)
+    try:
+        hot.run(min(args.requests, 2000))  # warm-up
+        hot.ns, hot.acts = dict.fromkeys(STAGES, 0), 0
+        cpu0 = time.process_time()
+        hot.run(args.requests)
+        cpu = time.process_time() - cpu0
+        done = hot.acts
+        broker_us = sum(hot.ns.values()) / 1000 / done
+        result: dict[str, Any] = {
+            "us_per_request": round(broker_us, 2),
+            "requests_per_cpu_s": round(1e6 / broker_us, 1),
+            "untimed_us_per_request": round(cpu / done * 1e6 - broker_us, 2),
+            "stages_us": {k: round(v / 1000 / done, 2) for k, v in hot.ns.items()},
+            "requests": done, "max_batch": args.max_batch, "slots": args.slots,
+            "load_avg": [round(x, 2) for x in os.getloadavg()],
+        }
+        if args.profile:
+            prof = cProfile.Profile()
+            prof.enable()
+            hot.run(args.requests)
+            prof.disable()
+            text = io.StringIO()
+            pstats.Stats(prof, stream=text).sort_stats("tottime").print_stats(30)
+            path = out / "broker_hotpath.prof.txt"
+            path.write_text(text.getvalue())
+            result["profile"] = str(path)
+        (out / "broker_hotpath.json").write_text(json.dumps(result, indent=1))
+        emit(result)
+    finally:
+        hot.close()
+
+
+if __name__ == "__main__":
+    main()
