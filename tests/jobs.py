@@ -106,3 +106,32 @@ def random_observation(spec: Any, n: int, rng: Any, instruction: str = "reach") 
     """``n`` envs of random camera images and proprio state for an env spec (policy tests)."""
     return Observation({c: rng.integers(0, 256, (n, h, w, 3), dtype=np.uint8) for c, (h, w) in spec.cameras.items()},
                        rng.uniform(-1, 1, (n, spec.state_dim)).astype(np.float32), [instruction] * n)
+
+
+def join_as_generator(ctx: Any, endpoint: str, name: str, host: str = "elsewhere", pid: int = 1) -> Any:
+    """A DEALER that joins ``endpoint`` as a generator with one credit: the test plays the
+    generator by hand (``next_batch``, then RESULT or nothing). ``host``/``pid`` the host's own
+    to read shared memory (the broker hands same-host peers descriptors)."""
+    import zmq
+
+    from rlvla3 import protocol as P
+
+    sock = ctx.socket(zmq.DEALER)
+    sock.setsockopt(zmq.LINGER, 0)
+    sock.connect(endpoint)
+    sock.send_multipart(P.encode(P.READY, {"role": "generator", "host": host, "pid": pid, "name": name, "credits": 1}))
+    return sock
+
+
+def next_batch(sock: Any, timeout_s: float = 60.0) -> Any:
+    """The next BATCH on a hand-played generator's socket, heartbeating while it waits."""
+    from rlvla3 import protocol as P
+
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        if sock.poll(200):
+            msg = P.decode(sock.recv_multipart())
+            if msg.type == P.BATCH:
+                return msg
+        sock.send_multipart(P.encode(P.HEARTBEAT, {"credits": 1}))  # stay alive while waiting
+    raise AssertionError(f"no BATCH within {timeout_s} s")

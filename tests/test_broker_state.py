@@ -308,14 +308,20 @@ def test_a_resent_request_is_served_once_and_an_answered_one_gets_its_act_again(
     assert fig["duplicates"] == 4 and fig["requests"] == 1 and fig["env_steps"] == 2
 
 
-def test_a_request_the_generator_cannot_read_fails_alone_and_a_gone_simulators_is_never_requeued():
-    s = Script("batching.max_batch=4")
+def _two_simulators_one_batch(max_batch: int) -> tuple[Script, Out]:
+    """Two simulators' first requests, batched for one generator with one credit."""
+    s = Script(f"batching.max_batch={max_batch}")
     s.simulator(SIM)
     s.simulator(SIM2)
     s.generator(GEN, credits=1)
     s.obs(SIM, 0)
     s.obs(SIM2, 0)
     [batch] = of_type(s.tick(1.0), P.BATCH, GEN)
+    return s, batch
+
+
+def test_a_request_the_generator_cannot_read_fails_alone_and_a_gone_simulators_is_never_requeued():
+    s, batch = _two_simulators_one_batch(max_batch=4)
     first, second = batch.fields["requests"]
     outs = s.send(GEN, P.RESULT, {"batch_id": batch.fields["batch_id"], "version": 0, "dropped": [0]},
                   {"r1/action": np.zeros((2, 4), np.float32)})
@@ -333,13 +339,7 @@ def test_a_request_the_generator_cannot_read_fails_alone_and_a_gone_simulators_i
 
 
 def test_a_failed_batch_is_retried_request_by_request():
-    s = Script("batching.max_batch=8")
-    s.simulator(SIM)
-    s.simulator(SIM2)
-    s.generator(GEN, credits=1)
-    s.obs(SIM, 0)
-    s.obs(SIM2, 0)
-    [batch] = of_type(s.tick(1.0), P.BATCH)
+    s, batch = _two_simulators_one_batch(max_batch=8)
     assert len(batch.fields["requests"]) == 2
     s.result(batch, error="nan in the forward pass")
     s.obs(SIM, 1)  # a fresh request never shares a batch with a retried one

@@ -5,25 +5,14 @@ served; a copy of a request that is out at a generator is dropped, not batched a
 
 from __future__ import annotations
 
-import time
 
 import numpy as np
 import zmq
 
 from rlvla3 import names
 from rlvla3 import protocol as P
-from tests.jobs import wait_until
+from tests.jobs import join_as_generator, next_batch, wait_until
 
-
-def _batch(sock: zmq.Socket, timeout_s: float) -> P.Message:
-    deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline:
-        if sock.poll(200):
-            msg = P.decode(sock.recv_multipart())
-            if msg.type == P.BATCH:
-                return msg
-        sock.send_multipart(P.encode(P.HEARTBEAT, {"credits": 1}))  # stay alive while waiting
-    raise AssertionError(f"no BATCH within {timeout_s} s")
 
 
 def _answer(sock: zmq.Socket, batch: P.Message) -> None:
@@ -42,13 +31,9 @@ def test_a_late_act_makes_the_simulator_ask_again_and_no_request_is_served_twice
     job.start_worker("simulator", "simulator0")
     # One slot's OBS is queued; the other's is refused (over the cap): that slot now waits for an ACT.
     job.wait(lambda f: f["queue_depth"] == 1 and f["errors"] >= 1, 60, "one request queued, one refused")
-    gen = zctx.socket(zmq.DEALER)
-    gen.setsockopt(zmq.LINGER, 0)
-    gen.connect(job.endpoint)
+    gen = join_as_generator(zctx, job.endpoint, "gen")
     try:
-        gen.send_multipart(P.encode(P.READY, {"role": "generator", "host": "elsewhere", "pid": 1, "name": "gen",
-                                              "credits": 1}))
-        held = _batch(gen, 60.0)
+        held = next_batch(gen, 60.0)
         served = [(r["slot"], r["req_id"]) for r in held["requests"]]
         # Held past obs_resend_s: the held request's copy is dropped, the refused one is queued again.
         def copies_settled() -> bool:
@@ -59,7 +44,7 @@ def test_a_late_act_makes_the_simulator_ask_again_and_no_request_is_served_twice
         wait_until(copies_settled, 30, "a copy of the held request dropped and the refused one queued again", 0.2)
         _answer(gen, held)
         while len({slot for slot, _ in served}) < 2 or len(served) < 4:
-            batch = _batch(gen, 30.0)
+            batch = next_batch(gen, 30.0)
             served += [(r["slot"], r["req_id"]) for r in batch["requests"]]
             _answer(gen, batch)
         assert len(served) == len(set(served)), served  # nothing served twice

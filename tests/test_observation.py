@@ -7,19 +7,18 @@ protocol codec, over a real shared-memory segment written by its owner.
 from __future__ import annotations
 
 import os
-import time
 import tracemalloc
 from collections import Counter
 
 import numpy as np
 import pytest
-import zmq
 
 from rlvla3 import names
 from rlvla3 import protocol as P
 from rlvla3.observation import IMAGES, STATE, Observation
 from rlvla3.shm import POISON, ShmAttachments, ShmPool, host_id
 from workers.generator import gather
+from tests.jobs import join_as_generator, next_batch
 from workers.trajectory import EnvTrajectory, StepRecord, fragment_observation
 
 CAMERAS = {"front": (64, 96), "wrist": (48, 48)}
@@ -205,16 +204,6 @@ def test_fragment_observations_round_trip():
     np.testing.assert_array_equal(got.select(slice(-1, None)).images["front"], obs[3].images["front"])
 
 
-def _held_batch(sock, timeout_s: float = 60.0) -> P.Message:
-    deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline:
-        if sock.poll(200):
-            msg = P.decode(sock.recv_multipart())
-            if msg.type == P.BATCH:
-                return msg
-        sock.send_multipart(P.encode(P.HEARTBEAT, {"credits": 1}))  # stay alive while waiting
-    raise AssertionError(f"no BATCH within {timeout_s} s")
-
 
 def test_simulator_writes_in_place_but_never_the_block_a_reader_holds(job_factory, zctx):
     """A real simulator's envs write their observations straight into the block that a generator
@@ -225,16 +214,12 @@ def test_simulator_writes_in_place_but_never_the_block_a_reader_holds(job_factor
     job = job_factory("workers.generators=0", "workers.trainers=0", "env.slots=1", "env.num_envs=2",
                       "env.eval_slots=0", start=False)
     job.start_worker("simulator", "simulator0")
-    gen = zctx.socket(zmq.DEALER)
-    gen.setsockopt(zmq.LINGER, 0)
-    gen.connect(job.endpoint)
+    gen = join_as_generator(zctx, job.endpoint, "reader", host=host_id(), pid=os.getpid())
     att = ShmAttachments()
     try:
-        gen.send_multipart(P.encode(P.READY, {"role": "generator", "host": host_id(), "pid": os.getpid(),
-                                              "name": "reader", "credits": 1}))
         held: list[tuple[P.ShmRef, np.ndarray]] = []  # (state block, what it read when it arrived)
         for _ in range(4):
-            batch = _held_batch(gen)
+            batch = next_batch(gen)
             ref = batch.tensors[names.tensor_name(names.request_prefix(0), STATE)]
             assert isinstance(ref, P.ShmRef), "same host: the OBS names the slot's block"
             state = att.array(ref)
