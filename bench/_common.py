@@ -95,11 +95,24 @@ def percentile_plot(curves: dict[str, HdrHistogram], path: Path, title: str) -> 
     ax.set_title(title, fontsize=10)
     ax.grid(True, which="both", alpha=0.3)
     ax.legend(fontsize=8)
+    return save_figure(fig, path)
+
+
+def save_figure(fig: Any, path: Path, dpi: int = 110) -> Path:
+    """Lay out, write and close a matplotlib figure (its folder made); the path."""
+    import matplotlib.pyplot as plt
+
     fig.tight_layout()
     path.parent.mkdir(parents=True, exist_ok=True)
-    fig.savefig(path, dpi=110)
+    fig.savefig(path, dpi=dpi)
     plt.close(fig)
     return path
+
+
+def cpu_seconds(pid: int) -> float:
+    """User + system CPU time of process ``pid`` so far, all its threads (``/proc/PID/stat``)."""
+    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
 
 
 # ---------------------------------------------------------------------------------------------
@@ -154,6 +167,24 @@ def parse_bench_args(ap: argparse.ArgumentParser, quick_help: str,
     return None
 
 
+def read_line(proc: subprocess.Popen, timeout_s: float) -> str | None:
+    """One line of a child's stdout within ``timeout_s`` (None: it ended or timed out first),
+    read a byte at a time so that its later lines stay in the pipe."""
+    fd = proc.stdout.fileno()
+    buf = b""
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        r, _, _ = select.select([fd], [], [], max(0.0, deadline - time.monotonic()))
+        if r:
+            chunk = os.read(fd, 1)
+            if not chunk:
+                return None
+            if chunk == b"\n":
+                return buf.decode()
+            buf += chunk
+    return None
+
+
 def start_child(args: list[str], timeout_s: float = 30.0, talk: bool = False) -> tuple[subprocess.Popen, str]:
     """Start ``python args...``; it must print one line (its endpoint) on stdout at once, and call
     ``rlvla3.lifetime.follow_launcher()`` first so that it ends with this process. ``talk``: its
@@ -161,20 +192,9 @@ def start_child(args: list[str], timeout_s: float = 30.0, talk: bool = False) ->
     proc = subprocess.Popen([sys.executable, *args], stdout=subprocess.PIPE,
                             stdin=subprocess.PIPE if talk else subprocess.DEVNULL,
                             cwd=str(ROOT), env={**os.environ, "PYTHONPATH": str(ROOT), **launcher_env()})
-    deadline = time.monotonic() + timeout_s
-    buf = b""
-    fd = proc.stdout.fileno()
-    while time.monotonic() < deadline:
-        r, _, _ = select.select([fd], [], [], max(0.0, deadline - time.monotonic()))
-        if r:
-            chunk = os.read(fd, 4096)
-            if not chunk:
-                break
-            buf += chunk
-            if b"\n" in buf:
-                return proc, buf.split(b"\n", 1)[0].decode().strip()
-        if proc.poll() is not None:
-            break
+    line = read_line(proc, timeout_s)
+    if line is not None:
+        return proc, line.strip()
     stop_child(proc)
     raise RuntimeError(f"child {args} did not announce its endpoint within {timeout_s} s (rc={proc.poll()})")
 
@@ -195,6 +215,40 @@ def stop_child(proc: subprocess.Popen, timeout_s: float = 5.0) -> None:
 # ---------------------------------------------------------------------------------------------
 # Output
 # ---------------------------------------------------------------------------------------------
+
+
+SMALL_ASYNC_JOB = (
+    "run.mode=async", "env.num_envs=4", "env.slots=2", "env.fragment_len=8",
+    "env.options.latency={kind: constant, mean_ms: 1.0}", "env.options.image_size=8",
+    "algo.batch_steps=64", "algo.minibatch_size=32", "algo.epochs=1",
+    "batching.max_batch=8", "batching.max_wait_ms=2", "model.options.hidden=32",
+    "workers.simulators=1", "workers.generators=1", "workers.trainers=1",
+)
+"""A small synthetic async job, 1 worker per role: what the hostile-traffic benches aim at."""
+
+
+def bench_run_dir(name: str, curve: bool) -> tuple[Path, str | None]:
+    """A fresh temporary run folder for bench ``name``, and with ``curve`` a key folder in it
+    (``rlvla3 keys``: the broker's pair and one per role), else None."""
+    import tempfile
+
+    from rlvla3 import auth
+
+    run_dir = Path(tempfile.mkdtemp(prefix=f"rlvla3_bench_{name}_"))
+    keys = str(run_dir / "keys") if curve else None
+    if keys:
+        auth.make_keys(keys)
+    return run_dir, keys
+
+
+def keep_logs_unless(ok: bool, run_dir: Path) -> None:
+    """A run's folder goes when it went well; otherwise it stays, and the note says where."""
+    import shutil
+
+    if ok:
+        shutil.rmtree(run_dir, ignore_errors=True)
+    else:
+        note(f"logs kept in {run_dir}")
 
 
 def local_job(cfg: Any, run_dir: Path, bind: str = "tcp://127.0.0.1:0", pub: str = "tcp://127.0.0.1:0") -> Any:
@@ -219,6 +273,14 @@ def emit(result: dict[str, Any]) -> None:
     """The benchmark's result: one JSON object, the last line of stdout."""
     sys.stdout.flush()
     print(json.dumps(result, sort_keys=False), flush=True)
+
+
+def emit_to(out: str | Path, name: str, result: dict[str, Any]) -> None:
+    """Write ``result`` to ``out/name`` (the folder made), then :func:`emit` it."""
+    out = Path(out)
+    out.mkdir(parents=True, exist_ok=True)
+    (out / name).write_text(json.dumps(result, indent=1))
+    emit(result)
 
 
 def note(msg: str) -> None:

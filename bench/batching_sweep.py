@@ -36,7 +36,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 from rlvla3.config import load  # noqa: E402
 from rlvla3.launch import LocalJob, request_tune, stop_processes  # noqa: E402
 
-from _common import OUT_DIR, emit, local_job, note  # noqa: E402  (bench/, the script's folder, is first on sys.path)
+from _common import OUT_DIR, emit, local_job, note, save_figure  # noqa: E402  (bench/, the script's folder, is first on sys.path)
 
 PROFILES = {
     "bimodal": "{kind: bimodal, mean_ms: 2.0, slow_ms: 40.0, slow_prob: 0.05}",
@@ -154,10 +154,7 @@ def plot(grid: dict[str, float], batches: list[int], waits: list[float], adaptiv
         title += f"; adaptive: {adaptive_sps:.0f}"
     ax.set_title(title)
     fig.colorbar(im, ax=ax)
-    fig.tight_layout()
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
+    save_figure(fig, path)
 
 
 def main() -> None:

@@ -40,22 +40,20 @@ import argparse
 import json
 import os
 import select
-import shutil
 import sys
-import tempfile
 import time
 from collections import deque
 from pathlib import Path
 from typing import Any
 
 import msgpack
-import psutil
 import zmq
 from hdrh.histogram import HdrHistogram
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from _common import (  # noqa: E402
-    emit, local_job, new_hist, note, parse_bench_args, record_us, start_child, stop_child, summary, wait_readable,
+    bench_run_dir, cpu_seconds, emit, keep_logs_unless, local_job, new_hist, note, parse_bench_args, read_line, record_us, save_figure, start_child,
+    stop_child, summary, wait_readable,
 )
 
 from rlvla3 import auth, names  # noqa: E402
@@ -245,39 +243,25 @@ def profiled_broker(config: str, run_dir: str, prof_out: str) -> None:
 # =============================================================================================
 
 
-def read_line(proc: Any, timeout_s: float) -> str:
-    """One line of a child's stdout, within ``timeout_s``."""
-    fd = proc.stdout.fileno()
-    buf = b""
-    deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline:
-        r, _, _ = select.select([fd], [], [], max(0.0, deadline - time.monotonic()))
-        if r:
-            chunk = os.read(fd, 1)
-            if not chunk:
-                break
-            if chunk == b"\n":
-                return buf.decode()
-            buf += chunk
-    raise TimeoutError(f"no answer from child {proc.pid} within {timeout_s} s (rc={proc.poll()})")
+def answer(proc: Any, timeout_s: float) -> str:
+    """A simulator child's answer line, within ``timeout_s``."""
+    line = read_line(proc, timeout_s)
+    if line is None:
+        raise TimeoutError(f"no answer from child {proc.pid} within {timeout_s} s (rc={proc.poll()})")
+    return line
 
 
-def cpu_s(proc: psutil.Process) -> float:
-    t = proc.cpu_times()
-    return t.user + t.system
-
-
-def run_step(sims: list[Any], procs: dict[str, list[psutil.Process]], rate: float, duration_s: float) -> dict[str, Any]:
+def run_step(sims: list[Any], procs: dict[str, list[int]], rate: float, duration_s: float) -> dict[str, Any]:
     """Offer ``rate`` requests/s in all for ``duration_s``; the figures of that window."""
     start_at = time.time() + 0.3
     for s in sims:
         s.stdin.write(f"{start_at} {rate / len(sims)} {duration_s}\n".encode())
         s.stdin.flush()
     time.sleep(max(0.0, start_at - time.time()))
-    cpu0 = {k: sum(cpu_s(p) for p in ps) for k, ps in procs.items()}
+    cpu0 = {k: sum(cpu_seconds(p) for p in ps) for k, ps in procs.items()}
     time.sleep(duration_s)
-    cpu1 = {k: sum(cpu_s(p) for p in ps) for k, ps in procs.items()}
-    answers = [json.loads(read_line(s, duration_s + 30.0)) for s in sims]
+    cpu1 = {k: sum(cpu_seconds(p) for p in ps) for k, ps in procs.items()}
+    answers = [json.loads(answer(s, duration_s + 30.0)) for s in sims]
     hist = new_hist()
     for a in answers:
         hist.add(HdrHistogram.decode(a["hist"]))
@@ -324,10 +308,7 @@ def plot(ramp: list[dict[str, Any]], path: Path, title: str) -> Path:
     h1, l1 = ax.get_legend_handles_labels()
     h2, l2 = ax2.get_legend_handles_labels()
     ax.legend(h1 + h2, l1 + l2, fontsize=8, loc="upper left")
-    fig.tight_layout()
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
+    save_figure(fig, path)
     return path
 
 
@@ -362,10 +343,7 @@ def main() -> None:
     out.mkdir(parents=True, exist_ok=True)
 
     t_start = time.monotonic()
-    run_dir = Path(tempfile.mkdtemp(prefix="rlvla3_bench_capacity_"))
-    keys = str(run_dir / "keys") if args.curve else None
-    if keys:
-        auth.make_keys(keys)
+    run_dir, keys = bench_run_dir("capacity", args.curve)
     overrides = [
         "env.name=synthetic", f"env.options.image_size={IMAGE}", "workers.simulators=0", "workers.generators=1",
         "workers.trainers=0", "run.mode=async", f"batching.max_batch={args.max_batch}",
@@ -396,8 +374,8 @@ def main() -> None:
                                    *key_args], talk=True)
             children.append(proc)
             sims.append(proc)
-        procs = {"broker": [psutil.Process(job.broker_proc.pid)], "generator": [psutil.Process(gen.pid)],
-                 "simulators": [psutil.Process(s.pid) for s in sims]}
+        procs = {"broker": [job.broker_proc.pid], "generator": [gen.pid],
+                 "simulators": [s.pid for s in sims]}
         note(f"up in {time.monotonic() - t_start:.1f} s: {args.sims} simulators x {args.slots} slots, "
              f"max_batch {args.max_batch}, max_wait {args.max_wait_ms} ms, CURVE {'on' if keys else 'off'}")
 
@@ -463,10 +441,7 @@ def main() -> None:
         if ok and args.profile:
             result_note = out / "broker_capacity.prof.txt"
             note(f"broker profile (own CPU time): {result_note}" if result_note.is_file() else "no broker profile written")
-        if ok:
-            shutil.rmtree(run_dir, ignore_errors=True)
-        else:
-            note(f"logs kept in {run_dir}")
+        keep_logs_unless(ok, run_dir)
 
 
 if __name__ == "__main__":

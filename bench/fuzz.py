@@ -27,9 +27,7 @@ advancing, RSS growth <= 64 MB.
 from __future__ import annotations
 
 import argparse
-import json
 import random
-import shutil
 import sys
 import tempfile
 import threading
@@ -40,19 +38,13 @@ import msgpack
 import zmq
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from bench._common import OUT_DIR, emit, local_job, note  # noqa: E402
+from bench._common import OUT_DIR, SMALL_ASYNC_JOB, emit_to, keep_logs_unless, local_job, note  # noqa: E402
 from rlvla3 import auth  # noqa: E402
 from rlvla3 import protocol as P  # noqa: E402
 from rlvla3.config import load  # noqa: E402
 from rlvla3.launch import request_status  # noqa: E402
 
-JOB = (
-    "run.mode=async", "env.num_envs=4", "env.slots=2", "env.fragment_len=8",
-    "env.options.latency={kind: constant, mean_ms: 1.0}", "env.options.image_size=8",
-    "algo.batch_steps=64", "algo.minibatch_size=32", "algo.epochs=1",
-    "batching.max_batch=8", "batching.max_wait_ms=2", "model.options.hidden=32",
-    "workers.simulators=1", "workers.generators=1", "workers.trainers=1",
-)
+JOB = SMALL_ASYNC_JOB
 
 VALID = {  # one valid header per message type a peer may send to the broker
     P.READY: {"role": "client", "host": "fuzzhost", "pid": 1},
@@ -276,14 +268,8 @@ def main() -> None:
         }
     finally:
         job.stop()
-    if result.get("broker_alive") and result.get("job_advanced") and result.get("workers_alive"):
-        shutil.rmtree(root, ignore_errors=True)
-    else:
-        note(f"logs kept in {root}")
-    out = Path(args.out)
-    out.mkdir(parents=True, exist_ok=True)
-    (out / "fuzz.json").write_text(json.dumps(result, indent=1))
-    emit(result)
+    keep_logs_unless(bool(result.get("broker_alive") and result.get("job_advanced") and result.get("workers_alive")), root)
+    emit_to(args.out, "fuzz.json", result)
 
 
 if __name__ == "__main__":

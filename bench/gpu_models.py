@@ -99,6 +99,17 @@ def bench_family(family: str, preset: tuple, spec: EnvSpec, batches: list[int], 
     return row
 
 
+def device_or_exit(name: str, script: str) -> torch.device:
+    """The device to run on; without CUDA where CUDA was asked, a JSON error line and exit 2."""
+    device = torch.device(name)
+    if device.type == "cuda" and not torch.cuda.is_available():
+        print(f"{script}: CUDA is not available on this machine; run it where a GPU is (or --device cpu --tiny).",
+              file=sys.stderr)
+        print(json.dumps({"error": "CUDA not available"}))
+        sys.exit(2)
+    return device
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--families", default="pi0,pi05,gr00t_n15,openvla_oft")
@@ -107,13 +118,7 @@ def main() -> None:
     ap.add_argument("--device", default="cuda")
     ap.add_argument("--tiny", action="store_true", help="tiny configs (smoke test of this script)")
     args = ap.parse_args()
-
-    device = torch.device(args.device)
-    if device.type == "cuda" and not torch.cuda.is_available():
-        print("gpu_models: CUDA is not available on this machine; run it where a GPU is (or --device cpu --tiny).",
-              file=sys.stderr)
-        print(json.dumps({"error": "CUDA not available"}))
-        sys.exit(2)
+    device = device_or_exit(args.device, "gpu_models")
     dtype = "bfloat16" if device.type == "cuda" else "float32"
     spec = EnvSpec(cameras={"front": (224, 224), "wrist": (224, 224)}, state_dim=8, action_dim=7,
                    max_episode_steps=100)

@@ -54,6 +54,7 @@ from workers.learner import Fragment, Learner, build_batch  # noqa: E402
 from workers.metrics import Counters  # noqa: E402
 from workers.model import build_policy  # noqa: E402
 from workers.trajectory import EnvTrajectory, StepRecord  # noqa: E402
+from gpu_models import device_or_exit  # noqa: E402  (bench/, the script's folder, is first on sys.path)
 
 RELEASE = {"pi0": ("pi0_3b.yaml", False), "openvla_oft": ("openvla_oft_7b.yaml", True)}
 """family -> (its release model config under configs/models, LoRA on)."""
@@ -212,12 +213,7 @@ def main() -> None:
     ap.add_argument("--device", default="cuda")
     ap.add_argument("--tiny", action="store_true", help="tiny configs (a smoke test of this script)")
     args = ap.parse_args()
-    device = torch.device(args.device)
-    if device.type == "cuda" and not torch.cuda.is_available():
-        print("gpu_update: CUDA is not available on this machine; run it where a GPU is (or --device cpu --tiny).",
-              file=sys.stderr)
-        print(json.dumps({"error": "CUDA not available"}))
-        sys.exit(2)
+    device = device_or_exit(args.device, "gpu_update")
     results: dict[str, Any] = {"_device": torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu"}
     for family in args.families.split(","):
         try:

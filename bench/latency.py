@@ -33,9 +33,7 @@ from __future__ import annotations
 
 import argparse
 import os
-import shutil
 import sys
-import tempfile
 import time
 from collections import deque
 from pathlib import Path
@@ -46,7 +44,7 @@ import zmq
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from _common import (  # noqa: E402
-    emit, local_job, merged, new_hist, note, parse_bench_args, percentile_plot, record_us, start_child, stop_child,
+    bench_run_dir, emit, keep_logs_unless, local_job, merged, new_hist, note, parse_bench_args, percentile_plot, record_us, start_child, stop_child,
     summary, wait_readable,
 )
 
@@ -317,10 +315,7 @@ def main() -> None:
     out.mkdir(parents=True, exist_ok=True)
 
     t_start = time.monotonic()
-    run_dir = Path(tempfile.mkdtemp(prefix="rlvla3_bench_latency_"))
-    keys = str(run_dir / "keys") if args.curve else None
-    if keys:
-        auth.make_keys(keys)
+    run_dir, keys = bench_run_dir("latency", args.curve)
     ctx = zmq.Context()
     job: LocalJob | None = None
     children: list[Any] = []
@@ -468,10 +463,7 @@ def main() -> None:
         if job is not None:
             job.stop()
         ctx.term()
-        if ok:
-            shutil.rmtree(run_dir, ignore_errors=True)
-        else:
-            note(f"logs kept in {run_dir}")
+        keep_logs_unless(ok, run_dir)
 
 
 if __name__ == "__main__":

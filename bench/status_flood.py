@@ -25,9 +25,7 @@ Reported from the broker's own figures (STATUS):
 from __future__ import annotations
 
 import argparse
-import json
 import os
-import shutil
 import sys
 import tempfile
 import threading
@@ -37,19 +35,13 @@ from pathlib import Path
 import zmq
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from bench._common import OUT_DIR, emit, local_job, note  # noqa: E402
+from bench._common import OUT_DIR, SMALL_ASYNC_JOB, emit_to, keep_logs_unless, local_job, note  # noqa: E402
 from brokers.stats import STALL_WINDOW_S  # noqa: E402
 from rlvla3 import protocol as P  # noqa: E402
 from rlvla3.config import load  # noqa: E402
 from rlvla3.launch import request_status  # noqa: E402
 
-JOB = (
-    "run.mode=async", "env.num_envs=4", "env.slots=2", "env.fragment_len=8",
-    "env.options.latency={kind: constant, mean_ms: 1.0}", "env.options.image_size=8",
-    "algo.batch_steps=64", "algo.minibatch_size=32", "algo.epochs=1",
-    "batching.max_batch=8", "batching.max_wait_ms=2", "model.options.hidden=32",
-    "workers.simulators=1", "workers.generators=1", "workers.trainers=1",
-)
+JOB = SMALL_ASYNC_JOB
 
 
 class FakeSimulators(threading.Thread):
@@ -175,14 +167,8 @@ def main() -> None:
     finally:
         ctx.term()
         job.stop()
-    if result.get("broker_alive"):
-        shutil.rmtree(root, ignore_errors=True)
-    else:
-        note(f"logs kept in {root}")
-    out = Path(args.out)
-    out.mkdir(parents=True, exist_ok=True)
-    (out / "status_flood.json").write_text(json.dumps(result, indent=1))
-    emit(result)
+    keep_logs_unless(bool(result.get("broker_alive")), root)
+    emit_to(args.out, "status_flood.json", result)
 
 
 if __name__ == "__main__":

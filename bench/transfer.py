@@ -49,7 +49,7 @@ import numpy as np
 import zmq
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from _common import emit, note, parse_bench_args, start_child, stop_child  # noqa: E402
+from _common import emit, note, parse_bench_args, save_figure, start_child, stop_child  # noqa: E402
 
 from rlvla3 import names  # noqa: E402
 from rlvla3 import protocol as P  # noqa: E402
@@ -92,7 +92,7 @@ def receiver(device_opt: str) -> None:
             t0 = time.perf_counter_ns()
             msg = P.decode(body)
             t1 = time.perf_counter_ns()
-            obs, _, _ = gather(msg, att, pinned=device == "cuda")
+            obs, _, _, _ = gather(msg, att, pinned=device == "cuda")
             t2 = time.perf_counter_ns()
             ready = obs.to_torch(device)
             if device == "cuda":
@@ -150,10 +150,7 @@ def bar_chart(res: dict[str, Any], path: Path) -> Path:
     ax2.set_ylabel("median us per batch")
     ax2.set_title("where the time goes (median rep)", fontsize=9)
     ax2.legend(fontsize=8)
-    fig.tight_layout()
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
+    save_figure(fig, path)
     return path
 
 
