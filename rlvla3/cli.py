@@ -15,7 +15,7 @@ import structlog
 
 from rlvla3 import logging as rlog
 from rlvla3.config import ConfigError, load
-from rlvla3.lifetime import on_stop_signals
+from rlvla3.lifetime import on_stop_signals, stopped_cleanly
 from rlvla3.progress import CURVES_EVERY_S, latest_eval, progress_line, progress_row, write_curves
 
 log = structlog.get_logger()
@@ -91,6 +91,7 @@ def broker(config: str | None, bind: str | None, pub: str | None, overrides: tup
         tmp.write_text(json.dumps({"bind": b.bound, "pub": b.pub_bound, "run_id": b.run_id, "pid": os.getpid()}))
         tmp.replace(info_file)
     b.run()
+    stopped_cleanly()
 
 
 # ---------------------------------------------------------------------------------------------
@@ -171,6 +172,7 @@ def worker(role: str, broker_url: str, gpus: str | None, count: int, num_envs: i
 
         w = TrainerWorker(broker_url, run_dir=run_dir, resume=resume, **kw)
     w.run()
+    stopped_cleanly()  # files closed, checkpoint written: leave without the interpreter's teardown
 
 
 # ---------------------------------------------------------------------------------------------
