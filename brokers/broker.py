@@ -21,6 +21,7 @@ from brokers.state import BrokerState
 from rlvla3 import auth
 from rlvla3 import protocol as P
 from rlvla3.config import JobConfig
+from rlvla3.lifetime import drain_wakeup, stop_wakeup_fd
 from rlvla3.shm import host_id
 
 log = structlog.get_logger()
@@ -58,9 +59,14 @@ class Broker:
     def run(self, until: float | None = None) -> None:
         poller = zmq.Poller()
         poller.register(self.router, zmq.POLLIN)
+        signal_fd = stop_wakeup_fd()  # a stop signal wakes the poll at once (rlvla3/lifetime.py)
+        if signal_fd is not None:
+            poller.register(signal_fd, zmq.POLLIN)
         while not self._stop and (until is None or time.monotonic() < until):
             events = dict(poller.poll(max(0, int(self.state.wait_s(time.monotonic()) * 1000))))
             turn = time.perf_counter()
+            if signal_fd in events:
+                drain_wakeup()
             if self.router in events:
                 for _ in range(DRAIN):
                     try:
