@@ -20,6 +20,10 @@ from rlvla3.progress import CURVES_EVERY_S, latest_eval, progress_line, progress
 
 log = structlog.get_logger()
 
+STEPS_CHECK_EVERY_S = 0.25
+"""How often ``rlvla3 run`` asks the broker whether ``--steps`` is reached (it stops within this
+of the count, not within ``run.progress_every_s``)."""
+
 
 @click.group()
 @click.option("--log-json", is_flag=True, help="One JSON object per log line (default: key=value).")
@@ -320,7 +324,7 @@ def run(ctx: click.Context, config: str | None, steps: int | None, overrides: tu
         job.start_broker(bind, pub)
         run_id = json.loads((folder / "broker.json").read_text())["run_id"]
         job.start_all()
-        next_print = next_curves = time.monotonic()
+        next_print = next_curves = next_check = time.monotonic()
         while True:
             if job.stop_requested:
                 reason = "interrupted"
@@ -330,20 +334,23 @@ def run(ctx: click.Context, config: str | None, steps: int | None, overrides: tu
                 reason = f"process_exited(code={dead[0].returncode})"
                 break
             now = time.monotonic()
-            if now >= next_print:
-                next_print = now + cfg.run.progress_every_s
+            if now >= next_check:  # the step count, often; progress every progress_every_s
+                next_check = now + STEPS_CHECK_EVERY_S
                 try:
                     fig = job.status()
                 except TimeoutError:
                     continue
                 last = fig
-                row = progress_row(fig, now - t0)
-                metrics.write(json.dumps(row) + "\n")
-                click.echo(progress_line(row))
-                if now >= next_curves:
-                    next_curves = now + CURVES_EVERY_S
-                    write_curves(folder / "metrics.jsonl", folder / "curves.png")
-                if fig["env_steps"] >= total:
+                done = fig["env_steps"] >= total
+                if done or now >= next_print:
+                    next_print = now + cfg.run.progress_every_s
+                    row = progress_row(fig, now - t0)
+                    metrics.write(json.dumps(row) + "\n")
+                    click.echo(progress_line(row))
+                    if now >= next_curves:
+                        next_curves = now + CURVES_EVERY_S
+                        write_curves(folder / "metrics.jsonl", folder / "curves.png")
+                if done:
                     break
             time.sleep(0.1)  # the controller only polls STATUS; nothing waits on this
     except JobInterrupted:
