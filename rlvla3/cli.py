@@ -79,6 +79,7 @@ def broker(config: str | None, bind: str | None, pub: str | None, overrides: tup
     """Run the broker: the job's config, slot registry, batcher and weight snapshot."""
     from brokers.broker import Broker
     from rlvla3.auth import AuthError, check_bind
+    from rlvla3.protocol import LINGER_MS
 
     cfg = _load(config, overrides)
     if keys_dir:
@@ -95,6 +96,7 @@ def broker(config: str | None, bind: str | None, pub: str | None, overrides: tup
         tmp.write_text(json.dumps({"bind": b.bound, "pub": b.pub_bound, "run_id": b.run_id, "pid": os.getpid()}))
         tmp.replace(info_file)
     b.run()
+    b.ctx.destroy(linger=LINGER_MS)  # what close() queued (DISCONNECTs) leaves before the process
     stopped_cleanly()
 
 
