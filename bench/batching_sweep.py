@@ -183,7 +183,7 @@ def main() -> None:
         args.batches, args.waits, args.window, args.adaptive_runs, args.converge = "2,8,32", "1,8,32", 4.0, 1, 24.0
     if args.smoke:
         args.batches, args.waits, args.window, args.settle, args.adaptive_runs, args.converge = "2,8", "2", 1.0, 0.3, 1, 2.0
-        args.adaptive_window = 0.5
+        args.adaptive_window, args.sims = 0.5, 1
     args.batches = [int(x) for x in str(args.batches).split(",")]
     args.waits = [float(x) for x in str(args.waits).split(",")]
 
@@ -193,7 +193,8 @@ def main() -> None:
         job = local_job(cfg, Path(tmp))
         try:
             job.start_all()
-            job.wait_status(lambda f: f["env_steps"] > 500, 120.0, "the job's first 500 env steps")
+            warm_steps = 100 if args.smoke else 500
+            job.wait_status(lambda f: f["env_steps"] > warm_steps, 120.0, f"the job's first {warm_steps} env steps")
             grid = sweep(job, args)
             best_key = max(grid, key=grid.get)
             worst_key = min(grid, key=grid.get)

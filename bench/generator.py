@@ -49,10 +49,11 @@ def synthetic_obs(spec: EnvSpec, batch: int, rng: np.random.Generator) -> Observ
     )
 
 
-def time_act(policy, obs: dict, reps: int) -> float:
+def time_act(policy, obs: dict, reps: int, warm_up: bool = True) -> float:
     """Fastest of ``reps`` timed ``act`` calls after one warm-up (robust to a shared, busy CPU)."""
     with torch.inference_mode():
-        policy.act(obs)
+        if warm_up:
+            policy.act(obs)
         times = []
         for _ in range(reps):
             t0 = time.perf_counter()
@@ -94,7 +95,7 @@ def main() -> None:
 
     size = 64 if args.quick else 224
     reps = 3 if args.quick else 5
-    if args.smoke:  # every family still builds and acts
+    if args.smoke:  # every family still builds and acts (once per batch size: no warm-up)
         size, reps, args.max_batch = 32, 1, 2
     spec = EnvSpec(cameras={"front": (size, size), "wrist": (size, size)}, state_dim=8, action_dim=7,
                    max_episode_steps=100)
@@ -107,7 +108,7 @@ def main() -> None:
         policy = build(fam, spec)
         results[fam] = {}
         for b in batches:
-            lat = time_act(policy, synthetic_obs(spec, b, rng), reps)
+            lat = time_act(policy, synthetic_obs(spec, b, rng), reps, warm_up=not args.smoke)
             results[fam][str(b)] = {"latency_ms": lat * 1e3, "samples_per_s": b / lat}
             print(f"{fam:12s} batch {b:3d}: {b / lat:9.1f} samples/s  {lat * 1e3:8.1f} ms", file=sys.stderr)
     os.makedirs(args.out, exist_ok=True)

@@ -65,7 +65,7 @@ def main() -> None:
     ap.add_argument("--out", default=OUT_DIR, help="folder for multihost.json")
     ap.add_argument("--max-hosts", type=int, default=3, help="simulator hosts to add, one by one")
     args = ap.parse_args()
-    warm_s, window_s = (1.0, 2.0) if args.smoke else (3.0, 10.0) if args.quick else (10.0, 30.0)
+    warm_s, window_s = (0.2, 0.5) if args.smoke else (3.0, 10.0) if args.quick else (10.0, 30.0)
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     reason = unavailable()

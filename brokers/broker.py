@@ -22,6 +22,7 @@ from brokers.state import BrokerState
 from rlvla3 import auth
 from rlvla3 import protocol as P
 from rlvla3.config import JobConfig
+from rlvla3.lifetime import drain_wakeup, stop_wakeup_fd
 from rlvla3.shm import host_id
 
 log = structlog.get_logger()
@@ -64,13 +65,17 @@ class Broker:
     def run(self, until: float | None = None) -> None:
         router, state, stats = self.router, self.state, self.state.stats
         fd = router.getsockopt(zmq.FD)
+        signal_fd = stop_wakeup_fd()  # a stop signal wakes the wait at once (rlvla3/lifetime.py)
+        fds = [fd] if signal_fd is None else [fd, signal_fd]
         while not self._stop and (until is None or time.monotonic() < until):
             # Sleep until a message or the next timer, to the microsecond: zmq_poll counts whole
             # milliseconds, and a deadline under 1 ms away became poll(0), a spin. ZMQ_FD is
             # edge-triggered: ask ZMQ_EVENTS first (which also re-arms it), then wait on the fd.
             wait = state.wait_s(time.monotonic())
             if wait > 0 and not router.getsockopt(_EVENTS) & _POLLIN:
-                select.select([fd], [], [], wait)
+                ready, _, _ = select.select(fds, [], [], wait)
+                if signal_fd is not None and signal_fd in ready:
+                    drain_wakeup()
             turn, turn_cpu = time.perf_counter(), time.thread_time()
             # Drain what is ready (ZMQ_EVENTS, not a zmq.Again raised per turn), replies sent as we go.
             for _ in range(DRAIN):

@@ -15,10 +15,14 @@ import structlog
 
 from rlvla3 import logging as rlog
 from rlvla3.config import ConfigError, load
-from rlvla3.lifetime import on_stop_signals
+from rlvla3.lifetime import on_stop_signals, stopped_cleanly
 from rlvla3.progress import CURVES_EVERY_S, latest_eval, progress_line, progress_row, write_curves
 
 log = structlog.get_logger()
+
+STEPS_CHECK_EVERY_S = 0.25
+"""How often ``rlvla3 run`` asks the broker whether ``--steps`` is reached (it stops within this
+of the count, not within ``run.progress_every_s``)."""
 
 
 @click.group()
@@ -75,6 +79,7 @@ def broker(config: str | None, bind: str | None, pub: str | None, overrides: tup
     """Run the broker: the job's config, slot registry, batcher and weight snapshot."""
     from brokers.broker import Broker
     from rlvla3.auth import AuthError, check_bind
+    from rlvla3.protocol import LINGER_MS
 
     cfg = _load(config, overrides)
     if keys_dir:
@@ -91,6 +96,8 @@ def broker(config: str | None, bind: str | None, pub: str | None, overrides: tup
         tmp.write_text(json.dumps({"bind": b.bound, "pub": b.pub_bound, "run_id": b.run_id, "pid": os.getpid()}))
         tmp.replace(info_file)
     b.run()
+    b.ctx.destroy(linger=LINGER_MS)  # what close() queued (DISCONNECTs) leaves before the process
+    stopped_cleanly()
 
 
 # ---------------------------------------------------------------------------------------------
@@ -171,6 +178,7 @@ def worker(role: str, broker_url: str, gpus: str | None, count: int, num_envs: i
 
         w = TrainerWorker(broker_url, run_dir=run_dir, resume=resume, **kw)
     w.run()
+    stopped_cleanly()  # files closed, checkpoint written: leave without the interpreter's teardown
 
 
 # ---------------------------------------------------------------------------------------------
@@ -318,7 +326,7 @@ def run(ctx: click.Context, config: str | None, steps: int | None, overrides: tu
         job.start_broker(bind, pub)
         run_id = json.loads((folder / "broker.json").read_text())["run_id"]
         job.start_all()
-        next_print = next_curves = time.monotonic()
+        next_print = next_curves = next_check = time.monotonic()
         while True:
             if job.stop_requested:
                 reason = "interrupted"
@@ -328,20 +336,23 @@ def run(ctx: click.Context, config: str | None, steps: int | None, overrides: tu
                 reason = f"process_exited(code={dead[0].returncode})"
                 break
             now = time.monotonic()
-            if now >= next_print:
-                next_print = now + cfg.run.progress_every_s
+            if now >= next_check:  # the step count, often; progress every progress_every_s
+                next_check = now + STEPS_CHECK_EVERY_S
                 try:
                     fig = job.status()
                 except TimeoutError:
                     continue
                 last = fig
-                row = progress_row(fig, now - t0)
-                metrics.write(json.dumps(row) + "\n")
-                click.echo(progress_line(row))
-                if now >= next_curves:
-                    next_curves = now + CURVES_EVERY_S
-                    write_curves(folder / "metrics.jsonl", folder / "curves.png")
-                if fig["env_steps"] >= total:
+                done = fig["env_steps"] >= total
+                if done or now >= next_print:
+                    next_print = now + cfg.run.progress_every_s
+                    row = progress_row(fig, now - t0)
+                    metrics.write(json.dumps(row) + "\n")
+                    click.echo(progress_line(row))
+                    if now >= next_curves:
+                        next_curves = now + CURVES_EVERY_S
+                        write_curves(folder / "metrics.jsonl", folder / "curves.png")
+                if done:
                     break
             time.sleep(0.1)  # the controller only polls STATUS; nothing waits on this
     except JobInterrupted:

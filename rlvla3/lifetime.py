@@ -11,11 +11,17 @@ today's behaviour (a worker reconnects to its broker for ever).
 The kernel sends the parent-death signal when the *thread* that forked the child exits, so
 launchers start children from their main thread only (:func:`launcher_env` checks).
 
-Stop signals (:func:`on_stop_signals`) only set a flag; the process's own loop then stops and
-cleans up. A process whose launcher is gone also arms a timer: after :data:`ORPHAN_GRACE_S` it
-runs the registered exit cleanups (a simulator unlinks its shared memory) and ``os._exit`` s,
-so a worker stuck in a torch op or a gloo collective still ends in time. An orphan that stopped
-cleanly skips the interpreter's teardown (an ``atexit`` hook that runs last).
+Stop signals (:func:`on_stop_signals`) only set a flag, and wake the process's poll loop
+through a file descriptor it polls beside its sockets (:func:`stop_wakeup_fd`), so a stop does
+not wait for the poll's timeout; the loop then stops and cleans up. A process whose launcher is
+gone also arms a timer: after :data:`ORPHAN_GRACE_S` it runs the registered exit cleanups (a
+simulator unlinks its shared memory) and ``os._exit`` s, so a worker stuck in a torch op or a
+gloo collective still ends in time.
+
+A launched process that stopped cleanly (:func:`stopped_cleanly`: its loop returned after its
+own cleanup, files closed and checkpoint written), and an orphan, skip the interpreter's
+teardown: an ``atexit`` hook that runs after every other one ``os._exit`` s. With torch imported
+the teardown takes seconds on a loaded machine, which every stop of a job waited for.
 """
 
 from __future__ import annotations
@@ -24,6 +30,7 @@ import atexit
 import ctypes
 import os
 import signal
+import socket
 import sys
 import threading
 import time
@@ -44,6 +51,8 @@ _launcher: int | None = None
 _cleanups: list[Callable[[], None]] = []
 _forced: threading.Timer | None = None
 _lock = threading.Lock()
+_clean_stop = False
+_wakeup: tuple[socket.socket, socket.socket] | None = None  # (read end, write end)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -75,7 +84,7 @@ def follow_launcher() -> int | None:
     if not value.isdigit():
         return None
     _launcher = int(value)
-    atexit.register(_skip_teardown_if_orphaned)  # registered first: runs after every other handler
+    atexit.register(_skip_teardown)  # registered first: runs after every other handler
     if not _set_parent_death_signal(signal.SIGTERM):
         threading.Thread(target=_watch_parent, args=(_launcher,), daemon=True, name="launcher-watchdog").start()
     if os.getppid() != _launcher:  # it died before the signal was armed
@@ -104,10 +113,19 @@ def _set_parent_death_signal(sig: int) -> bool:
         return False
 
 
-def _skip_teardown_if_orphaned() -> None:
-    """An orphan that stopped cleanly leaves without the interpreter's teardown: seconds on a
-    loaded machine once torch is imported, during which the forced-exit timer cannot run."""
-    if orphaned():
+def stopped_cleanly() -> None:
+    """Say that this process's work is done and saved (its loop returned after its own cleanup):
+    once the ``atexit`` handlers have run, a launched process then leaves with exit code 0
+    without the interpreter's teardown (:func:`_skip_teardown`)."""
+    global _clean_stop
+    _clean_stop = True
+
+
+def _skip_teardown() -> None:
+    """A launched process that stopped cleanly, or an orphan, leaves without the interpreter's
+    teardown: seconds on a loaded machine once torch is imported (for an orphan: seconds during
+    which the forced-exit timer cannot run). Every other ``atexit`` handler has run by now."""
+    if _clean_stop or orphaned():
         sys.stdout.flush()
         sys.stderr.flush()
         os._exit(0)
@@ -134,10 +152,34 @@ def on_stop_signals(stop: Callable[[], None]) -> None:
         if orphaned():
             force_exit_after(ORPHAN_GRACE_S)
 
+    global _wakeup
+    if _wakeup is None:
+        _wakeup = socket.socketpair()
+        for end in _wakeup:
+            end.setblocking(False)
+        signal.set_wakeup_fd(_wakeup[1].fileno(), warn_on_full_buffer=False)
     signal.signal(signal.SIGTERM, handler)
     signal.signal(signal.SIGINT, handler)
     if signal.getsignal(signal.SIGHUP) is not signal.SIG_IGN:
         signal.signal(signal.SIGHUP, handler)
+
+
+def stop_wakeup_fd() -> int | None:
+    """A file descriptor that turns readable when a signal arrives, once :func:`on_stop_signals`
+    ran (None before): a loop polls it beside its sockets so that a stop wakes it at once, and
+    empties it with :func:`drain_wakeup`."""
+    return _wakeup[0].fileno() if _wakeup is not None else None
+
+
+def drain_wakeup() -> None:
+    """Empty the wake-up descriptor (it stays readable until read)."""
+    if _wakeup is None:
+        return
+    try:
+        while _wakeup[0].recv(512):
+            pass
+    except (BlockingIOError, InterruptedError):
+        pass
 
 
 def add_exit_cleanup(fn: Callable[[], None]) -> None:

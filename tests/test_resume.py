@@ -23,7 +23,7 @@ def _versions(run_dir):
 def test_resume_continues_at_same_version(tmp_path):
     run_dir = tmp_path / "run"
     sets = [a for o in QUICK for a in ("--set", o)]
-    first = _run("synthetic.yaml", "--steps", "1500", "--run-dir", str(run_dir), *sets)
+    first = _run("synthetic.yaml", "--steps", "400", "--run-dir", str(run_dir), *sets)
     assert first["reason"] == "steps_reached"
     config_before = (run_dir / "config.yaml").read_text()
     latest = (run_dir / "checkpoints" / "latest").read_text().strip()
@@ -31,7 +31,7 @@ def test_resume_continues_at_same_version(tmp_path):
     assert saved >= 2 and saved == _versions(run_dir)[-1]  # the shutdown checkpoint is the last version
     n_first = len(_versions(run_dir))
 
-    second = _run("--resume", str(run_dir), "--steps", "1500")
+    second = _run("--resume", str(run_dir), "--steps", "400")
     assert second["reason"] == "steps_reached"
     assert (run_dir / "config.yaml").read_text() == config_before
     trainer_log = (run_dir / "trainer0.log").read_text()

@@ -73,8 +73,10 @@ def test_family_ppo_then_grpo_step_through_fabric(recipe_job, family: str) -> No
     def served(f: dict[str, Any]) -> int:
         return sum(w["served"] or 0 for w in f["per_worker"] if w["role"] == "generator")
 
-    # PPO: the generator serves the family's action chunks, the trainer publishes a version.
-    fig = job.wait(lambda f: f["policy_version"] >= 1 and served(f) > 0, 300, f"{family}: one PPO version published")
+    # PPO: the generator serves the family's action chunks, the trainer publishes a version (its
+    # figures come after the announcement, once a due checkpoint is written: wait for both).
+    fig = job.wait(lambda f: f["policy_version"] >= 1 and served(f) > 0 and "samples" in f["trainer"], 300,
+                   f"{family}: one PPO version published")
     assert fig["errors"] == 0, _logs(job)
     tr = fig["trainer"]
     assert tr["samples"] > 0 and "groups_complete" not in tr, tr

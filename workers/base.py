@@ -23,7 +23,7 @@ import zmq
 from rlvla3 import auth
 from rlvla3 import protocol as P
 from rlvla3.config import ConfigError, JobConfig, apply_overrides, from_dict
-from rlvla3.lifetime import on_stop_signals
+from rlvla3.lifetime import drain_wakeup, on_stop_signals, stop_wakeup_fd
 from rlvla3.shm import ShmAttachments, host_id
 
 log = structlog.get_logger()
@@ -98,6 +98,7 @@ class WorkerBase:
         self.hb_s = P.HEARTBEAT_INTERVAL_S
         self.liveness = P.HEARTBEAT_LIVENESS
         self._stop = False
+        self._signal_fd: int | None = None
         self._last_recv = 0.0
         self._last_send = 0.0
         self._backoff = P.RECONNECT_MIN_S
@@ -256,6 +257,8 @@ class WorkerBase:
                         self._route(msg)
                         if self._stop:
                             break
+                if self._signal_fd is not None and self._signal_fd in events:
+                    drain_wakeup()  # a stop signal: the flag is set, the loop ends
                 if self.wake in events:
                     while True:
                         try:
@@ -339,3 +342,5 @@ class WorkerBase:
         if threading.current_thread() is not threading.main_thread():
             return
         on_stop_signals(self.stop)
+        self._signal_fd = stop_wakeup_fd()  # a stop wakes the poll at once, not after its timeout
+        self.poller.register(self._signal_fd, zmq.POLLIN)
