@@ -367,6 +367,10 @@ def test_broker_rule_keeps_the_newest_announcement_and_never_bytes():
     {"manifest": {"version": 1, "entries": [["w", "float32", [2], 9, 4096, 8, 7, 1, True]]}},  # region
     {"manifest": {"version": 1, "entries": [["w", "float32", [2], 1, 4096, 8, -1, 1, True]]}},
     {"manifest": {"version": 1, "entries": [["w", "float32", [2], 1, 4096, 8, 7, 1, True]] * 2}},  # twice
+    {"manifest": {"version": 1, "entries": [["w", "float32", [2], 1, 4096, 8, 7, 1, True]], "delta": {"base": 1, "entries": []}}},  # base not older
+    {"manifest": {"version": 1, "entries": [["w", "float32", [2], 1, 4096, 8, 7, 1, True]], "delta": {"base": 0, "entries": [["w", 1, 8192, 4]]}}},  # region
+    {"manifest": {"version": 1, "entries": [["w", "float32", [2], 1, 4096, 8, 7, 1, True]], "delta": {"base": 0, "entries": [["w", 3, 8192, 8]]}}},  # not bf16
+    {"manifest": {"version": 1, "entries": [["w", "float32", [2], 1, 4096, 8, 7, 1, True]], "delta": {"base": 0, "entries": [["x", 3, 8192, 4]]}}},  # unknown
     {"store": {"host": "h", "seg": "/etc/passwd", "size": 10}},
     {"store": {"host": "h", "seg": "rlvla3_x", "size": 100}},  # bytes beyond the store
     {"stream": 5},
