@@ -38,6 +38,11 @@ beside the served tensors and swap between two passes by re-pointing them
 (``rlvla3.weights.receiver``). ``--sizes 3gb``: a 3.0 GB
 bf16 version (the issue's trainer -> every generator figure; about 16 GB of RAM with 1 reader). ``copy_threads`` threads copy and hash on each side (``weights.copy_threads``).
 
+``--delta none|bf16``: readers act as generators on another host (they read over rank 0's
+stream, not the store) and the publisher runs with ``weights.delta``; ``bytes_mb`` is then what
+one version moves over the stream (``trainable_mb`` whole). ``--dtype float32`` builds fp32
+parameters: a bf16 delta moves half their bytes; of bf16 parameters it moves the same bytes.
+
 Last line of stdout: one JSON object, the headline run's keys (largest size, most readers)
 plus ``runs`` (every size x readers). The machine this runs on may be shared and noisy.
 """
@@ -114,12 +119,12 @@ class TransformerShaped(torch.nn.Module):
         self.register_buffer("rope_inv_freq", torch.ones(hidden // 28 or 1))
 
 
-def build_model(size: str, init: bool) -> torch.nn.Module:
+def build_model(size: str, init: bool, dtype: str = "bfloat16") -> torch.nn.Module:
     """On the meta device, then materialised in bf16 (no fp32 copy ever exists). ``init``:
     fill with small random values (the publisher); otherwise zeros (a reader, whose version 0
     arrives through the store; zeroing touches its pages as a real build would)."""
     with torch.device("meta"):
-        m = TransformerShaped(*SIZES[size]).to(torch.bfloat16)
+        m = TransformerShaped(*SIZES[size]).to(getattr(torch, dtype))
     m = m.to_empty(device="cpu")
     m.embed.weight.requires_grad_(False)  # a frozen tower: sent once
     g = torch.Generator().manual_seed(0)
@@ -154,8 +159,8 @@ def reader(args: argparse.Namespace) -> None:
     """A serving loop with a WeightReceiver; reports swaps and serving figures over PUSH."""
     torch.set_num_threads(1)
     sys.setswitchinterval(0.0005)  # as the workers do
-    model = build_model(args.size, init=False).eval()
-    rx = WeightReceiver(model, host_id(), copy_threads=args.copy_threads)
+    model = build_model(args.size, init=False, dtype=args.dtype).eval()
+    rx = WeightReceiver(model, args.host or host_id(), copy_threads=args.copy_threads)
     ppid = os.getppid()
     ctx = zmq.Context()
     sub, ctl, report = ctx.socket(zmq.SUB), ctx.socket(zmq.SUB), ctx.socket(zmq.PUSH)
@@ -169,7 +174,7 @@ def reader(args: argparse.Namespace) -> None:
     pool = ThreadPoolExecutor(1)
     job = None
     hidden = SIZES[args.size][0]
-    x = torch.randn(16, hidden, dtype=torch.bfloat16)
+    x = torch.randn(16, hidden, dtype=getattr(torch, args.dtype))
     work = [layer.q.weight for layer in model.layers[:4]]
     forward_ms: list[float] = []
     gaps: list[float] = []
@@ -263,7 +268,8 @@ class Baseline:
 
 
 class Bench:
-    def __init__(self, copy_threads: int) -> None:
+    def __init__(self, copy_threads: int, delta: str | None = None, dtype: str = "bfloat16") -> None:
+        self.delta, self.dtype = delta, dtype
         self.ctx = zmq.Context()
         self.tmp = Path(tempfile.mkdtemp(prefix="rlvla3_weights_bench_"))
         cfg = load("synthetic.yaml", ["broker.liveness=600"])  # the bench trainer is busy publishing at times
@@ -303,6 +309,10 @@ class Bench:
             if msg.type == P.ERROR:
                 raise RuntimeError(f"the broker refused WEIGHTS: {msg['reason']}")
             if msg.type == P.STATUS:
+                if msg["figures"]["policy_version"] < fields["version"]:  # STATUS figures are cached for 0.25 s
+                    time.sleep(0.05)
+                    self.broker.send_multipart(P.encode(P.STATUS, {}))
+                    continue
                 if msg["figures"]["policy_version"] != fields["version"]:
                     raise RuntimeError(f"the broker holds version {msg['figures']['policy_version']}, not {fields['version']}")
                 self.broker_rss.append(rss_of(self.job.broker_proc.pid))
@@ -335,9 +345,11 @@ class Bench:
         names = [f"{size}-{n_readers}-{i}" for i in range(n_readers)]
         procs = [start_child([__file__, "--child", "reader", "--size", size, "--name", n, "--pub", self.pub_ep,
                               "--ctl", self.ctl.getsockopt_string(zmq.LAST_ENDPOINT), "--copy-threads", str(self.copy_threads),
-                              "--report", self.pull.getsockopt_string(zmq.LAST_ENDPOINT)], timeout_s=120)[0]
+                              "--report", self.pull.getsockopt_string(zmq.LAST_ENDPOINT), "--dtype", self.dtype,
+                              *(["--host", "another-host"] if self.delta else [])], timeout_s=120)[0]
                  for n in names]
-        pub = WeightPublisher(model, rid, stream_bind="", copy_threads=self.copy_threads)
+        pub = WeightPublisher(model, rid, stream_bind="tcp://127.0.0.1:0" if self.delta else "", copy_threads=self.copy_threads,
+                              delta=self.delta or "none")
         base = Baseline(pub.layout.trainable_bytes)
         memcpy_mb = round(base.src.nbytes / 1e6, 1)
         memcpy_ms: list[float] = []
@@ -384,7 +396,8 @@ class Bench:
         nbytes = swapped(first + versions)[0]["nbytes"]
         p2s, memcpy = statistics.median(steady), statistics.median(memcpy_ms)
         return {
-            "size": size, "readers": n_readers, "copy_threads": self.copy_threads, "params_m": round(params_m(model), 2),
+            "size": size, "readers": n_readers, "delta": self.delta, "dtype": self.dtype,
+            "trainable_mb": round(pub.layout.trainable_bytes / 1e6, 2), "copy_threads": self.copy_threads, "params_m": round(params_m(model), 2),
             "bytes_mb": round(nbytes / 1e6, 2), "first_version_mb": round(swapped(first)[0]["nbytes"] / 1e6, 2),
             "publish_to_swap_ms": round(p2s, 2), "publish_to_swap_ms_all": [round(x, 2) for x in per_version],
             "first_version_ms": round(per_version[0], 2), "publish_write_ms": round(statistics.median(publish_ms[1:] or publish_ms), 2),
@@ -433,6 +446,9 @@ def main() -> None:
     ap.add_argument("--copy-threads", type=int, default=2, help="weights.copy_threads, both sides")
     ap.add_argument("--quick", action="store_true", help="the last of --sizes only, 1 reader, 2 versions (about a minute)")
     ap.add_argument("--smoke", action="store_true", help="tiny, 1 reader, 2 versions (seconds)")
+    ap.add_argument("--delta", choices=["none", "bf16"], help="readers on 'another host' read the stream; weights.delta")
+    ap.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float32"], help="the model's parameters")
+    ap.add_argument("--host", default="", help="(reader) the host it claims to be on")
     ap.add_argument("--out", default=OUT_DIR, help="folder for weights.json (default: ./bench/out)")
     args = ap.parse_args()
     if args.child == "reader":
@@ -441,12 +457,12 @@ def main() -> None:
     readers = [1] if (args.smoke or args.quick) else [int(r) for r in args.readers.split(",")]
     versions = 2 if (args.quick or args.smoke) else args.versions
     torch.set_num_threads(1)
-    bench = Bench(args.copy_threads)
+    bench = Bench(args.copy_threads, args.delta, args.dtype)
     runs = []
     try:
         for size in sizes:
             t = time.perf_counter()
-            model = build_model(size, init=True)
+            model = build_model(size, init=True, dtype=args.dtype)
             note(f"{size}: {params_m(model):.1f}M parameters built in {time.perf_counter() - t:.1f} s")
             for n in readers:
                 r = bench.run(size, model, n, versions)

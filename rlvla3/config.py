@@ -253,6 +253,11 @@ class WeightsConfig:
     """CUDA only, UNTESTED: trainer rank 0 also keeps its trainable slot on its GPU and announces
     a CUDA IPC handle; generators on the same GPU copy device to device from it
     (``rlvla3.weights.cuda_ipc``). No effect on CPU."""
+    delta: str = "none"
+    """``bf16``: after the first version, each trainable tensor is also published as a bf16
+    delta against the previous version; generators on other hosts holding that version read
+    the deltas over the stream (half the bytes of fp32 parameters, the same for bf16 ones) and
+    rebuild, others read whole (``none``: always whole). Not with ``cuda_ipc``."""
 
 
 @dataclass

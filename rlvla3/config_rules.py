@@ -53,6 +53,10 @@ def validate_job(cfg: Any) -> None:
         raise ConfigError(f"model.dtype: {cfg.model.dtype!r} not in ('auto', 'float32', 'bfloat16')")
     if cfg.weights.copy_threads < 1:
         raise ConfigError("weights.copy_threads must be >= 1")
+    if cfg.weights.delta not in ("none", "bf16"):
+        raise ConfigError(f"weights.delta must be none or bf16, not {cfg.weights.delta!r}")
+    if cfg.weights.delta != "none" and cfg.weights.cuda_ipc:
+        raise ConfigError("weights.delta and weights.cuda_ipc do not combine (the device slot holds the new tensors, not the rebuilt ones)")
     if not 1 <= cfg.weights.bucket_mb <= 256:
         raise ConfigError(f"weights.bucket_mb: {cfg.weights.bucket_mb} not in 1..256")
     if not cfg.weights.shm and not cfg.weights.stream_bind:

@@ -181,8 +181,8 @@ SCHEMA: dict[str, tuple[dict[str, Any], dict[str, Any]]] = {  # type -> (require
     TUNE: ({}, {"max_batch": F.Int(1, 1 << 16), "max_wait_ms": F.Num(0.0, 60_000.0), "adaptive": F.Bool(),
                 "batching": F.Map(finite=False)}),  # the last: the broker's reply
     ERROR: ({"code": F.Str(64), "reason": _REASON}, {"ref_type": F.Str(32, nullable=True)}),
-    FETCH: ({"version": _VERSION, "region": F.Int(0, 2), "offset": F.Int(0, 2**40), "nbytes": F.Int(1, 2**30)}, {}),
-    BUCKET: ({"version": _VERSION, "region": F.Int(0, 2), "offset": F.Int(0, 2**40)},
+    FETCH: ({"version": _VERSION, "region": F.Int(0, 4), "offset": F.Int(0, 2**40), "nbytes": F.Int(1, 2**30)}, {}),
+    BUCKET: ({"version": _VERSION, "region": F.Int(0, 4), "offset": F.Int(0, 2**40)},
              {"error": F.Str(64), "reason": _REASON}),
 }
 BROKER_PRIVATE = ("attempts", "admitted")

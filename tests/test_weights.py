@@ -249,6 +249,55 @@ def test_stream_serves_readers_when_shared_memory_is_off(relay):
         stop_readers(relay)
 
 
+def test_bf16_deltas_rebuild_rank0s_reference_and_a_reader_that_cannot_use_them_reads_whole():
+    """One publisher with ``delta="bf16"``, three in-process receivers over the real store and
+    stream: ``far`` (another host) rebuilds from deltas, ``near`` (same host) reads the slot whole,
+    ``late`` skips a version (wrong base) and reads whole; a corrupted delta is read whole."""
+    model = tiny_model(3)
+    trainable = sum(p.numel() * p.element_size() for p in model.parameters() if p.requires_grad)
+    with publishing(model, delta="bf16") as pub:
+        rxs = {n: WeightReceiver(tiny_model(None), h, bucket_mb=1, copy_threads=1)
+               for n, h in (("far", "another-host"), ("near", host_id()), ("late", "another-host"))}
+
+        def step(name: str, fields: dict[str, Any]):
+            rx = rxs[name]
+            assert rx.offer(fields)
+            ann = rx.next_fetch(time.monotonic())
+            rx.fetched(ann, rx.fetch(ann), None, time.monotonic())
+            return rx.swap()
+
+        try:
+            v0 = pub.publish(0)
+            assert {step(n, v0).source for n in rxs} == {"stream", "shm"}
+            for v in (1, 2, 3, 4):
+                bump(model, 1e-3 * v)  # small steps: bf16 rounds them
+                fields = pub.publish(v)
+                ann = parse_announcement(fields)
+                assert ann.manifest.delta_base == v - 1 and len(ann.manifest.deltas) == 7
+                if v == 4:  # a corrupted delta: the rebuilt tensor fails its checksum, read whole
+                    big = max(ann.manifest.deltas, key=lambda d: d.nbytes)
+                    pub.store.view(big.offset, 4)[:] ^= 0xFF
+                far, near = step("far", fields), step("near", fields)
+                assert near.source == "shm" and far.source == "delta"
+                assert digest(rxs["far"].module) == digest(rxs["near"].module)  # rank 0's rebuilt bits
+                whole = big.nbytes * 2 if v == 4 else 0
+                assert far.nbytes == sum(d.nbytes for d in ann.manifest.deltas) + whole
+                if v < 4:
+                    assert 0.5 * trainable < far.nbytes < 0.55 * trainable  # fp32 -> bf16, one bf16 tensor
+                served = dict(rxs["far"].module.named_parameters())
+                err = max((served[n].float() - p.float()).abs().max().item()
+                          for n, p in model.named_parameters() if p.requires_grad)
+                assert err < 2e-3  # one delta's rounding, not accumulated over versions
+                if v in (1, 3):
+                    continue
+                late = step("late", fields)  # holds v-2 or v-3: not the base, reads whole
+                assert late.source == "stream" and late.nbytes == trainable
+                assert digest(rxs["late"].module) == digest(rxs["near"].module)
+        finally:
+            for rx in rxs.values():
+                rx.close()
+
+
 def test_a_killed_publishers_store_is_swept_by_the_next_one():
     rid = run_id()
     code = ("import sys, time; from rlvla3.weights.store import WeightStore; "
@@ -318,6 +367,10 @@ def test_broker_rule_keeps_the_newest_announcement_and_never_bytes():
     {"manifest": {"version": 1, "entries": [["w", "float32", [2], 9, 4096, 8, 7, 1, True]]}},  # region
     {"manifest": {"version": 1, "entries": [["w", "float32", [2], 1, 4096, 8, -1, 1, True]]}},
     {"manifest": {"version": 1, "entries": [["w", "float32", [2], 1, 4096, 8, 7, 1, True]] * 2}},  # twice
+    {"manifest": {"version": 1, "entries": [["w", "float32", [2], 1, 4096, 8, 7, 1, True]], "delta": {"base": 1, "entries": []}}},  # base not older
+    {"manifest": {"version": 1, "entries": [["w", "float32", [2], 1, 4096, 8, 7, 1, True]], "delta": {"base": 0, "entries": [["w", 1, 8192, 4]]}}},  # region
+    {"manifest": {"version": 1, "entries": [["w", "float32", [2], 1, 4096, 8, 7, 1, True]], "delta": {"base": 0, "entries": [["w", 3, 8192, 8]]}}},  # not bf16
+    {"manifest": {"version": 1, "entries": [["w", "float32", [2], 1, 4096, 8, 7, 1, True]], "delta": {"base": 0, "entries": [["x", 3, 8192, 4]]}}},  # unknown
     {"store": {"host": "h", "seg": "/etc/passwd", "size": 10}},
     {"store": {"host": "h", "seg": "rlvla3_x", "size": 100}},  # bytes beyond the store
     {"stream": 5},

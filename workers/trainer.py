@@ -153,7 +153,7 @@ class TrainerWorker(WorkerBase):
             w = cfg.weights
             self.publisher = WeightPublisher(policy, str(self.welcome.get("run_id", "run")), shm=w.shm, stream_bind=w.stream_bind,
                                              advertise_host=w.advertise_host, host=self.host, copy_threads=w.copy_threads,
-                                             tensors=first, cuda_ipc=w.cuda_ipc)
+                                             tensors=first, cuda_ipc=w.cuda_ipc, delta=w.delta)
             self.announcement = self.publisher.publish(self.version, first)  # version 0 (or the resumed one)
         del first
         self.runner = self.new_runner("update")

@@ -12,6 +12,12 @@ offsets); ``since`` is the version whose publication wrote those bytes. Frozen t
 buffers are written once, with the first version; a reader that already holds a version copies
 only entries with ``since`` newer than it (the trainable parameters).
 
+With ``weights.delta: bf16`` a version after the first also carries ``delta``: the version
+``base`` it was taken against, and per trainable tensor ``[name, region, offset, nbytes]``
+where its bf16 difference lies (a :data:`DELTA_SLOTS` region). The entries' checksums are those
+of the rebuilt tensors (``base + delta``, which rank 0 also writes whole into the slot), so a
+reader verifies what it rebuilt, and a reader that does not hold ``base`` reads them whole.
+
 Checksums are xxh3-64 (tens of GB/s, not a cryptographic hash): the announcement comes over
 the broker's authenticated channel, and its checksums vouch for bytes read from elsewhere.
 """
@@ -32,7 +38,9 @@ FROZEN = 0
 """Region of tensors written once (frozen parameters and buffers)."""
 SLOTS = (1, 2)
 """The two trainable regions; consecutive publications alternate between them."""
-REGIONS = (FROZEN, *SLOTS)
+DELTA_SLOTS = (3, 4)
+"""The two regions of bf16 deltas (``weights.delta: bf16``), one beside each slot."""
+REGIONS = (FROZEN, *SLOTS, *DELTA_SLOTS)
 ALIGN = 256
 """Every tensor starts on this boundary (cache lines, and aligned device copies)."""
 MAX_ENTRIES = 100_000
@@ -80,18 +88,35 @@ class Layout:
     specs: tuple[TensorSpec, ...]
     frozen_bytes: int
     slot_bytes: int
+    delta_bytes: int = 0
+    """Bytes of one delta region: every trainable tensor in bf16 (0 without deltas)."""
 
     @staticmethod
-    def plan(tensors: Iterable[tuple[str, str, tuple[int, ...], bool]]) -> "Layout":
-        """``tensors``: (name, wire dtype, shape, trainable), in the order to lay them out."""
+    def plan(tensors: Iterable[tuple[str, str, tuple[int, ...], bool]], delta: bool = False) -> "Layout":
+        """``tensors``: (name, wire dtype, shape, trainable), in the order to lay them out;
+        ``delta``: also lay out a bf16 delta region (trainable tensors, same order)."""
         specs = []
         ends = {True: 0, False: 0}
+        delta_end = 0
         for name, dtype, shape, trainable in tensors:
             nbytes = math.prod(shape) * _itemsize(dtype)
             off = ends[trainable]
             specs.append(TensorSpec(name, dtype, tuple(shape), trainable, off, nbytes))
             ends[trainable] = align(off + nbytes)
-        return Layout(tuple(specs), frozen_bytes=ends[False], slot_bytes=ends[True])
+            if trainable and delta:
+                if not dtype.startswith("float") and dtype != "bfloat16":
+                    raise ValueError(f"weights.delta: trainable tensor {name} is {dtype}, not floating point")
+                delta_end = align(delta_end + math.prod(shape) * 2)
+        return Layout(tuple(specs), frozen_bytes=ends[False], slot_bytes=ends[True], delta_bytes=delta_end)
+
+    def delta_offsets(self) -> dict[str, int]:
+        """Each trainable tensor's offset inside a delta region."""
+        out, end = {}, 0
+        for s in self.specs:
+            if s.trainable:
+                out[s.name] = end
+                end = align(end + math.prod(s.shape) * 2)
+        return out
 
     @property
     def trainable_bytes(self) -> int:
@@ -102,9 +127,18 @@ class Layout:
 class Manifest:
     version: int
     entries: tuple[Entry, ...]
+    delta_base: int | None = None
+    """The version the deltas were taken against (None: no deltas, read whole)."""
+    deltas: tuple[Entry, ...] = ()
+    """Where each trainable tensor's bf16 delta lies (dtype bfloat16, checksum unused: the
+    entry's checksum covers the rebuilt tensor)."""
 
     def to_wire(self) -> dict[str, Any]:
-        return {"version": self.version, "entries": [e.to_wire() for e in self.entries]}
+        out: dict[str, Any] = {"version": self.version, "entries": [e.to_wire() for e in self.entries]}
+        if self.delta_base is not None:
+            out["delta"] = {"base": self.delta_base,
+                            "entries": [[d.name, d.region, d.offset, d.nbytes] for d in self.deltas]}
+        return out
 
     def changed_since(self, held: int) -> list[Entry]:
         """Entries a reader holding version ``held`` must copy (all of them when ``held`` < 0)."""
@@ -131,7 +165,33 @@ class Manifest:
                 raise ManifestError(f"tensor {e.name!r} appears twice")
             seen.add(e.name)
             entries.append(e)
-        return Manifest(version, tuple(entries))
+        if data.get("delta") is None:
+            return Manifest(version, tuple(entries))
+        base, deltas = _deltas(data["delta"], version, {e.name: e for e in entries}, store_size)
+        return Manifest(version, tuple(entries), base, deltas)
+
+
+def _deltas(data: Any, version: int, entries: dict[str, Entry], store_size: int | None) -> tuple[int, tuple[Entry, ...]]:
+    if not isinstance(data, dict) or not _is_int(data.get("base")) or not 0 <= data["base"] < version:
+        raise ManifestError("manifest delta must be {base: an older version, entries: [...]}")
+    raw = data.get("entries")
+    if not isinstance(raw, list) or len(raw) > len(entries):
+        raise ManifestError("manifest delta entries missing or too many")
+    out, seen = [], set()
+    for item in raw:
+        if not isinstance(item, list) or len(item) != 4:
+            raise ManifestError("manifest delta entry is not a 4-item list")
+        name, region, offset, nbytes = item
+        e = entries.get(name) if isinstance(name, str) else None
+        if e is None or not e.trainable or e.since != version or name in seen:
+            raise ManifestError(f"delta {name!r} names no trainable tensor of version {version} (or twice)")
+        seen.add(name)
+        if region not in DELTA_SLOTS or not _is_int(offset) or offset < 0 or nbytes != math.prod(e.shape) * 2:
+            raise ManifestError(f"delta {name}: region {region!r}, offset {offset!r} or nbytes {nbytes!r} is wrong")
+        if store_size is not None and offset + nbytes > store_size:
+            raise ManifestError(f"delta {name}: bytes {offset}+{nbytes} lie beyond the store ({store_size})")
+        out.append(Entry(name, "bfloat16", e.shape, region, offset, nbytes, 0, version, True))
+    return data["base"], tuple(out)
 
 
 def _entry(item: Any, version: int, store_size: int | None) -> Entry:
@@ -144,7 +204,7 @@ def _entry(item: Any, version: int, store_size: int | None) -> Entry:
         raise ManifestError(f"{name}: dtype {dtype!r} not allowed")
     if not isinstance(shape, list) or len(shape) > MAX_TENSOR_DIMS or not all(_is_int(s) and 0 <= s < 2**40 for s in shape):
         raise ManifestError(f"{name}: bad shape {shape!r}")
-    if region not in REGIONS:
+    if region not in (FROZEN, *SLOTS):
         raise ManifestError(f"{name}: region {region!r} unknown")
     if not all(_is_int(v) and v >= 0 for v in (offset, nbytes, checksum, since)) or checksum >= 2**64:
         raise ManifestError(f"{name}: offset, nbytes, checksum and since must be non-negative integers")

@@ -18,6 +18,13 @@ never touched until :meth:`swap`, which only re-points each parameter at its sta
 (``param.data = staged``); the old storage becomes the next fetch's staging. A version that
 does not fit the model (unknown names, other shapes) or holds inf/NaN is dropped for good: the
 generator keeps serving what it has.
+
+A version announced with bf16 deltas (``weights.delta: bf16``) is fetched as deltas over the
+stream when this receiver holds the delta's base version: each tensor is rebuilt as
+``served + delta`` (:func:`rlvla3.weights.publisher.rebuild`) and checked against the
+manifest's checksum of the rebuilt tensor. Tensors that fail, and every tensor of a version
+whose base is not the held one, are read whole in the same fetch. Same-host readers always read
+whole from the store (a memory copy costs less than reading half and adding).
 """
 
 from __future__ import annotations
@@ -34,8 +41,8 @@ import zmq
 
 from rlvla3.weights.announce import Announcement, parse_announcement
 from rlvla3.weights.cuda_ipc import DeviceSlotReader
-from rlvla3.weights.manifest import Entry, ManifestError, copy_many
-from rlvla3.weights.publisher import module_tensors
+from rlvla3.weights.manifest import Entry, ManifestError, checksum, copy_many
+from rlvla3.weights.publisher import module_tensors, rebuild
 from rlvla3.weights.store import StoreReader, TornRead
 from rlvla3.weights.stream import stream_read
 
@@ -159,11 +166,16 @@ class WeightReceiver:
         on_device: dict[str, torch.Tensor] = {}
         if same_host and self.ipc is not None and self.ipc.usable(ann.ipc):  # CUDA only, untested
             on_device = self._read_ipc(ann, [e for e in entries if e.region == ann.ipc["slot"]])
+        moved = 0
+        if not same_host and ann.stream is not None and ann.manifest.delta_base is not None \
+                and ann.manifest.delta_base == self.version:
+            on_device, moved = self._fetch_delta(ann, entries)
         rest = [e for e in entries if e.name not in on_device]
+        moved += sum(e.nbytes for e in rest)
         host = {e.name: self._host_buffer(e) for e in rest}
         flat = {n: _bytes_of(t) for n, t in host.items()}
         if not rest and on_device:
-            source, sums = "ipc", {}
+            source, sums = ("delta" if moved else "ipc"), {}
         elif same_host:
             source, sums = "shm", self._read_store(store["seg"], rest, flat)
         elif ann.stream is not None:
@@ -179,8 +191,39 @@ class WeightReceiver:
         if nonfinite:  # a diverged trainer: keep serving the weights we have
             raise ManifestError(f"version {ann.version}: {len(nonfinite)} tensor(s) hold inf or NaN, e.g. {nonfinite[:3]}")
         tensors = {**self._to_device(host, rest), **on_device}
-        return Staged(ann.version, tensors, source, sum(e.nbytes for e in entries), (time.perf_counter() - t0) * 1000,
+        if source == "stream" and len(rest) < len(entries):
+            source = "delta"  # (some tensors read whole)
+        return Staged(ann.version, tensors, source, moved, (time.perf_counter() - t0) * 1000,
                       ann.published_at, {e.name for e in entries if e.trainable})
+
+    def _fetch_delta(self, ann: Announcement, entries: list[Entry]) -> tuple[dict[str, torch.Tensor], int]:
+        """Read the bf16 deltas of ``entries`` from the stream and rebuild them on the served
+        tensors; returns the rebuilt tensors whose checksum matches, and the bytes read."""
+        deltas = {d.name: d for d in ann.manifest.deltas}
+        todo = [deltas[e.name] for e in entries if e.name in deltas]
+        if not todo:
+            return {}, 0
+        if self._ctx is None:
+            self._ctx = zmq.Context()
+        bufs = {d.name: torch.empty(d.shape, dtype=torch.bfloat16) for d in todo}
+        stream_read(self._ctx, ann.stream, todo, {n: _bytes_of(t) for n, t in bufs.items()}, self.bucket_bytes)
+        want = {e.name: e.checksum for e in entries}
+        out, refused = {}, []
+        for name, d in bufs.items():
+            served = self.targets[name].data
+            dst = self._spare.pop(name, None)
+            if dst is None or dst.dtype != served.dtype or dst.shape != served.shape or dst.device != served.device:
+                dst = torch.empty_like(served)
+            rebuild(served, d.to(served.device, non_blocking=False), out=dst)
+            if checksum(_bytes_of(dst if dst.device.type == "cpu" else dst.cpu())) == want[name]:
+                out[name] = dst
+            else:
+                self._spare[name] = dst
+                refused.append(name)
+        if refused:
+            log.warning("weights_delta_refused", version=ann.version, base=ann.manifest.delta_base,
+                        tensors=len(refused), example=refused[0])
+        return out, sum(d.nbytes for d in todo)
 
     def _read_ipc(self, ann: Announcement, entries: list[Entry]) -> dict[str, torch.Tensor]:
         """UNTESTED (needs CUDA): copy the trainable entries device to device from rank 0's slot

@@ -1,7 +1,10 @@
 """The same-host weight store: one shared-memory segment, owned by trainer rank 0, that holds
 the frozen tensors once and the trainable ones in two slots used in turn (double buffering).
 
-    [ header 4 KiB | frozen region | slot 1 | slot 2 ]
+    [ header 4 KiB | frozen region | slot 1 | slot 2 | delta 1 | delta 2 ]
+
+The delta regions (``weights.delta: bf16``; empty otherwise) hold each version's bf16
+difference from the previous one, beside the rebuilt tensors in the slot.
 
 Each region has a seqlock stamp in the header: ``seq`` (odd while a writer is inside) and
 ``version``. The writer makes ``seq`` odd, writes the bytes, writes ``version``, then makes
@@ -30,10 +33,11 @@ from rlvla3.shm import POISON, OwnedSegment, check_free_space, unmap
 from rlvla3.weights.manifest import REGIONS
 
 HEADER_BYTES = 4096
-MAGIC = np.frombuffer(b"RLVLA3W1", dtype=np.uint64)[0]
+MAGIC = np.frombuffer(b"RLVLA3W2", dtype=np.uint64)[0]
 PAGE = 4096
 MADV_POPULATE_READ = 22
-# header words (uint64): [magic, region offsets x3, region sizes x3, ..., stamps from word 16]
+# header words (uint64): [magic, region offsets x5 (words 1-5), region sizes x5 (words 8-12), stamps from word 16]
+_SIZES = 8
 _STAMPS = 16
 
 
@@ -55,7 +59,7 @@ class _Segment:
         return int(self.words[1 + region])
 
     def region_size(self, region: int) -> int:
-        return int(self.words[4 + region])
+        return int(self.words[_SIZES + region])
 
     @property
     def size(self) -> int:
@@ -91,11 +95,11 @@ class WeightStore(_Segment, OwnedSegment):
 
     _counter = 0
 
-    def __init__(self, run_id: str, frozen_bytes: int, slot_bytes: int) -> None:
+    def __init__(self, run_id: str, frozen_bytes: int, slot_bytes: int, delta_bytes: int = 0) -> None:
         if not re.fullmatch(r"[A-Za-z0-9]+", run_id):
             raise ValueError(f"run id {run_id!r} must be alphanumeric")
         offsets = [HEADER_BYTES]
-        sizes = [_page(frozen_bytes), _page(slot_bytes), _page(slot_bytes)]
+        sizes = [_page(frozen_bytes), _page(slot_bytes), _page(slot_bytes), _page(delta_bytes), _page(delta_bytes)]
         for s in sizes[:-1]:
             offsets.append(offsets[-1] + s)
         total = offsets[-1] + sizes[-1]
@@ -110,7 +114,7 @@ class WeightStore(_Segment, OwnedSegment):
         np.ndarray((total - HEADER_BYTES) // 4, dtype=np.float32, buffer=self.shm.buf, offset=HEADER_BYTES)[:] = POISON
         for r in REGIONS:
             self.words[1 + r] = offsets[r]
-            self.words[4 + r] = sizes[r]
+            self.words[_SIZES + r] = sizes[r]
             self.words[_STAMPS + 2 * r + 1] = np.int64(-1).view(np.uint64)
         self.words[0] = MAGIC  # last: an attacher that sees the magic sees a complete header
         self._closed = False

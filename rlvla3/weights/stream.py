@@ -29,7 +29,7 @@ import structlog
 import zmq
 
 from rlvla3 import protocol as P
-from rlvla3.weights.manifest import ALIGN, Entry, checksum
+from rlvla3.weights.manifest import ALIGN, REGIONS, Entry, checksum
 from rlvla3.weights.store import TornRead, WeightStore
 
 log = structlog.get_logger()
@@ -81,7 +81,7 @@ class StreamServer:
             if msg.type != P.FETCH:
                 raise P.ProtocolError(P.E_TYPE, f"the weight stream answers FETCH, not {msg.type}")
             version, region, offset, nbytes = msg["version"], msg["region"], msg["offset"], msg["nbytes"]
-            start = self.store.region_offset(region) if region in (0, 1, 2) else -1
+            start = self.store.region_offset(region) if region in REGIONS else -1
             if start < 0 or not 0 < nbytes <= MAX_BUCKET_BYTES or offset < start \
                     or offset + nbytes > start + self.store.region_size(region):
                 raise P.ProtocolError(P.E_FIELD, f"range {offset}+{nbytes} is not inside region {region}")
