@@ -99,6 +99,14 @@ class MetaWorldOptions:
     success in 80k steps; GRPO on ``algo.grpo_reward: success`` (the default config) needs none."""
     benchmark_seed: int = 0
     """Seed of the benchmark's goal list, so goal k is the same on every machine."""
+    render_every: int = 1
+    """Render the cameras only on an episode's first step and every ``render_every``-th step
+    after it (and when an episode ends); other steps repeat the last frame. Set it to
+    ``model.chunk_size``: a policy reads images only at chunk starts, which are exactly these
+    steps, and software GL (~25-40 ms per 64x64 frame on CPU) is then paid once per decision."""
+    blank_images: bool = False
+    """Return all-zero camera images (nothing rendered): the ablation that shows whether a
+    policy uses its cameras."""
 
 
 class _FastRenderer:
@@ -199,6 +207,8 @@ class MetaWorldEnv(EnvAdapter):
             classes, tasks = (b.train_classes, b.train_tasks) if o.split == "train" else (b.test_classes, b.test_tasks)
         else:
             raise ValueError(f"metaworld: benchmark must be MT1, MT10 or ML1, got {o.benchmark!r}")
+        if o.render_every < 1:
+            raise ValueError(f"metaworld: render_every must be >= 1, got {o.render_every}")
         if o.goal_mode not in ("benchmark", "seeded"):
             raise ValueError(f"metaworld: goal_mode must be 'benchmark' or 'seeded', got {o.goal_mode!r}")
         names = list(classes)
@@ -214,13 +224,17 @@ class MetaWorldEnv(EnvAdapter):
             env.max_path_length = max(env.max_path_length, o.max_episode_steps + 1)
             env.reset()
             self._envs.append(env)
-            self._renderers.append(_FastRenderer(env.model, env.data, o.cameras, h, w) if o.cameras else None)
+            self._renderers.append(_FastRenderer(env.model, env.data, o.cameras, h, w)
+                                   if o.cameras and not o.blank_images else None)
+        self._frames: list[dict[str, np.ndarray]] = [{c: np.zeros((h, w, 3), np.uint8) for c in o.cameras}
+                                                     for _ in range(num_envs)]  # last rendered, per env
         self._t = np.zeros(num_envs, np.int64)
         self._succeeded = np.zeros(num_envs, bool)  # this episode has succeeded (success_bonus paid)
         self._raw = [np.zeros(39)] * num_envs  # last unmasked observation, for the expert
         self._experts: dict[str, Any] = {}
         log.info("metaworld_ready", benchmark=bench, tasks=sorted(set(self.task_names)), num_envs=num_envs,
-                 cameras=o.cameras, flipped=sorted(self._renderers[0].flip) if self._renderers[0] else [])
+                 cameras=o.cameras, flipped=sorted(self._renderers[0].flip) if self._renderers[0] else [],
+                 render_every=o.render_every, blank_images=o.blank_images)
 
     @staticmethod
     def spec_for(o: MetaWorldOptions) -> EnvSpec:
@@ -269,7 +283,8 @@ class MetaWorldEnv(EnvAdapter):
             raws.append(self._remember(i, raw))
         terminated, truncated = episode_ends(self._t[ids], success, self.opts.terminate_on_success,
                                              self.opts.max_episode_steps)
-        return StepResult(self._obs(ids, raws), reward, terminated, truncated, success)
+        fresh = [bool(e or self._t[i] % self.opts.render_every == 0) for i, e in zip(ids, terminated | truncated)]
+        return StepResult(self._obs(ids, raws, fresh), reward, terminated, truncated, success)
 
     def close(self) -> None:
         for r in self._renderers:
@@ -288,15 +303,17 @@ class MetaWorldEnv(EnvAdapter):
         self._raw[i] = full
         return raw
 
-    def _obs(self, ids: list[int], raws: list[np.ndarray]) -> Observation:
+    def _obs(self, ids: list[int], raws: list[np.ndarray], fresh: list[bool] | None = None) -> Observation:
+        """Observation of envs ``ids``; cameras are rendered where ``fresh`` (default: all)."""
         raw = np.asarray(raws, np.float32).reshape(len(ids), -1)
         state = raw if self.opts.state == "full" else raw[:, :4]
         images: dict[str, list[np.ndarray]] = {c: [] for c in self.opts.cameras}
-        for i in ids:
+        for k, i in enumerate(ids):
             r = self._renderers[i]
-            if r is not None:
-                for cam, img in r.render(self._envs[i].data).items():
-                    images[cam].append(img)
+            if r is not None and (fresh is None or fresh[k]):
+                self._frames[i] = r.render(self._envs[i].data)
+            for cam in self.opts.cameras:
+                images[cam].append(self._frames[i][cam])
         h, w = self.opts.image_size
         return Observation(
             {c: (np.stack(v) if v else np.zeros((0, h, w, 3), np.uint8)) for c, v in images.items()},
