@@ -208,6 +208,7 @@ def main() -> None:
     ap.add_argument("--out", default=f"{OUT_DIR}/learning", help="folder for PNGs, per-run folders and results.json (default: ./bench/out/learning)")
     ap.add_argument("--smoke", action="store_true", help="tiny run for CI (no learning value): a few hundred steps per mode")
     ap.add_argument("--timeout", type=float, default=300.0, help="seconds per job at most")
+    ap.add_argument("--modes", nargs="+", choices=MODES, default=list(MODES), help="run.mode values to run, in order")
     ap.add_argument("--blank-images", action="store_true",
                     help="ablation: all-zero camera images for the warm start and RL (env.options.blank_images)")
     ap.add_argument("--sft-episodes", type=int, default=0, help="warm-start each seed once with `rlvla3 sft` on this many expert episodes")
@@ -243,7 +244,7 @@ def main() -> None:
             warm.append({"seed": seed, **fig})
             print(f"warm start seed={seed}: {json.dumps(warm[-1])}", file=sys.stderr)
             job_overrides.append(f"model.checkpoint={sft_dir}")
-        for mode in MODES:
+        for mode in args.modes:
             run_dir = out / f"{mode}-seed{seed}"
             t = time.monotonic()
             rows = run_job(mode, seed, steps, run_dir, job_overrides, args.target if args.quick else None, timeout, args.config)
