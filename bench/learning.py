@@ -84,7 +84,10 @@ def run_job(mode: str, seed: int, steps: int, run_dir: Path, overrides: list[str
         if proc.poll() is None:
             proc.kill()
             proc.wait()
-    return read_rows(metrics)
+    rows = read_rows(metrics)
+    if not rows and proc.stderr is not None:  # the job never started: say why
+        print(f"{mode} seed={seed}: the job wrote no metrics; its stderr ends:\n{proc.stderr.read()[-2000:]}", file=sys.stderr)
+    return rows
 
 
 def read_rows(path: Path) -> list[dict[str, Any]]:
@@ -167,7 +170,10 @@ def reached(rows: list[dict[str, Any]], target: float) -> tuple[float, float] | 
     return float(c["steps"][hit[0]]), float(c["seconds"][hit[0]])
 
 
-def plot(curves: dict[str, list[dict[str, np.ndarray]]], target: float, out: Path, title: str = "synthetic reach") -> list[Path]:
+def plot(curves: dict[str, list[dict[str, np.ndarray]]], target: float, out: Path, title: str = "synthetic reach",
+         evals: dict[str, list[dict[str, Any]]] | None = None) -> list[Path]:
+    """Success and return against env steps and seconds; ``evals`` (``curve_json``'s) adds the
+    eval slots' deterministic success as markers."""
     import matplotlib
 
     matplotlib.use("Agg")
@@ -180,6 +186,11 @@ def plot(curves: dict[str, list[dict[str, np.ndarray]]], target: float, out: Pat
             for i, c in enumerate(curves.get(mode, [])):
                 for ax, x in zip(axes, ("steps", "seconds")):
                     ax.plot(c[x], c[metric], color=color, alpha=0.8, label=mode if i == 0 else None)
+            for i, cj in enumerate((evals or {}).get(mode, []) if metric == "success" else []):
+                pts = np.array(cj["eval"], float).reshape(-1, 4)  # version, steps, seconds, success
+                for ax, col in zip(axes, (1, 2)):
+                    ax.plot(pts[:, col], pts[:, 3], "o--", color=color, ms=4, lw=0.8,
+                            label=f"{mode} eval (deterministic)" if i == 0 else None)
         for ax, x in zip(axes, ("env steps", "wall-clock seconds (from first env step)")):
             ax.set_xlabel(x)
             ax.set_ylabel(metric)
@@ -266,7 +277,7 @@ def main() -> None:
         return round(float(np.median(vals)), 1)
 
     try:
-        pngs = [str(p) for p in plot(curves, args.target, out, Path(args.config).stem)]
+        pngs = [str(p) for p in plot(curves, args.target, out, Path(args.config).stem, curves_json)]
     except ImportError as exc:
         pngs = []
         print(f"matplotlib missing, no PNG: {exc}", file=sys.stderr)
