@@ -137,12 +137,13 @@ def curve_json(c: dict[str, np.ndarray], rows: list[dict[str, Any]], points: int
     keep = np.unique(np.linspace(0, len(c["steps"]) - 1, min(points, len(c["steps"]))).astype(int)) if len(c["steps"]) else []
     t0 = next((r["elapsed_s"] for r in rows if r.get("env_steps", 0) > 0), 0.0)
     evals: dict[int, list[float]] = {}
-    for r in rows:
-        if r.get("eval_version") is not None and r.get("eval_success") is not None and r["eval_version"] not in evals:
-            evals[r["eval_version"]] = [r["env_steps"], round(r["elapsed_s"] - t0, 1), r["eval_success"]]
+    for r in rows:  # a round's success is over its episodes so far: keep its last (fullest) line
+        if r.get("eval_version") is not None and r.get("eval_success") is not None:
+            first = evals.get(r["eval_version"], [r["env_steps"], round(r["elapsed_s"] - t0, 1)])[:2]
+            evals[r["eval_version"]] = [*first, r["eval_success"], r.get("eval_episodes", 0)]
     return {"steps": [int(c["steps"][i]) for i in keep], "seconds": [round(float(c["seconds"][i]), 1) for i in keep],
             "success": [round(float(c["success"][i]), 3) for i in keep],
-            "eval": [[v, *evals[v]] for v in sorted(evals)]}  # [version, env steps, seconds, success]
+            "eval": [[v, *evals[v]] for v in sorted(evals)]}  # [version, env steps, seconds, success, episodes]
 
 
 def curve(rows: list[dict[str, Any]]) -> dict[str, np.ndarray]:
@@ -187,7 +188,7 @@ def plot(curves: dict[str, list[dict[str, np.ndarray]]], target: float, out: Pat
                 for ax, x in zip(axes, ("steps", "seconds")):
                     ax.plot(c[x], c[metric], color=color, alpha=0.8, label=mode if i == 0 else None)
             for i, cj in enumerate((evals or {}).get(mode, []) if metric == "success" else []):
-                pts = np.array(cj["eval"], float).reshape(-1, 4)  # version, steps, seconds, success
+                pts = np.array(cj["eval"], float).reshape(-1, 5)  # version, steps, seconds, success, episodes
                 for ax, col in zip(axes, (1, 2)):
                     ax.plot(pts[:, col], pts[:, 3], "o--", color=color, ms=4, lw=0.8,
                             label=f"{mode} eval (deterministic)" if i == 0 else None)
