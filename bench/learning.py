@@ -13,7 +13,19 @@ seed noise: staleness is corrected by decoupled PPO) and gets there sooner in se
 
 ``--quick`` stops each job once its success reaches the target, and prints one JSON object last:
 ``sync_steps_to_target``, ``async_steps_to_target``, ``sync_seconds_to_target``,
-``async_seconds_to_target`` (medians over seeds; null if a mode never reached the target).
+``async_seconds_to_target`` (medians over seeds; null if a mode never reached the target), and
+``curves``: per mode and seed, training success and the eval slots' deterministic success against
+env steps and wall-clock seconds.
+
+Pixels (a tiny OpenVLA-OFT on Meta-World from a 64x64 camera, proprio state and the instruction):
+
+    python bench/learning.py --config configs/metaworld_oft_rgb.yaml --seeds 0 1 --steps 60000 \
+        --timeout 1800 --sft-episodes 120 --sft-epochs 20 --final-eval 100 [--blank-images]
+
+``--sft-episodes`` warm-starts once per seed with ``rlvla3 sft`` (not timed; sync and async start
+from the same checkpoint); ``--final-eval N`` scores the warm start and each job's last checkpoint
+deterministically on N held-out starts (the eval slots' seeds); ``--blank-images`` is the
+ablation: all-zero camera images, for the warm start and RL alike.
 """
 
 from __future__ import annotations
@@ -72,7 +84,10 @@ def run_job(mode: str, seed: int, steps: int, run_dir: Path, overrides: list[str
         if proc.poll() is None:
             proc.kill()
             proc.wait()
-    return read_rows(metrics)
+    rows = read_rows(metrics)
+    if not rows and proc.stderr is not None:  # the job never started: say why
+        print(f"{mode} seed={seed}: the job wrote no metrics; its stderr ends:\n{proc.stderr.read()[-2000:]}", file=sys.stderr)
+    return rows
 
 
 def read_rows(path: Path) -> list[dict[str, Any]]:
@@ -85,6 +100,50 @@ def read_rows(path: Path) -> list[dict[str, Any]]:
         except json.JSONDecodeError:
             pass  # a line being written
     return rows
+
+
+EVAL_SEED = 1_500_000_000
+"""First held-out start of simulator 0's eval slots (workers/simulator.py); ``--final-eval`` uses
+the same starts, so its figure extends the eval curve's last point to more episodes."""
+
+
+def warm_start(config: str, seed: int, out: Path, overrides: list[str], episodes: int, epochs: int, lr: float) -> dict[str, Any]:
+    """``rlvla3 sft`` once for a seed; returns its figures (``sft.json``)."""
+    args = [sys.executable, "-m", "rlvla3", "sft", config, "--out", str(out), "--episodes", str(episodes),
+            "--epochs", str(epochs), "--lr", str(lr), "--eval-episodes", "0", "--set", f"run.seed={seed}"]
+    for o in overrides:
+        args += ["--set", o]
+    subprocess.run(args, cwd=ROOT, check=True, stdout=subprocess.DEVNULL, env={**os.environ, **launcher_env()})
+    return json.loads((out / "sft.json").read_text())
+
+
+def final_eval(config: str, checkpoint: Path, overrides: list[str], episodes: int) -> float:
+    """Deterministic success of a checkpoint (a run folder or an ``rlvla3 sft`` folder) on the
+    first ``episodes`` held-out starts of the eval slots."""
+    import torch
+
+    from rlvla3.config import load
+    from workers.model import build_policy
+    from workers.sft import evaluate_policy
+
+    path = ROOT / config if (ROOT / config).is_file() else config  # as the jobs (cwd: ROOT) read it
+    cfg = load(path, [*overrides, f"model.checkpoint={checkpoint}"])
+    torch.set_num_threads(max(1, cfg.workers.torch_threads))
+    return evaluate_policy(cfg, build_policy(cfg, device="cpu"), episodes, seed=EVAL_SEED)["success"]
+
+
+def curve_json(c: dict[str, np.ndarray], rows: list[dict[str, Any]], points: int = 60) -> dict[str, Any]:
+    """A curve for the JSON: at most ``points`` training points, and one point per eval round."""
+    keep = np.unique(np.linspace(0, len(c["steps"]) - 1, min(points, len(c["steps"]))).astype(int)) if len(c["steps"]) else []
+    t0 = next((r["elapsed_s"] for r in rows if r.get("env_steps", 0) > 0), 0.0)
+    evals: dict[int, list[float]] = {}
+    for r in rows:  # a round's success is over its episodes so far: keep its last (fullest) line
+        if r.get("eval_version") is not None and r.get("eval_success") is not None:
+            first = evals.get(r["eval_version"], [r["env_steps"], round(r["elapsed_s"] - t0, 1)])[:2]
+            evals[r["eval_version"]] = [*first, r["eval_success"], r.get("eval_episodes", 0)]
+    return {"steps": [int(c["steps"][i]) for i in keep], "seconds": [round(float(c["seconds"][i]), 1) for i in keep],
+            "success": [round(float(c["success"][i]), 3) for i in keep],
+            "eval": [[v, *evals[v]] for v in sorted(evals)]}  # [version, env steps, seconds, success, episodes]
 
 
 def curve(rows: list[dict[str, Any]]) -> dict[str, np.ndarray]:
@@ -112,7 +171,10 @@ def reached(rows: list[dict[str, Any]], target: float) -> tuple[float, float] | 
     return float(c["steps"][hit[0]]), float(c["seconds"][hit[0]])
 
 
-def plot(curves: dict[str, list[dict[str, np.ndarray]]], target: float, out: Path, title: str = "synthetic reach") -> list[Path]:
+def plot(curves: dict[str, list[dict[str, np.ndarray]]], target: float, out: Path, title: str = "synthetic reach",
+         evals: dict[str, list[dict[str, Any]]] | None = None) -> list[Path]:
+    """Success and return against env steps and seconds; ``evals`` (``curve_json``'s) adds the
+    eval slots' deterministic success as markers."""
     import matplotlib
 
     matplotlib.use("Agg")
@@ -125,6 +187,11 @@ def plot(curves: dict[str, list[dict[str, np.ndarray]]], target: float, out: Pat
             for i, c in enumerate(curves.get(mode, [])):
                 for ax, x in zip(axes, ("steps", "seconds")):
                     ax.plot(c[x], c[metric], color=color, alpha=0.8, label=mode if i == 0 else None)
+            for i, cj in enumerate((evals or {}).get(mode, []) if metric == "success" else []):
+                pts = np.array(cj["eval"], float).reshape(-1, 5)  # version, steps, seconds, success, episodes
+                for ax, col in zip(axes, (1, 2)):
+                    ax.plot(pts[:, col], pts[:, 3], "o--", color=color, ms=4, lw=0.8,
+                            label=f"{mode} eval (deterministic)" if i == 0 else None)
         for ax, x in zip(axes, ("env steps", "wall-clock seconds (from first env step)")):
             ax.set_xlabel(x)
             ax.set_ylabel(metric)
@@ -153,9 +220,19 @@ def main() -> None:
     ap.add_argument("--out", default=f"{OUT_DIR}/learning", help="folder for PNGs, per-run folders and results.json (default: ./bench/out/learning)")
     ap.add_argument("--smoke", action="store_true", help="tiny run for CI (no learning value): a few hundred steps per mode")
     ap.add_argument("--timeout", type=float, default=300.0, help="seconds per job at most")
+    ap.add_argument("--modes", nargs="+", choices=MODES, default=list(MODES), help="run.mode values to run, in order")
+    ap.add_argument("--blank-images", action="store_true",
+                    help="ablation: all-zero camera images for the warm start and RL (env.options.blank_images)")
+    ap.add_argument("--sft-episodes", type=int, default=0, help="warm-start each seed once with `rlvla3 sft` on this many expert episodes")
+    ap.add_argument("--sft-epochs", type=int, default=20, help="behaviour-cloning passes of the warm start")
+    ap.add_argument("--sft-lr", type=float, default=1e-3, help="learning rate of the warm start")
+    ap.add_argument("--final-eval", type=int, default=0,
+                    help="score the warm start and each job's last checkpoint on this many held-out starts")
     args = ap.parse_args()
 
     overrides = list(args.overrides)
+    if args.blank_images:
+        overrides.append("env.options.blank_images=true")
     seeds, steps, timeout = args.seeds, args.steps, args.timeout
     if args.quick:
         seeds, steps, timeout = [0], 10_000, 27.0
@@ -167,16 +244,32 @@ def main() -> None:
 
     curves: dict[str, list[dict[str, np.ndarray]]] = {m: [] for m in MODES}
     hits: dict[str, list[tuple[float, float] | None]] = {m: [] for m in MODES}
+    curves_json: dict[str, list[dict[str, Any]]] = {m: [] for m in MODES}
+    warm: list[dict[str, Any]] = []
     for seed in seeds:
-        for mode in MODES:
+        job_overrides = list(overrides)
+        if args.sft_episodes > 0:
+            sft_dir = out / f"sft-seed{seed}"
+            fig = warm_start(args.config, seed, sft_dir, overrides, args.sft_episodes, args.sft_epochs, args.sft_lr)
+            if args.final_eval:
+                fig["held_out_success"] = final_eval(args.config, sft_dir, overrides, args.final_eval)
+            warm.append({"seed": seed, **fig})
+            print(f"warm start seed={seed}: {json.dumps(warm[-1])}", file=sys.stderr)
+            job_overrides.append(f"model.checkpoint={sft_dir}")
+        for mode in args.modes:
             run_dir = out / f"{mode}-seed{seed}"
             t = time.monotonic()
-            rows = run_job(mode, seed, steps, run_dir, overrides, args.target if args.quick else None, timeout, args.config)
+            rows = run_job(mode, seed, steps, run_dir, job_overrides, args.target if args.quick else None, timeout, args.config)
             c = curve(rows)
             curves[mode].append(c)
             hits[mode].append(reached(rows, args.target))
+            cj = {"seed": seed, **curve_json(c, rows)}
+            if args.final_eval and (run_dir / "checkpoints" / "latest").is_file():
+                cj["held_out_success"] = final_eval(args.config, run_dir, overrides, args.final_eval)
+            curves_json[mode].append(cj)
             print(f"{mode:5s} seed={seed}  final success={c['success'][-1] if len(c['success']) else None}  "
-                  f"reached={hits[mode][-1]}  job_s={time.monotonic() - t:.1f}", file=sys.stderr)
+                  f"held_out={cj.get('held_out_success')}  reached={hits[mode][-1]}  job_s={time.monotonic() - t:.1f}",
+                  file=sys.stderr)
 
     def median(mode: str, k: int) -> float | None:
         vals = [h[k] for h in hits[mode] if h is not None]
@@ -185,7 +278,7 @@ def main() -> None:
         return round(float(np.median(vals)), 1)
 
     try:
-        pngs = [str(p) for p in plot(curves, args.target, out, Path(args.config).stem)]
+        pngs = [str(p) for p in plot(curves, args.target, out, Path(args.config).stem, curves_json)]
     except ImportError as exc:
         pngs = []
         print(f"matplotlib missing, no PNG: {exc}", file=sys.stderr)
@@ -194,6 +287,8 @@ def main() -> None:
         "sync_steps_to_target": median("sync", 0), "async_steps_to_target": median("async", 0),
         "sync_seconds_to_target": median("sync", 1), "async_seconds_to_target": median("async", 1),
         "per_seed": {m: [list(h) if h else None for h in hits[m]] for m in MODES},
+        "blank_images": args.blank_images, "warm_start": warm, "final_eval_episodes": args.final_eval,
+        "curves": curves_json,
         "out": str(out), "png": pngs,
     }
     (out / "results.json").write_text(json.dumps(result, indent=1))

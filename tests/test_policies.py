@@ -88,6 +88,9 @@ def test_evaluate_reproduces_act_logprobs(case):
     torch.testing.assert_close(ev.logprob.detach(), out.logprob, atol=1e-5, rtol=0)
     torch.testing.assert_close(ev.value.detach(), out.value, atol=1e-5, rtol=0)
     assert torch.isfinite(ev.entropy).all()
+    if policy.family == "openvla_oft":  # behaviour cloning scores given actions with no replay
+        bare = policy.evaluate(obs, out.actions, {})
+        torch.testing.assert_close(bare.logprob.detach(), out.logprob, atol=1e-5, rtol=0)
 
 
 def test_gradients_reach_every_trainable_parameter(case):

@@ -71,6 +71,23 @@ def test_images_upright_at_configured_size() -> None:
         env.close()
 
 
+def test_render_every_repeats_frames_between_decisions_and_blank_images_are_zero() -> None:
+    opts = {"task": "reach-v3", "cameras": ["corner"], "image_size": [32, 32], "render_every": 3}
+    env = make_env("metaworld", 1, options=opts)
+    blank = make_env("metaworld", 1, options={**opts, "blank_images": True})
+    try:
+        first = env.reset([0], [0]).images["corner"][0]
+        down = np.array([[0, 0, -1, 0]], np.float32)
+        for _ in range(2):  # steps 1, 2: the reset frame again
+            assert np.array_equal(env.step([0], down).obs.images["corner"][0], first)
+        assert not np.array_equal(env.step([0], down).obs.images["corner"][0], first)  # step 3: rendered
+        assert not blank.reset([0], [0]).images["corner"].any()
+        assert not blank.step([0], down).obs.images["corner"].any()
+    finally:
+        env.close()
+        blank.close()
+
+
 @pytest.mark.parametrize("goal_mode", ["benchmark", "seeded"])
 def test_same_seed_same_first_obs(goal_mode: str) -> None:
     opts = {"benchmark": "ML1", "task": "pick-place-v3", "goal_mode": goal_mode, "image_size": [32, 32]}

@@ -99,6 +99,14 @@ class MetaWorldOptions:
     success in 80k steps; GRPO on ``algo.grpo_reward: success`` (the default config) needs none."""
     benchmark_seed: int = 0
     """Seed of the benchmark's goal list, so goal k is the same on every machine."""
+    render_every: int = 1
+    """Render the cameras only on an episode's first step and every ``render_every``-th step
+    after it (and when an episode ends); other steps repeat the last frame. Set it to
+    ``model.chunk_size``: a policy reads images only at chunk starts, which are exactly these
+    steps, and software GL (~25-40 ms per 64x64 frame on CPU) is then paid once per decision."""
+    blank_images: bool = False
+    """Return all-zero camera images (nothing rendered): the ablation that shows whether a
+    policy uses its cameras."""
 
 
 class _FastRenderer:
@@ -209,6 +217,8 @@ class MetaWorldEnv(SimEnv):
             classes, tasks = (b.train_classes, b.train_tasks) if o.split == "train" else (b.test_classes, b.test_tasks)
         else:
             raise ValueError(f"metaworld: benchmark must be MT1, MT10 or ML1, got {o.benchmark!r}")
+        if o.render_every < 1:
+            raise ValueError(f"metaworld: render_every must be >= 1, got {o.render_every}")
         if o.goal_mode not in ("benchmark", "seeded"):
             raise ValueError(f"metaworld: goal_mode must be 'benchmark' or 'seeded', got {o.goal_mode!r}")
         names = list(classes)
@@ -224,14 +234,19 @@ class MetaWorldEnv(SimEnv):
             env.max_path_length = max(env.max_path_length, o.max_episode_steps + 1)
             env.reset()
             self._envs.append(env)
-            self._renderers.append(_FastRenderer(env.model, env.data, o.cameras, h, w) if o.cameras else None)
+            self._renderers.append(_FastRenderer(env.model, env.data, o.cameras, h, w)
+                                   if o.cameras and not o.blank_images else None)
+        self._frames: list[dict[str, np.ndarray]] = [{c: np.zeros((h, w, 3), np.uint8) for c in o.cameras}
+                                                     for _ in range(num_envs)]  # last rendered, per env
         self._t = np.zeros(num_envs, np.int64)
+        self._fresh = np.ones(num_envs, bool)  # render this env's cameras at its next observation
         self._succeeded = np.zeros(num_envs, bool)  # this episode has succeeded (success_bonus paid)
         self._raw = [np.zeros(39)] * num_envs  # last unmasked observation, for the expert
         self._last = [np.zeros(39)] * num_envs  # last observation as the env returned it
         self._experts: dict[str, Any] = {}
         log.info("metaworld_ready", benchmark=bench, tasks=sorted(set(self.task_names)), num_envs=num_envs,
-                 cameras=o.cameras, flipped=sorted(self._renderers[0].flip) if self._renderers[0] else [])
+                 cameras=o.cameras, flipped=sorted(self._renderers[0].flip) if self._renderers[0] else [],
+                 render_every=o.render_every, blank_images=o.blank_images)
 
     @staticmethod
     def spec_for(o: MetaWorldOptions) -> EnvSpec:
@@ -257,6 +272,7 @@ class MetaWorldEnv(SimEnv):
             raw, _ = env.reset()
             self._t[i] = 0
             self._succeeded[i] = False
+            self._fresh[i] = True
             self._remember(i, raw)
 
     def _step(self, ids: list[int], actions: np.ndarray) -> StepResult:
@@ -275,6 +291,8 @@ class MetaWorldEnv(SimEnv):
             self._remember(i, raw)
         terminated, truncated = episode_ends(self._t[ids], success, self.opts.terminate_on_success,
                                              self.opts.max_episode_steps)
+        for i, end in zip(ids, terminated | truncated):  # render again at an episode's end or every render_every steps
+            self._fresh[i] = bool(end or self._t[i] % self.opts.render_every == 0)
         return StepResult(reward, terminated, truncated, success)
 
     def close(self) -> None:
@@ -298,9 +316,16 @@ class MetaWorldEnv(SimEnv):
         d = self.spec.state_dim
         for i, row in zip(ids, rows):
             into.state[row] = np.asarray(self._last[i], np.float32).reshape(-1)[:d]
+            views = {c: into.images[c][row] for c in self.opts.cameras}
             r = self._renderers[i]
-            if r is not None:
-                r.render_into(self._envs[i].data, {c: into.images[c][row] for c in r.cameras})
+            if r is not None and self._fresh[i]:
+                r.render_into(self._envs[i].data, views)
+                if self.opts.render_every > 1:  # kept for the steps that show it again
+                    for c, v in views.items():
+                        np.copyto(self._frames[i][c], v)
+            else:  # blank_images (zeros), or a step between renders: the last frame again
+                for c, v in views.items():
+                    np.copyto(v, self._frames[i][c])
             into.instruction[row] = instruction_for(self.task_names[i])
 
     def expert_policy(self, i: int) -> Any:

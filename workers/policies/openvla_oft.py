@@ -197,10 +197,22 @@ class OpenVLAOFTPolicy(ReleaseCheckpointMixin, Policy):
     def evaluate(self, obs: Observation, actions: torch.Tensor, replay: dict[str, torch.Tensor]) -> EvalOutput:
         logits, value = self._forward(self.norm.state_in(obs))
         logp = logits.log_softmax(-1)
-        tok = replay["action_bins"].to(self.device).long().clone()  # clone: may come from inference_mode
+        if "action_bins" in replay:
+            tok = replay["action_bins"].to(self.device).long().clone()  # clone: may come from inference_mode
+        else:  # given actions without a sample's replay (behaviour cloning, workers/sft.py)
+            tok = self.action_bins(actions)
         lp = logp.gather(-1, tok[..., None]).squeeze(-1)
         entropy = -(logp.exp() * logp).sum(-1)
         return EvalOutput(logprob=lp, entropy=entropy, value=value)
+
+    def action_bins(self, actions: torch.Tensor) -> torch.Tensor:
+        """Env actions ``[B, T, A]`` -> the bin of each action token ``[B, T*A]`` (the bin whose
+        centre is nearest, after the release's action normalisation is undone)."""
+        a = (actions.to(self.device).float() - self.norm.action_shift) / self.norm.action_scale
+        lo = self.spec.action_low
+        width = (self.spec.action_high - lo) / self.opts.n_bins
+        tok = ((a - lo) / width).floor().long().clamp(0, self.opts.n_bins - 1)
+        return tok.reshape(len(tok), -1)
 
     def action_token_ids(self, bins: torch.Tensor) -> torch.Tensor:
         """Vocabulary ids of action bins (for logging / SFT): the last ``n_bins`` ids."""
