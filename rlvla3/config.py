@@ -8,6 +8,7 @@ it (as a plain dict) to every worker in its reply to READY.
 from __future__ import annotations
 
 import dataclasses
+import re
 import types
 import typing
 from dataclasses import dataclass, field
@@ -20,6 +21,8 @@ import yaml
 from rlvla3.config_rules import validate_job
 from rlvla3.scale_config import ConfigError, LoraConfig, PlacementConfig, TrainConfig
 
+SCIENTIFIC = re.compile(r"[-+]?(\d+\.?\d*|\.\d+)[eE][-+]?\d+")
+"""A number in exponent notation without a dot (``1e-4``), which YAML 1.1 reads as a string."""
 
 
 @dataclass
@@ -365,6 +368,8 @@ def _coerce(typ: Any, value: Any, key: str) -> Any:
         raise ConfigError(f"{key}: expected an integer, got {value!r}")
     if typ is float:
         if isinstance(value, (int, float)) and not isinstance(value, bool):
+            return float(value)
+        if isinstance(value, str) and SCIENTIFIC.fullmatch(value.strip()):  # YAML 1.1 reads 1e-4 as a string
             return float(value)
         raise ConfigError(f"{key}: expected a number, got {value!r}")
     if typ is str:

@@ -45,6 +45,9 @@ def test_config_errors_name_the_key():
         load("synthetic.yaml", ["env.num_envs=5", "env.slots=2"])
     cfg = load("synthetic.yaml", ["batching.max_batch=16", "env.options.latency={kind: constant, mean_ms: 3}"])
     assert cfg.batching.max_batch == 16 and cfg.env.options["latency"]["mean_ms"] == 3
+    assert load("synthetic.yaml", ["algo.lr=1e-4"]).algo.lr == 1e-4  # YAML 1.1 reads 1e-4 as a string
+    with pytest.raises(ConfigError, match="algo.lr"):
+        load("synthetic.yaml", ["algo.lr=1e-4x"])
 
 
 def test_removed_keys_name_their_replacement():
