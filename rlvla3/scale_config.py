@@ -48,6 +48,11 @@ class TrainConfig:
     (``torch.distributed.fsdp.fully_shard``, ``workers.algorithms.distributed.wrap_fsdp``) instead
     of replicating them with DDP. Refused for now: publishing and checkpoints read rank 0's
     parameters whole, and under FSDP they must be gathered on every rank first."""
+    min_update_s: float = 0.0
+    """For benchmarks: every update lasts at least this long (the rest after the optimizer
+    steps is slept, before the version is published), so a small model stands in for a large
+    model's update time on a CPU machine, as ``model.options.forward_delay_ms`` does for the
+    forward pass (``bench/ablation.py --train-cost``). 0: off."""
 
 
 @dataclass
@@ -137,6 +142,8 @@ def validate_scale(lora: LoraConfig, train: TrainConfig, placement: PlacementCon
                    trainers: int = 1) -> None:
     if lora.rank < 1 or lora.alpha <= 0 or not lora.targets:
         raise ConfigError("model.lora: rank must be >= 1, alpha > 0 and targets non-empty")
+    if not 0.0 <= train.min_update_s <= 3600.0:
+        raise ConfigError(f"train.min_update_s: {train.min_update_s} is not in [0, 3600] seconds")
     if train.fsdp:
         raise ConfigError("train.fsdp: the sharded update works (wrap_fsdp), but the trainer's weight "
                                "publication and checkpoints do not gather FSDP shards yet; use DDP (false)")

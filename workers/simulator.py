@@ -25,7 +25,7 @@ from rlvla3.observation import Observation
 from rlvla3.shm import ShmPool, sweep_leftovers
 from workers.base import JobRunner, WorkerBase
 from workers.envs.base import EnvAdapter
-from workers.envs.subproc import GuardedEnv, SubprocEnv
+from workers.envs.subproc import slot_adapter
 from workers.recorder import EpisodeRecorder
 from workers.trajectory import EnvTrajectory, StepRecord
 
@@ -125,7 +125,7 @@ class SimulatorWorker(WorkerBase):
         seed0 = cfg.run.seed * 1_000_003 + self.index * 10_007
         for s in range(n_slots):
             envs = list(range(s * k, (s + 1) * k))
-            adapter = self._make_adapter(k, seed0 + s)
+            adapter = slot_adapter(self.cfg.env, k, seed0 + s)
             slot = Slot(index=s, envs=envs, adapter=adapter, runner=self.new_runner(f"slot{s}"),
                         trajs=[EnvTrajectory(env=self.index * 100_000 + e) for e in envs],
                         eval=s >= n_slots - cfg.env.eval_slots)
@@ -150,14 +150,6 @@ class SimulatorWorker(WorkerBase):
             if slot.eval:
                 continue  # idle until the first evaluation round
             slot.runner.submit(lambda slot=slot: self._reset_all(slot), ("reset", slot.index))
-
-    def _make_adapter(self, k: int, seed: int) -> EnvAdapter:
-        env = self.cfg.env
-        if env.parallel == "process":
-            return SubprocEnv(env.name, num_envs=k, seed=seed, options=env.options, step_timeout_s=env.step_timeout_s)
-        # In the worker's process: an env that raises is rebuilt and its envs end truncated
-        # (info["restarted"], as SubprocEnv reports a crashed child).
-        return GuardedEnv(env.name, num_envs=k, seed=seed, options=env.options)
 
     def _seed_for(self, env: int, episode: int) -> int:
         return episode_seed(self.cfg.run.seed, env, episode, self.cfg.env.group_size, self.cfg.env.group_mode)
