@@ -55,6 +55,8 @@ from _common import OUT_DIR, emit, local_job, note  # noqa: E402  (bench/ is fir
 
 MODES = ("sync", "async_rollout", "async")
 STAGES = ("simulators", "generator", "trainer")
+WARM_STEPS = 3
+"""Steps each simulator slot takes before the stage's clock starts."""
 
 
 @dataclass
@@ -194,6 +196,8 @@ def sim_stage_alone(cfg: JobConfig, seconds: float) -> float:
             rng = np.random.default_rng(i)
             ids = list(range(k))
             env.reset(ids, None)
+            for _ in range(WARM_STEPS):  # first renders are slow (contexts, shaders): not timed
+                env.step(ids, rng.uniform(-1, 1, (k, env.spec.action_dim)).astype(np.float32))
         finally:
             built.wait()
         go.wait()
