@@ -124,7 +124,7 @@ def start_mode(mode: str, args: argparse.Namespace, train_cost_s: float, root: P
     return job
 
 
-def measure_mode(mode: str, job: Any, args: argparse.Namespace, chunk: int) -> dict[str, Any]:
+def measure_mode(mode: str, job: Any, args: argparse.Namespace) -> dict[str, Any]:
     """Wait until the trainer made its first update (every process up, the loop has turned
     once), then count env steps over ``args.window`` seconds."""
     fig = job.wait_status(lambda f: f.get("trainer_version", 0) >= 1, args.warmup_s, f"{mode}: a first update")
@@ -143,7 +143,7 @@ def measure_mode(mode: str, job: Any, args: argparse.Namespace, chunk: int) -> d
     }
 
 
-def run_modes(args: argparse.Namespace, train_cost_s: float, chunk: int) -> dict[str, dict[str, Any]]:
+def run_modes(args: argparse.Namespace, train_cost_s: float) -> dict[str, dict[str, Any]]:
     """One job per mode, measured one after the other. The next job starts while the last one
     stops (neither is being measured then); a window begins only once the last job is gone.
     ``--smoke`` starts the three at once (no timing value there, and start-up is most of it)."""
@@ -159,16 +159,17 @@ def run_modes(args: argparse.Namespace, train_cost_s: float, chunk: int) -> dict
                     jobs[mode] = start_mode(mode, args, train_cost_s, Path(tmp))
                 if stopping is not None:
                     stopping.join()
-                out[mode] = measure_mode(mode, jobs[mode], args, chunk)
+                out[mode] = measure_mode(mode, jobs[mode], args)
                 note(f"{mode:>14}: {out[mode]['sps']:8.1f} env steps/s (load {out[mode]['load']})")
                 if not args.smoke:  # stopping only signals and waits: a thread may do it
                     stopping = threading.Thread(target=jobs.pop(mode).stop, name=f"stop-{mode}")
                     stopping.start()
         finally:
-            if stopping is not None:
-                stopping.join()
-            for job in jobs.values():
-                job.stop()
+            stops = [threading.Thread(target=job.stop) for job in jobs.values()]
+            for t in stops:
+                t.start()
+            for t in [*stops, *([stopping] if stopping is not None else [])]:
+                t.join()
     return out
 
 
@@ -375,7 +376,7 @@ def main() -> None:
          f"train cost {train_cost_s:.3f} s, compute {compute_s:.3f} s")
 
     # ---- the three modes -----------------------------------------------------------------------
-    modes = run_modes(args, train_cost_s, chunk)
+    modes = run_modes(args, train_cost_s)
 
     result: dict[str, Any] = {"sim": args.sim, "window_s": args.window}
     for mode in MODES:
