@@ -1,55 +1,112 @@
-"""The paper's ablation on this machine: sync vs async_rollout vs async, side by side, on the
-synthetic task with a long-tailed step-time profile, plus each stage measured alone.
+"""The paper's Table 1 on this machine: sync vs async_rollout vs async, side by side on one
+simulator, plus each stage alone (simulators, generator, trainer).
 
-Each mode is a real job (broker + 2 simulators + 1 generator + 1 trainer, separate processes).
-Throughput is env steps per second over a window after warm-up. ``bottleneck_sps`` is the
-slowest stage's throughput when it runs alone (simulator slots stepping with no policy in the
-loop; the generator's batched forward with no env; the trainer's update with no I/O): the
-ceiling that a perfectly overlapped pipeline reaches.
+Each mode is a real job (broker, simulators, one generator, one trainer: separate processes).
+Throughput is env steps per second (the paper's samples/s) over a window that starts once the
+trainer has made its first update. ``stages_sps`` are the three stages alone, each in env steps
+per second: the simulator slots stepping random actions (resets included) with no policy; the
+generator's batched forward with no env; the trainer's update with no I/O. The slowest of them,
+``bottleneck_sps``, is what a perfectly overlapped pipeline reaches.
 
-    python bench/ablation.py --quick            # < 60 s; writes bench/out/ablation.png
-    python bench/ablation.py --window 30 --out /tmp/ablation
+    python bench/ablation.py --quick                 # synthetic, < 60 s
+    python bench/ablation.py                         # synthetic, 20 s per mode
+    python bench/ablation.py --sim libero --window 60
 
-The generator's forward pass sleeps ``--forward-ms`` per batch (``model.options.forward_delay_ms``):
-the stand-in for a VLA's GPU inference, so the three stages have comparable costs on 2 cores.
-The default layout (2 simulators x 48 envs in slots of 2) keeps enough envs in flight for the
-slowest stage to always find a full batch waiting: with fewer, async is bounded by the closed
-loop's depth (32 envs per simulator measured 74% of the bottleneck, 48 measured 96%).
+Simulators (``--sim``; each has its own default layout, flags override it):
+
+* ``synthetic``: 2 simulators x 48 envs in slots of 2, long-tailed step times (4 ms, 5% at
+  80 ms). Enough envs are in flight for the slowest stage to always find a full batch.
+* ``metaworld``: ML1 pick-place, two cameras (corner, gripperPOV) at 128x128, chunks of 4.
+* ``libero``: LIBERO-Spatial, two cameras (agentview, wrist) at 128x128, chunks of 8. Its real
+  resets (set the init state, then settle for 10 rendered steps: 1-3 s) are the long tail;
+  episodes are cut at ``--episode-steps`` so they recur within a window.
+* ``maniskill``: PickCube, one camera at 128x128, chunks of 4.
+
+Stand-ins for a VLA's cost on 2 CPU cores: the generator's forward pass sleeps ``--forward-ms``
+per batch (``model.options.forward_delay_ms``), and every update lasts at least
+``--train-cost`` seconds (``train.min_update_s``). Its default follows one rule: an update
+takes as long as the generator alone needs to produce one training batch (``batch_steps``
+decisions at ``max_batch`` per forward), measured in the same run. The JSON says whether the
+update was padded with a sleep or its real compute was already longer (``train_cost_kind``).
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import os
 import sys
 import tempfile
 import threading
 import time
+from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+os.environ.setdefault("MUJOCO_GL", "egl")
 
-from rlvla3.config import load  # noqa: E402
+from rlvla3.config import JobConfig, load  # noqa: E402
 from rlvla3.observation import Observation  # noqa: E402
 
-from _common import OUT_DIR, local_job  # noqa: E402  (bench/, the script's folder, is first on sys.path)
+from _common import OUT_DIR, emit, local_job, note  # noqa: E402  (bench/ is first on sys.path)
 
 MODES = ("sync", "async_rollout", "async")
+STAGES = ("simulators", "generator", "trainer")
+WARM_STEPS = 3
+"""Steps each simulator slot takes before the stage's clock starts."""
 
 
-def job_overrides(args: argparse.Namespace) -> list[str]:
-    lat = f"{{kind: bimodal, mean_ms: {args.step_ms}, slow_ms: {args.slow_ms}, slow_prob: {args.slow_prob}}}"
-    return [
-        f"env.num_envs={args.envs}", f"env.slots={args.slots}", "env.fragment_len=16",
-        f"env.options.latency={lat}", "env.options.image_size=16",
-        f"model.options.forward_delay_ms={args.forward_ms}", "model.options.hidden=64",
+@dataclass
+class Layout:
+    """One simulator's default job for the ablation (every field has a command-line flag)."""
+
+    config: str
+    sims: int
+    envs: int
+    slots: int
+    max_batch: int
+    batch_steps: int
+    window: float
+    stage_s: float
+    env_options: dict[str, Any] = field(default_factory=dict)
+
+
+BIMODAL = {"kind": "bimodal", "mean_ms": 4.0, "slow_ms": 80.0, "slow_prob": 0.05}
+LAYOUTS = {
+    "synthetic": Layout("synthetic.yaml", sims=2, envs=48, slots=24, max_batch=32, batch_steps=512, window=20.0,
+                        stage_s=5.0, env_options={"latency": BIMODAL, "image_size": 16}),
+    "metaworld": Layout("metaworld_ml1_pickplace_rgb.yaml", sims=1, envs=4, slots=4, max_batch=4, batch_steps=32,
+                        window=60.0, stage_s=30.0),
+    "libero": Layout("libero_spatial_rgb.yaml", sims=1, envs=4, slots=4, max_batch=4, batch_steps=8, window=60.0,
+                     stage_s=30.0, env_options={"max_episode_steps": 64}),
+    "maniskill": Layout("maniskill_pickcube_rgb.yaml", sims=1, envs=2, slots=2, max_batch=2, batch_steps=16,
+                        window=60.0, stage_s=30.0),
+}
+
+
+def job_config(args: argparse.Namespace, mode: str = "async", train_cost_s: float = 0.0) -> JobConfig:
+    layout = LAYOUTS[args.sim]
+    options = dict(layout.env_options)
+    if args.episode_steps:
+        options["max_episode_steps"] = args.episode_steps
+    sets = [f"env.options.{k}={v}" for k, v in options.items()]
+    return load(layout.config, [
+        *sets, f"env.num_envs={args.envs}", f"env.slots={args.slots}", "env.fragment_len=16",
+        "model.family=mlp", f"model.options={{forward_delay_ms: {args.forward_ms}, hidden: 64}}",
         f"batching.max_batch={args.max_batch}", "batching.max_wait_ms=5", "batching.credits=2",
-        f"algo.batch_steps={args.batch_steps}", "algo.epochs=2", "algo.minibatch_size=128",
-        "algo.max_staleness=1000000", f"workers.simulators={args.sims}", "workers.generators=1", "workers.trainers=1",
-        "run.progress_every_s=1",
-    ]
+        f"algo.batch_steps={args.batch_steps}", "algo.epochs=2", f"algo.minibatch_size={min(128, args.batch_steps)}",
+        f"algo.max_staleness={args.max_staleness}", "algo.checkpoint_every=0",
+        f"workers.simulators={args.sims}", "workers.generators=1", "workers.trainers=1",
+        f"train.min_update_s={train_cost_s}", f"run.mode={mode}", "run.progress_every_s=1",
+    ])
+
+
+def load_now() -> float:
+    """The machine's 1-minute load average (it is shared: every figure carries it)."""
+    return round(os.getloadavg()[0], 2)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -57,76 +114,133 @@ def job_overrides(args: argparse.Namespace) -> list[str]:
 # ---------------------------------------------------------------------------------------------
 
 
-def measure_mode(mode: str, args: argparse.Namespace, root: Path) -> dict:
-    cfg = load("synthetic.yaml", [*job_overrides(args), f"run.mode={mode}"])
-    job = local_job(cfg, root / mode)
+def start_mode(mode: str, args: argparse.Namespace, train_cost_s: float, root: Path) -> Any:
+    job = local_job(job_config(args, mode, train_cost_s), root / mode)
     try:
         job.start_all()
-        deadline = time.monotonic() + 60
-        fig = job.status()
-        while fig["env_steps"] < args.warmup_steps:  # warm: every process up, first updates done
-            if time.monotonic() > deadline:
-                raise RuntimeError(f"{mode}: no progress; logs in {job.run_dir}")
-            time.sleep(0.2)
-            fig = job.status()
-        t0, s0 = time.monotonic(), fig["env_steps"]
-        time.sleep(args.window)
-        fig = job.status()
-        t1, s1 = time.monotonic(), fig["env_steps"]
-        return {
-            "sps": (s1 - s0) / (t1 - t0), "versions": fig["policy_version"],
-            "batch_p50": fig["batch_size"].get("p50"), "queue_wait_p50_us": fig["queue_wait_us"].get("p50"),
-            "generate_p50_us": fig["generate_us"].get("p50"),
-        }
-    finally:
+    except BaseException:
         job.stop()
+        raise
+    return job
+
+
+def measure_mode(mode: str, job: Any, args: argparse.Namespace) -> dict[str, Any]:
+    """Wait until the trainer made its first update (every process up, the loop has turned
+    once), then count env steps over ``args.window`` seconds."""
+    fig = job.wait_status(lambda f: f.get("trainer_version", 0) >= 1, args.warmup_s, f"{mode}: a first update")
+    t0, s0, v0, load0 = time.monotonic(), fig["env_steps"], fig["trainer_version"], load_now()
+    time.sleep(args.window)
+    fig = job.status()
+    t1, s1 = time.monotonic(), fig["env_steps"]
+    trainer = fig.get("trainer") or {}
+    return {
+        "sps": round((s1 - s0) / (t1 - t0), 2), "updates": fig["trainer_version"] - v0,
+        "versions": fig["policy_version"], "batch_p50": fig["batch_size"].get("p50"),
+        "queue_wait_p50_us": fig["queue_wait_us"].get("p50"), "generate_p50_us": fig["generate_us"].get("p50"),
+        "update_s": trainer.get("update_s"), "compute_s": trainer.get("compute_s"),
+        "admission_waits": fig.get("admission_waits"), "dropped_stale": fig.get("dropped_stale"),
+        "load": [load0, load_now()],
+    }
+
+
+def run_modes(args: argparse.Namespace, train_cost_s: float) -> dict[str, dict[str, Any]]:
+    """One job per mode, measured one after the other. The next job starts while the last one
+    stops (neither is being measured then); a window begins only once the last job is gone.
+    ``--smoke`` starts the three at once (no timing value there, and start-up is most of it)."""
+    out: dict[str, dict[str, Any]] = {}
+    with tempfile.TemporaryDirectory(prefix="rlvla3-ablation-") as tmp:
+        jobs: dict[str, Any] = {}
+        stopping: threading.Thread | None = None
+        try:
+            for mode in MODES if args.smoke else ():
+                jobs[mode] = start_mode(mode, args, train_cost_s, Path(tmp))
+            for mode in MODES:
+                if mode not in jobs:
+                    jobs[mode] = start_mode(mode, args, train_cost_s, Path(tmp))
+                if stopping is not None:
+                    stopping.join()
+                out[mode] = measure_mode(mode, jobs[mode], args)
+                note(f"{mode:>14}: {out[mode]['sps']:8.1f} env steps/s (load {out[mode]['load']})")
+                if not args.smoke:  # stopping only signals and waits: a thread may do it
+                    stopping = threading.Thread(target=jobs.pop(mode).stop, name=f"stop-{mode}")
+                    stopping.start()
+        finally:
+            stops = [threading.Thread(target=job.stop) for job in jobs.values()]
+            for t in stops:
+                t.start()
+            for t in [*stops, *([stopping] if stopping is not None else [])]:
+                t.join()
+    return out
 
 
 # ---------------------------------------------------------------------------------------------
-# Each stage alone
+# Each stage alone (in this process, as the workers run it: one torch thread, the same adapters)
 # ---------------------------------------------------------------------------------------------
 
 
-def sim_stage_alone(args: argparse.Namespace, seconds: float) -> float:
-    """All simulator slots stepping with random actions, no policy: env steps/s."""
-    from workers.envs.base import make_env
+def sim_stage_alone(cfg: JobConfig, seconds: float) -> float:
+    """Every simulator slot stepping random actions, no policy: env steps/s. Slots are built
+    first (not timed); an episode that ends is reset inside the timed loop, as in a job."""
+    from workers.envs.subproc import slot_adapter
 
-    cfg = load("synthetic.yaml", job_overrides(args))
-    k = args.envs // args.slots
-    counts = [0] * (args.sims * args.slots)
-    stop = time.monotonic() + seconds
+    k = cfg.env.num_envs // cfg.env.slots
+    n_slots = cfg.workers.simulators * cfg.env.slots
+    counts = [0] * n_slots
+    built = threading.Barrier(n_slots + 1)
+    go = threading.Event()
+    t_end = [0.0]
 
     def slot(i: int) -> None:
-        env = make_env("synthetic", k, seed=i, options=cfg.env.options)
-        rng = np.random.default_rng(i)
-        ids = list(range(k))
-        env.reset(ids, None)
-        while time.monotonic() < stop:
-            res = env.step(ids, rng.uniform(-1, 1, (k, 2)).astype(np.float32))
-            counts[i] += k
-            done = [j for j in ids if res.terminated[j] or res.truncated[j]]
-            if done:
-                env.reset(done, None)
+        env = None
+        try:
+            env = slot_adapter(cfg.env, k, seed=i)
+            rng = np.random.default_rng(i)
+            ids = list(range(k))
+            env.reset(ids, None)
+            for _ in range(WARM_STEPS):  # first renders are slow (contexts, shaders): not timed
+                env.step(ids, rng.uniform(-1, 1, (k, env.spec.action_dim)).astype(np.float32))
+        finally:
+            built.wait()
+        go.wait()
+        try:
+            while time.monotonic() < t_end[0]:
+                res = env.step(ids, rng.uniform(-1, 1, (k, env.spec.action_dim)).astype(np.float32))
+                counts[i] += k
+                done = [j for j in ids if res.terminated[j] or res.truncated[j]]
+                if done:
+                    env.reset(done, None)
+        finally:
+            env.close()
 
-    threads = [threading.Thread(target=slot, args=(i,)) for i in range(len(counts))]
-    t0 = time.monotonic()
+    threads = [threading.Thread(target=slot, args=(i,), daemon=True) for i in range(n_slots)]
     for t in threads:
         t.start()
+    built.wait()
+    t0 = time.monotonic()
+    t_end[0] = t0 + seconds
+    go.set()
     for t in threads:
         t.join()
     return sum(counts) / (time.monotonic() - t0)
 
 
-def generator_stage_alone(args: argparse.Namespace, seconds: float) -> float:
-    """Batched forward passes of max_batch envs, no env: env steps/s (chunk 1)."""
+def blank_observation(cfg: JobConfig, n: int, rng: np.random.Generator) -> Observation:
+    from workers.model import job_spec
+
+    spec = job_spec(cfg)
+    return Observation({c: rng.integers(0, 255, (n, h, w, 3), dtype=np.uint8) for c, (h, w) in spec.cameras.items()},
+                       rng.random((n, spec.state_dim), dtype=np.float32), ["pick up the object"] * n)
+
+
+def generator_stage_alone(cfg: JobConfig, seconds: float) -> float:
+    """Batched forward passes of ``max_batch`` envs, no env: decisions/s."""
     import torch
 
     from workers.model import build_policy
 
-    cfg = load("synthetic.yaml", job_overrides(args))
     policy = build_policy(cfg).eval()
-    n = args.max_batch
-    obs = Observation({"top": np.zeros((n, 16, 16, 3), np.uint8)}, np.zeros((n, 4), np.float32), ["reach the red dot"] * n)
+    n = cfg.batching.max_batch
+    obs = blank_observation(cfg, n, np.random.default_rng(0))
     done, t0 = 0, time.monotonic()
     with torch.inference_mode():
         while time.monotonic() - t0 < seconds:
@@ -135,98 +249,156 @@ def generator_stage_alone(args: argparse.Namespace, seconds: float) -> float:
     return done / (time.monotonic() - t0)
 
 
-def trainer_stage_alone(args: argparse.Namespace, seconds: float) -> float:
-    """PPO updates on batch_steps decisions, no I/O: decision steps/s."""
+def trainer_stage_alone(cfg: JobConfig, seconds: float) -> tuple[float, float]:
+    """The trainer's update (``workers.algorithms.update``, ``train.min_update_s`` included) on
+    ``batch_steps`` decisions, no I/O: (decisions/s, the update's compute time without pad)."""
     import torch
 
-    from workers.algorithms.ppo import make_optimizer, ppo_update
+    from workers.algorithms.update import TrainBatch, TrainState, update
     from workers.model import build_policy
 
-    cfg = load("synthetic.yaml", job_overrides(args))
     policy = build_policy(cfg).train()
-    opt = make_optimizer(policy.parameters(), cfg.algo)
-    n = args.batch_steps
+    state = TrainState.build(policy, cfg.algo)
+    n, frag, chunk = cfg.algo.batch_steps, cfg.env.fragment_len, cfg.model.chunk_size
     rng = np.random.default_rng(0)
-    batch = {
-        "obs": Observation({"top": rng.integers(0, 255, (n, 16, 16, 3), dtype=np.uint8)},
-                           rng.random((n, 4), dtype=np.float32), ["x"] * n),
-        "actions": torch.randn(n, 1, 2), "replay": {}, "behav_logprob": torch.zeros(n, 1) - 1.0,
-        "advantages": torch.randn(n), "returns": torch.randn(n), "values": torch.zeros(n),
-    }
-    done, t0 = 0, time.monotonic()
-    while time.monotonic() - t0 < seconds:
-        ppo_update(policy, opt, dict(batch), cfg.algo)
+    lengths = [min(frag, n - i) for i in range(0, n, frag)]
+    act = policy.act(blank_observation(cfg, 1, rng)).actions
+    samples = {"obs": blank_observation(cfg, n, rng), "actions": torch.randn(n, *act.shape[1:]), "replay": {},
+               "behav_logprob": torch.zeros(n, chunk) - 1.0, "values": torch.zeros(n)}
+    bootstrap = {"obs": blank_observation(cfg, len(lengths), rng), "actions": torch.randn(len(lengths), *act.shape[1:]),
+                 "replay": {}}
+    batch = TrainBatch(samples=samples, keep=np.ones(n, bool), staleness=np.zeros(n, np.int64),
+                       rewards=torch.randn(n), terminated=torch.zeros(n, dtype=torch.bool), lengths=lengths,
+                       bootstrap=bootstrap, advantages=None, env_steps=n * chunk)
+    done, compute, t0 = 0, [], time.monotonic()
+    while time.monotonic() - t0 < seconds or not compute:
+        result = update(state, batch, cfg.algo, min_s=cfg.train.min_update_s)
+        compute.append(result.compute_s)
         done += n
-    return done / (time.monotonic() - t0)
+    return done / (time.monotonic() - t0), float(np.median(compute))
 
 
-def plot(result: dict, out: Path) -> None:
+# ---------------------------------------------------------------------------------------------
+# Table 1 as a picture
+# ---------------------------------------------------------------------------------------------
+
+
+def plot(result: dict[str, Any], path: Path) -> None:
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    keys = ["sync_sps", "async_rollout_sps", "async_sps", "bottleneck_sps"]
-    fig, ax = plt.subplots(figsize=(6, 3.5))
-    ax.bar([k.replace("_sps", "") for k in keys], [result[k] for k in keys], color=["#999", "#69c", "#36a", "#c63"])
-    ax.set_ylabel("env steps / s")
-    ax.set_title("synthetic task, long-tailed step times")
+    rows = [("sync", result["sync_sps"], "#999999"), ("async rollout", result["async_rollout_sps"], "#6699cc"),
+            ("async", result["async_sps"], "#3366aa")]
+    rows += [(f"{s} alone", result["stages_sps"][s], "#cc6633") for s in STAGES]
+    fig, ax = plt.subplots(figsize=(7, 3.8))
+    ys = np.arange(len(rows))[::-1]
+    ax.barh(ys, [r[1] for r in rows], color=[r[2] for r in rows])
+    ax.set_yticks(ys, [r[0] for r in rows])
+    top = max(r[1] for r in rows)
+    for y, (name, v, _) in zip(ys, rows):
+        label = f"{v:,.1f}"
+        if name in ("async rollout", "async"):
+            label += f"  ({v / max(result['sync_sps'], 1e-9):.2f}x sync)"
+        ax.text(v + top * 0.01, y, label, va="center", fontsize=8)
+    ax.set_xlim(0, top * 1.3)
+    ax.set_xlabel("samples / s (env steps)")
+    ax.set_title(f"{result['sim']}: train cost {result['train_cost_s']:.3f} s ({result['train_cost_kind']}), "
+                 f"load {result['load'][0]}-{result['load'][1]}", fontsize=9)
     fig.tight_layout()
-    fig.savefig(out / "ablation.png", dpi=120)
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+
+
+# ---------------------------------------------------------------------------------------------
+# Main
+# ---------------------------------------------------------------------------------------------
+
+
+def parse_args() -> argparse.Namespace:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--sim", choices=sorted(LAYOUTS), default="synthetic")
+    ap.add_argument("--train-cost", default="auto",
+                    help="seconds every update lasts at least (train.min_update_s); 'auto': the generator's "
+                         "time for one batch alone, measured first; 0: the real update only")
+    ap.add_argument("--quick", action="store_true", help="short windows: under 60 s in all (synthetic)")
+    ap.add_argument("--smoke", action="store_true", help="tiny run for CI (no timing value)")
+    ap.add_argument("--out", default=OUT_DIR, help="folder for ablation_<sim>.png/json (default: ./bench/out)")
+    ap.add_argument("--window", type=float, help="seconds measured per mode (default: the simulator's)")
+    ap.add_argument("--stage-s", type=float, help="seconds per stage alone (default: the simulator's)")
+    ap.add_argument("--warmup-s", type=float, default=900.0, help="most seconds a job may take to its first update")
+    ap.add_argument("--sims", type=int, help="simulator workers")
+    ap.add_argument("--envs", type=int, help="envs per simulator")
+    ap.add_argument("--slots", type=int, help="slots per simulator")
+    ap.add_argument("--max-batch", type=int)
+    ap.add_argument("--batch-steps", type=int, help="decisions per update")
+    ap.add_argument("--max-staleness", type=int, default=4)
+    ap.add_argument("--episode-steps", type=int, help="env.options.max_episode_steps (default: the simulator's)")
+    ap.add_argument("--forward-ms", type=float, default=20.0, help="generator forward time per batch")
+    args = ap.parse_args()
+    layout = LAYOUTS[args.sim]
+    for key in ("window", "stage_s", "sims", "envs", "slots", "max_batch", "batch_steps"):
+        if getattr(args, key) is None:
+            setattr(args, key, getattr(layout, key))
+    if args.quick:
+        args.window, args.stage_s = 5.0, 1.5
+    if args.smoke:  # one small simulator, a short window: every mode and stage still runs
+        args.window, args.stage_s, args.warmup_s = 0.5, 0.2, 120.0
+        args.sims, args.envs, args.slots, args.max_batch, args.batch_steps = 1, 8, 4, 8, 32
+    return args
 
 
 def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--quick", action="store_true", help="short windows: under 60 s in all")
-    ap.add_argument("--window", type=float, default=20.0, help="seconds measured per mode")
-    ap.add_argument("--warmup-steps", type=int, default=600)
-    ap.add_argument("--sims", type=int, default=2)
-    ap.add_argument("--envs", type=int, default=48, help="envs per simulator")
-    ap.add_argument("--slots", type=int, default=24, help="slots per simulator")
-    ap.add_argument("--step-ms", type=float, default=4.0, help="usual step time")
-    ap.add_argument("--slow-ms", type=float, default=80.0, help="long-tail step time")
-    ap.add_argument("--slow-prob", type=float, default=0.05, help="probability of a long-tail step")
-    ap.add_argument("--forward-ms", type=float, default=20.0, help="generator forward time per batch")
-    ap.add_argument("--max-batch", type=int, default=32)
-    ap.add_argument("--batch-steps", type=int, default=512)
-    ap.add_argument("--out", default=OUT_DIR, help="folder for ablation.png (default: ./bench/out)")
-    ap.add_argument("--smoke", action="store_true", help="tiny run for CI (no timing value)")
-    args = ap.parse_args()
-    if args.quick:
-        args.window, args.warmup_steps = 6.0, 300
-    stage_s = 2.0 if args.quick else 5.0
-    if args.smoke:  # one small simulator, a short window: every mode and stage still runs
-        args.window, args.warmup_steps, stage_s = 1.0, 64, 0.3
-        args.sims, args.envs, args.slots, args.max_batch, args.batch_steps = 1, 8, 4, 8, 128
+    from workers.model import job_spec
+
+    args = parse_args()
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     import torch
 
     torch.set_num_threads(1)  # as every worker process runs (workers.torch_threads)
+    load0 = load_now()
+    cfg = job_config(args)
+    chunk = cfg.model.chunk_size
 
-    result: dict = {"window_s": args.window}
-    with tempfile.TemporaryDirectory(prefix="rlvla3-ablation-") as tmp:
-        for mode in MODES:
-            r = measure_mode(mode, args, Path(tmp))
-            result[f"{mode}_sps"] = round(r["sps"], 1)
-            result[f"{mode}_detail"] = r
-            print(f"{mode:>14}: {r['sps']:8.1f} env steps/s", file=sys.stderr)
-    stages = {
-        "simulators": sim_stage_alone(args, stage_s),
-        "generator": generator_stage_alone(args, stage_s),
-        "trainer": trainer_stage_alone(args, stage_s),
-    }
+    # ---- the generator alone fixes the trainer's cost ------------------------------------------
+    gen = generator_stage_alone(cfg, args.stage_s)
+    if args.train_cost == "auto":
+        train_cost_s = args.batch_steps / gen
+    else:
+        train_cost_s = float(args.train_cost)
+    cfg = job_config(args, train_cost_s=train_cost_s)
+    trainer, compute_s = trainer_stage_alone(cfg, args.stage_s)
+    sims = sim_stage_alone(cfg, args.stage_s)
+    stages = {"simulators": sims, "generator": gen * chunk, "trainer": trainer * chunk}
+    note(f"stages alone (env steps/s): {', '.join(f'{k} {v:.1f}' for k, v in stages.items())}; "
+         f"train cost {train_cost_s:.3f} s, compute {compute_s:.3f} s")
+
+    # ---- the three modes -----------------------------------------------------------------------
+    modes = run_modes(args, train_cost_s)
+
+    result: dict[str, Any] = {"sim": args.sim, "window_s": args.window}
+    for mode in MODES:
+        result[f"{mode}_sps"] = round(modes[mode]["sps"], 1)
+        result[f"{mode}_detail"] = modes[mode]
     result["stages_sps"] = {k: round(v, 1) for k, v in stages.items()}
-    rollout = {k: stages[k] for k in ("simulators", "generator")}
-    # Env steps flow through simulators and generator; the trainer consumes at its own pace
-    # (admission control throttles rollouts only when staleness would pass max_staleness).
-    result["bottleneck_stage"] = min(rollout, key=rollout.get)
-    result["bottleneck_sps"] = round(min(rollout.values()), 1)
+    result["bottleneck_stage"] = min(stages, key=stages.get)
+    result["bottleneck_sps"] = round(min(stages.values()), 1)
     result["trainer_sps"] = round(stages["trainer"], 1)
+    result["train_cost_s"] = round(train_cost_s, 4)
+    result["train_cost_kind"] = "sleep" if train_cost_s > compute_s else "compute"
+    result["train_compute_s"] = round(compute_s, 4)
     result["async_over_sync"] = round(result["async_sps"] / max(result["sync_sps"], 1e-9), 2)
+    result["async_over_async_rollout"] = round(result["async_sps"] / max(result["async_rollout_sps"], 1e-9), 2)
     result["async_of_bottleneck"] = round(result["async_sps"] / max(result["bottleneck_sps"], 1e-9), 3)
-    plot(result, out)
-    print(json.dumps(result))
+    result["layout"] = {"sims": args.sims, "envs": args.envs, "slots": args.slots, "max_batch": args.max_batch,
+                        "batch_steps": args.batch_steps, "chunk": chunk, "max_staleness": args.max_staleness,
+                        "forward_ms": args.forward_ms, "cameras": sorted(job_spec(cfg).cameras)}
+    result["load"] = [load0, load_now()]
+    plot(result, out / f"ablation_{args.sim}.png")
+    (out / f"ablation_{args.sim}.json").write_text(json.dumps(result, indent=1))
+    emit(result)
 
 
 if __name__ == "__main__":

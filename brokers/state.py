@@ -8,7 +8,8 @@ the messages to send come out. ``brokers.broker`` is the socket shell around it.
 
 Sections, one module each: the worker registry (``registry``), dispatch and batching
 (``dispatch``), trajectories (``trajectories``), admission (``admission``), the latest weight
-announcement (``weights``: versions, never bytes). Pacing (the sync barrier and the alternating modes' training pause) is here.
+announcement (``weights``: versions, never bytes), the alternating modes' turns (``pacing``).
+The sync barrier is here.
 """
 
 from __future__ import annotations
@@ -21,6 +22,7 @@ from brokers import access
 from brokers.admission import AdmissionController
 from brokers.dispatch import Dispatcher
 from brokers.outgoing import E_INTERNAL, Out, ShmBridge, error
+from brokers.pacing import Alternation
 from brokers.queue import inline_bytes
 from brokers.registry import Registry, Worker
 from brokers.stats import BrokerStats
@@ -54,10 +56,9 @@ class BrokerState:
         self.curve = bool(cfg.broker.keys_dir)  # roles bound to key names (brokers.access)
         self.model_spec: tuple | None = None  # the tensors of the first accepted manifest
         self.reject_log = access.RejectLog(cfg.broker.reject_log_per_s)
-        # Pacing: the alternating modes pause rollouts once a batch of steps is in.
+        # Pacing: the alternating modes pause rollouts while a batch waits or a trainer updates.
         self.trainer_version = 0
-        self.steps_since_update = 0
-        self.training_pause = False
+        self.pacing = Alternation(cfg.algo.batch_steps, enabled=self.mode != "async")
         self._last_hb = now
         self._status: tuple[float, dict[str, Any], list[Any]] | None = None  # (built at, figures, frames)
 
@@ -199,10 +200,8 @@ class BrokerState:
             self.stats.add_episodes(list(msg.get("episode_returns", [])), list(msg.get("episode_successes", [])))
         self.trajs.on_traj(w, msg)
         if not evaluating:  # evaluation fragments are never trained on
-            self.steps_since_update += msg["steps"]
+            self.pacing.on_trajectory(msg["steps"])
             self.admission.on_trajectory(w.identity, msg["steps"])
-        if self.mode != "async" and self.steps_since_update >= self.cfg.algo.batch_steps:
-            self.training_pause = True
         return []
 
     def _on_result(self, w: Worker, msg: P.Message, now: float) -> list[Out]:
@@ -219,6 +218,9 @@ class BrokerState:
         self.stats.dropped_stale += dropped
         self.stats.discarded += discarded
         self.admission.on_discarded(dropped + discarded + unreadable)
+        # Stale samples were taken into a batch and masked there (GRPO groups pruned before
+        # that are covered by the trainer's TRAIN starved): only steps never taken count here.
+        self.pacing.on_given_up(discarded + unreadable)
         return out
 
     def _on_weights(self, w: Worker, msg: P.Message, now: float) -> list[Out]:
@@ -231,23 +233,23 @@ class BrokerState:
         out = self.weights.on_weights(msg)
         if out and spec is not None:
             self.model_spec = spec
-        if out:
-            self.steps_since_update = 0
-            self.training_pause = False
         return out
 
     def _on_train(self, w: Worker, msg: P.Message, now: float) -> list[Out]:
         if msg["phase"] == "starved":  # GRPO: incomplete groups; an alternating pause must lift
             if self.training_pause:
                 log.info("training_pause_lifted_starved", trainer=w.name, ready_steps=msg.get("ready_steps"))
-            self.training_pause = False
-            self.steps_since_update = 0
+            self.pacing.on_starved()
             return []
         access.check_version_step(msg["version"], self.version_reference(), self.cfg.broker.max_version_step, "TRAIN")
         self.trainer_version = max(self.trainer_version, msg["version"])
         steps = msg.get("steps")
         taken = steps if msg["phase"] == "begin" and isinstance(steps, int) and not isinstance(steps, bool) else None
         self.admission.on_train(self.trainer_version, taken)
+        if msg["phase"] == "begin":
+            self.pacing.on_begin(taken)
+        else:
+            self.pacing.on_end()
         stats = msg.get("stats")
         if isinstance(stats, dict):
             self.stats.trainer = stats
@@ -291,6 +293,11 @@ class BrokerState:
         P.OBS: "simulator", P.TRAJ: "simulator", P.RESULT: "generator", P.SNAPSHOT: "generator",
         P.TRAJ_ACK: "trainer", P.WEIGHTS: "trainer", P.TRAIN: "trainer", P.TUNE: "client",
     }
+
+    @property
+    def training_pause(self) -> bool:
+        """The alternating modes hold rollouts back (``brokers.pacing``)."""
+        return self.pacing.paused
 
     # =========================================================================================
     # Timers
@@ -379,7 +386,7 @@ class BrokerState:
                 for other in self.registry.of_role("trainer"):
                     log.warning("trainer_group_broken_disconnecting", rank=other.rank, lost_rank=w.rank)
                     out.append(Out(other.identity, P.DISCONNECT, {"reason": f"trainer rank {w.rank} lost"}))
-            self.trajs.trainer_gone(w)
+            self.pacing.on_trainer_gone(self.trajs.trainer_gone(w))
         return out
 
     # =========================================================================================
@@ -411,6 +418,7 @@ class BrokerState:
             "policy_version": self.weights.version,
             "trainer_version": self.trainer_version,
             "training_pause": self.training_pause,
+            "pacing": self.pacing.figures(),
             "admission_waits": self.admission.waits,
             "admission": self.admission.figures(),
             "acked_steps": self.trajs.ledger.figures(),

@@ -169,7 +169,9 @@ class TrajectoryRouter:
                                            "discarded": int(msg.get("discarded", 0)), "unreadable": int(msg.get("unreadable", 0))})
         return [Out(sim, P.TRAJ_ACK, {"traj_ids": ids}) for sim, ids in per_sim.items() if sim in self.registry]
 
-    def trainer_gone(self, w: Worker) -> None:
+    def trainer_gone(self, w: Worker) -> int:
+        """A trainer left: its fragments in flight go back to the queue. Returns the training
+        steps it had acknowledged and not reported a fate for (lost with it)."""
         self._out_steps.pop(w.identity, None)
         lost = self.ledger.trainer_gone(w.identity)
         if self.admission is not None:  # never to be trained: free their capacity (at most what is finished)
@@ -180,3 +182,4 @@ class TrajectoryRouter:
             if entry is not None:
                 self.pending.appendleft(entry[1])
                 self.stats.traj_requeued += 1
+        return lost

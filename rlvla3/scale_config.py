@@ -54,6 +54,11 @@ class TrainConfig:
     ``sharded``: every rank writes its shard with torch.distributed.checkpoint (DCP), which
     resumes on any number of ranks, with or without FSDP. Several hosts need the run folder on
     a filesystem they share."""
+    min_update_s: float = 0.0
+    """For benchmarks: every update lasts at least this long (the rest after the optimizer
+    steps is slept, before the version is published), so a small model stands in for a large
+    model's update time on a CPU machine, as ``model.options.forward_delay_ms`` does for the
+    forward pass (``bench/ablation.py --train-cost``). 0: off."""
 
 
 @dataclass
@@ -143,6 +148,8 @@ def validate_scale(lora: LoraConfig, train: TrainConfig, placement: PlacementCon
                    trainers: int = 1) -> None:
     if lora.rank < 1 or lora.alpha <= 0 or not lora.targets:
         raise ConfigError("model.lora: rank must be >= 1, alpha > 0 and targets non-empty")
+    if not 0.0 <= train.min_update_s <= 3600.0:
+        raise ConfigError(f"train.min_update_s: {train.min_update_s} is not in [0, 3600] seconds")
     if train.checkpoint_format not in CHECKPOINT_FORMATS:
         raise ConfigError(f"train.checkpoint_format: {train.checkpoint_format!r} not in {CHECKPOINT_FORMATS}")
     if train.fsdp and trainers < 2:

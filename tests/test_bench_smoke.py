@@ -70,14 +70,19 @@ def check_transfer(r: dict[str, Any], out: Path) -> None:
 
 
 def check_ablation(r: dict[str, Any], out: Path) -> None:
+    assert r["sim"] == "synthetic"
     for mode in ("sync", "async_rollout", "async"):
-        assert r[f"{mode}_sps"] >= 0 and f"{mode}_detail" in r, mode
+        assert r[f"{mode}_sps"] > 0 and r[f"{mode}_detail"]["updates"] >= 0, mode
+        # the trainers of the jobs ran with train.min_update_s = the measured train cost
+        assert r[f"{mode}_detail"]["update_s"] >= r["train_cost_s"] * 0.999, (mode, r[f"{mode}_detail"])
     assert set(r["stages_sps"]) == {"simulators", "generator", "trainer"}
     assert all(v > 0 for v in r["stages_sps"].values()), r["stages_sps"]
-    assert r["bottleneck_stage"] in ("simulators", "generator")
-    for key in ("bottleneck_sps", "trainer_sps", "async_over_sync", "async_of_bottleneck"):
+    assert r["bottleneck_stage"] in r["stages_sps"] and r["bottleneck_sps"] == min(r["stages_sps"].values())
+    assert r["train_cost_s"] > 0 and r["train_cost_kind"] in ("sleep", "compute")
+    for key in ("trainer_sps", "async_over_sync", "async_over_async_rollout", "async_of_bottleneck", "load"):
         assert key in r, key
-    assert (out / "ablation.png").stat().st_size > 0
+    assert (out / "ablation_synthetic.png").stat().st_size > 0
+    assert json.loads((out / "ablation_synthetic.json").read_text())["sync_sps"] == r["sync_sps"]
 
 
 def check_sim_latency(r: dict[str, Any], out: Path) -> None:

@@ -116,7 +116,7 @@ class Fabric:
         elif kind == "traj" and sim in self.alive_sims:
             self.take(s.traj(sim, traj_id=len(s.sent), steps=k + 1))
         elif kind == "train":
-            steps = s.state.admission.finished
+            steps = s.state.pacing.waiting  # the trainer takes every training step it received
             s.send(TRAINER, P.TRAIN, {"phase": "begin", "version": self.version, "steps": steps})
             self.version += 1
             s.weights(TRAINER, self.version)

@@ -80,7 +80,7 @@ def test_sync_barrier_waits_for_every_live_training_slot():
     assert len(of_type(s.tick(), P.BATCH)) == 1
 
 
-def test_async_rollout_pauses_after_a_batch_of_steps_until_new_weights():
+def test_async_rollout_pauses_while_a_batch_waits_or_the_trainer_updates():
     s = Script("run.mode=async_rollout", "algo.batch_steps=8", "batching.max_batch=2")
     s.simulator(SIM)
     s.generator(GEN, credits=4)
@@ -89,16 +89,27 @@ def test_async_rollout_pauses_after_a_batch_of_steps_until_new_weights():
     assert s.state.training_pause
     [frag] = of_type(s.tick(), P.TRAJ, TRAINER)  # fragments still flow to the trainer
     s.obs(SIM, 0)
-    assert of_type(s.tick(1.0), P.BATCH) == []  # rollouts wait while the trainer trains
+    assert of_type(s.tick(1.0), P.BATCH) == []  # a batch waits for the trainer: rollouts wait
     assert s.state.wait_s(s.now) == s.state.hb_s  # and the loop does not spin on the queue
     s.send(TRAINER, P.TRAJ_ACK, {"traj_ids": [frag.fields["gid"]]})
+    s.send(TRAINER, P.TRAIN, {"phase": "begin", "version": 0, "steps": 8})
+    assert s.state.training_pause and of_type(s.tick(1.0), P.BATCH) == []  # the trainer took it: it updates
+    s.traj(SIM, 2, steps=5)  # in flight when the pause began: counts toward the next batch
     s.weights(TRAINER, 1)
+    assert s.state.training_pause  # announced, but the update has not ended
+    s.send(TRAINER, P.TRAIN, {"phase": "end", "version": 1})
     assert not s.state.training_pause
     assert len(of_type(s.tick(), P.BATCH)) == 1
+    s.traj(SIM, 3, steps=3)  # 5 + 3: the next batch is in (counting did not restart at version 1)
+    assert s.state.training_pause and s.state.status(s.now)["pacing"] == {"waiting": 8, "updating": False}
     # GRPO's trainer asks an alternating broker to go on while its groups are incomplete.
-    s.traj(SIM, 2, steps=8)
-    assert s.state.training_pause
     s.send(TRAINER, P.TRAIN, {"phase": "starved", "version": 1})
+    assert not s.state.training_pause
+    # A trainer that leaves mid-update does not hold the rollouts for ever.
+    s.traj(SIM, 4, steps=2)
+    s.send(TRAINER, P.TRAIN, {"phase": "begin", "version": 1, "steps": 8})
+    assert s.state.training_pause
+    s.send(TRAINER, P.DISCONNECT)
     assert not s.state.training_pause
 
 

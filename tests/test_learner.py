@@ -100,6 +100,11 @@ def test_ppo_batch_masks_stale_samples_and_update_reports_typed_result():
     row = result.figures()
     assert row["samples"] == 3 and row["dropped_stale"] == 4 and "skipped" not in row
 
+    # train.min_update_s: the update lasts at least that long, and says how much was compute
+    padded = update(state, batch, cfg.algo, min_s=0.3)
+    assert padded.trained and padded.update_s >= 0.3 and 0 < padded.compute_s < padded.update_s
+    assert padded.figures()["compute_s"] == padded.compute_s
+
     # every sample stale, one rank: nothing is stepped and the version must not move
     stale = update(state, build_batch(units[:1], 3, cfg), cfg.algo)
     assert not stale.trained and stale.figures()["skipped"] is True and stale.samples == 0

@@ -29,7 +29,6 @@ import numpy as np
 import torch
 
 from rlvla3 import names
-from rlvla3 import protocol as P
 from rlvla3.config import JobConfig
 from rlvla3.observation import Observation
 from workers.algorithms.grpo import broadcast_episode_advantages, grpo_advantages

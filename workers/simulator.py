@@ -27,8 +27,7 @@ from rlvla3 import protocol as P
 from rlvla3.observation import Observation
 from rlvla3.shm import ShmPool, locate, observation_block, sweep_leftovers
 from workers.base import WorkerBase
-from workers.envs.base import EnvAdapter
-from workers.envs.subproc import GuardedEnv, SubprocEnv
+from workers.envs.subproc import slot_adapter
 from workers.recorder import EpisodeRecorder
 from workers.slots import ChunkOutcome, Slot, episode_seed
 from workers.trajectory import EnvTrajectory, StepRecord
@@ -82,7 +81,7 @@ class SimulatorWorker(WorkerBase):
         run_id = self.welcome.get("run_id", "run")
         seed0 = cfg.run.seed * 1_000_003 + self.index * 10_007
         sweep_leftovers()
-        adapters = [self._make_adapter(k, seed0 + s) for s in range(n_slots)]
+        adapters = [slot_adapter(cfg.env, k, seed0 + s) for s in range(n_slots)]
         spec = adapters[0].spec
         per_env = sum(h * w * 3 for h, w in spec.cameras.values()) + spec.state_dim * 4 + 64 * (len(spec.cameras) + 1)
         # The envs write here in every layout (a child process too); only the wire differs.
@@ -108,14 +107,6 @@ class SimulatorWorker(WorkerBase):
             if slot.eval:
                 continue  # idle until the first evaluation round
             slot.runner.submit(lambda slot=slot: self._reset_all(slot), ("reset", slot.index))
-
-    def _make_adapter(self, k: int, seed: int) -> EnvAdapter:
-        env = self.cfg.env
-        if env.parallel == "process":
-            return SubprocEnv(env.name, num_envs=k, seed=seed, options=env.options, step_timeout_s=env.step_timeout_s)
-        # In the worker's process: an env that raises is rebuilt and its envs end truncated
-        # (info["restarted"], as SubprocEnv reports a crashed child).
-        return GuardedEnv(env.name, num_envs=k, seed=seed, options=env.options)
 
     def _seed_for(self, env: int, episode: int) -> int:
         return episode_seed(self.cfg.run.seed, env, episode, self.cfg.env.group_size, self.cfg.env.group_mode)

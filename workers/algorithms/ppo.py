@@ -27,7 +27,6 @@ one ratio per decision.
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
 from typing import Any, Callable, Iterable
 
 import numpy as np

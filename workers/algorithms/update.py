@@ -108,6 +108,9 @@ class UpdateResult:
     units: int
     groups: int | None
     update_s: float
+    """Wall time of the update, a ``min_s`` pad included."""
+    compute_s: float = 0.0
+    """Of which computing (advantages, optimizer steps, checks): ``update_s`` without the pad."""
     diagnostics: dict[str, float] = field(default_factory=dict)
     """``ppo_update``'s statistics averaged over optimizer steps (losses, clip fractions, ...),
     and ``explained_variance`` for PPO."""
@@ -123,7 +126,7 @@ class UpdateResult:
             row["param_checksum"] = self.param_checksum
         if not self.trained:
             row["skipped"] = True
-        row.update(update_s=self.update_s, samples=self.samples, batch_len=self.batch_len,
+        row.update(update_s=self.update_s, compute_s=self.compute_s, samples=self.samples, batch_len=self.batch_len,
                    dropped_stale=self.dropped_stale, env_steps=self.env_steps, episodes=self.episodes,
                    return_mean_batch=self.return_mean_batch, success_mean_batch=self.success_mean_batch,
                    units=self.units)
@@ -133,9 +136,11 @@ class UpdateResult:
 
 
 def update(state: TrainState, batch: TrainBatch, algo: AlgoConfig, critic_warmup: bool = False,
-           pad_to: int | None = None) -> UpdateResult:
+           pad_to: int | None = None, min_s: float = 0.0) -> UpdateResult:
     """One update on ``batch``. ``pad_to`` (several ranks) is the longest batch of any rank;
-    ``critic_warmup`` (PPO) steps the value head only."""
+    ``critic_warmup`` (PPO) steps the value head only; an update that trained lasts at least
+    ``min_s`` seconds (``train.min_update_s``: the rest is slept, a benchmark's stand-in for a
+    large model's update)."""
     t0 = time.perf_counter()
     done = batch.finished
     result = UpdateResult(
@@ -162,7 +167,7 @@ def update(state: TrainState, batch: TrainBatch, algo: AlgoConfig, critic_warmup
         samples = index_batch(samples, idx)
         samples["mask"] = torch.cat([samples["mask"][:n], torch.zeros(pad_to - n, dtype=torch.bool)])
     elif pad_to is None and not batch.keep.any():
-        result.update_s = time.perf_counter() - t0
+        result.update_s = result.compute_s = time.perf_counter() - t0
         return result
     result.batch_len = len(samples["mask"])
 
@@ -189,6 +194,9 @@ def update(state: TrainState, batch: TrainBatch, algo: AlgoConfig, critic_warmup
 
         result.param_checksum = float(parameter_checksum(state.policy))
     result.trained = True
+    result.compute_s = time.perf_counter() - t0
+    if min_s > result.compute_s:
+        time.sleep(min_s - result.compute_s)
     result.update_s = time.perf_counter() - t0
     return result
 
