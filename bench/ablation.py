@@ -181,7 +181,7 @@ def run_modes(args: argparse.Namespace, train_cost_s: float) -> dict[str, dict[s
 def sim_stage_alone(cfg: JobConfig, seconds: float) -> float:
     """Every simulator slot stepping random actions, no policy: env steps/s. Slots are built
     first (not timed); an episode that ends is reset inside the timed loop, as in a job."""
-    from workers.envs.subproc import slot_adapter
+    from workers.slots import slot_adapter
 
     k = cfg.env.num_envs // cfg.env.slots
     n_slots = cfg.workers.simulators * cfg.env.slots

@@ -27,9 +27,8 @@ from rlvla3 import protocol as P
 from rlvla3.observation import Observation
 from rlvla3.shm import ShmPool, locate, observation_block, sweep_leftovers
 from workers.base import WorkerBase
-from workers.envs.subproc import slot_adapter
 from workers.recorder import EpisodeRecorder
-from workers.slots import ChunkOutcome, Slot, episode_seed
+from workers.slots import ChunkOutcome, Slot, episode_seed, slot_adapter
 from workers.trajectory import EnvTrajectory, StepRecord
 
 log = structlog.get_logger()

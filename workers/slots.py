@@ -1,4 +1,4 @@
-"""A simulator slot: its envs, its two observation blocks, and what one action chunk did.
+"""A simulator slot: its adapter, its envs, its two observation blocks, and what one action chunk did.
 
 The simulator worker (``workers/simulator.py``) cycles each slot on its own; these are the
 records it keeps per slot, and the seed rule that gives every episode its initial state.
@@ -16,6 +16,7 @@ from rlvla3 import protocol as P
 from rlvla3.observation import Observation
 from workers.base import JobRunner
 from workers.envs.base import EnvAdapter
+from workers.envs.subproc import GuardedEnv, SubprocEnv
 from workers.trajectory import EnvTrajectory
 
 
@@ -79,3 +80,12 @@ class Slot:
     def flip(self) -> None:
         """The back block, written, becomes what the next OBS sends."""
         self.front = 1 - self.front
+
+
+def slot_adapter(env: Any, k: int, seed: int) -> EnvAdapter:
+    """The adapter of one simulator slot of ``k`` envs, as ``env`` (an ``EnvConfig``) asks:
+    its own child process (``parallel: process``) or in the caller's process, rebuilt on an
+    exception (its envs end truncated, ``info["restarted"]``, as a crashed child reports)."""
+    if env.parallel == "process":
+        return SubprocEnv(env.name, num_envs=k, seed=seed, options=env.options, step_timeout_s=env.step_timeout_s)
+    return GuardedEnv(env.name, num_envs=k, seed=seed, options=env.options)

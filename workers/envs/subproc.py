@@ -443,12 +443,3 @@ class GuardedEnv(EnvAdapter):
 
     def close(self) -> None:
         self._env.close()
-
-
-def slot_adapter(env: Any, k: int, seed: int) -> EnvAdapter:
-    """The adapter of one simulator slot of ``k`` envs, as ``env`` (an ``EnvConfig``) asks:
-    its own child process (``parallel: process``) or in the caller's process, rebuilt on an
-    exception (its envs end truncated, ``info["restarted"]``, as a crashed child reports)."""
-    if env.parallel == "process":
-        return SubprocEnv(env.name, num_envs=k, seed=seed, options=env.options, step_timeout_s=env.step_timeout_s)
-    return GuardedEnv(env.name, num_envs=k, seed=seed, options=env.options)
