@@ -287,7 +287,7 @@ class BrokerState:
         P.OBS: _on_obs, P.TRAJ: _on_traj, P.RESULT: _on_result, P.SNAPSHOT: _on_snapshot,
         P.TRAJ_ACK: _on_traj_ack, P.WEIGHTS: _on_weights, P.TRAIN: _on_train,
         P.HEARTBEAT: _on_heartbeat, P.DISCONNECT: _on_disconnect,
-        P.TUNE: lambda self, w, msg, now: self.dispatcher.on_tune(w, msg, now),
+        P.TUNE: lambda self, w, msg, now: self._on_tune(w, msg, now),
     }
     _ROLE_OF = {
         P.OBS: "simulator", P.TRAJ: "simulator", P.RESULT: "generator", P.SNAPSHOT: "generator",
@@ -392,6 +392,10 @@ class BrokerState:
     # =========================================================================================
     # STATUS
     # =========================================================================================
+
+    def _on_tune(self, w: Worker, msg: P.Message, now: float) -> list[Out]:
+        self._status = None  # the client that changed the rule sees it in its next STATUS
+        return self.dispatcher.on_tune(w, msg, now)
 
     def _status_reply(self, identity: bytes, now: float) -> Out:
         """STATUS, answered from figures built and encoded at most every ``STATUS_REFRESH_S``:
