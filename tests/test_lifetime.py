@@ -218,7 +218,7 @@ def test_a_stuck_simulator_unlinks_its_shared_memory_before_it_is_forced_out(tmp
 
 def test_sigkill_bench_while_its_job_starts_leaves_nothing(tmp_path: Path):
     args = [sys.executable, "bench/ablation.py", "--quick", "--sims", "2", "--envs", "4", "--slots", "2",
-            "--batch-steps", "64", "--warmup-steps", "100000", "--out", str(tmp_path / "out")]
+            "--batch-steps", "64", "--train-cost", "0", "--out", str(tmp_path / "out")]
     proc = subprocess.Popen(args, cwd=ROOT, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True,
                             env={**os.environ, "TMPDIR": str(tmp_path), **launcher_env()})
     try:
