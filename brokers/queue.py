@@ -48,6 +48,7 @@ class GeneratorState:
     identity: bytes
     credits: int = 0  # batches it takes at once, as announced (0 until its weights are loaded)
     inflight: set[int] = field(default_factory=set)
+    batches: int = 0  # batches formed for it so far: idle generators take turns (fewest first)
 
     @property
     def free(self) -> int:
@@ -153,7 +154,7 @@ def form_batches(
             break
         busy = {g.identity: len(g.inflight) + formed_for.get(g.identity, 0) for g in generators}
         free = sorted((g for g in generators if g.free > formed_for.get(g.identity, 0) and (force or full or not busy[g.identity])),
-                      key=lambda g: (busy[g.identity], -(g.free - formed_for.get(g.identity, 0))))
+                      key=lambda g: (busy[g.identity], -(g.free - formed_for.get(g.identity, 0)), g.batches))
         formed = False
         for gen in free:
             picked: list[tuple[int, PendingRequest]] = []
@@ -186,6 +187,7 @@ def form_batches(
                 for r in reqs:
                     sticky_map.setdefault(r.slot_key, gen.identity)
             out.append((gen, reqs))
+            gen.batches += 1
             formed_for[gen.identity] = formed_for.get(gen.identity, 0) + 1
             formed = True
             break
