@@ -23,7 +23,7 @@ pytestmark = pytest.mark.slow
 
 def test_run_shows_eval_round_curves_videos_and_records_a_dataset(tmp_path: Path):
     run_dir, ds = tmp_path / "run", tmp_path / "ds"
-    r = subprocess.run([sys.executable, "-m", "rlvla3", "run", "configs/synthetic.yaml", "--steps", "1500",
+    r = subprocess.run([sys.executable, "-m", "rlvla3", "run", "configs/synthetic.yaml", "--steps", "3000",
                         "--run-dir", str(run_dir), "--record", str(ds), "--record-slots", "0",
                         "--set", "workers.simulators=1", "--set", "env.eval_slots=1", "--set", "env.eval_every=1",
                         "--set", "env.eval_episodes=2", "--set", "run.progress_every_s=1"],
