@@ -93,7 +93,10 @@ class Learner:
         self.ready: deque[Unit] = deque()
         self.ready_steps = 0
         self.received_steps = 0
-        """Decision steps received since the last update (the shell resets it)."""
+        """Decision steps received and not yet taken into an update: the trainer's mirror of an
+        alternating broker's count (brokers/pacing.py), so that a pause the broker holds because
+        of steps in incomplete groups is always seen here too (the shell lowers it by each update's
+        steps and zeroes it when it reports starvation)."""
         self.pending_eps: dict[tuple, list[Fragment]] = {}
         self.pending_groups: dict[tuple, list[list[Fragment]]] = {}
         self.dropped_groups: OrderedDict[tuple, None] = OrderedDict()  # their later episodes are discarded

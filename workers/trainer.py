@@ -269,17 +269,19 @@ class TrainerWorker(WorkerBase):
             return
         learner, batch_steps = self.learner, self.cfg.algo.batch_steps
         learner.prune_stale(self.version)
-        if learner.grpo and self.cfg.run.mode != "async" and learner.received_steps >= batch_steps > learner.ready_steps:
+        share = math.ceil(batch_steps / self.world)
+        if learner.grpo and self.cfg.run.mode != "async" and learner.received_steps >= share > learner.ready_steps:
             # An alternating broker paused at batch_steps delivered, but incomplete groups cannot
             # be trained on: ask it to hand out more work rather than wait for each other (again
-            # after every further batch_steps, until the groups complete).
+            # after every further batch_steps, until the groups complete). Each rank sees its
+            # share of the broker's count.
             learner.received_steps = 0
             self.send(P.TRAIN, {"phase": "starved", "version": self.version, "ready_steps": learner.ready_steps})
         if self.world == 1:
             if learner.ready_steps >= batch_steps:
                 units = learner.take(batch_steps)
                 self.training = True
-                self.send(P.TRAIN, {"phase": "begin", "version": self.version, "steps": sum(u.steps for u in units)})
+                self._began(sum(u.steps for u in units))
                 self.runner.submit(lambda: self._train(units, None), "update")
         elif now - self.last_round >= ROUND_EVERY_S:
             # Every rank takes part in every round, so rounds pair up across ranks. A rank offers
@@ -341,7 +343,7 @@ class TrainerWorker(WorkerBase):
             return
         result = done.result
         if self.world > 1:  # the round went ahead: the steps this rank took count as consumed
-            self.send(P.TRAIN, {"phase": "begin", "version": self.version, "steps": self.round_steps})
+            self._began(self.round_steps)
         self._count(result)
         if result.trained and self.rank == 0 and done.announcement is not None:
             self.announcement = done.announcement
@@ -351,8 +353,12 @@ class TrainerWorker(WorkerBase):
             self._checkpoint()
         self._report(result)
 
+    def _began(self, steps: int) -> None:
+        """Tell the broker an update took ``steps``; both sides stop counting them as waiting."""
+        self.learner.received_steps = max(0, self.learner.received_steps - steps)
+        self.send(P.TRAIN, {"phase": "begin", "version": self.version, "steps": steps})
+
     def _count(self, result: UpdateResult) -> None:
-        self.learner.received_steps = 0
         self.learner.count_dropped(result.dropped_stale)
         self.learner.count_trained(result.samples)
         self.last_update = time.monotonic()
