@@ -61,22 +61,25 @@ class Dispatcher:
 
     # ---- requests in -------------------------------------------------------------------------
 
-    def duplicate(self, w: Worker, msg: P.Message) -> list[Out] | None:
-        """``None`` for a new request; for a copy of one already taken (a re-send), what to send
-        back: its ACT again when it was answered, nothing while it is queued or at a generator."""
-        key = (w.identity, msg["slot"])
+    def duplicate(self, w: Worker, header: dict[str, Any]) -> list[Out] | None:
+        """``None`` for a new request (an OBS's ``header``); for a copy of one already taken (a
+        re-send), what to send back: its ACT again when it was answered, nothing while it is
+        queued or at a generator."""
+        key = (w.identity, header["slot"])
         last = self.last_req.get(key)
-        if last is None or msg["req_id"] > last:
+        if last is None or header["req_id"] > last:
             return None
         self.stats.duplicates += 1
         answer = self.answers.get(key)
-        return [answer] if answer is not None and answer.fields["req_id"] == msg["req_id"] else []
+        return [answer] if answer is not None and answer.fields["req_id"] == header["req_id"] else []
 
     def _answered(self, req: PendingRequest, act: Out) -> Out:
         self.answers[req.slot_key] = act
         return act
 
-    def on_obs(self, w: Worker, msg: P.Message, now: float) -> None:
+    def on_obs(self, w: Worker, msg: P.Message, now: float, nbytes: int) -> None:
+        """Queue a new request (``nbytes``: its inline tensors' bytes). Fields are validated
+        already (``protocol.decode``): ints are ints, in range."""
         h = msg.header  # read as a dict: this runs for every request
         n, steps_of = h["n"], h["episode_step"]
         if n < 1 or len(h["instruction"]) != n or len(steps_of) != n:
@@ -84,22 +87,20 @@ class Dispatcher:
         slot = h["slot"]
         if not (0 <= slot < max(w.slots, 1)):
             raise P.ProtocolError(P.E_FIELD, f"OBS: slot {slot} out of range (worker has {w.slots})")
-        self.queue.push(PendingRequest(
-            sim=w.identity, slot=slot, req_id=h["req_id"], n=n, arrival=now,
-            episode_step=list(steps_of), version=int(h.get("version", -1)),
-            header=h, tensors=msg.tensors, host=w.host, starts=steps_of.count(0),
-        ))
+        self.queue.push(PendingRequest(w.identity, slot, h["req_id"], n, now, list(steps_of), h.get("version", -1), h,
+                                       msg.tensors, w.host, steps_of.count(0), nbytes=nbytes))
         self.last_req[(w.identity, slot)] = h["req_id"]
         stats = self.stats
         stats.requests += 1
         w.count_frames(msg.tensors)
         if self.adaptive is not None:
             self.adaptive.on_arrival(n, self.queue.envs)
-        steps = int(h.get("env_steps", 0))
-        stats.env_steps += steps
-        w.info["env_steps"] = int(w.info.get("env_steps") or 0) + steps
-        stats.decision_steps += int(h.get("decision_steps", 0))
-        stats.env_restarts += int(h.get("env_restarts", 0))
+        steps = h.get("env_steps", 0)
+        if steps:
+            stats.env_steps += steps
+            w.info["env_steps"] = (w.info.get("env_steps") or 0) + steps
+        stats.decision_steps += h.get("decision_steps", 0)
+        stats.env_restarts += h.get("env_restarts", 0)
 
     # ---- batches out -------------------------------------------------------------------------
 

@@ -21,7 +21,7 @@ def inline_bytes(tensors: dict[str, Any]) -> int:
     return sum(t.nbytes for t in tensors.values() if isinstance(t, P.InlineTensor))
 
 
-@dataclass
+@dataclass(slots=True)
 class PendingRequest:
     """One OBS request waiting for (or out for) generation."""
 
@@ -37,6 +37,7 @@ class PendingRequest:
     host: str = ""
     starts: int = 0  # envs in this request that begin a new episode
     attempts: int = 0  # batches of this request that failed on a generator
+    nbytes: int = 0  # bytes its inline tensors hold here (``inline_bytes``; none with shared memory)
 
     @property
     def slot_key(self) -> tuple[bytes, int]:
@@ -85,7 +86,7 @@ class RequestQueue:
         if held is None:
             held = self._held[req.sim] = [0, 0]
         held[0] += sign
-        held[1] += sign * inline_bytes(req.tensors)
+        held[1] += sign * req.nbytes
         if not held[0]:
             del self._held[req.sim]
 
