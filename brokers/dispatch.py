@@ -113,9 +113,13 @@ class Dispatcher:
         out = []
         for gen, reqs in formed:
             self.admission.on_dispatched(reqs)
-            gen_host = self.registry.workers[gen.identity].host
+            gen_worker = self.registry.workers[gen.identity]
+            gen_host = gen_worker.host
             ready: list[tuple[PendingRequest, dict[str, Any]]] = []
             for r in reqs:
+                if r.host == gen_host:  # its references are readable there as they are (brokers.access)
+                    ready.append((r, r.tensors))
+                    continue
                 try:
                     ready.append((r, {name: self.bridge.for_host(t, gen_host) for name, t in r.tensors.items()}))
                 except Exception as err:  # noqa: BLE001 - one bad request never stops the broker
@@ -123,7 +127,7 @@ class Dispatcher:
                     out += self._give_up([r], f"request not deliverable to a generator: {err}")
             if ready:
                 for _, tensors in ready:
-                    self.registry.workers[gen.identity].count_frames(tensors)
+                    gen_worker.count_frames(tensors)
                 out.append(self._batch(gen, ready, now))
         return out
 
@@ -133,24 +137,26 @@ class Dispatcher:
         reqs = [r for r, _ in ready]
         tensors: dict[str, Any] = {}
         meta = []
-        queue_wait = self.stats.queue_wait_us
         for i, (r, req_tensors) in enumerate(ready):
-            tensors.update(names.with_prefix(names.request_prefix(i), req_tensors))
+            head = names.request_prefix(i) + names.NAME_SEP  # names.with_prefix, inlined
+            for name, t in req_tensors.items():
+                tensors[head + name] = t
             header = r.header
             meta.append({
                 "req_id": r.req_id, "slot": r.slot, "n": r.n, "instruction": header["instruction"],
                 "episode_step": r.episode_step,
                 "deterministic": header["deterministic"] if "deterministic" in header else [False] * r.n,
             })
-            queue_wait.record_value(max(1, int((now - r.arrival) * 1e6)))
+        waits = [int((now - r.arrival) * 1e6) for r in reqs]
+        self.stats.add_queue_waits(waits)
         gen.inflight.add(batch_id)
         self.batches[batch_id] = Batch(gen.identity, reqs, now)
         self.stats.batches += 1
-        self.stats.batch_size.record_value(sum(r.n for r in reqs))
+        envs = sum(r.n for r in reqs)
+        self.stats.batch_size.record_value(envs)
         if self.adaptive is not None:
-            self.adaptive.on_batch(sum(r.n for r in reqs), sum(now - r.arrival for r in reqs) / len(reqs))
-        fields = {"batch_id": batch_id, "requests": meta, "queue_us": [int((now - r.arrival) * 1e6) for r in reqs]}
-        return Out(gen.identity, P.BATCH, fields, tensors)
+            self.adaptive.on_batch(envs, sum(waits) / 1e6 / len(reqs))
+        return Out(gen.identity, P.BATCH, {"batch_id": batch_id, "requests": meta, "queue_us": waits}, tensors)
 
     def unsent(self, batch_id: int) -> None:
         """The shell could not send a batch (its generator is gone or full): queue it again."""
