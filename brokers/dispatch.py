@@ -230,11 +230,12 @@ class Dispatcher:
         if self.adaptive is not None:
             self.adaptive.on_result(sum(r.n for r in batch.requests), now - batch.sent_at)
         self.admission.on_settled(batch.requests)
+        h = msg.header  # validated: ints are ints
         per_request = names.by_request(msg.tensors)
-        queue_us = msg.get("queue_us") if isinstance(msg.get("queue_us"), list) else []
-        dropped = set(msg.get("dropped") or ())  # requests the generator could not read
+        queue_us = h.get("queue_us") or []
+        dropped = set(h.get("dropped") or ())  # requests the generator could not read
         out = []
-        version, forward_us, live = msg["version"], int(msg.get("forward_us", 0)), self.registry.workers
+        version, forward_us, live, answers = h["version"], h.get("forward_us", 0), self.registry.workers, self.answers
         for i, req in enumerate(batch.requests):
             if i in dropped:
                 self.stats.requests_unreadable += 1
@@ -246,8 +247,9 @@ class Dispatcher:
                     "error": "the generator could not read this request's observation (its shared memory is gone?)"})))
                 continue
             fields = {"slot": req.slot, "req_id": req.req_id, "version": version,
-                      "queue_us": int(queue_us[i]) if i < len(queue_us) else 0, "forward_us": forward_us}
-            out.append(self._answered(req, Out(req.sim, P.ACT, fields, per_request.get(i, {}))))
+                      "queue_us": queue_us[i] if i < len(queue_us) else 0, "forward_us": forward_us}
+            act = answers[(req.sim, req.slot)] = Out(req.sim, P.ACT, fields, per_request.get(i, {}))  # _answered, inlined
+            out.append(act)
         return out
 
     def _failed(self, batch_id: int, batch: Batch, generator: str, error: str) -> list[Out]:
@@ -315,7 +317,7 @@ class Dispatcher:
     def wait_s(self, now: float) -> float | None:
         """Seconds until the oldest request is due for an idle generator (``None``: no such
         deadline). A busy generator takes only full batches, which only a new request makes."""
-        if not any(g.free > 0 and not g.inflight for g in self.generators.values()):
+        if not len(self.queue) or not any(g.free > 0 and not g.inflight for g in self.generators.values()):
             return None
         oldest = self.queue.oldest_arrival()
         if oldest is None:

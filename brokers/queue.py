@@ -71,11 +71,18 @@ class RequestQueue:
         self._held: dict[bytes, list[int]] = {}  # simulator -> [requests, inline bytes] queued
         self.envs = 0
         self.evals = 0  # evaluation requests queued (sync mode's barrier does not wait for them)
+        self._in_order = True  # arrivals never decrease in push order: the first entry is the oldest
+        self._last_arrival = 0.0
 
     def __len__(self) -> int:
         return len(self._items)
 
     def push(self, req: PendingRequest) -> None:
+        if not self._items:
+            self._in_order = True
+        elif req.arrival < self._last_arrival:  # a re-queued request keeps its arrival
+            self._in_order = False
+        self._last_arrival = req.arrival
         self._items[next(self._seq)] = (self.key(req), req)
         self._count(req, 1)
 
@@ -96,7 +103,12 @@ class RequestQueue:
         return (held[0], held[1]) if held else (0, 0)
 
     def oldest_arrival(self) -> float | None:
-        return min((r.arrival for _, r in self._items.values()), default=None)
+        """Asked every loop turn: the first entry's, unless a request was queued again."""
+        if not self._items:
+            return None
+        if self._in_order:
+            return next(iter(self._items.values()))[1].arrival
+        return min(r.arrival for _, r in self._items.values())
 
     def ordered(self) -> Iterable[tuple[int, PendingRequest]]:
         """Live entries in key order (ties: push order), as a sorted copy."""

@@ -302,16 +302,16 @@ def encode(msg_type: str, fields: dict[str, Any] | None = None, tensors: dict[st
     ``tensors`` values are numpy arrays / torch tensors (sent inline) or ShmRef (sent as a
     descriptor), or already-received InlineTensor (forwarded without a copy).
     """
-    if msg_type not in MESSAGE_TYPES:
+    if msg_type not in SCHEMA:  # a dict: every type has its entry
         raise ProtocolError(E_TYPE, f"unknown message type {msg_type!r}")
     header: dict[str, Any] = {"v": PROTOCOL_VERSION, "type": msg_type, **(fields or {})}
     descs: list[dict[str, Any]] = []
     frames: list[Any] = []
     for name, value in (tensors or {}).items():
-        if isinstance(value, ShmRef):
+        if type(value) is ShmRef:
             descs.append(value.descriptor(name))
             continue
-        if isinstance(value, InlineTensor):
+        if type(value) is InlineTensor:
             descs.append({"name": name, "dtype": value.dtype, "shape": list(value.shape), "where": "inline"})
             frames.append(value.buffer)
             continue
