@@ -148,12 +148,12 @@ class Dispatcher:
                 "deterministic": header["deterministic"] if "deterministic" in header else [False] * r.n,
             })
         waits = [int((now - r.arrival) * 1e6) for r in reqs]
-        self.stats.add_queue_waits(waits)
+        self.stats.record("queue_wait_us", waits)
         gen.inflight.add(batch_id)
         self.batches[batch_id] = Batch(gen.identity, reqs, now)
         self.stats.batches += 1
         envs = sum(r.n for r in reqs)
-        self.stats.batch_size.record_value(envs)
+        self.stats.record("batch_size", [envs])
         if self.adaptive is not None:
             self.adaptive.on_batch(envs, sum(waits) / 1e6 / len(reqs))
         return Out(gen.identity, P.BATCH, {"batch_id": batch_id, "requests": meta, "queue_us": waits}, tensors)
@@ -226,7 +226,7 @@ class Dispatcher:
         w.info["version"] = msg["version"]
         if msg.get("error"):
             return self._failed(batch_id, batch, w.name, str(msg["error"])[:300])
-        self.stats.generate_us.record_value(max(1, int((now - batch.sent_at) * 1e6)))
+        self.stats.record("generate_us", [int((now - batch.sent_at) * 1e6)])
         if self.adaptive is not None:
             self.adaptive.on_result(sum(r.n for r in batch.requests), now - batch.sent_at)
         self.admission.on_settled(batch.requests)

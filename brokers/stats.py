@@ -111,19 +111,22 @@ class BrokerStats:
     _slow: dict[str, Any] = field(default_factory=dict)  # percentiles and means, refreshed once a second
     _slow_at: float = float("-inf")
     _slow_shape: tuple = ()
-    _queue_waits: list[int] = field(default_factory=list)  # not yet in queue_wait_us (``add_queue_waits``)
+    _later: dict[str, list[int]] = field(default_factory=dict)  # histogram name -> values not yet in it
 
-    def add_queue_waits(self, waits_us: list[int]) -> None:
-        """Requests waited this long in the queue; recorded in bulk (``record_many``) every
-        1024 values and before every snapshot."""
-        self._queue_waits += waits_us
-        if len(self._queue_waits) >= 1024:
-            self._flush()
+    def record(self, name: str, values: list[int]) -> None:
+        """Values for the histogram ``name`` (per request or per batch: the loop's hot path),
+        recorded in bulk (``record_many``) every 1024 values and before every snapshot."""
+        pending = self._later.setdefault(name, [])
+        pending += values
+        if len(pending) >= 1024:
+            record_many(getattr(self, name), pending)
+            pending.clear()
 
     def _flush(self) -> None:
-        if self._queue_waits:
-            record_many(self.queue_wait_us, self._queue_waits)
-            self._queue_waits = []
+        for name, pending in self._later.items():
+            if pending:
+                record_many(getattr(self, name), pending)
+                pending.clear()
 
     def add_eval(self, version: int, success: bool, ret: float) -> None:
         e = self.evals.setdefault(version, [0, 0, 0.0])
