@@ -248,8 +248,8 @@ class Dispatcher:
                 continue
             fields = {"slot": req.slot, "req_id": req.req_id, "version": version,
                       "queue_us": queue_us[i] if i < len(queue_us) else 0, "forward_us": forward_us}
-            act = answers[(req.sim, req.slot)] = Out(req.sim, P.ACT, fields, per_request.get(i, {}))  # _answered, inlined
-            out.append(act)
+            act = answers[(req.sim, req.slot)] = Out(req.sim, P.ACT, fields, per_request.get(i, {}))
+            out.append(act)  # (self._answered, inlined)
         return out
 
     def _failed(self, batch_id: int, batch: Batch, generator: str, error: str) -> list[Out]:

@@ -41,7 +41,8 @@ def record_many(h: HdrHistogram, values: list[int]) -> None:
     hdrh drops them."""
     v = np.clip(np.asarray(values, dtype=np.int64), 1, 1 << 40)
     mag, unit = h.sub_bucket_half_count_magnitude, h.unit_magnitude
-    bucket = np.floor(np.log2(v | h.sub_bucket_mask)).astype(np.int64) + 1 - unit - (mag + 1)  # hdrh's _get_bucket_index
+    # hdrh's _get_bucket_index and _counts_index, per value
+    bucket = np.floor(np.log2(v | h.sub_bucket_mask)).astype(np.int64) + 1 - unit - (mag + 1)
     index = ((bucket + 1) << mag) + (v >> (bucket + unit)) - h.sub_bucket_half_count
     kept = v[index < h.counts_len]
     if len(kept):

@@ -240,7 +240,8 @@ def _test(spec: Any, v: str, env: dict[str, Any]) -> str:
     elif t is Num:
         test = f"((type({v}) is int or (type({v}) is float and _isfinite({v}))) and {spec.lo!r} <= {v} <= {spec.hi!r})"
     elif t is Str:
-        test = f"(type({v}) is str and len({v}) <= {spec.max_len}" + (f" and {v} in {name}.choices)" if spec.choices else ")")
+        choices = f" and {v} in {name}.choices" if spec.choices else ""
+        test = f"(type({v}) is str and len({v}) <= {spec.max_len}{choices})"
     elif t is Bool:
         test = f"(type({v}) is bool)"
     elif t is List:  # a loop of its own: all() over a generator costs more than the items
@@ -256,8 +257,8 @@ def _test(spec: Any, v: str, env: dict[str, Any]) -> str:
 def compile_check(required: dict[str, Any], optional: dict[str, Any], also: tuple[str, ...]) -> Callable[[dict], bool]:
     """One function ``header -> bool`` for a message type's ``required`` and ``optional`` specs;
     ``also``: keys the codec reads itself (version, type, tensors)."""
-    env: dict[str, Any] = {"_passes": _passes, "_isfinite": math.isfinite, "_known": frozenset((*required, *optional, *also)),
-                           "_missing": object()}
+    env: dict[str, Any] = {"_passes": _passes, "_isfinite": math.isfinite, "_missing": object(),
+                           "_known": frozenset((*required, *optional, *also))}
     lines = ["def check(h):", "    if not _known.issuperset(h):", "        return False"]
     for name, spec in required.items():
         lines += [f"    v = h.get({name!r}, _missing)", f"    if not {_test(spec, 'v', env)}:", "        return False"]

@@ -187,7 +187,7 @@ SCHEMA: dict[str, tuple[dict[str, Any], dict[str, Any]]] = {  # type -> (require
 }
 BROKER_PRIVATE = ("attempts", "admitted")
 """Header fields the broker writes into a queued request; a peer may not send them."""
-_FAST = {t: F.compile_check(req, opt, ("v", "type", "tensors")) for t, (req, opt) in SCHEMA.items()}  # fields.compile_check
+_FAST = {t: F.compile_check(req, opt, ("v", "type", "tensors")) for t, (req, opt) in SCHEMA.items()}
 
 
 class ProtocolError(ValueError):
