@@ -67,6 +67,9 @@ from rlvla3.shm import ShmPool, host_id  # noqa: E402
 ECHO = str(Path(__file__).resolve().parent / "_echo.py")
 IMAGE = 16
 STATE_DIM = 4
+REQ_ID_MARK = 2**53
+"""A req_id msgpack writes as a uint64 (``0xcf`` and 8 bytes): the place each request's id goes."""
+_MARK_BYTES = b"\xcf" + REQ_ID_MARK.to_bytes(8, "big")
 SATURATED_RATE = 0.85
 """A step whose achieved rate is under this share of the offered one has saturated."""
 SATURATED_CPU = 90.0
@@ -102,12 +105,23 @@ class FakeSimulator:
             self.pool.view(os_, "float32", (1, STATE_DIM))[...] = 0.5
             tensors = {names.tensor_name(IMAGES, "top"): self.pool.ref(oi, "uint8", (1, IMAGE, IMAGE, 3)),
                        STATE: self.pool.ref(os_, "float32", (1, STATE_DIM))}
-            # Encoded once per slot: a slot has one request out at a time, so its req_id may
-            # repeat, and the load generator spends its CPU on sending, not encoding.
-            self.frames.append(P.encode(P.OBS, {"slot": len(self.frames), "req_id": len(self.frames), "n": 1,
-                                                "instruction": ["reach the goal"], "episode_step": [1],
-                                                "env_steps": 1}, tensors))
+            # Encoded once per slot, with a fixed-width req_id patched per request (``request``):
+            # the broker serves each (slot, req_id) once, and the load generator spends its CPU
+            # on sending, not encoding.
+            header, *rest = P.encode(P.OBS, {"slot": len(self.frames), "req_id": REQ_ID_MARK, "n": 1,
+                                             "instruction": ["reach the goal"], "episode_step": [1],
+                                             "env_steps": 1}, tensors)
+            self.frames.append([bytearray(header), *rest])
+        self.at = self.frames[0][0].index(_MARK_BYTES) + 1  # the req_id's 8 bytes in every header
+        self.next_req = 0
         self.last_beat = time.monotonic()
+
+    def request(self, slot: int) -> tuple[list[Any], int]:
+        """The slot's OBS frames with a new req_id, and that id."""
+        self.next_req += 1
+        frames = self.frames[slot]
+        frames[0][self.at:self.at + 8] = self.next_req.to_bytes(8, "big")
+        return frames, self.next_req
 
     def _await(self, msg_type: str, timeout_s: float) -> dict[str, Any]:
         deadline = time.monotonic() + timeout_s
@@ -151,8 +165,9 @@ class FakeSimulator:
             while backlog and free and now < end:
                 due = backlog.popleft()
                 slot = free.pop()
-                self.sock.send_multipart(self.frames[slot])
-                inflight[slot] = (due, slot)
+                frames, req_id = self.request(slot)
+                self.sock.send_multipart(frames)
+                inflight[slot] = (due, req_id)
                 sent += 1
             until = t0 + int(i * period_ns) if i < total and now < end else drain_until
             if wait_readable(self.sock, max(0.0, (until - now) / 1e9)):

@@ -50,13 +50,23 @@ def _own_segment(w: Worker, what: str, seg: str, host: str, suffix: str) -> None
                                         f"(rlvla3_<run>_{w.pid}_...)")
 
 
+MAX_KNOWN_SEGMENTS = 64
+"""Segment names remembered per worker as checked (a worker has a few pools; past this many the
+memory starts over, so a peer cannot grow it)."""
+
+
 def check_segments(w: Worker, tensors: dict[str, Any]) -> None:
     """Every shared-memory reference must name one of this worker's pools (``ShmPool``:
     ``rlvla3_<run>_<pid>_<n>``). Bounds are checked where the bytes are read
-    (``ShmAttachments.array``)."""
+    (``ShmAttachments.array``). A name that passed once is remembered (``Worker.segments``):
+    the same few pools come back in every OBS."""
+    known = w.segments
     for name, t in tensors.items():
-        if isinstance(t, P.ShmRef):
+        if type(t) is P.ShmRef and (t.seg not in known or t.host != w.host):
             _own_segment(w, f"tensor {name!r}", t.seg, t.host, r"\d+")
+            if len(known) >= MAX_KNOWN_SEGMENTS:
+                known.clear()
+            known.add(t.seg)
 
 
 def check_version_step(version: int, newest: int | None, max_step: int, what: str) -> None:

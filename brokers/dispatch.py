@@ -61,22 +61,25 @@ class Dispatcher:
 
     # ---- requests in -------------------------------------------------------------------------
 
-    def duplicate(self, w: Worker, msg: P.Message) -> list[Out] | None:
-        """``None`` for a new request; for a copy of one already taken (a re-send), what to send
-        back: its ACT again when it was answered, nothing while it is queued or at a generator."""
-        key = (w.identity, msg["slot"])
+    def duplicate(self, w: Worker, header: dict[str, Any]) -> list[Out] | None:
+        """``None`` for a new request (an OBS's ``header``); for a copy of one already taken (a
+        re-send), what to send back: its ACT again when it was answered, nothing while it is
+        queued or at a generator."""
+        key = (w.identity, header["slot"])
         last = self.last_req.get(key)
-        if last is None or msg["req_id"] > last:
+        if last is None or header["req_id"] > last:
             return None
         self.stats.duplicates += 1
         answer = self.answers.get(key)
-        return [answer] if answer is not None and answer.fields["req_id"] == msg["req_id"] else []
+        return [answer] if answer is not None and answer.fields["req_id"] == header["req_id"] else []
 
     def _answered(self, req: PendingRequest, act: Out) -> Out:
         self.answers[req.slot_key] = act
         return act
 
-    def on_obs(self, w: Worker, msg: P.Message, now: float) -> None:
+    def on_obs(self, w: Worker, msg: P.Message, now: float, nbytes: int) -> None:
+        """Queue a new request (``nbytes``: its inline tensors' bytes). Fields are validated
+        already (``protocol.decode``): ints are ints, in range."""
         h = msg.header  # read as a dict: this runs for every request
         n, steps_of = h["n"], h["episode_step"]
         if n < 1 or len(h["instruction"]) != n or len(steps_of) != n:
@@ -84,22 +87,20 @@ class Dispatcher:
         slot = h["slot"]
         if not (0 <= slot < max(w.slots, 1)):
             raise P.ProtocolError(P.E_FIELD, f"OBS: slot {slot} out of range (worker has {w.slots})")
-        self.queue.push(PendingRequest(
-            sim=w.identity, slot=slot, req_id=h["req_id"], n=n, arrival=now,
-            episode_step=list(steps_of), version=int(h.get("version", -1)),
-            header=h, tensors=msg.tensors, host=w.host, starts=steps_of.count(0),
-        ))
+        self.queue.push(PendingRequest(w.identity, slot, h["req_id"], n, now, list(steps_of), h.get("version", -1), h,
+                                       msg.tensors, w.host, steps_of.count(0), nbytes=nbytes))
         self.last_req[(w.identity, slot)] = h["req_id"]
         stats = self.stats
         stats.requests += 1
         w.count_frames(msg.tensors)
         if self.adaptive is not None:
             self.adaptive.on_arrival(n, self.queue.envs)
-        steps = int(h.get("env_steps", 0))
-        stats.env_steps += steps
-        w.info["env_steps"] = int(w.info.get("env_steps") or 0) + steps
-        stats.decision_steps += int(h.get("decision_steps", 0))
-        stats.env_restarts += int(h.get("env_restarts", 0))
+        steps = h.get("env_steps", 0)
+        if steps:
+            stats.env_steps += steps
+            w.info["env_steps"] = (w.info.get("env_steps") or 0) + steps
+        stats.decision_steps += h.get("decision_steps", 0)
+        stats.env_restarts += h.get("env_restarts", 0)
 
     # ---- batches out -------------------------------------------------------------------------
 
@@ -112,9 +113,13 @@ class Dispatcher:
         out = []
         for gen, reqs in formed:
             self.admission.on_dispatched(reqs)
-            gen_host = self.registry.workers[gen.identity].host
+            gen_worker = self.registry.workers[gen.identity]
+            gen_host = gen_worker.host
             ready: list[tuple[PendingRequest, dict[str, Any]]] = []
             for r in reqs:
+                if r.host == gen_host:  # its references are readable there as they are (brokers.access)
+                    ready.append((r, r.tensors))
+                    continue
                 try:
                     ready.append((r, {name: self.bridge.for_host(t, gen_host) for name, t in r.tensors.items()}))
                 except Exception as err:  # noqa: BLE001 - one bad request never stops the broker
@@ -122,7 +127,7 @@ class Dispatcher:
                     out += self._give_up([r], f"request not deliverable to a generator: {err}")
             if ready:
                 for _, tensors in ready:
-                    self.registry.workers[gen.identity].count_frames(tensors)
+                    gen_worker.count_frames(tensors)
                 out.append(self._batch(gen, ready, now))
         return out
 
@@ -132,24 +137,26 @@ class Dispatcher:
         reqs = [r for r, _ in ready]
         tensors: dict[str, Any] = {}
         meta = []
-        queue_wait = self.stats.queue_wait_us
         for i, (r, req_tensors) in enumerate(ready):
-            tensors.update(names.with_prefix(names.request_prefix(i), req_tensors))
+            head = names.request_prefix(i) + names.NAME_SEP  # names.with_prefix, inlined
+            for name, t in req_tensors.items():
+                tensors[head + name] = t
             header = r.header
             meta.append({
                 "req_id": r.req_id, "slot": r.slot, "n": r.n, "instruction": header["instruction"],
                 "episode_step": r.episode_step,
                 "deterministic": header["deterministic"] if "deterministic" in header else [False] * r.n,
             })
-            queue_wait.record_value(max(1, int((now - r.arrival) * 1e6)))
+        waits = [int((now - r.arrival) * 1e6) for r in reqs]
+        self.stats.record("queue_wait_us", waits)
         gen.inflight.add(batch_id)
         self.batches[batch_id] = Batch(gen.identity, reqs, now)
         self.stats.batches += 1
-        self.stats.batch_size.record_value(sum(r.n for r in reqs))
+        envs = sum(r.n for r in reqs)
+        self.stats.record("batch_size", [envs])
         if self.adaptive is not None:
-            self.adaptive.on_batch(sum(r.n for r in reqs), sum(now - r.arrival for r in reqs) / len(reqs))
-        fields = {"batch_id": batch_id, "requests": meta, "queue_us": [int((now - r.arrival) * 1e6) for r in reqs]}
-        return Out(gen.identity, P.BATCH, fields, tensors)
+            self.adaptive.on_batch(envs, sum(waits) / 1e6 / len(reqs))
+        return Out(gen.identity, P.BATCH, {"batch_id": batch_id, "requests": meta, "queue_us": waits}, tensors)
 
     def unsent(self, batch_id: int) -> None:
         """The shell could not send a batch (its generator is gone or full): queue it again."""
@@ -219,15 +226,16 @@ class Dispatcher:
         w.info["version"] = msg["version"]
         if msg.get("error"):
             return self._failed(batch_id, batch, w.name, str(msg["error"])[:300])
-        self.stats.generate_us.record_value(max(1, int((now - batch.sent_at) * 1e6)))
+        self.stats.record("generate_us", [int((now - batch.sent_at) * 1e6)])
         if self.adaptive is not None:
             self.adaptive.on_result(sum(r.n for r in batch.requests), now - batch.sent_at)
         self.admission.on_settled(batch.requests)
+        h = msg.header  # validated: ints are ints
         per_request = names.by_request(msg.tensors)
-        queue_us = msg.get("queue_us") if isinstance(msg.get("queue_us"), list) else []
-        dropped = set(msg.get("dropped") or ())  # requests the generator could not read
+        queue_us = h.get("queue_us") or []
+        dropped = set(h.get("dropped") or ())  # requests the generator could not read
         out = []
-        version, forward_us, live = msg["version"], int(msg.get("forward_us", 0)), self.registry.workers
+        version, forward_us, live, answers = h["version"], h.get("forward_us", 0), self.registry.workers, self.answers
         for i, req in enumerate(batch.requests):
             if i in dropped:
                 self.stats.requests_unreadable += 1
@@ -239,8 +247,9 @@ class Dispatcher:
                     "error": "the generator could not read this request's observation (its shared memory is gone?)"})))
                 continue
             fields = {"slot": req.slot, "req_id": req.req_id, "version": version,
-                      "queue_us": int(queue_us[i]) if i < len(queue_us) else 0, "forward_us": forward_us}
-            out.append(self._answered(req, Out(req.sim, P.ACT, fields, per_request.get(i, {}))))
+                      "queue_us": queue_us[i] if i < len(queue_us) else 0, "forward_us": forward_us}
+            act = answers[(req.sim, req.slot)] = Out(req.sim, P.ACT, fields, per_request.get(i, {}))
+            out.append(act)  # (self._answered, inlined)
         return out
 
     def _failed(self, batch_id: int, batch: Batch, generator: str, error: str) -> list[Out]:
@@ -308,7 +317,7 @@ class Dispatcher:
     def wait_s(self, now: float) -> float | None:
         """Seconds until the oldest request is due for an idle generator (``None``: no such
         deadline). A busy generator takes only full batches, which only a new request makes."""
-        if not any(g.free > 0 and not g.inflight for g in self.generators.values()):
+        if not len(self.queue) or not any(g.free > 0 and not g.inflight for g in self.generators.values()):
             return None
         oldest = self.queue.oldest_arrival()
         if oldest is None:

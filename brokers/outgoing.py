@@ -11,7 +11,7 @@ from rlvla3.shm import ShmAttachments, to_inline
 E_INTERNAL = "internal"  # ERROR code: the broker failed on a message (a bug, logged with its traceback)
 
 
-@dataclass
+@dataclass(slots=True)
 class Out:
     """One message to send. ``to`` is a ROUTER identity, or ``None`` to publish on the weights
     PUB socket. ``frames`` holds an already encoded message (the weight snapshot, sent as is)."""

@@ -21,7 +21,7 @@ def inline_bytes(tensors: dict[str, Any]) -> int:
     return sum(t.nbytes for t in tensors.values() if isinstance(t, P.InlineTensor))
 
 
-@dataclass
+@dataclass(slots=True)
 class PendingRequest:
     """One OBS request waiting for (or out for) generation."""
 
@@ -37,6 +37,7 @@ class PendingRequest:
     host: str = ""
     starts: int = 0  # envs in this request that begin a new episode
     attempts: int = 0  # batches of this request that failed on a generator
+    nbytes: int = 0  # bytes its inline tensors hold here (``inline_bytes``; none with shared memory)
 
     @property
     def slot_key(self) -> tuple[bytes, int]:
@@ -70,11 +71,18 @@ class RequestQueue:
         self._held: dict[bytes, list[int]] = {}  # simulator -> [requests, inline bytes] queued
         self.envs = 0
         self.evals = 0  # evaluation requests queued (sync mode's barrier does not wait for them)
+        self._in_order = True  # arrivals never decrease in push order: the first entry is the oldest
+        self._last_arrival = 0.0
 
     def __len__(self) -> int:
         return len(self._items)
 
     def push(self, req: PendingRequest) -> None:
+        if not self._items:
+            self._in_order = True
+        elif req.arrival < self._last_arrival:  # a re-queued request keeps its arrival
+            self._in_order = False
+        self._last_arrival = req.arrival
         self._items[next(self._seq)] = (self.key(req), req)
         self._count(req, 1)
 
@@ -85,7 +93,7 @@ class RequestQueue:
         if held is None:
             held = self._held[req.sim] = [0, 0]
         held[0] += sign
-        held[1] += sign * inline_bytes(req.tensors)
+        held[1] += sign * req.nbytes
         if not held[0]:
             del self._held[req.sim]
 
@@ -95,7 +103,12 @@ class RequestQueue:
         return (held[0], held[1]) if held else (0, 0)
 
     def oldest_arrival(self) -> float | None:
-        return min((r.arrival for _, r in self._items.values()), default=None)
+        """Asked every loop turn: the first entry's, unless a request was queued again."""
+        if not self._items:
+            return None
+        if self._in_order:
+            return next(iter(self._items.values()))[1].arrival
+        return min(r.arrival for _, r in self._items.values())
 
     def ordered(self) -> Iterable[tuple[int, PendingRequest]]:
         """Live entries in key order (ties: push order), as a sorted copy."""

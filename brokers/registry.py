@@ -27,6 +27,7 @@ class Worker:
     """Tensors it sent (simulators: OBS, TRAJ) or was sent (generators, trainers), by how they
     travelled: a shared-memory reference within its host, inline bytes across hosts."""
     key: str | None = None  # the CURVE key name it joined with (None: CURVE off)
+    segments: set[str] = field(default_factory=set)  # its shared-memory segments already checked (brokers.access)
 
     @property
     def same(self) -> tuple[str, str, str, int, str | None]:
@@ -34,8 +35,9 @@ class Worker:
         return (self.role, self.name, self.host, self.pid, self.key)
 
     def count_frames(self, tensors: dict[str, Any]) -> None:
+        frames = self.frames
         for t in tensors.values():
-            self.frames["shm" if isinstance(t, P.ShmRef) else "inline"] += 1
+            frames["shm" if type(t) is P.ShmRef else "inline"] += 1
 
 
 class Registry:
@@ -89,7 +91,11 @@ class Registry:
         self.workers[w.identity] = w
 
     def remove(self, identity: bytes) -> Worker | None:
-        return self.workers.pop(identity, None)
+        """The worker leaves; a simulator's env-step total is kept (``count_steps``)."""
+        w = self.workers.pop(identity, None)
+        if w is not None and w.role == "simulator":
+            self.count_steps(w, int(w.info.get("env_steps") or 0))
+        return w
 
     def expired(self, now: float) -> list[Worker]:
         return [w for w in self.workers.values() if now - w.last_seen > self.expiry_s]

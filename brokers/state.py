@@ -48,6 +48,7 @@ class BrokerState:
         self.stats = BrokerStats(started=now)
         # AReaL's capacity rule in decision steps; sync mode alternates and needs none.
         self.admission = AdmissionController(None if self.mode == "sync" else cfg.algo.max_staleness, cfg.algo.batch_steps)
+        self._obs_window = self.admission.window(cfg.batching.max_batch)  # the largest OBS it can ever admit
         self.bridge = bridge or ShmBridge(host)
         self.dispatcher = Dispatcher(cfg, self.registry, self.admission, self.bridge, self.stats)
         self.trajs = TrajectoryRouter(self.registry, self.bridge, self.stats, grpo=cfg.algo.name == "grpo",
@@ -163,23 +164,26 @@ class BrokerState:
         return out + [Out(identity, P.READY, reply)]
 
     def _on_obs(self, w: Worker, msg: P.Message, now: float) -> list[Out]:
-        again = self.dispatcher.duplicate(w, msg)  # a re-sent request: never served twice
+        h = msg.header  # read as a dict: this runs for every request
+        again = self.dispatcher.duplicate(w, h)  # a re-sent request: never served twice
         if again is not None:
             return again
-        window = self.admission.window(self.cfg.batching.max_batch)
-        if window is not None and not msg.get("eval") and msg["n"] > window:
-            raise P.ProtocolError(P.E_LIMIT, f"OBS of {msg['n']} envs: no admission window holds more than {window} "
+        window = self._obs_window
+        if window is not None and h["n"] > window and not h.get("eval"):
+            raise P.ProtocolError(P.E_LIMIT, f"OBS of {h['n']} envs: no admission window holds more than {window} "
                                              "(algo.max_staleness + 1) * algo.batch_steps")
-        queued, nbytes = self.dispatcher.queue.held_by(w.identity)
+        queued, held = self.dispatcher.queue.held_by(w.identity)
         if queued >= self.cfg.broker.max_peer_requests:
             raise P.ProtocolError(P.E_LIMIT, f"{queued} requests of this simulator queued: broker.max_peer_requests")
-        self._check_bytes(w, msg, nbytes)
-        self.dispatcher.on_obs(w, msg, now)
-        self.registry.count_steps(w, w.info["env_steps"])
+        nbytes = inline_bytes(msg.tensors)
+        self._check_bytes(w, held + nbytes)
+        self.dispatcher.on_obs(w, msg, now, nbytes)
         return []
 
-    def _check_bytes(self, w: Worker, msg: P.Message, held: int) -> None:
-        held += self.trajs.held_by(w.identity)[1] + inline_bytes(msg.tensors)
+    def _check_bytes(self, w: Worker, held: int) -> None:
+        """``held``: this peer's queued requests' bytes here, with the new message's."""
+        if self.trajs.pending:
+            held += self.trajs.held_by(w.identity)[1]
         if held > self.cfg.broker.max_peer_bytes:
             raise P.ProtocolError(P.E_LIMIT, f"this peer's queued messages would hold {held} bytes at the broker: "
                                              f"broker.max_peer_bytes={self.cfg.broker.max_peer_bytes}")
@@ -189,7 +193,7 @@ class BrokerState:
         if waiting >= self.cfg.broker.max_peer_trajs:
             raise P.ProtocolError(P.E_LIMIT, f"{waiting} fragments of this simulator wait for a trainer: "
                                              "broker.max_peer_trajs")
-        self._check_bytes(w, msg, self.dispatcher.queue.held_by(w.identity)[1])
+        self._check_bytes(w, self.dispatcher.queue.held_by(w.identity)[1] + inline_bytes(msg.tensors))
         self.stats.traj_received += 1
         evaluating = bool(msg.get("eval"))
         if evaluating:

@@ -67,8 +67,10 @@ class TrajectoryRouter:
 
     def deliver(self) -> list[Out]:
         """Hand pending fragments to trainers with free credits, least loaded first."""
+        if not self.pending:  # (a timer step of every loop turn)
+            return []
         trainers = {w.identity: w for w in self.registry.of_role("trainer")}
-        if not self.pending or not trainers:
+        if not trainers:
             return []
         sticky = self.grpo and len(trainers) > 1
         sends: list[Out] = []

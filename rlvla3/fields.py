@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Callable
 
 MAX_ID = 2**53
 """Ids, counters and versions stay exactly representable as a double (JSON, JavaScript)."""
@@ -208,3 +208,63 @@ def _free(value: Any, what: str, depth: int, budget: list[int], finite: bool) ->
             _free(v, f"{what}[{i}]", depth + 1, budget, finite)
     elif t not in (str, bytes, bool, type(None)):
         raise FieldError(f"{what} has type {t.__name__}")
+
+
+# ---------------------------------------------------------------------------------------------
+# One compiled check per message type
+#
+# Calling each spec's ``check`` costs a Python call per field, and per item of a list; the
+# broker does it for every OBS. ``compile_check`` turns a message type's specs into one
+# function of inline tests that only says whether a header passes. It is the first pass:
+# True means every spec passes; False (also for any field it does not know, which the specs
+# may still accept as free data) sends the header through the specs themselves, which name
+# what fails. Specs it cannot inline (maps, free data) are called.
+# ---------------------------------------------------------------------------------------------
+
+
+def _passes(spec: Any, value: Any) -> bool:
+    try:
+        spec.check(value, "")
+        return True
+    except FieldError:
+        return False
+
+
+def _test(spec: Any, v: str, env: dict[str, Any]) -> str:
+    """A Python expression over the variable ``v``: true iff ``spec.check`` passes on it."""
+    name = f"_s{len(env)}"
+    env[name] = spec
+    t = type(spec)
+    if t is Int:
+        test = f"(type({v}) is int and {spec.lo} <= {v} <= {spec.hi})"
+    elif t is Num:
+        test = f"((type({v}) is int or (type({v}) is float and _isfinite({v}))) and {spec.lo!r} <= {v} <= {spec.hi!r})"
+    elif t is Str:
+        choices = f" and {v} in {name}.choices" if spec.choices else ""
+        test = f"(type({v}) is str and len({v}) <= {spec.max_len}{choices})"
+    elif t is Bool:
+        test = f"(type({v}) is bool)"
+    elif t is List:  # a loop of its own: all() over a generator costs more than the items
+        src = f"def {name}_items(v):\n    for x in v:\n        if not {_test(spec.item, 'x', env)}:\n" \
+              "            return False\n    return True"
+        exec(src, env)  # noqa: S102 - built from specs, never from input
+        test = f"(type({v}) in (list, tuple) and len({v}) <= {spec.max_len} and {name}_items({v}))"
+    else:
+        return f"_passes({name}, {v})"
+    return f"({test} or {v} is None)" if getattr(spec, "nullable", False) else test
+
+
+def compile_check(required: dict[str, Any], optional: dict[str, Any], also: tuple[str, ...]) -> Callable[[dict], bool]:
+    """One function ``header -> bool`` for a message type's ``required`` and ``optional`` specs;
+    ``also``: keys the codec reads itself (version, type, tensors)."""
+    env: dict[str, Any] = {"_passes": _passes, "_isfinite": math.isfinite, "_missing": object(),
+                           "_known": frozenset((*required, *optional, *also))}
+    lines = ["def check(h):", "    if not _known.issuperset(h):", "        return False"]
+    for name, spec in required.items():
+        lines += [f"    v = h.get({name!r}, _missing)", f"    if not {_test(spec, 'v', env)}:", "        return False"]
+    for name, spec in optional.items():
+        lines += [f"    v = h.get({name!r}, _missing)", f"    if v is not _missing and not {_test(spec, 'v', env)}:",
+                  "        return False"]
+    lines.append("    return True")
+    exec("\n".join(lines), env)  # noqa: S102 - the source is built above from specs, never from input
+    return env["check"]

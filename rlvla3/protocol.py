@@ -187,6 +187,7 @@ SCHEMA: dict[str, tuple[dict[str, Any], dict[str, Any]]] = {  # type -> (require
 }
 BROKER_PRIVATE = ("attempts", "admitted")
 """Header fields the broker writes into a queued request; a peer may not send them."""
+_FAST = {t: F.compile_check(req, opt, ("v", "type", "tensors")) for t, (req, opt) in SCHEMA.items()}
 
 
 class ProtocolError(ValueError):
@@ -203,9 +204,10 @@ class ProtocolError(ValueError):
 # ---------------------------------------------------------------------------------------------
 
 
-@dataclass(frozen=True)
+@dataclass(slots=True, unsafe_hash=True)
 class ShmRef:
-    """Where a tensor's bytes live in a shared-memory segment (no bytes travel)."""
+    """Where a tensor's bytes live in a shared-memory segment (no bytes travel). Never changed;
+    not ``frozen``: a frozen dataclass's init costs 1 us, per tensor of every OBS the broker reads."""
 
     seg: str
     offset: int
@@ -215,10 +217,8 @@ class ShmRef:
     host: str
 
     def descriptor(self, name: str) -> dict[str, Any]:
-        return {
-            "name": name, "dtype": self.dtype, "shape": list(self.shape), "where": "shm",
-            "seg": self.seg, "offset": self.offset, "nbytes": self.nbytes, "host": self.host,
-        }
+        return {"name": name, "dtype": self.dtype, "shape": list(self.shape), "where": "shm", "seg": self.seg,
+                "offset": self.offset, "nbytes": self.nbytes, "host": self.host}
 
 
 @dataclass
@@ -302,16 +302,16 @@ def encode(msg_type: str, fields: dict[str, Any] | None = None, tensors: dict[st
     ``tensors`` values are numpy arrays / torch tensors (sent inline) or ShmRef (sent as a
     descriptor), or already-received InlineTensor (forwarded without a copy).
     """
-    if msg_type not in MESSAGE_TYPES:
+    if msg_type not in SCHEMA:  # a dict: every type has its entry
         raise ProtocolError(E_TYPE, f"unknown message type {msg_type!r}")
     header: dict[str, Any] = {"v": PROTOCOL_VERSION, "type": msg_type, **(fields or {})}
     descs: list[dict[str, Any]] = []
     frames: list[Any] = []
     for name, value in (tensors or {}).items():
-        if isinstance(value, ShmRef):
+        if type(value) is ShmRef:
             descs.append(value.descriptor(name))
             continue
-        if isinstance(value, InlineTensor):
+        if type(value) is InlineTensor:
             descs.append({"name": name, "dtype": value.dtype, "shape": list(value.shape), "where": "inline"})
             frames.append(value.buffer)
             continue
@@ -350,21 +350,23 @@ def decode(frames: Sequence[Any]) -> Message:
 
 
 def _check_fields(msg_type: str, header: dict[str, Any]) -> None:
-    """Every field against SCHEMA (type, range, finiteness), then the cross-field rules."""
+    """Every field against SCHEMA (type, range, finiteness), then the cross-field rules. A valid header
+    passes one compiled check (``_FAST``); the specs run one by one to name a failure or accept free data."""
     required, optional = SCHEMA[msg_type]
     try:
-        for name, spec in required.items():
-            if name not in header:
-                raise F.FieldError(f"lacks field {name!r}")
-            spec.check(header[name], name)
-        for name, value in header.items():
-            if name in required or name in ("v", "type", "tensors"):
-                continue
-            if type(name) is not str:
-                raise F.FieldError(f"a field name of type {type(name).__name__}")
-            if name in BROKER_PRIVATE:
-                raise F.FieldError(f"{name!r} is set by the broker, not sent")
-            (optional.get(name) or _FREE).check(value, name)
+        if not _FAST[msg_type](header):
+            for name, spec in required.items():
+                if name not in header:
+                    raise F.FieldError(f"lacks field {name!r}")
+                spec.check(header[name], name)
+            for name, value in header.items():
+                if name in required or name in ("v", "type", "tensors"):
+                    continue
+                if type(name) is not str:
+                    raise F.FieldError(f"a field name of type {type(name).__name__}")
+                if name in BROKER_PRIVATE:
+                    raise F.FieldError(f"{name!r} is set by the broker, not sent")
+                (optional.get(name) or _FREE).check(value, name)
         if msg_type == OBS:
             n = header["n"]
             for name in ("instruction", "episode_step", "deterministic"):
@@ -403,10 +405,8 @@ def _decode_tensors(descs: Any, frames: Sequence[Any]) -> dict[str, InlineTensor
         if type(d) is not dict:
             raise ProtocolError(E_TENSOR, "tensor descriptor is not a map")
         name, dtype, shape, where = d.get("name"), d.get("dtype"), d.get("shape"), d.get("where")
-        if type(name) is not str or not name or len(name) > MAX_NAME_LEN:
-            raise ProtocolError(E_TENSOR, "tensor name missing or too long")
-        if name in out:
-            raise ProtocolError(E_TENSOR, f"tensor {name!r} appears twice")
+        if type(name) is not str or not name or len(name) > MAX_NAME_LEN or name in out:
+            raise ProtocolError(E_TENSOR, f"tensor name {str(name)[:64]!r}: missing, too long or twice")
         itemsize = _ITEMSIZE.get(dtype) if type(dtype) is str else None
         if itemsize is None:
             raise ProtocolError(E_TENSOR, f"tensor {name!r}: dtype {dtype!r} not allowed")
@@ -429,7 +429,7 @@ def _decode_tensors(descs: Any, frames: Sequence[Any]) -> dict[str, InlineTensor
                 raise ProtocolError(E_TENSOR, f"tensor {name!r}: nbytes {nb!r} != shape's {nbytes}")
             if type(host) is not str or not host or len(host) > MAX_NAME_LEN:
                 raise ProtocolError(E_TENSOR, f"tensor {name!r}: shm descriptor without host")
-            out[name] = ShmRef(seg=seg, offset=offset, nbytes=nbytes, dtype=dtype, shape=tuple(shape), host=host)
+            out[name] = ShmRef(seg, offset, nbytes, dtype, tuple(shape), host)
         elif where == "inline":
             if next_frame >= len(frames):
                 raise ProtocolError(E_TENSOR, f"tensor {name!r}: no frame left for it")

@@ -41,6 +41,22 @@ def test_flush_on_wait():
     assert [r.slot for r in out[0][1]] == [0]
 
 
+def test_oldest_arrival_with_a_request_queued_again():
+    q = queue_of(req(0, arrival=1.0), req(1, arrival=2.0))
+    assert q.oldest_arrival() == 1.0
+    q.take([0])
+    assert q.oldest_arrival() == 2.0
+    q.push(req(2, arrival=0.5))  # a failed batch's request goes back with its arrival
+    q.push(req(3, arrival=3.0))
+    assert q.oldest_arrival() == 0.5
+    q.remove_where(lambda r: r.arrival < 1.0)
+    assert q.oldest_arrival() == 2.0
+    q.remove_where(lambda r: True)
+    assert q.oldest_arrival() is None
+    q.push(req(4, arrival=5.0))
+    assert q.oldest_arrival() == 5.0
+
+
 def test_batch_never_exceeds_max_and_never_splits_a_request():
     q = queue_of(*(req(i, n=3, arrival=i) for i in range(5)))
     gen = GeneratorState(b"g", credits=10)

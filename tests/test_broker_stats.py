@@ -7,7 +7,7 @@ import random
 
 import pytest
 
-from brokers.stats import BrokerStats, _hist, _pcts
+from brokers.stats import BrokerStats, _hist, _pcts, record_many
 
 
 @pytest.mark.parametrize("top", [50, 1_000_000, 60_000_000])
@@ -21,6 +21,17 @@ def test_percentiles_match_hdrh(top):
         "p99": h.get_value_at_percentile(99), "max": h.get_max_value(), "mean": round(h.get_mean_value(), 1),
     }
     assert _pcts(_hist()) == {"count": 0}
+
+
+def test_record_many_is_hdrh_record_value():
+    rng = random.Random(3)
+    values = [rng.choice([0, 1, 2047, 2048, 4095]) for _ in range(50)] + [rng.randint(1, 2**27) for _ in range(5000)]
+    one, many = _hist(), _hist()
+    for v in values:
+        one.record_value(max(1, v))
+    record_many(many, values)
+    assert list(many.counts) == list(one.counts)
+    assert (many.total_count, many.min_value, many.max_value) == (one.total_count, one.min_value, one.max_value)
 
 
 def test_percentiles_refresh_once_a_second_and_counters_always():

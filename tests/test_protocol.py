@@ -14,6 +14,7 @@ import zmq
 from hypothesis import HealthCheck, example, given, settings
 from hypothesis import strategies as st
 
+from rlvla3 import fields as F
 from rlvla3 import protocol as P
 from rlvla3.shm import ShmAttachments, ShmPool
 
@@ -245,11 +246,26 @@ def test_decode_raises_nothing_but_protocol_error(case, value):
     """Whatever a field holds (inf, NaN, 2^64, nested lists and maps), decode either accepts
     it or raises ProtocolError: no other exception can reach a receive loop."""
     t, name, _ = case
+    header = msgpack.unpackb(_hostile_header(t, name, value))
+    assert P._FAST[t](header) == _specs_accept(t, header), "the compiled check and the specs disagree"
     try:
         msg = P.decode([_hostile_header(t, name, value)])
     except P.ProtocolError:
         return
     assert msg.type == t
+
+
+def _specs_accept(t: str, header: dict) -> bool:
+    """Whether every field passes its spec, checked one by one (what ``fields.compile_check``
+    compiles into one function)."""
+    required, optional = P.SCHEMA[t]
+    try:
+        for name, value in header.items():
+            if name not in ("v", "type", "tensors"):
+                {**required, **optional}[name].check(value, name)
+        return all(name in header for name in required)
+    except F.FieldError:
+        return False
 
 
 _SENDER = {P.OBS: "simulator", P.TRAJ: "simulator", P.RESULT: "generator", P.SNAPSHOT: "generator",
