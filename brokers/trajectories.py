@@ -54,16 +54,31 @@ class TrajectoryRouter:
         # Groups complete only with more fragments: GRPO trainers are not held back.
         self.hold_steps = None if grpo else hold_steps
         self._out_steps: dict[bytes, int] = {}  # trainer -> training steps delivered, not acked
+        self._queued: dict[bytes, list[int]] = {}  # simulator -> [fragments, inline bytes] in pending
+
+    def _enqueue(self, traj: Trajectory, front: bool = False) -> None:
+        (self.pending.appendleft if front else self.pending.append)(traj)
+        held = self._queued.setdefault(traj.sim, [0, 0])
+        held[0] += 1
+        held[1] += inline_bytes(traj.tensors)
+
+    def _left(self, traj: Trajectory) -> None:
+        """A fragment left the queue for good (sent or dropped)."""
+        held = self._queued[traj.sim]
+        held[0] -= 1
+        held[1] -= inline_bytes(traj.tensors)
+        if held[0] == 0:
+            del self._queued[traj.sim]
 
     def on_traj(self, w: Worker, msg: P.Message) -> None:
         self._next_gid += 1
         w.count_frames(msg.tensors)
-        self.pending.append(Trajectory(self._next_gid, w.identity, msg["traj_id"], msg.header, msg.tensors, msg["steps"]))
+        self._enqueue(Trajectory(self._next_gid, w.identity, msg["traj_id"], msg.header, msg.tensors, msg["steps"]))
 
     def held_by(self, sim: bytes) -> tuple[int, int]:
         """How many of ``sim``'s fragments wait for a trainer and the inline bytes they hold."""
-        mine = [t for t in self.pending if t.sim == sim]
-        return len(mine), sum(inline_bytes(t.tensors) for t in mine)
+        count, nbytes = self._queued.get(sim, (0, 0))
+        return count, nbytes
 
     def deliver(self) -> list[Out]:
         """Hand pending fragments to trainers with free credits, least loaded first."""
@@ -89,6 +104,7 @@ class TrajectoryRouter:
                     kept.append(traj)
                     continue
             if traj.sim not in self.registry and any(isinstance(v, P.ShmRef) for v in traj.tensors.values()):
+                self._left(traj)
                 self._drop(traj)  # its writer died before a trainer took it
                 log.warning("traj_dropped_writer_gone", traj_id=traj.traj_id)
                 continue
@@ -106,9 +122,11 @@ class TrajectoryRouter:
             try:
                 tensors = {k: self.bridge.for_host(v, t.host) for k, v in traj.tensors.items()}
             except (KeyError, ValueError) as err:  # ProtocolError is a ValueError
+                self._left(traj)
                 self._drop(traj)
                 log.warning("traj_dropped_unreadable", traj_id=traj.traj_id, error=str(err))
                 continue
+            self._left(traj)
             fields = {k: v for k, v in traj.header.items() if k not in ("v", "type", "tensors")}
             fields["gid"] = traj.gid
             t.count_frames(tensors)
@@ -147,7 +165,7 @@ class TrajectoryRouter:
         if trainer is not None:
             trainer.trajs_inflight.discard(gid)
         self.stats.traj_delivered -= 1
-        self.pending.appendleft(entry[1])
+        self._enqueue(entry[1], front=True)
 
     def on_ack(self, w: Worker, msg: P.Message) -> list[Out]:
         """A trainer acknowledges fragments it was sent (only those: an ack of another trainer's
@@ -182,6 +200,6 @@ class TrajectoryRouter:
         for gid in sorted(w.trajs_inflight, reverse=True):
             entry = self.out.pop(gid, None)
             if entry is not None:
-                self.pending.appendleft(entry[1])
+                self._enqueue(entry[1], front=True)
                 self.stats.traj_requeued += 1
         return lost

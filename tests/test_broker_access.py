@@ -145,6 +145,9 @@ def test_per_peer_caps_on_requests_trajectories_and_bytes():
     assert code(outs) == P.E_LIMIT and "max_peer_requests" in of_type(outs, P.ERROR)[0].fields["reason"]
     assert s.traj(SIM, 1, steps=4) == []  # no trainer: it waits
     assert code(s.traj(SIM, 2, steps=4)) == P.E_LIMIT
+    s.trainer(T0)
+    assert of_type(s.tick(), P.TRAJ)  # fragment 1 goes to the trainer: the simulator's queue is empty again
+    assert not of_type(s.traj(SIM, 3, steps=4), P.ERROR)
     s2 = Script("broker.max_peer_bytes=100")
     s2.simulator(SIM)
     big = s2.send(SIM, P.TRAJ, {"traj_id": 1, "slot": 0, "steps": 1}, {"reward": np.zeros(101, np.uint8)})
