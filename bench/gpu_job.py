@@ -157,11 +157,13 @@ def run(args: argparse.Namespace, run_dir: Path) -> dict[str, Any]:
             except TimeoutError:
                 continue
             samples.append((time.monotonic(), int(fig.get("env_steps", 0)), int(fig.get("policy_version", -1))))
+            moving = [s for s in samples if s[1] > 0]
             if args.until_version is not None and samples[-1][2] >= args.until_version \
-                    and sum(1 for s in samples if s[1] > 0) >= 2 \
+                    and len(moving) >= 2 and moving[-1][1] > moving[0][1] \
                     and args.until_version in publish_to_swap(run_dir)[0] and staleness(fig)["count"]:
                 break  # --until-version: enough for every figure, a rate included (the smoke run)
-            time.sleep(min(1.0, max(0.0, end - time.monotonic())))  # polling STATUS with a deadline
+            # polling STATUS with a deadline: each second for the rates; the smoke run (--until-version) stops sooner
+            time.sleep(min(0.25 if args.until_version is not None else 1.0, max(0.0, end - time.monotonic())))
     except Stopped:
         error = f"stopped by SIGTERM after {time.monotonic() - t0:.0f} s (the figures so far)"
     finally:

@@ -13,7 +13,7 @@ every process that lived past warm-up: growth over its life after warm-up at mos
 loses at most one update's worth of steps: an update takes whole fragments until it holds
 ``algo.batch_steps``, so its batch is at most ``batch_steps + env.fragment_len - 1`` steps.
 
-    python bench/soak.py --minutes 3      # --smoke: ~15 s, no value as a soak
+    python bench/soak.py --minutes 3      # --smoke: ~12 s, no value as a soak
 Prints one JSON object last and writes soak.json and soak_rss.png under --out.
 """
 
@@ -130,14 +130,14 @@ class Soak:
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--minutes", type=float, default=30.0, help="how long to run")
-    ap.add_argument("--smoke", action="store_true", help="6 s of frequent kills after start-up (the README test)")
-    ap.add_argument("--kill-every", type=float, default=None, help="mean seconds between kills (default: 20; smoke: 2)")
+    ap.add_argument("--smoke", action="store_true", help="3 s of frequent kills after start-up (the README test)")
+    ap.add_argument("--kill-every", type=float, default=None, help="mean seconds between kills (default: 20; smoke: 1.5)")
     ap.add_argument("--warmup", type=float, default=None, help="seconds before RSS counts as warm (default: 60; smoke: 2)")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--out", default=OUT_DIR, help="folder for soak.json and soak_rss.png")
     args = ap.parse_args()
-    minutes = 0.1 if args.smoke else args.minutes
-    kill_every = args.kill_every or (2.0 if args.smoke else 20.0)
+    minutes = 0.05 if args.smoke else args.minutes
+    kill_every = args.kill_every or (1.5 if args.smoke else 20.0)  # smoke: the first kill within 2.25 s of 3
     warm_s = args.warmup if args.warmup is not None else (2.0 if args.smoke else 60.0)
     sample_every = 0.5 if args.smoke else 2.0
     out = Path(args.out)

@@ -3,6 +3,8 @@ tests can poll, and starting one in a fresh run dir."""
 
 from __future__ import annotations
 
+import subprocess
+import tempfile
 import time
 from pathlib import Path
 from typing import Any, Callable
@@ -71,6 +73,61 @@ def start_job(cfg: Any, tmp_path: Path, jobs: list[TestJob], start: bool = True)
     if start:
         job.start_all()
     return job
+
+
+class ProcessPool:
+    """Commands run in the background, ``at_once`` at a time in the order they were added, so a
+    module's slow single-threaded subprocesses (model builds, exports) overlap one another and the
+    tests that read them: on a 2-core CI machine the second core is otherwise idle. A test asks
+    for its command's result; one not started yet starts then."""
+
+    def __init__(self, at_once: int = 2) -> None:
+        self.at_once = at_once
+        self.pending: dict[str, tuple[list[str], dict[str, Any]]] = {}
+        self.running: dict[str, tuple[subprocess.Popen, Any, Any]] = {}
+
+    def add(self, key: str, argv: list[str], **popen: Any) -> None:
+        """Queue ``argv`` under ``key`` (``popen``: ``cwd``, ``env``)."""
+        self.pending[key] = (argv, popen)
+        self._fill()
+
+    def _start(self, key: str) -> None:
+        argv, popen = self.pending.pop(key)
+        out, err = tempfile.TemporaryFile("w+"), tempfile.TemporaryFile("w+")  # a full pipe would block it
+        self.running[key] = (subprocess.Popen(argv, text=True, stdout=out, stderr=err, **popen), out, err)
+
+    def _fill(self) -> None:
+        while self.pending and len(self.running) < self.at_once:
+            self._start(next(iter(self.pending)))
+
+    def result(self, key: str, timeout: float = 600) -> tuple[int, str, str]:
+        """The command's exit code, stdout and stderr, once it has ended."""
+        if key not in self.running:
+            self._start(key)
+        proc, out, err = self.running.pop(key)
+        try:
+            try:
+                proc.wait(timeout=timeout)
+            except subprocess.TimeoutExpired:
+                proc.kill()
+                proc.wait()
+                raise
+            out.seek(0)
+            err.seek(0)
+            return proc.returncode, out.read(), err.read()
+        finally:
+            out.close()
+            err.close()
+            self._fill()
+
+    def close(self) -> None:
+        self.pending.clear()
+        for proc, out, err in self.running.values():
+            proc.kill()
+            proc.wait()
+            out.close()
+            err.close()
+        self.running.clear()
 
 
 def job_logs(job: TestJob) -> str:

@@ -12,7 +12,6 @@ import json
 import os
 import re
 import shlex
-import subprocess
 import sys
 from pathlib import Path
 from typing import Any, Callable
@@ -20,6 +19,7 @@ from typing import Any, Callable
 import pytest
 
 from rlvla3.lifetime import launcher_env
+from tests.jobs import ProcessPool
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -220,22 +220,44 @@ def test_readme_block_lists_bench_scripts() -> None:
     assert {Path(a[1]).stem for a in COMMANDS} >= set(CHECKS), "a checked benchmark left the README"
 
 
+def command_id(argv: list[str]) -> str:
+    return Path(argv[1]).stem if len(argv) > 1 else "?"
+
+
+IDS = [command_id(a) for a in COMMANDS]
+
+
+@pytest.fixture(scope="module")
+def smokes(request, tmp_path_factory):
+    """The selected README lines' smoke runs, two at a time in the background in README order,
+    each from its own empty folder (most of a smoke run is single-threaded process start-up, so
+    on a 2-core machine two overlap well)."""
+    pool = ProcessPool(2)
+    folders: dict[str, Path] = {}
+    env = {**os.environ, **launcher_env(), "MUJOCO_GL": os.environ.get("MUJOCO_GL", "egl")}
+    for item in request.session.items:
+        if item.module is request.module and hasattr(item, "callspec") and "argv" in item.callspec.params:
+            argv, key = item.callspec.params["argv"], item.callspec.id
+            folders[key] = tmp_path_factory.mktemp(key)
+            pool.add(key, [sys.executable, str(ROOT / argv[1]), *argv[2:], "--smoke"], cwd=folders[key], env=env)
+    yield pool, folders
+    pool.close()
+
+
 @pytest.mark.timeout(600)  # a smoke run is seconds alone; process start-up is slow on a loaded 2-core VM
-@pytest.mark.parametrize("argv", COMMANDS, ids=[Path(a[1]).stem if len(a) > 1 else "?" for a in COMMANDS])
-def test_readme_bench_command_runs(argv: list[str], tmp_path: Path) -> None:
+@pytest.mark.parametrize("argv", COMMANDS, ids=IDS)
+def test_readme_bench_command_runs(argv: list[str], smokes, request) -> None:
     """The line as written (from an empty folder, so the default ``--out`` is exercised) plus
     ``--smoke``; its files must land in ``bench/out`` under the folder it ran from."""
-    script = ROOT / argv[1]
-    proc = subprocess.run(
-        [sys.executable, str(script), *argv[2:], "--smoke"], cwd=tmp_path, capture_output=True, text=True,
-        timeout=540, env={**os.environ, **launcher_env(), "MUJOCO_GL": os.environ.get("MUJOCO_GL", "egl")},
-    )
+    pool, folders = smokes
+    key = request.node.callspec.id
+    returncode, stdout, stderr = pool.result(key, timeout=540)
     cmd = f"{shlex.join(argv)} --smoke"
-    assert proc.returncode == 0, f"{cmd} exited {proc.returncode}\n{proc.stderr[-3000:]}"
-    lines = [ln for ln in proc.stdout.splitlines() if ln.strip()]
-    assert lines, f"{cmd} printed nothing\n{proc.stderr[-3000:]}"
+    assert returncode == 0, f"{cmd} exited {returncode}\n{stderr[-3000:]}"
+    lines = [ln for ln in stdout.splitlines() if ln.strip()]
+    assert lines, f"{cmd} printed nothing\n{stderr[-3000:]}"
     result = json.loads(lines[-1])
     assert isinstance(result, dict) and result, f"{cmd}: last line is not a JSON object"
-    check = CHECKS.get(script.stem)
+    check = CHECKS.get(Path(argv[1]).stem)
     if check is not None:
-        check(result, tmp_path / "bench" / "out")
+        check(result, folders[key] / "bench" / "out")

@@ -6,13 +6,12 @@ families build at once, one per core."""
 from __future__ import annotations
 
 import json
-import subprocess
 import sys
-import tempfile
 from pathlib import Path
-from typing import Any
 
 import pytest
+
+from tests.jobs import ProcessPool
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -51,58 +50,20 @@ FAMILIES = ["pi0", "pi05", "gr00t_n15", "openvla_oft"]
 AT_ONCE = 2
 
 
-class Builds:
-    """The selected families' build processes, ``AT_ONCE`` running at a time, in test order."""
-
-    def __init__(self, families: list[str]) -> None:
-        self.pending = list(families)
-        self.running: dict[str, tuple[subprocess.Popen, Any, Any]] = {}
-        self._fill()
-
-    def _start(self, family: str) -> None:
-        out, err = tempfile.TemporaryFile("w+"), tempfile.TemporaryFile("w+")  # a full pipe would block it
-        self.running[family] = (subprocess.Popen([sys.executable, "-c", BUILD, family], cwd=ROOT, text=True,
-                                                 stdout=out, stderr=err), out, err)
-
-    def _fill(self) -> None:
-        while self.pending and len(self.running) < AT_ONCE:
-            self._start(self.pending.pop(0))
-
-    def result(self, family: str) -> tuple[int, str, str]:
-        """The build's exit code, stdout and stderr (it starts now if it was not running yet)."""
-        if family not in self.running:
-            self.pending.remove(family)
-            self._start(family)
-        proc, out, err = self.running.pop(family)
-        try:
-            proc.wait(timeout=600)
-            out.seek(0)
-            err.seek(0)
-            return proc.returncode, out.read(), err.read()
-        finally:
-            out.close()
-            err.close()
-            self._fill()
-
-    def close(self) -> None:
-        for proc, out, err in self.running.values():
-            proc.kill()
-            proc.wait()
-            out.close()
-            err.close()
-
-
 @pytest.fixture(scope="module")
 def builds(request):
-    selected = [item.callspec.params["family"] for item in request.session.items
-                if item.module is request.module and hasattr(item, "callspec")]
-    b = Builds(selected)
-    yield b
-    b.close()
+    """The selected families' build processes, ``AT_ONCE`` running at a time, in test order."""
+    pool = ProcessPool(AT_ONCE)
+    for item in request.session.items:
+        if item.module is request.module and hasattr(item, "callspec"):
+            family = item.callspec.params["family"]
+            pool.add(family, [sys.executable, "-c", BUILD, family], cwd=ROOT)
+    yield pool
+    pool.close()
 
 
 @pytest.mark.parametrize("family", FAMILIES)
-def test_medium_builds_in_bf16_without_an_fp32_copy(family: str, builds: Builds) -> None:
+def test_medium_builds_in_bf16_without_an_fp32_copy(family: str, builds: ProcessPool) -> None:
     returncode, stdout, stderr = builds.result(family)
     assert returncode == 0, stderr[-3000:]
     row = json.loads(stdout.strip().splitlines()[-1])

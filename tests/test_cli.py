@@ -79,10 +79,13 @@ def test_run_smoke_and_status(tmp_path: Path):
 
 
 @pytest.mark.slow
-def test_status_json_and_worker_count(job_factory):
+def test_status_json_worker_count_and_a_trainer_beyond_the_group(job_factory):
+    """One job: ``rlvla3 status --json``; ``rlvla3 worker --count 2`` supervising two simulators;
+    a trainer beyond the group size (workers.trainers=1, one already joined) refused."""
     job = job_factory("workers.simulators=0")
     sims = job.start_worker("simulator", "pair", ["--count", "2", "--num-envs", "2", "--slots", "1"])
-    job.wait(lambda f: f["workers"]["simulator"] == 2 and f["slots"] == 2, 60, "two simulators from one --count 2")
+    job.wait(lambda f: f["workers"]["simulator"] == 2 and f["slots"] == 2 and f["workers"]["trainer"] == 1, 60,
+             "two simulators from one --count 2, and the trainer")
     r = rlvla3("status", "--broker", job.endpoint, "--json", timeout=30)
     fig = json.loads(r.stdout)
     for key in ("workers", "env_steps", "queue_depth", "policy_version"):
@@ -91,6 +94,9 @@ def test_status_json_and_worker_count(job_factory):
     sims.terminate()
     sims.wait(20)
     job.wait(lambda f: f["workers"]["simulator"] == 0, 30, "the supervisor stopping both children")
+    extra = job.start_worker("trainer", "extra")  # it exits: the last step, after the job's last wait
+    assert extra.wait(60) != 0
+    assert "trainer group is full" in (job.run_dir / "extra.log").read_text()
 
 
 @pytest.mark.slow
@@ -123,12 +129,3 @@ def test_ctrl_c_stops_every_process(tmp_path: Path):
     for pid in pids:
         with pytest.raises(ProcessLookupError):
             os.kill(pid, 0)
-
-
-@pytest.mark.slow
-def test_trainer_beyond_the_group_size_is_refused(job_factory):
-    job = job_factory()  # workers.trainers=1, one trainer already started
-    job.wait(lambda f: f["workers"]["trainer"] == 1, 60, "the first trainer")
-    extra = job.start_worker("trainer", "extra")
-    assert extra.wait(60) != 0
-    assert "trainer group is full" in (job.run_dir / "extra.log").read_text()

@@ -61,7 +61,7 @@ def test_default_run_tiny(tmp_path):
     sets = ["run.sft_episodes=8", "run.sft_epochs=2", "run.progress_every_s=0.5",
             "env.options.max_episode_steps=40", "env.num_envs=4", "env.slots=1", "env.parallel=thread",
             "env.eval_slots=0", "workers.simulators=1", "algo.batch_steps=64", "algo.minibatch_size=32"]
-    args = [sys.executable, "-m", "rlvla3", "run", "--steps", "800", "--run-dir", str(run_dir)]
+    args = [sys.executable, "-m", "rlvla3", "run", "--steps", "300", "--run-dir", str(run_dir)]
     for s in sets:
         args += ["--set", s]
     env = {**os.environ, "MUJOCO_GL": os.environ.get("MUJOCO_GL", "egl")}
@@ -69,7 +69,7 @@ def test_default_run_tiny(tmp_path):
     assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
     assert "warm start: deterministic success" in r.stdout
     summary = json.loads(r.stdout.strip().splitlines()[-1])
-    assert summary["reason"] == "steps_reached" and summary["env_steps"] >= 800, summary
+    assert summary["reason"] == "steps_reached" and summary["env_steps"] >= 300, summary
     assert summary["shm_leftovers"] == 0
     assert (run_dir / "sft" / "model.safetensors").is_file()
     assert load(str(run_dir / "config.yaml")).model.checkpoint == str((run_dir / "sft").resolve())

@@ -15,10 +15,13 @@ pytestmark = pytest.mark.slow
 
 
 def test_eval_rounds_run_in_dedicated_slots_without_pausing_training(job_factory):
-    job = job_factory("env.num_envs=6", "env.slots=3", "env.eval_slots=1", "env.eval_every=2",
+    """In sync mode, which must not wait for idle eval slots either (async eval rounds: the
+    `rlvla3 run` of tests/test_run_outputs.py)."""
+    job = job_factory("run.mode=sync", "env.num_envs=6", "env.slots=3", "env.eval_slots=1", "env.eval_every=2",
                       "env.eval_episodes=4", "env.options.max_episode_steps=20")
-    fig = job.wait(lambda f: len(f["eval"]) >= 2 and all(e["episodes"] >= 4 for e in list(f["eval"].values())[:2]),
-                   180, "two evaluation rounds of 4 episodes")
+    fig = job.wait(lambda f: len(f["eval"]) >= 2 and all(e["episodes"] >= 4 for e in list(f["eval"].values())[:2])
+                   and f["policy_version"] >= 3, 180, "two evaluation rounds of 4 episodes, sync training on")
+    assert fig["errors"] == 0
     versions = sorted(int(v) for v in fig["eval"])
     assert versions[0] == 0 and versions[1] >= versions[0] + 2  # the start, then every 2 versions at most
     for v in versions[:2]:
@@ -33,10 +36,3 @@ def test_eval_rounds_run_in_dedicated_slots_without_pausing_training(job_factory
     assert r.returncode == 0, r.stderr[-2000:]
     line = next(x for x in r.stdout.splitlines() if x.startswith("latest eval: version"))
     assert int(line.split()[3]) >= versions[1] and "success=" in line
-
-
-def test_sync_mode_does_not_wait_for_idle_eval_slots(job_factory):
-    job = job_factory("run.mode=sync", "env.num_envs=6", "env.slots=3", "env.eval_slots=1", "env.eval_every=2",
-                      "env.eval_episodes=2", "env.options.max_episode_steps=20")
-    fig = job.wait(lambda f: f["policy_version"] >= 3 and len(f["eval"]) >= 1, 120, "sync training and an eval round")
-    assert fig["errors"] == 0

@@ -7,9 +7,10 @@ from __future__ import annotations
 
 import json
 import os
-import subprocess
 import sys
 from pathlib import Path
+
+from typing import Any
 
 import numpy as np
 import pytest
@@ -17,6 +18,7 @@ import torch
 import yaml
 
 from rlvla3.observation import Observation
+from tests.jobs import ProcessPool
 from workers.envs.base import env_spec
 from workers.policies.base import make_policy
 
@@ -68,23 +70,59 @@ def make_run(run_dir: Path, family: str, options: dict, lora: dict | None = None
     return policy, spec
 
 
-def export(run_dir: Path, fmt: str, out: Path) -> subprocess.CompletedProcess:
-    env = {**os.environ, "PYTHONPATH": str(ROOT)}
-    return subprocess.run([sys.executable, "-m", "rlvla3.cli", "export", str(run_dir), "--format", fmt, "--out", str(out)],
-                          capture_output=True, text=True, env=env, timeout=600, cwd=ROOT)
+def export_argv(run_dir: Path, fmt: str, out: Path) -> list[str]:
+    return [sys.executable, "-m", "rlvla3.cli", "export", str(run_dir), "--format", fmt, "--out", str(out)]
+
+
+class Exports:
+    """Every export this module checks, as real processes in the background two at a time (each
+    is single-threaded start-up and CPU work), from run folders made here first. The pi0 tiny run
+    serves the transformers round trip, the upstream load and both refusals."""
+
+    def __init__(self, root: Path, cases: list[tuple[str, str, str, dict]]) -> None:
+        self.root = root
+        self.pool = ProcessPool(2)
+        self.runs: dict[str, tuple[Any, Any]] = {}
+        self.done: dict[str, tuple[int, str, str]] = {}
+        env = {**os.environ, "PYTHONPATH": str(ROOT)}
+        for case_id, family, fmt, options in cases:
+            self.runs[case_id] = make_run(root / case_id, family, options)
+            self.pool.add(case_id, export_argv(root / case_id, fmt, root / f"{case_id}-out"), env=env, cwd=ROOT)
+        self.runs["lora"] = make_run(root / "lora", "openvla_oft", {"size": "tiny"}, lora={"enabled": True, "rank": 4})
+        self.pool.add("lora", export_argv(root / "lora", "release", root / "lora-out"), env=env, cwd=ROOT)
+        pi0 = root / "pi0-transformers"  # tiny: 2 heads, which LeRobot's variants cannot name
+        for key, run, fmt in (("refuse-lerobot", pi0, "lerobot"), ("refuse-release", pi0, "release"),
+                              ("refuse-nothing", root / "nothing", "lerobot")):
+            self.pool.add(key, export_argv(run, fmt, root / f"{key}-out"), env=env, cwd=ROOT)
+
+    def result(self, key: str) -> tuple[int, str, str]:
+        """The export's exit code, stdout and stderr (several tests read the pi0 tiny one)."""
+        if key not in self.done:
+            self.done[key] = self.pool.result(key)
+        return self.done[key]
+
+    def out(self, key: str) -> Path:
+        return self.root / f"{key}-out"
+
+
+@pytest.fixture(scope="module")
+def exports(tmp_path_factory):
+    e = Exports(tmp_path_factory.mktemp("exports"), CASES)
+    yield e
+    e.pool.close()
 
 
 @pytest.mark.parametrize("case", CASES, ids=[c[0] for c in CASES])
-def test_export_round_trip_gives_identical_actions(case, tmp_path):
+def test_export_round_trip_gives_identical_actions(case, exports):
     from workers.release.layouts import load_release
 
-    _, family, fmt, options = case
-    policy, spec = make_run(tmp_path / "run", family, options)
-    res = export(tmp_path / "run", fmt, tmp_path / "out")
-    assert res.returncode == 0, res.stderr[-3000:]
-    summary = json.loads(res.stdout.strip().splitlines()[-1])
+    case_id, family, fmt, options = case
+    policy, spec = exports.runs[case_id]
+    returncode, stdout, stderr = exports.result(case_id)
+    assert returncode == 0, stderr[-3000:]
+    summary = json.loads(stdout.strip().splitlines()[-1])
     assert summary["family"] == family and summary["checkpoint"].endswith("v00000007")
-    loaded = load_release(str(tmp_path / "out"), family, spec, {"device": "cpu", "dtype": "float32"})
+    loaded = load_release(str(exports.out(case_id)), family, spec, {"device": "cpu", "dtype": "float32"})
     obs = obs_for(spec)
     a, b = policy.act(obs, deterministic=True), loaded.act(obs, deterministic=True)
     assert torch.equal(a.actions, b.actions)
@@ -92,20 +130,20 @@ def test_export_round_trip_gives_identical_actions(case, tmp_path):
     assert not torch.equal(policy.norm.action_out(torch.zeros(1)), torch.zeros(1))
 
 
-def test_lora_run_exports_merged_base_weights(tmp_path):
+def test_lora_run_exports_merged_base_weights(exports):
     """A LoRA run's export holds base weights only (adapters folded in) and acts as the run did."""
     from safetensors import safe_open
 
     from workers.release.layouts import load_release
 
-    policy, spec = make_run(tmp_path / "run", "openvla_oft", {"size": "tiny"}, lora={"enabled": True, "rank": 4})
+    policy, spec = exports.runs["lora"]
     assert any(".lora_B." in n for n, _ in policy.named_parameters())
-    res = export(tmp_path / "run", "release", tmp_path / "out")
-    assert res.returncode == 0, res.stderr[-3000:]
-    for f in (tmp_path / "out").rglob("*.safetensors"):
+    returncode, _, stderr = exports.result("lora")
+    assert returncode == 0, stderr[-3000:]
+    for f in exports.out("lora").rglob("*.safetensors"):
         with safe_open(str(f), "pt") as st:
             assert not [k for k in st.keys() if "lora_" in k], f
-    loaded = load_release(str(tmp_path / "out"), "openvla_oft", spec, {"device": "cpu", "dtype": "float32"})
+    loaded = load_release(str(exports.out("lora")), "openvla_oft", spec, {"device": "cpu", "dtype": "float32"})
     assert not any("lora_" in n for n, _ in loaded.named_parameters())
     obs = obs_for(spec)
     a, b = policy.act(obs, deterministic=True), loaded.act(obs, deterministic=True)
@@ -117,23 +155,21 @@ def test_lora_run_exports_merged_base_weights(tmp_path):
     assert not torch.allclose(policy.act(obs, deterministic=True).actions, a.actions, atol=1e-3)  # adapters mattered
 
 
-def test_pi0_export_loads_in_upstream_transformers(tmp_path):
+def test_pi0_export_loads_in_upstream_transformers(exports):
     from transformers import PI0ForConditionalGeneration
 
-    policy, spec = make_run(tmp_path / "run", "pi0", {"size": "tiny"})
-    assert export(tmp_path / "run", "transformers", tmp_path / "out").returncode == 0
-    upstream = PI0ForConditionalGeneration.from_pretrained(str(tmp_path / "out")).eval()
+    policy, spec = exports.runs["pi0-transformers"]  # pi0 tiny, exported --format transformers
+    assert exports.result("pi0-transformers")[0] == 0
+    upstream = PI0ForConditionalGeneration.from_pretrained(str(exports.out("pi0-transformers"))).eval()
     obs = obs_for(spec, seed=4)
     with torch.no_grad():
         raw = upstream.sample_actions(noise=torch.zeros(3, 4, policy.model_action_dim), **policy.model_inputs(policy.norm.state_in(obs)))
     assert torch.equal(policy.act(obs, deterministic=True).actions, policy.norm.action_out(raw[..., : spec.action_dim]))
 
 
-def test_export_refuses_what_the_format_cannot_hold(tmp_path):
-    make_run(tmp_path / "run", "pi0", {"size": "tiny"})  # tiny: 2 heads, which LeRobot's variants cannot name
-    res = export(tmp_path / "run", "lerobot", tmp_path / "out")
-    assert res.returncode != 0 and "8 heads" in res.stderr
-    res = export(tmp_path / "run", "release", tmp_path / "out2")
-    assert res.returncode != 0 and "pi0 exports as ['transformers', 'lerobot']" in res.stderr
-    res = export(tmp_path / "nothing", "lerobot", tmp_path / "out3")
-    assert res.returncode != 0
+def test_export_refuses_what_the_format_cannot_hold(exports):
+    returncode, _, stderr = exports.result("refuse-lerobot")  # the pi0 tiny run: 2 heads
+    assert returncode != 0 and "8 heads" in stderr
+    returncode, _, stderr = exports.result("refuse-release")
+    assert returncode != 0 and "pi0 exports as ['transformers', 'lerobot']" in stderr
+    assert exports.result("refuse-nothing")[0] != 0

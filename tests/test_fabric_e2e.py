@@ -1,5 +1,5 @@
 """End to end on real processes: 2 simulators, 2 generators, 1 trainer in each mode; workers
-joining mid-run; a late generator getting the current weights; shared memory cleaned up."""
+joining mid-run (one job), the late generator getting the current weights; shared memory cleaned up."""
 
 from __future__ import annotations
 
@@ -28,9 +28,11 @@ def test_job_runs_in_each_mode(job_factory, mode):
     assert segments_of_run(run_id) == [], "shared-memory segments left after shutdown"
 
 
-def test_simulator_and_generator_join_mid_run(job_factory):
+def test_workers_join_mid_run_and_a_late_generator_gets_current_weights(job_factory):
+    """One job: a simulator and a generator join once it steps and has published three versions;
+    the late simulator's slots are served and the late generator serves the current weights."""
     job = job_factory()
-    job.wait(lambda f: f["env_steps"] > 200, 90, "the first simulator stepping")
+    job.wait(lambda f: f["env_steps"] > 200 and f["policy_version"] >= 3, 120, "stepping, three published versions")
     job.start_worker("simulator", "late_sim", ["--index", "7"])
     job.start_worker("generator", "late_gen", ["--set", "model.options.forward_delay_ms=1"])
     fig = job.wait(
@@ -39,15 +41,7 @@ def test_simulator_and_generator_join_mid_run(job_factory):
         90, "late generator serving batches",
     )
     base = fig["env_steps"]
+    assert job.worker(fig, "late_gen")["version"] >= 3  # the current weights, not its own build
     # The late simulator's slots get served: its own step count grows.
     job.wait(lambda f: ((job.worker(f, "late_sim") or {}).get("env_steps") or 0) > 50, 60, "late simulator stepping")
     assert fig["slots"] == 4 and fig["errors"] == 0 and base > 0
-
-
-def test_late_generator_gets_current_weights(job_factory):
-    job = job_factory()
-    fig = job.wait(lambda f: f["policy_version"] >= 3, 120, "three published versions")
-    job.start_worker("generator", "late_gen")
-    fig = job.wait(lambda f: ((job.worker(f, "late_gen") or {}).get("version") or 0) >= 3 and
-                   (job.worker(f, "late_gen") or {}).get("credits"), 60, "late generator on the current version")
-    assert job.worker(fig, "late_gen")["version"] >= 3

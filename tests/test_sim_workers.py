@@ -8,7 +8,7 @@
   generator on another host) have the configured size and are the upright images the adapter
   renders for the same initial-state seed.
 * A slot whose env crashes or hangs (synthetic env in a child process) is restarted while the
-  other slots keep stepping.
+  other slots keep stepping (one job: a healthy simulator, a crashing one and a hanging one).
 * RoboCasa without its package: ``rlvla3 worker --role simulator`` exits non-zero and says how
   to install it.
 
@@ -208,33 +208,41 @@ def test_images_through_broker_upright_and_sized(repo_job, sim: str) -> None:
 # ---------------------------------------------------------------------------------------------
 
 
-@pytest.mark.parametrize("fault", ["crash", "hang"])
-def test_faulty_env_restarted_while_others_keep_stepping(repo_job, fault: str) -> None:
-    bad = "env.options.fail_on_step=6" if fault == "crash" else "env.options.hang_on_step=6"
+FAULTS = {"crash": "env.options.fail_on_step=6", "hang": "env.options.hang_on_step=6"}
+
+
+def test_faulty_envs_restarted_while_others_keep_stepping(repo_job) -> None:
+    """One job: a healthy simulator, one whose envs crash and one whose envs hang."""
     job = repo_job(
         "configs/synthetic.yaml", *SMALL, "env.num_envs=2", "env.slots=2", "env.parallel=process", "env.step_timeout_s=3",
         "env.fragment_len=8", "env.options={image_size: 8, max_episode_steps: 10, latency: {kind: constant, mean_ms: 5.0}}",
         "model.chunk_size=1", start=False,
     )
     job.start_all()  # trainer, generator and a healthy simulator ...
-    job.start_worker("simulator", "sim_bad", ["--index", "1", "--set", bad])  # ... and one whose envs fault
-    fig = job.wait(lambda f: f["env_restarts"] >= 1, 240, f"a restart after the {fault}")
+    for i, (fault, bad) in enumerate(FAULTS.items()):  # ... and one per fault whose envs fault
+        job.start_worker("simulator", f"sim_{fault}", ["--index", str(i + 1), "--set", bad])
+
+    def restarted() -> bool:
+        job.assert_alive()
+        return all("env_restart" in (job.run_dir / f"sim_{fault}.log").read_text() for fault in FAULTS)
+
+    wait_until(restarted, 240, "a restart after the crash and one after the hang", interval=0.1)
+    fig = job.fig()
+    assert fig["env_restarts"] >= 2
 
     def steps(f: dict[str, Any], name: str) -> int:
         return int((job.worker(f, name) or {}).get("env_steps") or 0)
 
-    base_ok, base_bad = steps(fig, "simulator0"), steps(fig, "sim_bad")
+    base = {n: steps(fig, n) for n in ("simulator0", *(f"sim_{fault}" for fault in FAULTS))}
     # The healthy simulator's slots keep stepping, and the restarted slots step again.
-    fig2 = job.wait(lambda f: steps(f, "simulator0") > base_ok + 20 and steps(f, "sim_bad") > base_bad + 4,
-                    180, "both simulators stepping after the restart")
-    assert fig2["workers"]["simulator"] == 2 and fig2["errors"] == 0
+    fig2 = job.wait(lambda f: steps(f, "simulator0") > base["simulator0"] + 20
+                    and all(steps(f, f"sim_{fault}") > base[f"sim_{fault}"] + 4 for fault in FAULTS),
+                    180, "every simulator stepping after the restarts")
+    assert fig2["workers"]["simulator"] == 3 and fig2["errors"] == 0
     assert fig2["episodes"] >= 1 and fig2["traj"]["dropped"] == 0
-    log = (job.run_dir / "sim_bad.log").read_text()
-    assert "env_restart" in log, log[-3000:]
-    if fault == "hang":
-        assert "hung" in log, log[-3000:]
-    else:
-        assert "deliberate failure" in log, log[-3000:]
+    for fault, says in (("hang", "hung"), ("crash", "deliberate failure")):
+        log = (job.run_dir / f"sim_{fault}.log").read_text()
+        assert "env_restart" in log and says in log, log[-3000:]
     ok_log = (job.run_dir / "simulator0.log").read_text()
     assert "env_restart" not in ok_log
 
