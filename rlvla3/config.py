@@ -208,6 +208,10 @@ class AlgoConfig:
     grpo_reward: str = "success"
     """GRPO: the episode score compared within a group, ``success`` (0/1, as SimpleVLA-RL) or
     ``return`` (the summed env reward)."""
+    grpo_std_scale: bool = True
+    """GRPO: divide each group's centred scores by the group's std (DeepSeekMath); false only
+    centres them (Dr. GRPO). With ``grpo_reward: return`` a group whose episodes all succeed
+    differs by noise, which the std would blow up to the same weight as success against failure."""
     reward_scale: float = 1.0
     """PPO: rewards are multiplied by this before GAE (Meta-World's dense rewards sum to ~1e3 per
     episode; with an absolute value clip the critic cannot follow returns that large)."""

@@ -141,7 +141,8 @@ class Learner:
         last = [ep[-1].header for ep in episodes]
         scores = torch.tensor([float(h.get("episode_success", False)) if use_success else float(h.get("episode_return", 0.0))
                                for h in last])
-        adv, _keep, stats = grpo_advantages(scores, torch.zeros(len(episodes), dtype=torch.long))
+        adv, _keep, stats = grpo_advantages(scores, torch.zeros(len(episodes), dtype=torch.long),
+                                            scale_by_std=self.algo.grpo_std_scale)
         if stats["groups_filtered_zero_variance"]:
             self.counters.groups_filtered_zero_variance += 1
             # Never trained on: hand the steps back to the broker's admission budget, or once
