@@ -68,8 +68,7 @@ def maniskill_expert(cfg: JobConfig) -> ExpertFn:
     """mani_skill's shipped motion-planning solution, planned per episode in a child process."""
     from workers.envs.maniskill_expert import ManiSkillExpert
 
-    opts = cfg.env.options
-    return ManiSkillExpert(opts.get("task", "PickCube-v1"), opts.get("robot_uids"))
+    return ManiSkillExpert()
 
 
 EXPERTS: dict[str, Callable[[JobConfig], ExpertFn]] = {

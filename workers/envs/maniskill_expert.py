@@ -104,8 +104,8 @@ class ManiSkillExpert:
     """``ExpertFn`` for in-process ``ManiSkillEnv`` envs: plans each episode once (at its first
     step), then follows the plan closed loop in ``pd_joint_delta_pos``."""
 
-    def __init__(self, task: str, robot_uids: str | None = None) -> None:
-        self.task, self.robot_uids = task, robot_uids
+    def __init__(self) -> None:
+        self.task = ""
         self._planner: PlannerProcess | None = None
         self._plans: dict[int, Plan] = {}
         self.planned = self.solved = 0
@@ -124,8 +124,9 @@ class ManiSkillExpert:
         return out
 
     def _plan(self, env: Any, i: int, seed: int) -> Plan:
-        if self._planner is None:
-            self._planner = PlannerProcess(self.task, self.robot_uids)
+        if self._planner is None:  # the task and robot of the envs it drives
+            self.task = env.opts.task
+            self._planner = PlannerProcess(env.opts.task, env.opts.robot_uids)
         plan = self._planner.plan(seed)
         state0 = env.sim_state(i)
         if state0.shape != plan.state0.shape or not np.allclose(state0, plan.state0, atol=1e-4):
