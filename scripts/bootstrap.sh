@@ -7,6 +7,9 @@
 #   RLVLA3_SIMS   0 to skip the simulators (default: 1)
 #   RLVLA3_ROBOCASA  1 to also make .venv-robocasa: RoboCasa's code (rlinf-robocasa365) with
 #                 robosuite>=1.5.2, which LIBERO's robosuite 1.4 rules out of the main venv
+#   RLVLA3_MPLIB  1 to also make .mplib-numpy1: NumPy 1 for the process that runs ManiSkill's
+#                 motion-planning solutions (`rlvla3 sft` on ManiSkill): mplib segfaults under
+#                 NumPy 2 (workers/envs/maniskill_expert.py)
 set -euo pipefail
 HERE="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 VENV="${RLVLA3_VENV:-$HERE/.venv}"
@@ -33,5 +36,9 @@ if [[ "${RLVLA3_ROBOCASA:-0}" == "1" ]]; then
   "$RC/bin/python" -m pip install -q --disable-pip-version-check rlinf-robocasa365 "robosuite>=1.5.2" -e "$HERE"
   # What it can and cannot build here: docs/robocasa.md.
   "$RC/bin/python" -m workers.envs.robocasa || true
+fi
+if [[ "${RLVLA3_MPLIB:-0}" == "1" ]]; then
+  "$VENV/bin/python" -m pip install -q --disable-pip-version-check --no-deps --upgrade \
+    --target "$HERE/.mplib-numpy1" "numpy==1.26.4"
 fi
 echo "$VENV"

@@ -1,6 +1,7 @@
-"""ManiSkill adapter on the real simulator, CPU backends (physx_cpu + sapien_cpu on lavapipe).
+"""ManiSkill adapter on the real simulator, CPU backends (physx_cpu + sapien_cpu on lavapipe),
+and the motion-planning expert that ``rlvla3 sft`` clones.
 
-Building a ManiSkill env takes ~10 s on CPU, so one module-scoped env serves most checks.
+Building a rendering ManiSkill env takes ~10 s on CPU, so one module-scoped env serves most checks.
 """
 
 from __future__ import annotations
@@ -14,7 +15,8 @@ from workers.envs.base import make_env  # noqa: E402
 
 pytestmark = pytest.mark.sim
 
-OPTS = {"task": "PickCube-v1", "image_size": [96, 96], "max_episode_steps": 3}
+OPTS = {"task": "PickCube-v1", "image_size": [96, 96], "max_episode_steps": 3, "state": "proprio",
+        "render_every": 2, "show_goal": True}
 
 
 @pytest.fixture(scope="module")
@@ -26,11 +28,19 @@ def env():
 
 def test_spec_and_obs_shapes(env) -> None:
     assert env.spec.cameras == {"base_camera": (96, 96)} and env.spec.action_dim == 7
+    assert env.spec.state_dim == 9 + 9 + 7  # proprio: qpos, qvel, TCP pose; no cube or goal
     obs = env.reset([0, 1], [1, 2])
     img = obs.images["base_camera"]
     assert img.shape == (2, 96, 96, 3) and img.dtype == np.uint8
     assert obs.state.shape == (2, env.spec.state_dim) and obs.state.dtype == np.float32
+    np.testing.assert_allclose(obs.state[:, :9], np.stack([env.robot_qpos(0), env.robot_qpos(1)]), atol=1e-6)
     assert obs.instruction[0].startswith("pick up")
+    # render_every 2: the frame after one step is the reset's; after the second, a new one
+    moved = env.step([0, 1], np.ones((2, 7), np.float32))
+    np.testing.assert_array_equal(moved.obs.images["base_camera"], img)
+    assert not np.array_equal(moved.obs.state, obs.state)
+    again = env.step([0, 1], np.ones((2, 7), np.float32))
+    assert not np.array_equal(again.obs.images["base_camera"], img)
 
 
 def test_same_seed_same_first_obs(env) -> None:
@@ -72,3 +82,34 @@ def test_image_upright_cube_where_projected(env) -> None:
 def test_task_needing_download_fails_clearly() -> None:
     with pytest.raises(RuntimeError, match="needs downloaded assets.*asset-free"):
         make_env("maniskill", 1, options={"task": "PickSingleYCB-v1"})
+
+
+def _planner_missing() -> str | None:
+    """Why mani_skill's motion planner cannot run here, or None."""
+    import importlib.util
+
+    from workers.envs.maniskill_expert import OVERLAY
+
+    if importlib.util.find_spec("mplib") is None:
+        return "mplib is not installed (mani_skill's motion-planning dependency)"
+    if int(np.__version__.split(".")[0]) >= 2 and not (OVERLAY / "numpy").is_dir():
+        return f"mplib needs NumPy < 2: no overlay at {OVERLAY} (RLVLA3_MPLIB=1 bash scripts/bootstrap.sh)"
+    return None
+
+
+@pytest.mark.skipif(_planner_missing() is not None, reason=str(_planner_missing()))
+def test_motion_planning_expert_gives_successful_demos() -> None:
+    """The recipe's expert (mani_skill's PickCube solution, planned in the NumPy-1 child, replayed
+    closed loop in pd_joint_delta_pos) solves its episodes; sft keeps them as chunks of 8-d
+    actions. State obs and no renderer keep it cheap: cameras are checked above."""
+    from rlvla3.config import load
+    from workers.sft import collect_demos
+
+    cfg = load("maniskill_pickcube_oft_rgb.yaml", ["env.options.obs_mode=state", "env.options.render_backend=none"])
+    demos = collect_demos(cfg, episodes=2, num_envs=1)
+    assert sorted(set(demos["episode"].tolist())) == [0, 1]  # both solved and kept
+    n = len(demos["state"])
+    assert 2 * 12 <= n <= 2 * 25, n  # ~50-90 steps per solution, 4 per decision, minus success's early end
+    assert demos["actions"].shape == (n, 4, 8) and demos["actions"].dtype == np.float32
+    assert np.abs(demos["actions"]).max() <= 1.0 and set(np.unique(demos["actions"][..., 7])) <= {-1.0, 1.0}
+    assert (demos["actions"][0, 0, 7] == 1.0) and (demos["actions"][-1, -1, 7] == -1.0)  # open, then holding

@@ -3,7 +3,8 @@
 Real VLA RL starts from a supervised checkpoint, not from scratch. ``rlvla3 sft CONFIG``:
 
   1. collects demonstrations: the env's scripted expert drives in-process envs (Meta-World ships
-     one per task; the synthetic reach task's is a straight line to the goal), one decision per
+     one per task; ManiSkill ships motion-planning solutions, see workers/envs/maniskill_expert.py;
+     the synthetic reach task's is a straight line to the goal), one decision per
      ``model.chunk_size`` expert actions - or reads recorded ones (``--demos FILE.npz``);
   2. trains the job's policy to maximise ``evaluate()``'s log-prob of the expert chunks (for the
      Gaussian ``mlp`` policy: Gaussian NLL of the mean with the exploration std held fixed, so
@@ -63,14 +64,26 @@ def metaworld_expert(env: EnvAdapter, ids: list[int], obs: Observation) -> np.nd
     return expert_action(env, ids)
 
 
-EXPERTS: dict[str, ExpertFn] = {"synthetic": synthetic_expert, "metaworld": metaworld_expert}
+def maniskill_expert(cfg: JobConfig) -> ExpertFn:
+    """mani_skill's shipped motion-planning solution, planned per episode in a child process."""
+    from workers.envs.maniskill_expert import ManiSkillExpert
+
+    return ManiSkillExpert()
 
 
-def expert_for(env_name: str) -> ExpertFn:
-    if env_name not in EXPERTS:
-        raise SystemExit(f"sft: env {env_name!r} has no scripted expert (have: {sorted(EXPERTS)}); "
+EXPERTS: dict[str, Callable[[JobConfig], ExpertFn]] = {
+    "synthetic": lambda cfg: synthetic_expert,
+    "metaworld": lambda cfg: metaworld_expert,
+    "maniskill": maniskill_expert,
+}
+"""Per env name: the expert for a job (an expert with a ``close()`` is closed after collecting)."""
+
+
+def expert_for(cfg: JobConfig) -> ExpertFn:
+    if cfg.env.name not in EXPERTS:
+        raise SystemExit(f"sft: env {cfg.env.name!r} has no scripted expert (have: {sorted(EXPERTS)}); "
                          "record demonstrations and pass --demos FILE.npz")
-    return EXPERTS[env_name]
+    return EXPERTS[cfg.env.name](cfg)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -86,7 +99,7 @@ def collect_demos(cfg: JobConfig, episodes: int, seed: int = 12345, num_envs: in
     actions (an episode ending mid-chunk repeats its last action to fill the chunk). Episodes
     the expert failed are left out unless ``only_successful`` is False.
     """
-    expert = expert_for(cfg.env.name)
+    expert = expert_for(cfg)
     T = cfg.model.chunk_size
     env = make_env(cfg.env.name, num_envs=num_envs, seed=seed, options=cfg.env.options)
     kept_obs: list[Observation] = []  # one row per decision
@@ -155,6 +168,7 @@ def collect_demos(cfg: JobConfig, episodes: int, seed: int = 12345, num_envs: in
             obs = Observation.concat(parts).select(np.argsort(nxt_ids))
     finally:
         env.close()
+        getattr(expert, "close", lambda: None)()
     log.info("sft_demos_collected", episodes=started, kept=kept, expert_success=successes / max(started, 1),
              decisions=len(kept_obs))
     if not kept_obs:
