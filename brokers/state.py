@@ -182,18 +182,18 @@ class BrokerState:
 
     def _check_bytes(self, w: Worker, held: int) -> None:
         """``held``: this peer's queued requests' bytes here, with the new message's."""
-        if self.trajs.pending:
-            held += self.trajs.held_by(w.identity)[1]
+        held += self.trajs.held_by(w.identity)[1]
         if held > self.cfg.broker.max_peer_bytes:
             raise P.ProtocolError(P.E_LIMIT, f"this peer's queued messages would hold {held} bytes at the broker: "
                                              f"broker.max_peer_bytes={self.cfg.broker.max_peer_bytes}")
 
     def _on_traj(self, w: Worker, msg: P.Message, now: float) -> list[Out]:
-        waiting, nbytes = self.trajs.held_by(w.identity)
+        waiting = self.trajs.held_by(w.identity)[0]
         if waiting >= self.cfg.broker.max_peer_trajs:
             raise P.ProtocolError(P.E_LIMIT, f"{waiting} fragments of this simulator wait for a trainer: "
                                              "broker.max_peer_trajs")
-        self._check_bytes(w, self.dispatcher.queue.held_by(w.identity)[1] + inline_bytes(msg.tensors))
+        nbytes = inline_bytes(msg.tensors)
+        self._check_bytes(w, self.dispatcher.queue.held_by(w.identity)[1] + nbytes)
         self.stats.traj_received += 1
         evaluating = bool(msg.get("eval"))
         if evaluating:
@@ -202,7 +202,7 @@ class BrokerState:
                                     float(msg.get("episode_return", 0.0)))
         else:
             self.stats.add_episodes(list(msg.get("episode_returns", [])), list(msg.get("episode_successes", [])))
-        self.trajs.on_traj(w, msg)
+        self.trajs.on_traj(w, msg, nbytes)
         if not evaluating:  # evaluation fragments are never trained on
             self.pacing.on_trajectory(msg["steps"])
             self.admission.on_trajectory(w.identity, msg["steps"])

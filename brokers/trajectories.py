@@ -20,7 +20,6 @@ import structlog
 from brokers.admission import AdmissionController
 from brokers.ledger import AckLedger
 from brokers.outgoing import Out, ShmBridge
-from brokers.queue import inline_bytes
 from brokers.registry import Registry, Worker
 from brokers.stats import BrokerStats
 from rlvla3 import protocol as P
@@ -36,6 +35,7 @@ class Trajectory:
     header: dict[str, Any]
     tensors: dict[str, Any]
     steps: int
+    nbytes: int = 0  # bytes its inline tensors hold here (``inline_bytes``; none with shared memory)
 
 
 class TrajectoryRouter:
@@ -60,20 +60,21 @@ class TrajectoryRouter:
         (self.pending.appendleft if front else self.pending.append)(traj)
         held = self._queued.setdefault(traj.sim, [0, 0])
         held[0] += 1
-        held[1] += inline_bytes(traj.tensors)
+        held[1] += traj.nbytes
 
     def _left(self, traj: Trajectory) -> None:
         """A fragment left the queue for good (sent or dropped)."""
         held = self._queued[traj.sim]
         held[0] -= 1
-        held[1] -= inline_bytes(traj.tensors)
+        held[1] -= traj.nbytes
         if held[0] == 0:
             del self._queued[traj.sim]
 
-    def on_traj(self, w: Worker, msg: P.Message) -> None:
+    def on_traj(self, w: Worker, msg: P.Message, nbytes: int) -> None:
         self._next_gid += 1
         w.count_frames(msg.tensors)
-        self._enqueue(Trajectory(self._next_gid, w.identity, msg["traj_id"], msg.header, msg.tensors, msg["steps"]))
+        self._enqueue(Trajectory(self._next_gid, w.identity, msg["traj_id"], msg.header, msg.tensors, msg["steps"],
+                                 nbytes))
 
     def held_by(self, sim: bytes) -> tuple[int, int]:
         """How many of ``sim``'s fragments wait for a trainer and the inline bytes they hold."""
