@@ -1,6 +1,7 @@
 """Building a model at its target dtype: a ``medium`` (~0.5B) bf16 policy is built without an fp32
-copy of its weights on the host. Measured in a fresh process (peak RSS, ``ru_maxrss``) so nothing
-the test runner imported before counts. Building is single-threaded CPU work (random init), so two
+copy of its weights on the host. Measured in a fresh process (peak RSS, ``VmHWM``: the high-water
+mark of this process's own address space, where ``ru_maxrss`` would carry over the forking
+parent's RSS across exec) so nothing the test runner imported before counts. Building is single-threaded CPU work (random init), so two
 families build at once, one per core."""
 
 from __future__ import annotations
@@ -16,7 +17,7 @@ from tests.jobs import ProcessPool
 ROOT = Path(__file__).resolve().parent.parent
 
 BUILD = r"""
-import json, resource, sys
+import json, sys
 import torch
 from rlvla3.config import from_dict, read_yaml
 from workers.model import build_policy
@@ -28,14 +29,14 @@ data["model"] = read_yaml(f"configs/models/{family}_medium.yaml")["model"]
 data["workers"]["device"] = "cpu"
 cfg = from_dict(data)
 
-def rss_kb():
+def status_kb(key):
     for line in open("/proc/self/status"):
-        if line.startswith("VmRSS:"):
+        if line.startswith(key + ":"):
             return int(line.split()[1])
 
-before = rss_kb()
+before = status_kb("VmRSS")
 policy = build_policy(cfg, device="cpu")
-peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+peak = status_kb("VmHWM")
 params = list(policy.parameters())
 print(json.dumps({
     "params": sum(p.numel() for p in params),
