@@ -8,21 +8,21 @@ by its owner only when the reader has said it is done (ACT for an observation sl
 for a trajectory): never because of a timeout.
 
 Segment names are ``rlvla3_<run>_<pid>_<k>``, so a sweep at start can unlink what a dead
-process left behind. Python 3.11's resource_tracker unlinks every segment a process *attached*
-to when that process exits; attachers unregister right after attaching.
+process left behind. Only owners register with multiprocessing's resource_tracker; attachers
+map by name without it (:class:`AttachedSegment`).
 """
 
 from __future__ import annotations
 
 import math
-
+import mmap
 import os
 import re
 import socket
 import threading
 import weakref
 from bisect import insort
-from multiprocessing import resource_tracker, shared_memory
+from multiprocessing import shared_memory
 from pathlib import Path
 from typing import Any
 
@@ -116,7 +116,7 @@ def segments_of_run(run_id: str) -> list[str]:
     return sorted(p.name for p in SHM_DIR.iterdir() if p.name.startswith(f"{SHM_PREFIX}{run_id}_"))
 
 
-def unmap(shm: shared_memory.SharedMemory) -> None:
+def unmap(shm: shared_memory.SharedMemory | AttachedSegment) -> None:
     """Close this process's mapping of ``shm``; a numpy view still alive keeps its pages mapped
     until it goes (the segment's name can be unlinked meanwhile)."""
     try:
@@ -290,23 +290,47 @@ def unlink_owned() -> None:
 add_exit_cleanup(unlink_owned)
 
 
+class AttachedSegment:
+    """A segment another process owns, mapped here by name, read-write, and never unlinked here.
+
+    Not through ``SharedMemory(create=False)``: before Python 3.13 that registers every attacher
+    with the resource_tracker, which unlinks the owner's segment when the attacher exits, and
+    unregistering afterwards is wrong where the tracker is shared. A spawned child shares its
+    parent's tracker, so its unregister dropped the parent's own registration: the parent's
+    unlink then made the tracker print a KeyError, and a parent killed outright left its segment
+    to the start-up sweep. Raises FileNotFoundError when the name is gone."""
+
+    def __init__(self, name: str) -> None:
+        import _posixshmem  # what SharedMemory itself opens segments with on POSIX
+
+        fd = _posixshmem.shm_open("/" + name, os.O_RDWR, mode=0o600)
+        try:
+            self.size = os.fstat(fd).st_size
+            self.mmap = mmap.mmap(fd, self.size)
+        finally:
+            os.close(fd)
+        self.name = name
+        self.buf = memoryview(self.mmap)
+
+    def close(self) -> None:
+        """Unmap; raises BufferError while a view of ``buf`` is alive (as SharedMemory does)."""
+        self.buf.release()
+        self.mmap.close()
+
+
 class ShmAttachments:
     """Segments this process reads, attached once by name and never unlinked here."""
 
     def __init__(self) -> None:
-        self._segs: dict[str, shared_memory.SharedMemory] = {}
+        self._segs: dict[str, AttachedSegment] = {}
 
-    def _attach(self, name: str) -> shared_memory.SharedMemory:
+    def _attach(self, name: str) -> AttachedSegment:
         seg = self._segs.get(name)
         if seg is None:
             try:
-                seg = shared_memory.SharedMemory(name=name, create=False)
+                seg = AttachedSegment(name)
             except FileNotFoundError:
                 raise KeyError(f"shared-memory segment {name} is gone (its writer exited?)") from None
-            try:  # 3.11 registers attachers too and would unlink the owner's segment on our exit
-                resource_tracker.unregister(seg._name, "shared_memory")  # type: ignore[attr-defined]
-            except Exception:
-                pass
             self._segs[name] = seg
         return seg
 

@@ -216,3 +216,39 @@ def test_guarded_env_rebuilds_in_process() -> None:
     res = env.step([0, 1], np.zeros((2, 1), np.float32))
     assert res.truncated.all() and res.info["restarted"] == [0, 1] and env.restarts == 1
     env.close()
+
+
+SHARED_TRACKER = r"""
+import os, sys
+from pathlib import Path
+import numpy as np
+from rlvla3.shm import ShmPool, observation_block
+from workers.envs.subproc import SubprocEnv
+
+env = SubprocEnv("test_faulty", num_envs=2, modules=["tests.test_subproc_env"])
+pool = ShmPool(f"tracker{os.getpid()}", 1 << 16)
+block = observation_block(pool, env.spec.cameras, env.spec.state_dim, 2)
+env.reset([0, 1], [1, 2], into=block)
+res = env.step([0, 1], np.zeros((2, 1), np.float32), into=block)
+assert block.state[:, 0].tolist() == [1, 1], block.state
+env.close()  # the child attached both pools, and has exited
+assert Path("/dev/shm", pool.name).exists(), "the child's exit unlinked its parent's segment"
+pool.close()
+print("done", pool.name)
+"""
+
+
+def test_a_spawned_child_attaching_its_parents_memory_leaves_the_shared_tracker_alone() -> None:
+    """The env child shares its parent's resource_tracker (spawn passes it on). Attaching must not
+    touch it: unregistering there dropped the parent's own registration, and the parent's unlink
+    then made the tracker print a KeyError traceback for each segment."""
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    root = Path(__file__).resolve().parent.parent
+    proc = subprocess.run([sys.executable, "-c", SHARED_TRACKER], cwd=root, capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    name = proc.stdout.split()[-1]
+    assert not Path("/dev/shm", name).exists()
+    assert "Traceback" not in proc.stderr and "KeyError" not in proc.stderr, proc.stderr[-3000:]

@@ -24,12 +24,12 @@ from __future__ import annotations
 
 import os
 import re
-from multiprocessing import resource_tracker, shared_memory
+from multiprocessing import shared_memory
 
 import numpy as np
 
 from rlvla3.protocol import SHM_PREFIX
-from rlvla3.shm import POISON, OwnedSegment, check_free_space, unmap
+from rlvla3.shm import POISON, AttachedSegment, OwnedSegment, check_free_space, unmap
 from rlvla3.weights.manifest import REGIONS
 
 HEADER_BYTES = 4096
@@ -52,7 +52,7 @@ def _page(n: int) -> int:
 class _Segment:
     """Header accessors shared by the owner and the attachers."""
 
-    shm: shared_memory.SharedMemory
+    shm: shared_memory.SharedMemory | AttachedSegment
     words: np.ndarray
 
     def region_offset(self, region: int) -> int:
@@ -139,14 +139,9 @@ class StoreReader(_Segment):
         if not name.startswith(SHM_PREFIX) or "/" in name:
             raise ValueError(f"bad weight store name {name!r}")
         try:
-            self.shm = shared_memory.SharedMemory(name=name, create=False)
+            self.shm = AttachedSegment(name)
         except FileNotFoundError:
             raise TornRead(f"weight store {name} is gone (its trainer exited?)") from None
-        if f"_{os.getpid()}_w" not in name:  # (the owner's own process keeps its registration)
-            try:  # 3.11 registers attachers too and would unlink the owner's segment on our exit
-                resource_tracker.unregister(self.shm._name, "shared_memory")  # type: ignore[attr-defined]
-            except Exception:
-                pass
         self.name = name
         if self.shm.size < HEADER_BYTES:
             self.close()
@@ -156,7 +151,7 @@ class StoreReader(_Segment):
             self.close()
             raise ValueError(f"{name} is not a weight store (bad magic)")
         try:  # map every page now, not during the first reads (Linux >= 5.14; harmless elsewhere)
-            self.shm._mmap.madvise(MADV_POPULATE_READ)  # type: ignore[attr-defined]
+            self.shm.mmap.madvise(MADV_POPULATE_READ)
         except (AttributeError, OSError, ValueError):
             pass
 
