@@ -1,7 +1,7 @@
 """How many requests per second one broker routes: fake simulator slots and an echo generator,
 the offered rate ramped until the broker saturates.
 
-    python bench/broker_capacity.py [--sims 2] [--slots 256] [--max-batch 32] [--max-wait-ms 2]
+    python bench/broker_capacity.py [--sims 2] [--slots 256] [--envs 1] [--max-batch 32] [--max-wait-ms 2]
                                     [--duration 4] [--curve] [--out bench/out] [--quick | --smoke]
 
 What runs: a real broker (``LocalJob``, bound on ipc://), the echo generator of
@@ -9,7 +9,10 @@ What runs: a real broker (``LocalJob``, bound on ipc://), the echo generator of
 pass) and ``--sims`` simulator processes (children of this script), each one simulator peer
 with ``--slots`` slots. A request is one OBS of one env whose observation (a 16x16 image and a
 state vector) lies in the simulator's shared memory; it is counted at the simulator when its
-ACT comes back. Every simulator is open-loop: request ``i`` is due at ``t0 + i/rate`` and goes
+ACT comes back. ``--envs N`` makes each OBS carry N envs (a slot stepping N envs, as
+``env.num_envs / env.slots`` does): still one request each, and ``env_obs_per_broker_core``
+says how many env observations a broker core routes that way (``docs/scaling.md``, "Past one
+broker", step 1). ``max_batch`` counts envs, as the broker does. Every simulator is open-loop: request ``i`` is due at ``t0 + i/rate`` and goes
 out on a free slot; latency counts from when it was due (HdrHistogram, microseconds).
 
 The ramp: steps of ``--duration`` s, the offered rate growing by ``--factor`` from
@@ -27,7 +30,7 @@ A shared machine's load inflates CPU time as well as wall time: ``reference_obs_
 to compare figures taken under different loads.
 
 Last line of stdout: one JSON object (``max_rps``, ``rps_per_broker_core``, ``p99_us_at_80pct``,
-``broker_cpu_pct``, ``broker_cpu_us_per_request``, ``curve``, ``reference_obs_decode_us``,
+``broker_cpu_pct``, ``envs_per_request``, ``env_obs_per_broker_core``, ``broker_cpu_us_per_request``, ``curve``, ``reference_obs_decode_us``,
 ``ramp`` ...). Writes
 ``broker_capacity.png`` (achieved against offered rate, and broker CPU) and
 ``broker_capacity.json`` under ``--out``; with ``--profile``, the broker runs under cProfile
@@ -85,7 +88,7 @@ class FakeSimulator:
     """One simulator peer: ``slots`` slots, each with its observation in this process's shared
     memory (written once: the broker reads only the reference)."""
 
-    def __init__(self, endpoint: str, slots: int, keys: str | None) -> None:
+    def __init__(self, endpoint: str, slots: int, envs: int, keys: str | None) -> None:
         self.ctx = zmq.Context()
         self.sock = self.ctx.socket(zmq.DEALER)
         for opt, value in ((zmq.LINGER, 0), (zmq.SNDHWM, P.SOCKET_HWM), (zmq.RCVHWM, P.SOCKET_HWM)):
@@ -95,22 +98,22 @@ class FakeSimulator:
         self.slots = slots
         self.sock.send_multipart(P.encode(P.READY, {"role": "simulator", "host": host_id(), "pid": os.getpid(),
                                                     "name": f"capacity-{os.getpid()}", "slots": slots,
-                                                    "num_envs": slots}))
+                                                    "num_envs": slots * envs}))
         welcome = self._await(P.READY, 30.0)
-        self.pool = ShmPool(str(welcome.get("run_id", "bench")), slots * (IMAGE * IMAGE * 3 + STATE_DIM * 4 + 256) + 4096)
+        self.pool = ShmPool(str(welcome.get("run_id", "bench")), slots * (envs * (IMAGE * IMAGE * 3 + STATE_DIM * 4) + 256) + 4096)
         self.frames: list[list[Any]] = []
         for _ in range(slots):
-            oi, os_ = self.pool.alloc(IMAGE * IMAGE * 3), self.pool.alloc(STATE_DIM * 4)
-            self.pool.view(oi, "uint8", (1, IMAGE, IMAGE, 3))[...] = 7
-            self.pool.view(os_, "float32", (1, STATE_DIM))[...] = 0.5
-            tensors = {names.tensor_name(IMAGES, "top"): self.pool.ref(oi, "uint8", (1, IMAGE, IMAGE, 3)),
-                       STATE: self.pool.ref(os_, "float32", (1, STATE_DIM))}
+            oi, os_ = self.pool.alloc(envs * IMAGE * IMAGE * 3), self.pool.alloc(envs * STATE_DIM * 4)
+            self.pool.view(oi, "uint8", (envs, IMAGE, IMAGE, 3))[...] = 7
+            self.pool.view(os_, "float32", (envs, STATE_DIM))[...] = 0.5
+            tensors = {names.tensor_name(IMAGES, "top"): self.pool.ref(oi, "uint8", (envs, IMAGE, IMAGE, 3)),
+                       STATE: self.pool.ref(os_, "float32", (envs, STATE_DIM))}
             # Encoded once per slot, with a fixed-width req_id patched per request (``request``):
             # the broker serves each (slot, req_id) once, and the load generator spends its CPU
             # on sending, not encoding.
-            header, *rest = P.encode(P.OBS, {"slot": len(self.frames), "req_id": REQ_ID_MARK, "n": 1,
-                                             "instruction": ["reach the goal"], "episode_step": [1],
-                                             "env_steps": 1}, tensors)
+            header, *rest = P.encode(P.OBS, {"slot": len(self.frames), "req_id": REQ_ID_MARK, "n": envs,
+                                             "instruction": ["reach the goal"] * envs, "episode_step": [1] * envs,
+                                             "env_steps": envs}, tensors)
             self.frames.append([bytearray(header), *rest])
         self.at = self.frames[0][0].index(_MARK_BYTES) + 1  # the req_id's 8 bytes in every header
         self.next_req = 0
@@ -207,7 +210,7 @@ def simulator_child(args: argparse.Namespace) -> None:
     """``--child``: one FakeSimulator; a stdin line ``START_AT RATE DURATION`` runs a phase and
     answers one JSON line; end of stdin ends the process."""
     follow_launcher()
-    sim = FakeSimulator(args.endpoint, args.slots, args.keys)
+    sim = FakeSimulator(args.endpoint, args.slots, args.envs, args.keys)
     print("ready", flush=True)
     fd = sys.stdin.fileno()
     buf = b""
@@ -331,7 +334,8 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--sims", type=int, default=2, help="simulator processes")
     ap.add_argument("--slots", type=int, default=256, help="slots per simulator (at most broker.max_peer_requests)")
-    ap.add_argument("--max-batch", type=int, default=32)
+    ap.add_argument("--envs", type=int, default=1, help="envs per request (per slot): each OBS carries this many")
+    ap.add_argument("--max-batch", type=int, default=32, help="envs per batch at most")
     ap.add_argument("--max-wait-ms", type=float, default=2.0)
     ap.add_argument("--credits", type=int, default=2, help="the echo generator's credits")
     ap.add_argument("--duration", type=float, default=4.0, help="seconds per ramp step")
@@ -386,12 +390,12 @@ def main() -> None:
         sims = []
         for _ in range(args.sims):
             proc, _ = start_child([__file__, "--child", "--endpoint", job.endpoint, "--slots", str(args.slots),
-                                   *key_args], talk=True)
+                                   "--envs", str(args.envs), *key_args], talk=True)
             children.append(proc)
             sims.append(proc)
         procs = {"broker": [job.broker_proc.pid], "generator": [gen.pid],
                  "simulators": [s.pid for s in sims]}
-        note(f"up in {time.monotonic() - t_start:.1f} s: {args.sims} simulators x {args.slots} slots, "
+        note(f"up in {time.monotonic() - t_start:.1f} s: {args.sims} simulators x {args.slots} slots x {args.envs} envs, "
              f"max_batch {args.max_batch}, max_wait {args.max_wait_ms} ms, CURVE {'on' if keys else 'off'}")
 
         ref_frames = P.encode(P.OBS, {"slot": 0, "req_id": 1, "n": 1, "instruction": ["reach the goal"],
@@ -422,6 +426,8 @@ def main() -> None:
             "broker_cpu_us_per_request": best["broker_cpu_us_per_request"],
             "p99_us_at_80pct": at80["p99_us"], "p50_us_at_80pct": at80["p50_us"],
             "target_rps_per_broker_core": 20_000,
+            "envs_per_request": args.envs,
+            "env_obs_per_broker_core": round(best["rps_per_broker_core"] * args.envs, 1) if best["rps_per_broker_core"] else None,
             "saturated": best is not ramp[-1] or ramp[-1]["achieved_rps"] < SATURATED_RATE * ramp[-1]["offered_rps"]
                          or ramp[-1]["broker_cpu_pct"] >= SATURATED_CPU,
             # Who ran out first: the broker (a core's worth of CPU) or the rest of the machine.
@@ -436,7 +442,7 @@ def main() -> None:
             "wall_s": round(time.monotonic() - t_start, 1),
         }
         result["png"] = str(plot(ramp, out / "broker_capacity.png",
-                                 f"one broker, echo generator, {args.sims} x {args.slots} slots, max_batch "
+                                 f"one broker, echo generator, {args.sims} x {args.slots} slots x {args.envs} envs, max_batch "
                                  f"{args.max_batch}, CURVE {'on' if keys else 'off'}"))
         (out / "broker_capacity.json").write_text(json.dumps(result, indent=1))
         ok = True
