@@ -115,6 +115,22 @@ def cpu_seconds(pid: int) -> float:
     return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
 
 
+def thread_cpu_seconds(pid: int) -> dict[str, float]:
+    """CPU time of process ``pid`` so far by thread: ``main`` (the thread that runs Python's
+    loop), ``zmq_io`` (libzmq's own ``ZMQbg/*`` threads: I/O and reaper) and ``other``."""
+    out = {"main": 0.0, "zmq_io": 0.0, "other": 0.0}
+    tick = os.sysconf("SC_CLK_TCK")
+    for task in Path(f"/proc/{pid}/task").iterdir():
+        try:
+            head, tail = (task / "stat").read_text().rsplit(")", 1)
+        except OSError:  # the thread ended meanwhile
+            continue
+        fields, comm = tail.split(), head.split("(", 1)[1]
+        key = "main" if task.name == str(pid) else "zmq_io" if comm.startswith("ZMQbg") else "other"
+        out[key] += (int(fields[11]) + int(fields[12])) / tick
+    return out
+
+
 # ---------------------------------------------------------------------------------------------
 # Waiting on a socket with microsecond timeouts
 # ---------------------------------------------------------------------------------------------

@@ -30,7 +30,8 @@ A shared machine's load inflates CPU time as well as wall time: ``reference_obs_
 to compare figures taken under different loads.
 
 Last line of stdout: one JSON object (``max_rps``, ``rps_per_broker_core``, ``p99_us_at_80pct``,
-``broker_cpu_pct``, ``envs_per_request``, ``env_obs_per_broker_core``, ``broker_cpu_us_per_request``, ``curve``, ``reference_obs_decode_us``,
+``broker_cpu_pct``, ``broker_threads_cpu_pct`` (its Python loop's thread against libzmq's
+I/O thread), ``envs_per_request``, ``env_obs_per_broker_core``, ``broker_cpu_us_per_request``, ``curve``, ``reference_obs_decode_us``,
 ``ramp`` ...). Writes
 ``broker_capacity.png`` (achieved against offered rate, and broker CPU) and
 ``broker_capacity.json`` under ``--out``; with ``--profile``, the broker runs under cProfile
@@ -56,7 +57,7 @@ from hdrh.histogram import HdrHistogram
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from _common import (  # noqa: E402
     bench_run_dir, cpu_seconds, emit, keep_logs_unless, local_job, new_hist, note, parse_bench_args, read_line, record_us, save_figure, start_child,
-    stop_child, summary, wait_readable,
+    stop_child, summary, thread_cpu_seconds, wait_readable,
 )
 
 from rlvla3 import auth, names  # noqa: E402
@@ -277,8 +278,10 @@ def run_step(sims: list[Any], procs: dict[str, list[int]], rate: float, duration
         s.stdin.flush()
     time.sleep(max(0.0, start_at - time.time()))
     cpu0 = {k: sum(cpu_seconds(p) for p in ps) for k, ps in procs.items()}
+    threads0 = thread_cpu_seconds(procs["broker"][0])
     time.sleep(duration_s)
     cpu1 = {k: sum(cpu_seconds(p) for p in ps) for k, ps in procs.items()}
+    threads1 = thread_cpu_seconds(procs["broker"][0])
     answers = [json.loads(answer(s, duration_s + 30.0)) for s in sims]
     hist = new_hist()
     for a in answers:
@@ -293,6 +296,8 @@ def run_step(sims: list[Any], procs: dict[str, list[int]], rate: float, duration
         "broker_cpu_pct": cpu["broker"], "generator_cpu_pct": cpu["generator"], "simulators_cpu_pct": cpu["simulators"],
         "rps_per_broker_core": round(achieved / (cpu["broker"] / 100.0), 1) if cpu["broker"] > 0 else None,
         "broker_cpu_us_per_request": round(1e4 * cpu["broker"] / achieved, 1) if achieved else None,
+        # the broker's CPU by thread (% of one core): its Python loop, and libzmq's I/O thread
+        "broker_threads_cpu_pct": {k: round(100.0 * (threads1[k] - threads0[k]) / duration_s, 1) for k in threads1},
         "p50_us": lat.get("p50"), "p99_us": lat.get("p99"),
     }
 
@@ -424,6 +429,7 @@ def main() -> None:
             "rps_per_broker_core": best["rps_per_broker_core"],
             "broker_cpu_pct": best["broker_cpu_pct"],
             "broker_cpu_us_per_request": best["broker_cpu_us_per_request"],
+            "broker_threads_cpu_pct": best["broker_threads_cpu_pct"],
             "p99_us_at_80pct": at80["p99_us"], "p50_us_at_80pct": at80["p50_us"],
             "target_rps_per_broker_core": 20_000,
             "envs_per_request": args.envs,
