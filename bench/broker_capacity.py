@@ -340,7 +340,7 @@ def main() -> None:
     ap.add_argument("--sims", type=int, default=2, help="simulator processes")
     ap.add_argument("--slots", type=int, default=256, help="slots per simulator (at most broker.max_peer_requests)")
     ap.add_argument("--envs", type=int, default=1, help="envs per request (per slot): each OBS carries this many")
-    ap.add_argument("--max-batch", type=int, default=32, help="envs per batch at most")
+    ap.add_argument("--max-batch", type=int, default=32)  # envs, as the broker counts them
     ap.add_argument("--max-wait-ms", type=float, default=2.0)
     ap.add_argument("--credits", type=int, default=2, help="the echo generator's credits")
     ap.add_argument("--duration", type=float, default=4.0, help="seconds per ramp step")
