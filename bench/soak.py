@@ -193,7 +193,10 @@ def main() -> None:
             if now >= next_kill and restart_trainer_after is None:
                 next_kill = now + rng.uniform(0.5, 1.5) * kill_every
                 role = rng.choice(("generator", "simulator", "trainer"))
-                victim = rng.choice(soak.live(role=role))
+                victims = soak.live(role=role)
+                if not victims:  # that role's only process exited on its own a moment ago: no kill this time
+                    continue
+                victim = rng.choice(victims)
                 before = soak.status() or last or {}
                 victim.popen.send_signal(signal.SIGKILL)
                 victim.popen.wait(10)
