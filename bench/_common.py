@@ -109,25 +109,28 @@ def save_figure(fig: Any, path: Path, dpi: int = 110) -> Path:
     return path
 
 
+def _stat_cpu(stat: Path) -> tuple[str, float]:
+    """The command name and user + system CPU seconds in a ``/proc`` ``stat`` file."""
+    head, tail = stat.read_text().rsplit(")", 1)
+    fields = tail.split()
+    return head.split("(", 1)[1], (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
 def cpu_seconds(pid: int) -> float:
     """User + system CPU time of process ``pid`` so far, all its threads (``/proc/PID/stat``)."""
-    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
-    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+    return _stat_cpu(Path(f"/proc/{pid}/stat"))[1]
 
 
 def thread_cpu_seconds(pid: int) -> dict[str, float]:
     """CPU time of process ``pid`` so far by thread: ``main`` (the thread that runs Python's
     loop), ``zmq_io`` (libzmq's own ``ZMQbg/*`` threads: I/O and reaper) and ``other``."""
     out = {"main": 0.0, "zmq_io": 0.0, "other": 0.0}
-    tick = os.sysconf("SC_CLK_TCK")
     for task in Path(f"/proc/{pid}/task").iterdir():
         try:
-            head, tail = (task / "stat").read_text().rsplit(")", 1)
+            comm, seconds = _stat_cpu(task / "stat")
         except OSError:  # the thread ended meanwhile
             continue
-        fields, comm = tail.split(), head.split("(", 1)[1]
-        key = "main" if task.name == str(pid) else "zmq_io" if comm.startswith("ZMQbg") else "other"
-        out[key] += (int(fields[11]) + int(fields[12])) / tick
+        out["main" if task.name == str(pid) else "zmq_io" if comm.startswith("ZMQbg") else "other"] += seconds
     return out
 
 

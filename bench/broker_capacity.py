@@ -12,8 +12,9 @@ state vector) lies in the simulator's shared memory; it is counted at the simula
 ACT comes back. ``--envs N`` makes each OBS carry N envs (a slot stepping N envs, as
 ``env.num_envs / env.slots`` does): still one request each, and ``env_obs_per_broker_core``
 says how many env observations a broker core routes that way (``docs/scaling.md``, "Past one
-broker", step 1). ``max_batch`` counts envs, as the broker does. Every simulator is open-loop: request ``i`` is due at ``t0 + i/rate`` and goes
-out on a free slot; latency counts from when it was due (HdrHistogram, microseconds).
+broker", step 1). ``max_batch`` counts envs, as the broker does. Every simulator is open-loop:
+request ``i`` is due at ``t0 + i/rate`` and goes out on a free slot; latency counts from when it
+was due (HdrHistogram, microseconds).
 
 The ramp: steps of ``--duration`` s, the offered rate growing by ``--factor`` from
 ``--start-rate`` until the broker saturates (the achieved rate falls under 85% of the offered
@@ -31,8 +32,8 @@ to compare figures taken under different loads.
 
 Last line of stdout: one JSON object (``max_rps``, ``rps_per_broker_core``, ``p99_us_at_80pct``,
 ``broker_cpu_pct``, ``broker_threads_cpu_pct`` (its Python loop's thread against libzmq's
-I/O thread), ``envs_per_request``, ``env_obs_per_broker_core``, ``broker_cpu_us_per_request``, ``curve``, ``reference_obs_decode_us``,
-``ramp`` ...). Writes
+I/O thread), ``envs_per_request``, ``env_obs_per_broker_core``, ``broker_cpu_us_per_request``,
+``curve``, ``reference_obs_decode_us``, ``ramp`` ...). Writes
 ``broker_capacity.png`` (achieved against offered rate, and broker CPU) and
 ``broker_capacity.json`` under ``--out``; with ``--profile``, the broker runs under cProfile
 timed by its own thread's CPU clock, and its top functions go to ``broker_capacity.prof.txt``.

@@ -14,6 +14,7 @@ map by name without it (:class:`AttachedSegment`).
 
 from __future__ import annotations
 
+import _posixshmem  # what SharedMemory itself opens segments with on POSIX
 import math
 import mmap
 import os
@@ -301,8 +302,6 @@ class AttachedSegment:
     to the start-up sweep. Raises FileNotFoundError when the name is gone."""
 
     def __init__(self, name: str) -> None:
-        import _posixshmem  # what SharedMemory itself opens segments with on POSIX
-
         fd = _posixshmem.shm_open("/" + name, os.O_RDWR, mode=0o600)
         try:
             self.size = os.fstat(fd).st_size
