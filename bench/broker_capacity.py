@@ -90,7 +90,7 @@ class FakeSimulator:
     """One simulator peer: ``slots`` slots, each with its observation in this process's shared
     memory (written once: the broker reads only the reference)."""
 
-    def __init__(self, endpoint: str, slots: int, envs: int, keys: str | None) -> None:
+    def __init__(self, endpoint: str, slots: int, envs: int, keys: str | None, bundles: bool) -> None:
         self.ctx = zmq.Context()
         self.sock = self.ctx.socket(zmq.DEALER)
         for opt, value in ((zmq.LINGER, 0), (zmq.SNDHWM, P.SOCKET_HWM), (zmq.RCVHWM, P.SOCKET_HWM)):
@@ -100,7 +100,8 @@ class FakeSimulator:
         self.slots = slots
         self.sock.send_multipart(P.encode(P.READY, {"role": "simulator", "host": host_id(), "pid": os.getpid(),
                                                     "name": f"capacity-{os.getpid()}", "slots": slots,
-                                                    "num_envs": slots * envs}))
+                                                    "num_envs": slots * envs, "bundles": bundles}))
+        self.bundles = bundles
         welcome = self._await(P.READY, 30.0)
         self.pool = ShmPool(str(welcome.get("run_id", "bench")), slots * (envs * (IMAGE * IMAGE * 3 + STATE_DIM * 4) + 256) + 4096)
         self.frames: list[list[Any]] = []
@@ -167,31 +168,34 @@ class FakeSimulator:
             while i < total and t0 + int(i * period_ns) <= now:
                 backlog.append(t0 + int(i * period_ns))
                 i += 1
+            turn = []  # what is due now goes as one BUNDLE, as a simulator's finished slots do
             while backlog and free and now < end:
                 due = backlog.popleft()
                 slot = free.pop()
                 frames, req_id = self.request(slot)
-                self.sock.send_multipart(frames)
+                turn.append(frames)
                 inflight[slot] = (due, req_id)
                 sent += 1
+            for _, frames in (P.bundle(turn) if self.bundles else ((1, f) for f in turn)):
+                self.sock.send_multipart(frames)
             until = t0 + int(i * period_ns) if i < total and now < end else drain_until
             if wait_readable(self.sock, max(0.0, (until - now) / 1e9)):
                 while self.sock.getsockopt(zmq.EVENTS) & zmq.POLLIN:
                     frames = self.sock.recv_multipart()
                     t = time.perf_counter_ns()
-                    header = msgpack.unpackb(frames[0])  # the broker is trusted here: count, don't validate
-                    if header.get("type") != P.ACT:
-                        errors += header.get("type") == P.ERROR
-                        continue
-                    entry = inflight.get(header.get("slot"))
-                    if entry is None or entry[1] != header.get("req_id"):
-                        continue
-                    del inflight[header["slot"]]
-                    free.append(header["slot"])
-                    errors += bool(header.get("error"))
-                    if t <= end:
-                        done += 1
-                        record_us(hist, t - entry[0])
+                    for header in headers(frames):
+                        if header.get("type") != P.ACT:
+                            errors += header.get("type") == P.ERROR
+                            continue
+                        entry = inflight.get(header.get("slot"))
+                        if entry is None or entry[1] != header.get("req_id"):
+                            continue
+                        del inflight[header["slot"]]
+                        free.append(header["slot"])
+                        errors += bool(header.get("error"))
+                        if t <= end:
+                            done += 1
+                            record_us(hist, t - entry[0])
             now = time.perf_counter_ns()
             if time.monotonic() - self.last_beat > 0.5:
                 self.sock.send_multipart(P.encode(P.HEARTBEAT), zmq.DONTWAIT)
@@ -208,11 +212,24 @@ class FakeSimulator:
         self.ctx.term()
 
 
+def headers(frames: list[bytes]) -> list[dict[str, Any]]:
+    """The headers of a message, or of each part of a BUNDLE. The broker is trusted here: count,
+    don't validate (``protocol.decode_all`` is what workers run)."""
+    header = msgpack.unpackb(frames[0])
+    if header.get("type") != P.BUNDLE:
+        return [header]
+    out, at = [], 1
+    for n in header["parts"]:
+        out.append(msgpack.unpackb(frames[at]))
+        at += n
+    return out
+
+
 def simulator_child(args: argparse.Namespace) -> None:
     """``--child``: one FakeSimulator; a stdin line ``START_AT RATE DURATION`` runs a phase and
     answers one JSON line; end of stdin ends the process."""
     follow_launcher()
-    sim = FakeSimulator(args.endpoint, args.slots, args.envs, args.keys)
+    sim = FakeSimulator(args.endpoint, args.slots, args.envs, args.keys, not args.no_bundles)
     print("ready", flush=True)
     fd = sys.stdin.fileno()
     buf = b""
@@ -349,6 +366,8 @@ def main() -> None:
     ap.add_argument("--factor", type=float, default=1.5, help="offered rate growth per step")
     ap.add_argument("--steps", type=int, default=10, help="ramp steps at most")
     ap.add_argument("--curve", action="store_true", help="CURVE on: the broker gets a key folder, every peer a key")
+    ap.add_argument("--no-bundles", action="store_true",
+                    help="simulators neither send nor take BUNDLEs: one message per request each way")
     ap.add_argument("--profile", action="store_true",
                     help="run the broker under cProfile (its thread's CPU time): broker_capacity.prof.txt")
     ap.add_argument("--endpoint", help=argparse.SUPPRESS)
@@ -396,7 +415,8 @@ def main() -> None:
         sims = []
         for _ in range(args.sims):
             proc, _ = start_child([__file__, "--child", "--endpoint", job.endpoint, "--slots", str(args.slots),
-                                   "--envs", str(args.envs), *key_args], talk=True)
+                                   "--envs", str(args.envs), *key_args, *(["--no-bundles"] if args.no_bundles else [])],
+                                  talk=True)
             children.append(proc)
             sims.append(proc)
         procs = {"broker": [job.broker_proc.pid], "generator": [gen.pid],
@@ -433,7 +453,7 @@ def main() -> None:
             "broker_threads_cpu_pct": best["broker_threads_cpu_pct"],
             "p99_us_at_80pct": at80["p99_us"], "p50_us_at_80pct": at80["p50_us"],
             "target_rps_per_broker_core": 20_000,
-            "envs_per_request": args.envs,
+            "envs_per_request": args.envs, "bundles": not args.no_bundles,
             "env_obs_per_broker_core": round(best["rps_per_broker_core"] * args.envs, 1) if best["rps_per_broker_core"] else None,
             "saturated": best is not ramp[-1] or ramp[-1]["achieved_rps"] < SATURATED_RATE * ramp[-1]["offered_rps"]
                          or ramp[-1]["broker_cpu_pct"] >= SATURATED_CPU,

@@ -106,37 +106,57 @@ class Broker:
         self.close()
 
     def _serve(self, frames: list[Any]) -> None:
-        """Decode, handle and answer one message ``[identity, header, *tensors]``. What a STATUS
-        answer costs the loop (CPU, handling and sending; its few bytes' decode aside) goes to
-        ``status_cpu_us``, measured for STATUS alone: reading the thread's CPU clock is a system call."""
+        """Decode, handle and answer one message ``[identity, header, *tensors]``, or each part of
+        a BUNDLE; the answers go out together. What a STATUS answer costs the loop (CPU, handling
+        and sending; its few bytes' decode aside) goes to ``status_cpu_us``, measured for STATUS
+        alone: reading the thread's CPU clock is a system call."""
         identity, state = frames[0], self.state
         now = time.monotonic()
-        try:
-            msg = P.decode(frames[1:])
-        except P.ProtocolError as err:
-            self._send_all(state.reject(identity, err.code, err.reason, None, now))
-            return
         # With CURVE, the ZAP handler named the sender by its key file (rlvla3/auth.py).
         key = frames[1].get("User-Id") if self.authenticator is not None else None
-        if msg.type != P.STATUS:
-            self._send_all(state.handle(identity, msg, now, key))
-            return
-        t0 = time.thread_time_ns()
-        self._send_all(state.handle(identity, msg, now, key))
-        state.stats.status_cpu_us.record_value(max(1, (time.thread_time_ns() - t0) // 1000))
+        outs: list[Out] = []
+        for msg in P.decode_all(frames[1:]):
+            if type(msg) is P.ProtocolError:
+                outs += state.reject(identity, msg.code, msg.reason, None, now)
+            elif msg.type != P.STATUS:
+                outs += state.handle(identity, msg, now, key)
+            else:
+                t0 = time.thread_time_ns()
+                self._send_all(state.handle(identity, msg, now, key))
+                state.stats.status_cpu_us.record_value(max(1, (time.thread_time_ns() - t0) // 1000))
+        if outs:
+            self._send_all(outs)
 
     def _send_all(self, outs: list[Out]) -> None:
+        """Send without blocking; what a peer that reads BUNDLEs gets in one call goes as one
+        message. What cannot be sent goes back to the state (``state.unsent``)."""
+        by_peer: dict[bytes, list[Out]] = {}
         for out in outs:
-            if out.to is None:
-                try:
-                    self.pub.send_multipart([b"W", *out.encode()], zmq.DONTWAIT, copy=False)
-                except zmq.Again:
-                    log.warning("weights_pub_full", version=out.fields.get("version"))
+            if out.to is not None:
+                by_peer.setdefault(out.to, []).append(out)
                 continue
             try:
-                self._send(out.to, out.encode())
-            except zmq.ZMQError as err:  # EHOSTUNREACH (peer gone) or EAGAIN (peer's queue full)
-                log.warning("send_failed", peer=out.to.hex()[:16], type=out.type, error=err.strerror)
+                self.pub.send_multipart([b"W", *out.encode()], zmq.DONTWAIT, copy=False)
+            except zmq.Again:
+                log.warning("weights_pub_full", version=out.fields.get("version"))
+        workers = self.state.registry.workers
+        for to, group in by_peer.items():
+            peer = workers.get(to)
+            if len(group) == 1 or peer is None or not peer.bundles:
+                for out in group:
+                    self._send_or_hand_back(to, [out], out.encode())
+                continue
+            at = 0
+            for n, frames in P.bundle([out.encode() for out in group]):
+                self._send_or_hand_back(to, group[at:at + n], frames)
+                at += n
+
+    def _send_or_hand_back(self, to: bytes, outs: list[Out], frames: list[Any]) -> None:
+        try:
+            self._send(to, frames)
+        except zmq.ZMQError as err:  # EHOSTUNREACH (peer gone) or EAGAIN (peer's queue full)
+            log.warning("send_failed", peer=to.hex()[:16], type=outs[0].type, messages=len(outs), error=err.strerror)
+            for out in outs:
                 self.state.unsent(out)
 
     def _send(self, to: bytes, frames: list[Any]) -> None:

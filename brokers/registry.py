@@ -28,6 +28,7 @@ class Worker:
     travelled: a shared-memory reference within its host, inline bytes across hosts."""
     key: str | None = None  # the CURVE key name it joined with (None: CURVE off)
     segments: set[str] = field(default_factory=set)  # its shared-memory segments already checked (brokers.access)
+    bundles: bool = False  # it reads BUNDLEs: what the broker has for it at once goes as one message
 
     @property
     def same(self) -> tuple[str, str, str, int, str | None]:

@@ -122,7 +122,8 @@ class BrokerState:
         if identity in self.registry:
             out += self._worker_gone(identity, "re_ready")
         w = Worker(identity=identity, role=role, host=msg["host"], pid=msg["pid"], name=str(msg.get("name", "")),
-                   worker_id=self.registry.new_id(), last_seen=now, info=dict(msg.get("info") or {}), key=key)
+                   worker_id=self.registry.new_id(), last_seen=now, info=dict(msg.get("info") or {}), key=key,
+                   bundles=bool(msg.get("bundles")))
         # The same worker (name, host, pid, key) on a new socket takes back its registration.
         old = self.registry.find_same(w)
         if old is not None:

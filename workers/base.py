@@ -103,6 +103,7 @@ class WorkerBase:
         self._last_send = 0.0
         self._backoff = P.RECONNECT_MIN_S
         self._connects = 0
+        self._held: list[tuple[str, list[Any]]] | None = None  # sends held for one BUNDLE (``_drain_runners``)
 
     # -- what subclasses provide --------------------------------------------------------------
 
@@ -164,16 +165,18 @@ class WorkerBase:
         backoff = P.RECONNECT_MIN_S
         while not self._stop:
             self._open()
-            self.send(P.READY, {"role": self.role, "host": self.host, "pid": os.getpid(), "name": self.name, **self.ready_fields()})
+            # Sent at once, even inside a turn whose sends are held: its answer is awaited here.
+            self._send_frames(P.READY, P.encode(P.READY, {"role": self.role, "host": self.host, "pid": os.getpid(),
+                                                          "name": self.name, "bundles": True, **self.ready_fields()}))
             wait_until = time.monotonic() + backoff
             while time.monotonic() < wait_until:
                 if self.sock.poll(int(max(1, (wait_until - time.monotonic()) * 1000)), zmq.POLLIN):
-                    msg = self._recv()
-                    if msg is not None and msg.type == P.READY:
-                        self._welcome(msg)
-                        return
-                    if msg is not None and msg.type == P.ERROR and msg.get("ref_type") == P.READY:
-                        raise SystemExit(f"{self.role}: the broker refused to let us join: {msg['reason']}")
+                    for msg in self._recv():
+                        if msg.type == P.READY:
+                            self._welcome(msg)
+                            return
+                        if msg.type == P.ERROR and msg.get("ref_type") == P.READY:
+                            raise SystemExit(f"{self.role}: the broker refused to let us join: {msg['reason']}")
             if time.monotonic() > deadline:
                 raise TimeoutError(f"{self.role}: no broker answered at {self.broker_url} within {timeout_s:.0f} s")
             log.info("broker_unreachable_retrying", broker=self.broker_url, backoff_s=backoff)
@@ -193,23 +196,41 @@ class WorkerBase:
         structlog.contextvars.bind_contextvars(worker_id=msg.get("worker_id"))
         log.info("worker_ready", role=self.role, name=self.name, broker=self.broker_url, run_id=msg.get("run_id"))
 
-    def _recv(self) -> P.Message | None:
+    def _recv(self) -> list[P.Message]:
+        """The messages of one received message (a BUNDLE's parts); bad ones are logged and dropped."""
         frames = self.sock.recv_multipart(copy=False)
         self._last_recv = time.monotonic()
-        try:
-            return P.decode(frames)
-        except P.ProtocolError as err:
-            log.warning("bad_message_from_broker", code=err.code, reason=err.reason)
-            return None
+        out = []
+        for msg in P.decode_all(frames):
+            if type(msg) is P.ProtocolError:
+                log.warning("bad_message_from_broker", code=msg.code, reason=msg.reason)
+            else:
+                out.append(msg)
+        return out
 
-    def send(self, msg_type: str, fields: dict[str, Any] | None = None, tensors: dict[str, Any] | None = None) -> bool:
+    def send(self, msg_type: str, fields: dict[str, Any] | None = None, tensors: dict[str, Any] | None = None) -> None:
+        """Send now without blocking, or, while sends are held, at the end of the turn."""
+        frames = P.encode(msg_type, fields, tensors)
+        if self._held is not None:
+            self._held.append((msg_type, frames))
+            return
+        self._send_frames(msg_type, frames)
+
+    def _send_frames(self, msg_type: str, frames: list[Any]) -> None:
         try:
-            self.sock.send_multipart(P.encode(msg_type, fields, tensors), zmq.DONTWAIT, copy=False)
+            self.sock.send_multipart(frames, zmq.DONTWAIT, copy=False)
         except zmq.Again:
             log.warning("send_queue_full", type=msg_type)
-            return False
+            return
         self._last_send = time.monotonic()
-        return True
+
+    def _send_held(self) -> None:
+        """What this turn sent, as few messages as possible (``protocol.bundle``)."""
+        held, self._held = self._held or [], None
+        at = 0
+        for n, frames in P.bundle([frames for _, frames in held]):
+            self._send_frames(held[at][0] if n == 1 else P.BUNDLE, frames)
+            at += n
 
     def _reconnect(self) -> None:
         log.warning("broker_silent_reconnecting", backoff_s=self._backoff)
@@ -246,17 +267,15 @@ class WorkerBase:
                 events = dict(self.poller.poll(int(self.hb_s * 1000 / 2)))
                 if self.sock in events:
                     for _ in range(256):
-                        if not self.sock.poll(0, zmq.POLLIN):
+                        if self._stop or not self.sock.poll(0, zmq.POLLIN):
                             break
-                        msg = self._recv()
-                        if msg is None:
-                            continue
-                        if not self._started and msg.type not in (P.HEARTBEAT, P.DISCONNECT, P.ERROR):
-                            self._early.append(msg)  # routed once set-up is done
-                            continue
-                        self._route(msg)
-                        if self._stop:
-                            break
+                        for msg in self._recv():
+                            if not self._started and msg.type not in (P.HEARTBEAT, P.DISCONNECT, P.ERROR):
+                                self._early.append(msg)  # routed once set-up is done
+                                continue
+                            self._route(msg)
+                            if self._stop:
+                                break
                 if self._signal_fd is not None and self._signal_fd in events:
                     drain_wakeup()  # a stop signal: the flag is set, the loop ends
                 if self.wake in events:
@@ -298,6 +317,15 @@ class WorkerBase:
                 log.info("worker_stopped", role=self.role, name=self.name)
 
     def _drain_runners(self) -> None:
+        """Finished jobs, handled in order; what they send goes out at the end as one BUNDLE
+        (several slots' OBS that finished together: one message through each socket)."""
+        self._held = []
+        try:
+            self._handle_finished_jobs()
+        finally:
+            self._send_held()
+
+    def _handle_finished_jobs(self) -> None:
         for r in self.runners:
             while True:
                 try:

@@ -1,0 +1,154 @@
+"""BUNDLE: several messages to one peer as one. The codec keeps order and limits, a bad part
+fails alone, and a live broker answers a bundle's parts one by one and sends what it has for a
+peer that reads bundles as one message (a peer that never said ``bundles`` gets them singly)."""
+
+from __future__ import annotations
+
+import msgpack
+import numpy as np
+import pytest
+import zmq
+
+from rlvla3 import protocol as P
+from tests.jobs import wait_until
+
+
+def _obs(slot: int, req_id: int = 1) -> list:
+    return P.encode(P.OBS, {"slot": slot, "req_id": req_id, "n": 1, "instruction": ["x"], "episode_step": [0]},
+                    {"state": np.full((1, 3), slot, np.float32)})
+
+
+def _bundle_of(messages: list[list]) -> list:
+    (n, frames), = P.bundle(messages)
+    assert n == len(messages)
+    return frames
+
+
+def test_a_bundle_decodes_to_its_parts_in_order_and_a_bad_part_fails_alone():
+    garbage = [b"\x92\x01"]  # msgpack, not a map
+    frames = _bundle_of([_obs(0), garbage, _obs(1), P.encode(P.HEARTBEAT)])
+    out = P.decode_all(frames)
+    assert [m.type if isinstance(m, P.Message) else m.code for m in out] == [P.OBS, P.E_MALFORMED, P.OBS, P.HEARTBEAT]
+    assert out[2]["slot"] == 1 and out[2].tensors["state"].shape == (1, 3)
+    assert [type(m) for m in P.decode_all(_obs(3))] == [P.Message]  # a message alone is itself
+
+
+@pytest.mark.parametrize("parts, frames, code", [
+    ([1, 1], 1, P.E_MALFORMED),  # frames the parts do not account for
+    ([2], 3, P.E_MALFORMED),
+    ([0], 0, P.E_FIELD),  # a part of no frames
+    ([1] * (P.MAX_BUNDLE_PARTS + 1), P.MAX_BUNDLE_PARTS + 1, P.E_FIELD),
+    ([True], 1, P.E_FIELD),
+])
+def test_a_malformed_bundle_is_one_error(parts, frames, code):
+    header = msgpack.packb({"v": 1, "type": P.BUNDLE, "parts": parts})
+    out = P.decode_all([header, *[P.encode(P.HEARTBEAT)[0]] * frames])
+    assert len(out) == 1 and isinstance(out[0], P.ProtocolError) and out[0].code == code
+
+
+def test_a_bundle_inside_a_bundle_is_refused():
+    inner = _bundle_of([P.encode(P.HEARTBEAT), P.encode(P.HEARTBEAT)])
+    out = P.decode_all(_bundle_of([inner, P.encode(P.HEARTBEAT)]))
+    assert isinstance(out[0], P.ProtocolError) and "inside" in out[0].reason
+    assert isinstance(out[1], P.Message) and out[1].type == P.HEARTBEAT
+
+
+def test_bundle_splits_at_its_limits_and_keeps_order():
+    many = [P.encode(P.HEARTBEAT, {"served": i}) for i in range(P.MAX_BUNDLE_PARTS + 3)]
+    runs = P.bundle(many)
+    assert [n for n, _ in runs] == [P.MAX_BUNDLE_PARTS, 3]
+    served = [m["served"] for _, frames in runs for m in P.decode_all(frames)]
+    assert served == list(range(len(many)))
+    big = np.zeros(P.MAX_BUNDLE_BYTES // 4 // 2 + 1, np.float32)  # two of these pass the byte limit
+    runs = P.bundle([P.encode(P.TRAJ_ACK, {"traj_ids": [1]}, {"x": big}), P.encode(P.TRAJ_ACK, {"traj_ids": [2]}, {"x": big})])
+    assert [n for n, _ in runs] == [1, 1]
+
+
+class Peer:
+    """A raw DEALER that joined the broker, keeping each message it received as frames (to see
+    how it travelled)."""
+
+    def __init__(self, zctx, endpoint: str, role: str, bundles: bool, **fields) -> None:
+        self.sock = zctx.socket(zmq.DEALER)
+        self.sock.setsockopt(zmq.LINGER, 0)
+        self.sock.connect(endpoint)
+        self.received: list[list[bytes]] = []
+        self.send(P.encode(P.READY, {"role": role, "host": "bundlehost", "pid": 1, "name": f"b-{role}",
+                                     "bundles": bundles, **fields}))
+        assert self.next(lambda m: m.type != P.HEARTBEAT).type == P.READY
+
+    def send(self, frames: list) -> None:
+        self.sock.send_multipart(frames)
+
+    def messages(self):
+        """Every message the broker sends, a bundle's parts one by one."""
+        while True:
+            assert self.sock.poll(5000), "the broker sent nothing"
+            frames = self.sock.recv_multipart()
+            self.received.append(frames)
+            for m in P.decode_all(frames):
+                assert isinstance(m, P.Message), m
+                yield m
+
+    def next(self, pred) -> P.Message:
+        return next(m for m in self.messages() if pred(m))
+
+    def types_received(self) -> list[str]:
+        return [msgpack.unpackb(f[0])["type"] for f in self.received]
+
+    def close(self) -> None:
+        self.sock.close()
+
+
+def test_a_live_broker_serves_a_bundle_part_by_part_and_bundles_its_answers(job_factory, zctx):
+    job = job_factory("batching.max_batch=2", "batching.max_wait_ms=50", start=False)
+    sim = Peer(zctx, job.endpoint, "simulator", True, slots=4, num_envs=4)
+    gen = Peer(zctx, job.endpoint, "generator", True, credits=1)
+    sim.received = []
+    # Two good requests, one that is not msgpack, one whose slot the simulator does not have.
+    sim.send(_bundle_of([_obs(0), [b"\xc1"], _obs(99), _obs(2)]))
+    errors = []
+    for m in sim.messages():
+        errors += [m["code"]] if m.type == P.ERROR else []
+        if len(errors) == 2:
+            break
+    assert sorted(errors) == sorted([P.E_MALFORMED, P.E_FIELD])
+    assert P.BUNDLE in sim.types_received(), "the two ERRORs came singly"
+    batch = gen.next(lambda m: m.type == P.BATCH)
+    assert [r["slot"] for r in batch["requests"]] == [0, 2]
+    tensors = {f"r{i}/actions": np.full((1, 1, 7), r["slot"], np.float32) for i, r in enumerate(batch["requests"])}
+    gen.send(P.encode(P.RESULT, {"batch_id": batch["batch_id"], "version": 0}, tensors))
+    sim.received = []
+    acts = {}
+    for m in sim.messages():
+        if m.type == P.ACT:
+            acts[m["slot"]] = float(P.inline_array(m.tensors["actions"]).max())
+        if len(acts) == 2:
+            break
+    assert acts == {0: 0.0, 2: 2.0}
+    assert [t for t in sim.types_received() if t != P.HEARTBEAT] == [P.BUNDLE], "the two ACTs were not one message"
+    wait_until(lambda: job.fig()["requests"] == 2, 10, "the broker to count two requests")
+    for p in (sim, gen):
+        p.close()
+
+
+def test_a_peer_that_never_said_bundles_gets_every_message_alone(job_factory, zctx):
+    job = job_factory("batching.max_batch=2", "batching.max_wait_ms=50", start=False)
+    sim = Peer(zctx, job.endpoint, "simulator", False, slots=4, num_envs=4)
+    gen = Peer(zctx, job.endpoint, "generator", False, credits=1)
+    sim.send(_obs(0))
+    sim.send(_obs(1))
+    batch = gen.next(lambda m: m.type == P.BATCH)
+    assert len(batch["requests"]) == 2
+    tensors = {f"r{i}/actions": np.zeros((1, 1, 7), np.float32) for i in range(2)}
+    gen.send(P.encode(P.RESULT, {"batch_id": batch["batch_id"], "version": 0}, tensors))
+    sim.received = []
+    acts = []
+    for m in sim.messages():
+        acts += [m["slot"]] if m.type == P.ACT else []
+        if len(acts) == 2:
+            break
+    assert sorted(acts) == [0, 1]
+    assert P.BUNDLE not in sim.types_received()
+    for p in (sim, gen):
+        p.close()
