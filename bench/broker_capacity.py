@@ -2,7 +2,7 @@
 the offered rate ramped until the broker saturates.
 
     python bench/broker_capacity.py [--sims 2] [--slots 256] [--envs 1] [--max-batch 32] [--max-wait-ms 2]
-                                    [--duration 4] [--curve] [--out bench/out] [--quick | --smoke]
+                                    [--duration 4] [--curve] [--no-bundles] [--out bench/out] [--quick | --smoke]
 
 What runs: a real broker (``LocalJob``, bound on ipc://), the echo generator of
 ``bench/_echo.py`` (a generator-role peer that answers each BATCH with zero actions, no forward
@@ -12,7 +12,9 @@ state vector) lies in the simulator's shared memory; it is counted at the simula
 ACT comes back. ``--envs N`` makes each OBS carry N envs (a slot stepping N envs, as
 ``env.num_envs / env.slots`` does): still one request each, and ``env_obs_per_broker_core``
 says how many env observations a broker core routes that way (``docs/scaling.md``, "Past one
-broker", step 1). ``max_batch`` counts envs, as the broker does. Every simulator is open-loop:
+broker", step 1). ``max_batch`` counts envs, as the broker does. Each simulator sends what is
+due at once as one BUNDLE and reads the broker's BUNDLEs of ACTs, as a simulator worker does;
+``--no-bundles``: one message per request each way. Every simulator is open-loop:
 request ``i`` is due at ``t0 + i/rate`` and goes out on a free slot; latency counts from when it
 was due (HdrHistogram, microseconds).
 
@@ -33,7 +35,9 @@ to compare figures taken under different loads.
 Last line of stdout: one JSON object (``max_rps``, ``rps_per_broker_core``, ``p99_us_at_80pct``,
 ``broker_cpu_pct``, ``broker_threads_cpu_pct`` (its Python loop's thread against libzmq's
 I/O thread), ``envs_per_request``, ``env_obs_per_broker_core``, ``broker_cpu_us_per_request``,
-``curve``, ``reference_obs_decode_us``, ``ramp`` ...). Writes
+``curve``, ``bundles``, ``errors`` and ``error_codes`` (an overloaded step leaves requests
+outstanding that the next reuses, which the broker may refuse as ``over_limit``),
+``reference_obs_decode_us``, ``ramp`` ...). Writes
 ``broker_capacity.png`` (achieved against offered rate, and broker CPU) and
 ``broker_capacity.json`` under ``--out``; with ``--profile``, the broker runs under cProfile
 timed by its own thread's CPU clock, and its top functions go to ``broker_capacity.prof.txt``.
@@ -162,7 +166,8 @@ class FakeSimulator:
         t0 = time.perf_counter_ns() + int((start_at - time.time()) * 1e9)
         end = t0 + int(duration_s * 1e9)
         drain_until = end + 2_000_000_000
-        sent = done = errors = i = 0
+        sent = done = i = 0
+        errors: dict[str, int] = {}  # ERROR codes, and "act" for an ACT that carried an error
         now = time.perf_counter_ns()
         while now < drain_until and (now < end or inflight):
             while i < total and t0 + int(i * period_ns) <= now:
@@ -185,14 +190,16 @@ class FakeSimulator:
                     t = time.perf_counter_ns()
                     for header in headers(frames):
                         if header.get("type") != P.ACT:
-                            errors += header.get("type") == P.ERROR
+                            if header.get("type") == P.ERROR:
+                                errors[header.get("code")] = errors.get(header.get("code"), 0) + 1
                             continue
                         entry = inflight.get(header.get("slot"))
                         if entry is None or entry[1] != header.get("req_id"):
                             continue
                         del inflight[header["slot"]]
                         free.append(header["slot"])
-                        errors += bool(header.get("error"))
+                        if header.get("error"):
+                            errors["act"] = errors.get("act", 0) + 1
                         if t <= end:
                             done += 1
                             record_us(hist, t - entry[0])
@@ -310,7 +317,8 @@ def run_step(sims: list[Any], procs: dict[str, list[int]], rate: float, duration
     lat = summary(hist)
     return {
         "offered_rps": round(rate, 1), "achieved_rps": round(achieved, 1), "done": done,
-        "errors": sum(a["errors"] for a in answers), "unanswered": sum(a["unanswered"] for a in answers),
+        "errors": sum(sum(a["errors"].values()) for a in answers), "error_codes": merged_counts(a["errors"] for a in answers),
+        "unanswered": sum(a["unanswered"] for a in answers),
         "broker_cpu_pct": cpu["broker"], "generator_cpu_pct": cpu["generator"], "simulators_cpu_pct": cpu["simulators"],
         "rps_per_broker_core": round(achieved / (cpu["broker"] / 100.0), 1) if cpu["broker"] > 0 else None,
         "broker_cpu_us_per_request": round(1e4 * cpu["broker"] / achieved, 1) if achieved else None,
@@ -318,6 +326,14 @@ def run_step(sims: list[Any], procs: dict[str, list[int]], rate: float, duration
         "broker_threads_cpu_pct": {k: round(100.0 * (threads1[k] - threads0[k]) / duration_s, 1) for k in threads1},
         "p50_us": lat.get("p50"), "p99_us": lat.get("p99"),
     }
+
+
+def merged_counts(counts: Any) -> dict[str, int]:
+    out: dict[str, int] = {}
+    for c in counts:
+        for k, v in c.items():
+            out[k] = out.get(k, 0) + v
+    return out
 
 
 def reference_us(frames: list[Any], reps: int = 2000) -> float:
@@ -379,8 +395,8 @@ def main() -> None:
     if args.profiled_broker:
         profiled_broker(*args.profiled_broker)
         return
-    if args.quick:
-        args.duration, args.steps = 2.0, 7
+    if args.quick:  # to 25,600 offered requests/s: past what this 2-core machine's simulators can send
+        args.duration, args.steps = 2.0, 9
     if args.smoke:
         args.duration, args.steps, args.start_rate, args.sims, args.slots = 0.5, 2, 200.0, 1, 32
     out = Path(args.out)
@@ -461,7 +477,10 @@ def main() -> None:
             "saturated_by": "broker" if max(r["broker_cpu_pct"] for r in ramp) >= SATURATED_CPU else "machine",
             "curve": bool(keys), "transport": "ipc", "sims": args.sims, "slots": args.slots,
             "max_batch": args.max_batch, "max_wait_ms": args.max_wait_ms, "duration_s": args.duration,
+            # Requests refused or failed: an overloaded step leaves slots outstanding, which the next
+            # step reuses, so the broker may refuse them over broker.max_peer_requests ("over_limit").
             "errors": sum(r["errors"] for r in [*ramp, at80]),
+            "error_codes": merged_counts(r["error_codes"] for r in [*ramp, at80]),
             "broker_batch_size": status.get("batch_size"),
             "ramp": ramp, "at_80pct": at80,
             "reference_obs_decode_us": [ref_before, reference_us(ref_frames)],

@@ -115,7 +115,11 @@ class Broker:
         # With CURVE, the ZAP handler named the sender by its key file (rlvla3/auth.py).
         key = frames[1].get("User-Id") if self.authenticator is not None else None
         outs: list[Out] = []
-        for msg in P.decode_all(frames[1:]):
+        msgs = P.decode_all(frames[1:])
+        if len(msgs) > 1:
+            state.stats.bundles["in"] += 1
+            state.stats.bundles["in_parts"] += len(msgs)
+        for msg in msgs:
             if type(msg) is P.ProtocolError:
                 outs += state.reject(identity, msg.code, msg.reason, None, now)
             elif msg.type != P.STATUS:
@@ -148,16 +152,22 @@ class Broker:
                 continue
             at = 0
             for n, frames in P.bundle([out.encode() for out in group]):
-                self._send_or_hand_back(to, group[at:at + n], frames)
+                sent = self._send_or_hand_back(to, group[at:at + n], frames)
                 at += n
+                if sent and n > 1:
+                    self.state.stats.bundles["out"] += 1
+                    self.state.stats.bundles["out_parts"] += n
 
-    def _send_or_hand_back(self, to: bytes, outs: list[Out], frames: list[Any]) -> None:
+    def _send_or_hand_back(self, to: bytes, outs: list[Out], frames: list[Any]) -> bool:
+        """Whether ``frames`` (``outs``, encoded) went; if not, ``outs`` go back to the state."""
         try:
             self._send(to, frames)
+            return True
         except zmq.ZMQError as err:  # EHOSTUNREACH (peer gone) or EAGAIN (peer's queue full)
             log.warning("send_failed", peer=to.hex()[:16], type=outs[0].type, messages=len(outs), error=err.strerror)
             for out in outs:
                 self.state.unsent(out)
+            return False
 
     def _send(self, to: bytes, frames: list[Any]) -> None:
         """``[to, *frames]`` on the ROUTER without blocking. The first part decides: with

@@ -86,6 +86,8 @@ class BrokerStats:
     requeued: int = 0
     duplicates: int = 0  # re-sent OBS of a request already taken (not served again)
     requests_unreadable: int = 0  # requests a generator could not read (left out of its batch alone)
+    bundles: dict[str, int] = field(default_factory=lambda: dict.fromkeys(("in", "in_parts", "out", "out_parts"), 0))
+    """BUNDLEs received and sent, and the messages they held (``protocol.bundle``)."""
     traj_received: int = 0
     traj_delivered: int = 0
     traj_acked: int = 0
@@ -197,6 +199,7 @@ class BrokerStats:
             "requeued": self.requeued,
             "duplicates": self.duplicates,
             "requests_unreadable": self.requests_unreadable,
+            "bundles": dict(self.bundles),
             "traj": {
                 "received": self.traj_received, "delivered": self.traj_delivered,
                 "acked": self.traj_acked, "requeued": self.traj_requeued, "dropped": self.traj_dropped,

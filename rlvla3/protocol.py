@@ -357,7 +357,7 @@ def decode(frames: Sequence[Any]) -> Message:
     _check_fields(msg_type, header)
     if msg_type == BUNDLE:  # its frames are its parts' (``decode_all``), not tensors
         if sum(header["parts"]) != len(frames) - 1:
-            raise ProtocolError(E_MALFORMED, f"BUNDLE: parts of {sum(header['parts'])} frames, {len(frames) - 1} sent")
+            raise ProtocolError(E_FIELD, f"BUNDLE: parts of {sum(header['parts'])} frames, {len(frames) - 1} sent")
         return Message(type=BUNDLE, header=header)
     tensors = _decode_tensors(header.get("tensors", []), frames[1:])
     return Message(type=msg_type, header=header, tensors=tensors)

@@ -34,8 +34,8 @@ def test_a_bundle_decodes_to_its_parts_in_order_and_a_bad_part_fails_alone():
 
 
 @pytest.mark.parametrize("parts, frames, code", [
-    ([1, 1], 1, P.E_MALFORMED),  # frames the parts do not account for
-    ([2], 3, P.E_MALFORMED),
+    ([1, 1], 1, P.E_FIELD),  # frames the parts do not account for
+    ([2], 3, P.E_FIELD),
     ([0], 0, P.E_FIELD),  # a part of no frames
     ([1] * (P.MAX_BUNDLE_PARTS + 1), P.MAX_BUNDLE_PARTS + 1, P.E_FIELD),
     ([True], 1, P.E_FIELD),
@@ -128,6 +128,9 @@ def test_a_live_broker_serves_a_bundle_part_by_part_and_bundles_its_answers(job_
     assert acts == {0: 0.0, 2: 2.0}
     assert [t for t in sim.types_received() if t != P.HEARTBEAT] == [P.BUNDLE], "the two ACTs were not one message"
     wait_until(lambda: job.fig()["requests"] == 2, 10, "the broker to count two requests")
+    bundles = job.fig()["bundles"]
+    assert bundles["in"] == 1 and bundles["in_parts"] == 4
+    assert bundles["out"] >= 2 and bundles["out_parts"] >= 4  # two ERRORs, two ACTs (a heartbeat may join one)
     for p in (sim, gen):
         p.close()
 
@@ -150,5 +153,6 @@ def test_a_peer_that_never_said_bundles_gets_every_message_alone(job_factory, zc
             break
     assert sorted(acts) == [0, 1]
     assert P.BUNDLE not in sim.types_received()
+    assert job.fig()["bundles"] == {"in": 0, "in_parts": 0, "out": 0, "out_parts": 0}
     for p in (sim, gen):
         p.close()

@@ -23,6 +23,8 @@ def test_job_runs_in_each_mode(job_factory, mode):
     assert len(served) == 2
     if mode == "sync":  # barrier: every batch holds all 4 slots' requests (8 envs) at most
         assert fig["batch_size"]["max"] <= 8
+        # so each simulator's two ACTs of a batch reach it as one BUNDLE (workers say `bundles`)
+        assert fig["bundles"]["out"] > 0 and fig["bundles"]["out_parts"] >= 2 * fig["bundles"]["out"]
     run_id = fig["run_id"]
     job.stop()
     assert segments_of_run(run_id) == [], "shared-memory segments left after shutdown"

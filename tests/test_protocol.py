@@ -277,7 +277,8 @@ def _specs_accept(t: str, header: dict) -> bool:
 
 
 _SENDER = {P.OBS: "simulator", P.TRAJ: "simulator", P.RESULT: "generator", P.SNAPSHOT: "generator",
-           P.HEARTBEAT: "generator", P.TRAJ_ACK: "trainer", P.WEIGHTS: "trainer", P.TRAIN: "trainer", P.READY: None}
+           P.HEARTBEAT: "generator", P.TRAJ_ACK: "trainer", P.WEIGHTS: "trainer", P.TRAIN: "trainer", P.READY: None,
+           P.BUNDLE: "simulator"}
 _TO_BROKER = [(t, n, s) for t, n, s in _FIELDS if t in _SENDER]
 
 
