@@ -122,15 +122,21 @@ class FakeSimulator:
                                              "instruction": ["reach the goal"] * envs, "episode_step": [1] * envs,
                                              "env_steps": envs}, tensors)
             self.frames.append([bytearray(header), *rest])
-        self.at = self.frames[0][0].index(_MARK_BYTES) + 1  # the req_id's 8 bytes in every header
+        # Where each header's req_id bytes are: per slot, since a slot number from 128 on takes
+        # one more byte than those before it.
+        self.at = [frames[0].index(_MARK_BYTES) + 1 for frames in self.frames]
         self.next_req = 0
+        for slot in range(slots):  # every patched header is one the broker accepts as this slot's
+            msg = P.decode(self.request(slot)[0])
+            if (msg["slot"], msg["req_id"]) != (slot, self.next_req):
+                raise RuntimeError(f"slot {slot}'s pre-encoded OBS reads as slot {msg['slot']}, req_id {msg['req_id']}")
         self.last_beat = time.monotonic()
 
     def request(self, slot: int) -> tuple[list[Any], int]:
         """The slot's OBS frames with a new req_id, and that id."""
         self.next_req += 1
-        frames = self.frames[slot]
-        frames[0][self.at:self.at + 8] = self.next_req.to_bytes(8, "big")
+        frames, at = self.frames[slot], self.at[slot]
+        frames[0][at:at + 8] = self.next_req.to_bytes(8, "big")
         return frames, self.next_req
 
     def _await(self, msg_type: str, timeout_s: float) -> dict[str, Any]:
@@ -398,7 +404,8 @@ def main() -> None:
     if args.quick:  # to 25,600 offered requests/s: past what this 2-core machine's simulators can send
         args.duration, args.steps = 2.0, 9
     if args.smoke:
-        args.duration, args.steps, args.start_rate, args.sims, args.slots = 0.5, 2, 200.0, 1, 32
+        # 160 slots: past 128, where a slot's number takes one more byte in its pre-encoded header
+        args.duration, args.steps, args.start_rate, args.sims, args.slots = 0.5, 2, 200.0, 1, 160
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
 
