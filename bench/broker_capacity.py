@@ -108,35 +108,43 @@ class FakeSimulator:
         self.bundles = bundles
         welcome = self._await(P.READY, 30.0)
         self.pool = ShmPool(str(welcome.get("run_id", "bench")), slots * (envs * (IMAGE * IMAGE * 3 + STATE_DIM * 4) + 256) + 4096)
-        self.frames: list[list[Any]] = []
-        for _ in range(slots):
+        # Per slot, encoded once with a fixed-width req_id patched per request (``request``): the
+        # broker serves each (slot, req_id) once, and the load generator spends its CPU on
+        # sending, not encoding. Two versions, as a simulator worker sends them: the first OBS of a
+        # slot carries its block's descriptors, the later ones name the block.
+        self.frames: list[tuple[list[Any], list[Any]]] = []
+        for slot in range(slots):
             oi, os_ = self.pool.alloc(envs * IMAGE * IMAGE * 3), self.pool.alloc(envs * STATE_DIM * 4)
             self.pool.view(oi, "uint8", (envs, IMAGE, IMAGE, 3))[...] = 7
             self.pool.view(os_, "float32", (envs, STATE_DIM))[...] = 0.5
             tensors = {names.tensor_name(IMAGES, "top"): self.pool.ref(oi, "uint8", (envs, IMAGE, IMAGE, 3)),
                        STATE: self.pool.ref(os_, "float32", (envs, STATE_DIM))}
-            # Encoded once per slot, with a fixed-width req_id patched per request (``request``):
-            # the broker serves each (slot, req_id) once, and the load generator spends its CPU
-            # on sending, not encoding.
-            header, *rest = P.encode(P.OBS, {"slot": len(self.frames), "req_id": REQ_ID_MARK, "n": envs,
-                                             "instruction": ["reach the goal"] * envs, "episode_step": [1] * envs,
-                                             "env_steps": envs}, tensors)
-            self.frames.append([bytearray(header), *rest])
-        # Where each header's req_id bytes are: per slot, since a slot number from 128 on takes
+            fields = {"slot": slot, "req_id": REQ_ID_MARK, "n": envs, "instruction": ["reach the goal"] * envs,
+                      "episode_step": [1] * envs, "env_steps": envs, "block": slot}
+            full, named = P.encode(P.OBS, fields, tensors), P.encode(P.OBS, fields)
+            self.frames.append(([bytearray(full[0]), *full[1:]], [bytearray(named[0]), *named[1:]]))
+        # Where each header's req_id bytes are: per header, since a slot number from 128 on takes
         # one more byte than those before it.
-        self.at = [frames[0].index(_MARK_BYTES) + 1 for frames in self.frames]
-        self.next_req = 0
+        self.at = [tuple(frames[0].index(_MARK_BYTES) + 1 for frames in versions) for versions in self.frames]
         for slot in range(slots):  # every patched header is one the broker accepts as this slot's
-            msg = P.decode(self.request(slot)[0])
-            if (msg["slot"], msg["req_id"]) != (slot, self.next_req):
-                raise RuntimeError(f"slot {slot}'s pre-encoded OBS reads as slot {msg['slot']}, req_id {msg['req_id']}")
+            for version in (0, 1):
+                msg = P.decode(self._patched(slot, version, slot + 1))
+                if (msg["slot"], msg["req_id"], msg["block"]) != (slot, slot + 1, slot):
+                    raise RuntimeError(f"slot {slot}'s pre-encoded OBS reads as slot {msg['slot']}, req_id {msg['req_id']}")
+        self.defined: set[int] = set()  # slots whose block's descriptors the broker has
+        self.next_req = 0
         self.last_beat = time.monotonic()
+
+    def _patched(self, slot: int, version: int, req_id: int) -> list[Any]:
+        frames, at = self.frames[slot][version], self.at[slot][version]
+        frames[0][at:at + 8] = req_id.to_bytes(8, "big")
+        return frames
 
     def request(self, slot: int) -> tuple[list[Any], int]:
         """The slot's OBS frames with a new req_id, and that id."""
         self.next_req += 1
-        frames, at = self.frames[slot], self.at[slot]
-        frames[0][at:at + 8] = self.next_req.to_bytes(8, "big")
+        frames = self._patched(slot, int(slot in self.defined), self.next_req)
+        self.defined.add(slot)
         return frames, self.next_req
 
     def _await(self, msg_type: str, timeout_s: float) -> dict[str, Any]:

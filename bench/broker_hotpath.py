@@ -5,7 +5,8 @@
                                    [--quick | --smoke]
 
 What runs, in this one process: a real ``BrokerState`` with one simulator (many slots, one env
-per request, observations as shared-memory references of this process) and one generator
+per request, observations as shared-memory references of this process, each slot's sent once
+and named by its block after, as a simulator worker sends them) and one generator
 joined through READY. Each request goes the way the broker's shell takes it, minus the
 sockets: ``protocol.decode`` of the OBS frames, ``state.handle``; once ``--max-batch`` requests
 are queued, ``state.tick`` forms the BATCH and ``Out.encode`` encodes it; the generator's
@@ -71,7 +72,7 @@ class HotPath:
             tensors = {names.tensor_name(IMAGES, "top"): self.pool.ref(oi, "uint8", (1, 16, 16, 3)),
                        STATE: self.pool.ref(os_, "float32", (1, 4))}
             self.obs.append(({"slot": s, "req_id": 0, "n": 1, "instruction": ["reach the goal"],
-                              "episode_step": [1], "env_steps": 1}, tensors))
+                              "episode_step": [1], "env_steps": 1, "block": s}, tensors))
         self.zeros = np.zeros((1, 1, 7), np.float32)
         self.slots = slots
         self.ns = dict.fromkeys(STAGES, 0)
@@ -89,7 +90,9 @@ class HotPath:
             for j in range(self.max_batch):
                 fields, tensors = self.obs[(k * self.max_batch + j) % self.slots]
                 fields["req_id"] += 1  # each request new (the broker drops a re-sent one); encoding is the simulator's cost
-                frames = P.encode(P.OBS, fields, tensors)
+                # As a simulator worker sends it: the slot's first OBS carries its block's descriptors,
+                # the later ones name the block.
+                frames = P.encode(P.OBS, fields, tensors if fields["req_id"] == 1 else None)
                 t0 = clock()
                 msg = P.decode(frames)
                 t1 = clock()

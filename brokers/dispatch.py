@@ -77,9 +77,9 @@ class Dispatcher:
         self.answers[req.slot_key] = act
         return act
 
-    def on_obs(self, w: Worker, msg: P.Message, now: float, nbytes: int) -> None:
-        """Queue a new request (``nbytes``: its inline tensors' bytes). Fields are validated
-        already (``protocol.decode``): ints are ints, in range."""
+    def on_obs(self, w: Worker, msg: P.Message, now: float, nbytes: int, tensors: dict[str, Any]) -> None:
+        """Queue a new request (``tensors``: its own or its block's; ``nbytes``: its inline
+        tensors' bytes). Fields are validated already (``protocol.decode``): ints are ints, in range."""
         h = msg.header  # read as a dict: this runs for every request
         n, steps_of = h["n"], h["episode_step"]
         if n < 1 or len(h["instruction"]) != n or len(steps_of) != n:
@@ -88,11 +88,11 @@ class Dispatcher:
         if not (0 <= slot < max(w.slots, 1)):
             raise P.ProtocolError(P.E_FIELD, f"OBS: slot {slot} out of range (worker has {w.slots})")
         self.queue.push(PendingRequest(w.identity, slot, h["req_id"], n, now, list(steps_of), h.get("version", -1), h,
-                                       msg.tensors, w.host, steps_of.count(0), nbytes=nbytes))
+                                       tensors, w.host, steps_of.count(0), nbytes=nbytes))
         self.last_req[(w.identity, slot)] = h["req_id"]
         stats = self.stats
         stats.requests += 1
-        w.count_frames(msg.tensors)
+        w.count_frames(tensors)
         if self.adaptive is not None:
             self.adaptive.on_arrival(n, self.queue.envs)
         steps = h.get("env_steps", 0)

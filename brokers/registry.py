@@ -29,6 +29,9 @@ class Worker:
     key: str | None = None  # the CURVE key name it joined with (None: CURVE off)
     segments: set[str] = field(default_factory=set)  # its shared-memory segments already checked (brokers.access)
     bundles: bool = False  # it reads BUNDLEs: what the broker has for it at once goes as one message
+    blocks: dict[int, dict[str, Any]] = field(default_factory=dict)
+    """Simulators: each slot block's tensors (shared-memory references), by the number its OBS
+    gives them: sent with the block's first OBS on this connection, named by number after."""
 
     @property
     def same(self) -> tuple[str, str, str, int, str | None]:

@@ -169,6 +169,7 @@ class BrokerState:
         again = self.dispatcher.duplicate(w, h)  # a re-sent request: never served twice
         if again is not None:
             return again
+        tensors = msg.tensors if "block" not in h else self._block(w, h["block"], msg.tensors)
         window = self._obs_window
         if window is not None and h["n"] > window and not h.get("eval"):
             raise P.ProtocolError(P.E_LIMIT, f"OBS of {h['n']} envs: no admission window holds more than {window} "
@@ -176,10 +177,28 @@ class BrokerState:
         queued, held = self.dispatcher.queue.held_by(w.identity)
         if queued >= self.cfg.broker.max_peer_requests:
             raise P.ProtocolError(P.E_LIMIT, f"{queued} requests of this simulator queued: broker.max_peer_requests")
-        nbytes = inline_bytes(msg.tensors)
+        nbytes = inline_bytes(tensors)
         self._check_bytes(w, held + nbytes)
-        self.dispatcher.on_obs(w, msg, now, nbytes)
+        self.dispatcher.on_obs(w, msg, now, nbytes, tensors)
         return []
+
+    @staticmethod
+    def _block(w: Worker, block: int, tensors: dict[str, Any]) -> dict[str, Any]:
+        """An OBS's tensors by its slot block: an OBS that carries them (checked like any, by
+        ``handle``) keeps them under the block's number; one that carries none names them. A
+        simulator has at most two blocks per slot (the slot's front and back), all in shared
+        memory: the broker keeps references here, never bytes."""
+        if not tensors:
+            known = w.blocks.get(block)
+            if known is None:
+                raise P.ProtocolError(P.E_STATE, f"OBS names block {block}, whose tensors this connection never sent")
+            return known
+        if any(type(t) is not P.ShmRef for t in tensors.values()):
+            raise P.ProtocolError(P.E_TENSOR, "a block's tensors are shared-memory references, not inline bytes")
+        if block not in w.blocks and len(w.blocks) >= 2 * max(w.slots, 1):
+            raise P.ProtocolError(P.E_LIMIT, f"more than {2 * max(w.slots, 1)} blocks (two per slot)")
+        w.blocks[block] = tensors
+        return tensors
 
     def _check_bytes(self, w: Worker, held: int) -> None:
         """``held``: this peer's queued requests' bytes here, with the new message's."""

@@ -18,7 +18,8 @@ Message types and who sends them (``->B`` = to the broker, ``B->`` = from the br
     READY       any ->B   join: role, host, pid, name; B-> reply: worker_id, config, run_id, ...
     HEARTBEAT   both      liveness; any traffic counts as a heartbeat
     DISCONNECT  both      orderly leave (worker) / shutdown order (broker)
-    OBS         sim ->B   one slot's observation request (n envs)
+    OBS         sim ->B   one slot's observation request (n envs); with ``block``, its shared-memory
+                          tensors are sent once and named by that number after (``brokers.state``)
     ACT         B-> sim   actions, log-probs, values, replay for one OBS request
     BATCH       B-> gen   several OBS requests batched for one forward pass
     RESULT      gen ->B   the outputs of one BATCH, per request
@@ -167,7 +168,7 @@ SCHEMA: dict[str, tuple[dict[str, Any], dict[str, Any]]] = {  # type -> (require
         {"slot": _SLOT, "req_id": _ID, "n": F.Int(1, F.MAX_COUNT), "instruction": F.List(_TEXT),
          "episode_step": F.List(_ID)},
         {"version": _VERSION, "env_steps": _STEPS, "decision_steps": _STEPS, "env_restarts": _STEPS,
-         "eval": F.Bool(), "deterministic": F.List(F.Bool())},
+         "eval": F.Bool(), "deterministic": F.List(F.Bool()), "block": _COUNT},
     ),
     ACT: ({"slot": _SLOT, "req_id": _ID, "version": _VERSION}, {"queue_us": _US, "forward_us": _US, "error": _REASON}),
     BATCH: ({"batch_id": _ID, "requests": F.List(_REQUEST)}, {"queue_us": F.List(_US)}),

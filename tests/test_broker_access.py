@@ -182,3 +182,28 @@ def test_a_rejection_flood_logs_a_bounded_number_of_lines():
     assert len(rejected) == 5 * 2 + 1  # two seconds of flood, then one in a fresh second
     assert sum(e["count"] for e in summaries) + len(rejected) == 1001
     assert s.state.status(s.now)["errors"] == 1001  # every one is still counted and answered
+
+
+def test_a_slot_block_is_named_only_after_its_own_simulator_sent_it_and_stays_within_its_bounds():
+    """An OBS with ``block`` and shared-memory tensors keeps them under that number; later OBS name
+    the number alone and are served with those tensors. Unknown numbers, another simulator's
+    numbers, inline bytes as a block and more than two blocks per slot are refused."""
+    s = Script()
+    s.simulator(SIM, slots=2)  # pid 1 on HOST
+    s.simulator(EVE, slots=2)
+    s.generator(b"gen", credits=4)
+    fields = {"slot": 0, "n": 2, "instruction": ["go"] * 2, "episode_step": [1, 1]}
+    ref = P.ShmRef("rlvla3_run_1_1", 64, 4, "uint8", (2, 2), HOST)
+    assert code(s.send(SIM, P.OBS, {**fields, "req_id": 1, "block": 3})) == P.E_STATE  # never sent
+    assert code(s.send(SIM, P.OBS, {**fields, "req_id": 1, "block": 3}, {"image": np.zeros((2, 2), np.uint8)})) == P.E_TENSOR
+    assert s.send(SIM, P.OBS, {**fields, "req_id": 1, "block": 3}, {"image": ref}) == []
+    assert code(s.send(EVE, P.OBS, {**fields, "req_id": 1, "block": 3})) == P.E_STATE  # SIM's, not EVE's
+    batch = of_type(s.tick(1.0), P.BATCH)[0]
+    s.result(batch)
+    assert s.send(SIM, P.OBS, {**fields, "req_id": 2, "block": 3}) == []  # the number alone
+    batch = of_type(s.tick(1.0), P.BATCH)[0]
+    assert batch.tensors == {"r0/image": ref}
+    for block in (0, 1, 2):  # two slots: four blocks at most
+        s.send(SIM, P.OBS, {**fields, "slot": 1, "req_id": 10 + block, "block": block}, {"image": ref})
+    assert code(s.send(SIM, P.OBS, {**fields, "slot": 1, "req_id": 20, "block": 4}, {"image": ref})) == P.E_LIMIT
+    assert sorted(s.state.registry.get(SIM).blocks) == [0, 1, 2, 3] and not s.state.registry.get(EVE).blocks

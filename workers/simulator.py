@@ -53,6 +53,7 @@ class SimulatorWorker(WorkerBase):
         self.next_eval_version = 0
         self.eval_round_version = -1
         self.recorder: EpisodeRecorder | None = None  # run.record_dir: stages chosen slots' episodes
+        self.blocks_sent: set[int] = set()  # slot blocks whose descriptors went to the broker on this connection
 
     # -- set-up -------------------------------------------------------------------------------
 
@@ -305,10 +306,7 @@ class SimulatorWorker(WorkerBase):
     def _send_obs(self, slot: Slot, env_steps: int) -> None:
         slot.req_id += 1
         k = len(slot.envs)
-        tensors: dict[str, Any] = slot.obs.to_tensors()  # written in place by the envs: nothing to copy
-        if self.use_shm:  # the block's descriptors (it is rewritten only after this request's ACT)
-            tensors = dict(slot.refs[slot.front])
-        fields = {
+        fields: dict[str, Any] = {
             "slot": slot.index, "req_id": slot.req_id, "n": k, "instruction": list(slot.obs.instruction),
             "episode_step": [tr.episode_step for tr in slot.trajs],
             "version": min((tr.oldest_version() for tr in slot.trajs), default=-1),
@@ -318,11 +316,19 @@ class SimulatorWorker(WorkerBase):
         if slot.eval:
             fields["eval"] = True
             fields["deterministic"] = [True] * k
+        tensors: dict[str, Any] = slot.obs.to_tensors()  # written in place by the envs: nothing to copy
+        sent = tensors
+        if self.use_shm:  # the block's descriptors (it is rewritten only after this request's ACT) ...
+            block = fields["block"] = 2 * slot.index + slot.front
+            tensors = sent = dict(slot.refs[slot.front])
+            if block in self.blocks_sent:
+                sent = {}  # ... or, once the broker has them, the block's number alone
+            self.blocks_sent.add(block)
         self.restarts_unreported = 0
         slot.waiting = True
-        slot.pending_obs = [fields, tensors]
+        slot.pending_obs = [fields, tensors]  # a re-send carries the tensors (the broker may have lost the block)
         slot.sent_at = time.monotonic()
-        self.send(P.OBS, fields, tensors)
+        self.send(P.OBS, fields, sent)
 
     def _ship(self, slot: Slot, header: dict[str, Any], tensors: dict[str, np.ndarray]) -> None:
         self.next_traj += 1
@@ -355,6 +361,7 @@ class SimulatorWorker(WorkerBase):
 
     def on_reconnected(self) -> None:
         """The broker restarted: re-send what it may have lost (requests and unacked TRAJ)."""
+        self.blocks_sent.clear()  # a new connection: the broker knows none of its blocks
         for slot in self.slots:
             if slot.waiting and slot.pending_obs is not None:  # its steps are in READY's total
                 slot.pending_obs[0] = dict(slot.pending_obs[0], env_steps=0)
