@@ -65,7 +65,7 @@ from _common import (  # noqa: E402
     stop_child, summary, thread_cpu_seconds, wait_readable,
 )
 
-from rlvla3 import auth, names  # noqa: E402
+from rlvla3 import auth, bundle, names  # noqa: E402
 from rlvla3 import protocol as P  # noqa: E402
 from rlvla3.config import load  # noqa: E402
 from rlvla3.launch import LocalJob  # noqa: E402
@@ -195,7 +195,7 @@ class FakeSimulator:
                 turn.append(frames)
                 inflight[slot] = (due, req_id)
                 sent += 1
-            for _, frames in (P.bundle(turn) if self.bundles else ((1, f) for f in turn)):
+            for _, frames in (bundle.bundle(turn) if self.bundles else ((1, f) for f in turn)):
                 self.sock.send_multipart(frames)
             until = t0 + int(i * period_ns) if i < total and now < end else drain_until
             if wait_readable(self.sock, max(0.0, (until - now) / 1e9)):
@@ -235,15 +235,11 @@ class FakeSimulator:
 
 def headers(frames: list[bytes]) -> list[dict[str, Any]]:
     """The headers of a message, or of each part of a BUNDLE. The broker is trusted here: count,
-    don't validate (``protocol.decode_all`` is what workers run)."""
+    don't validate (``bundle.decode_all`` is what workers run)."""
     header = msgpack.unpackb(frames[0])
     if header.get("type") != P.BUNDLE:
         return [header]
-    out, at = [], 1
-    for n in header["parts"]:
-        out.append(msgpack.unpackb(frames[at]))
-        at += n
-    return out
+    return [msgpack.unpackb(part[0]) for part in bundle.parts(header["parts"], frames[1:])]
 
 
 def simulator_child(args: argparse.Namespace) -> None:

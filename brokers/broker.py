@@ -19,7 +19,7 @@ import zmq
 
 from brokers.outgoing import Out
 from brokers.state import BrokerState
-from rlvla3 import auth
+from rlvla3 import auth, bundle
 from rlvla3 import protocol as P
 from rlvla3.config import JobConfig
 from rlvla3.lifetime import drain_wakeup, stop_wakeup_fd
@@ -115,7 +115,7 @@ class Broker:
         # With CURVE, the ZAP handler named the sender by its key file (rlvla3/auth.py).
         key = frames[1].get("User-Id") if self.authenticator is not None else None
         outs: list[Out] = []
-        msgs = P.decode_all(frames[1:])
+        msgs = bundle.decode_all(frames[1:])
         if len(msgs) > 1:
             state.stats.bundles["in"] += 1
             state.stats.bundles["in_parts"] += len(msgs)
@@ -151,7 +151,7 @@ class Broker:
                     self._send_or_hand_back(to, [out], out.encode())
                 continue
             at = 0
-            for n, frames in P.bundle([out.encode() for out in group]):
+            for n, frames in bundle.bundle([out.encode() for out in group]):
                 sent = self._send_or_hand_back(to, group[at:at + n], frames)
                 at += n
                 if sent and n > 1:

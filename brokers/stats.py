@@ -87,7 +87,7 @@ class BrokerStats:
     duplicates: int = 0  # re-sent OBS of a request already taken (not served again)
     requests_unreadable: int = 0  # requests a generator could not read (left out of its batch alone)
     bundles: dict[str, int] = field(default_factory=lambda: dict.fromkeys(("in", "in_parts", "out", "out_parts"), 0))
-    """BUNDLEs received and sent, and the messages they held (``protocol.bundle``)."""
+    """BUNDLEs received and sent, and the messages they held (``rlvla3.bundle``)."""
     traj_received: int = 0
     traj_delivered: int = 0
     traj_acked: int = 0

@@ -36,8 +36,8 @@ Tensor names follow one scheme, in rlvla3/names.py.
     TUNE        client ->B   set the batching rule live; B-> reply with the rule in force
     ERROR       B-> any   the sender's message was bad: code + reason; the message is dropped
     BUNDLE      both      several messages to one peer as one: ``parts`` gives each one's frame
-                count, its frames follow in order (``bundle``, ``decode_all``); sent only to a
-                peer whose READY said ``bundles``
+                count, its frames follow in order (``rlvla3/bundle.py``); sent only to a peer
+                whose READY said ``bundles``
 
 Nothing here unpickles; decoding validates before anything reads a field.
 """
@@ -356,61 +356,12 @@ def decode(frames: Sequence[Any]) -> Message:
     if type(msg_type) is not str or msg_type not in SCHEMA:
         raise ProtocolError(E_TYPE, f"unknown message type {str(msg_type)[:64]!r}")
     _check_fields(msg_type, header)
-    if msg_type == BUNDLE:  # its frames are its parts' (``decode_all``), not tensors
+    if msg_type == BUNDLE:  # its frames are its parts' (``rlvla3.bundle``), not tensors
         if sum(header["parts"]) != len(frames) - 1:
             raise ProtocolError(E_FIELD, f"BUNDLE: parts of {sum(header['parts'])} frames, {len(frames) - 1} sent")
         return Message(type=BUNDLE, header=header)
     tensors = _decode_tensors(header.get("tensors", []), frames[1:])
     return Message(type=msg_type, header=header, tensors=tensors)
-
-
-def decode_all(frames: Sequence[Any]) -> list[Message | ProtocolError]:
-    """The messages ``frames`` carry: one, or each part of a BUNDLE in order. A bad part comes
-    back as its ProtocolError, and the parts beside it still count; a bad bundle is one error."""
-    try:
-        msg = decode(frames)
-    except ProtocolError as err:
-        return [err]
-    if msg.type != BUNDLE:
-        return [msg]
-    out: list[Message | ProtocolError] = []
-    at = 1
-    for n in msg.header["parts"]:
-        try:
-            part = decode(frames[at:at + n])
-            out.append(part if part.type != BUNDLE else ProtocolError(E_MALFORMED, "a BUNDLE inside a BUNDLE"))
-        except ProtocolError as err:
-            out.append(err)
-        at += n
-    return out
-
-
-def bundle(messages: list[list[Any]]) -> list[tuple[int, list[Any]]]:
-    """Encoded messages for one peer, as few messages as the limits allow: a run of them goes as
-    one BUNDLE (one pass through each socket and I/O thread instead of one per message), a
-    message alone as itself. Order is kept. Each item: (how many messages it holds, its frames)."""
-    out: list[tuple[int, list[Any]]] = []
-    run: list[list[Any]] = []
-    frames = nbytes = 0
-    for frames_of in messages:
-        size = sum(f.nbytes if type(f) is memoryview else len(f) for f in frames_of)
-        if run and (len(run) == MAX_BUNDLE_PARTS or frames + len(frames_of) >= MAX_FRAMES
-                    or nbytes + size > MAX_BUNDLE_BYTES):
-            out.append(_bundled(run))
-            run, frames, nbytes = [], 0, 0
-        run.append(frames_of)
-        frames += len(frames_of)
-        nbytes += size
-    if run:
-        out.append(_bundled(run))
-    return out
-
-
-def _bundled(run: list[list[Any]]) -> tuple[int, list[Any]]:
-    if len(run) == 1:
-        return 1, run[0]
-    header = msgpack.packb({"v": PROTOCOL_VERSION, "type": BUNDLE, "parts": [len(m) for m in run]})
-    return len(run), [header, *(f for m in run for f in m)]
 
 
 def _check_fields(msg_type: str, header: dict[str, Any]) -> None:

@@ -20,7 +20,7 @@ from typing import Any, Callable
 import structlog
 import zmq
 
-from rlvla3 import auth
+from rlvla3 import auth, bundle
 from rlvla3 import protocol as P
 from rlvla3.config import ConfigError, JobConfig, apply_overrides, from_dict
 from rlvla3.lifetime import drain_wakeup, on_stop_signals, stop_wakeup_fd
@@ -201,7 +201,7 @@ class WorkerBase:
         frames = self.sock.recv_multipart(copy=False)
         self._last_recv = time.monotonic()
         out = []
-        for msg in P.decode_all(frames):
+        for msg in bundle.decode_all(frames):
             if type(msg) is P.ProtocolError:
                 log.warning("bad_message_from_broker", code=msg.code, reason=msg.reason)
             else:
@@ -225,10 +225,10 @@ class WorkerBase:
         self._last_send = time.monotonic()
 
     def _send_held(self) -> None:
-        """What this turn sent, as few messages as possible (``protocol.bundle``)."""
+        """What this turn sent, as few messages as possible (``rlvla3.bundle``)."""
         held, self._held = self._held or [], None
         at = 0
-        for n, frames in P.bundle([frames for _, frames in held]):
+        for n, frames in bundle.bundle([frames for _, frames in held]):
             self._send_frames(held[at][0] if n == 1 else P.BUNDLE, frames)
             at += n
 
