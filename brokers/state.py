@@ -182,12 +182,12 @@ class BrokerState:
         self.dispatcher.on_obs(w, msg, now, nbytes, tensors)
         return []
 
-    @staticmethod
-    def _block(w: Worker, block: int, tensors: dict[str, Any]) -> dict[str, Any]:
+    def _block(self, w: Worker, block: int, tensors: dict[str, Any]) -> dict[str, Any]:
         """An OBS's tensors by its slot block: an OBS that carries them (checked like any, by
         ``handle``) keeps them under the block's number; one that carries none names them. A
-        simulator has at most two blocks per slot (the slot's front and back), all in shared
-        memory: the broker keeps references here, never bytes."""
+        simulator has at most two blocks per slot (the slot's front and back), for at most
+        ``broker.max_peer_requests`` slots, all in shared memory: the broker keeps references
+        here, never bytes."""
         if not tensors:
             known = w.blocks.get(block)
             if known is None:
@@ -195,8 +195,9 @@ class BrokerState:
             return known
         if any(type(t) is not P.ShmRef for t in tensors.values()):
             raise P.ProtocolError(P.E_TENSOR, "a block's tensors are shared-memory references, not inline bytes")
-        if block not in w.blocks and len(w.blocks) >= 2 * max(w.slots, 1):
-            raise P.ProtocolError(P.E_LIMIT, f"more than {2 * max(w.slots, 1)} blocks (two per slot)")
+        most = 2 * max(1, min(w.slots, self.cfg.broker.max_peer_requests))
+        if block not in w.blocks and len(w.blocks) >= most:
+            raise P.ProtocolError(P.E_LIMIT, f"more than {most} blocks (two per slot, slots up to broker.max_peer_requests)")
         w.blocks[block] = tensors
         return tensors
 

@@ -207,3 +207,13 @@ def test_a_slot_block_is_named_only_after_its_own_simulator_sent_it_and_stays_wi
         s.send(SIM, P.OBS, {**fields, "slot": 1, "req_id": 10 + block, "block": block}, {"image": ref})
     assert code(s.send(SIM, P.OBS, {**fields, "slot": 1, "req_id": 20, "block": 4}, {"image": ref})) == P.E_LIMIT
     assert sorted(s.state.registry.get(SIM).blocks) == [0, 1, 2, 3] and not s.state.registry.get(EVE).blocks
+
+
+def test_a_simulator_claiming_many_slots_keeps_at_most_two_blocks_per_request_it_may_queue():
+    s = Script("broker.max_peer_requests=3")
+    s.simulator(SIM, slots=60000)
+    ref = P.ShmRef("rlvla3_run_1_1", 64, 4, "uint8", (2, 2), HOST)
+    codes = [code(s.send(SIM, P.OBS, {"slot": b, "req_id": 1, "n": 2, "instruction": ["go"] * 2, "episode_step": [1, 1],
+                                      "block": b}, {"image": ref})) for b in range(8)]
+    assert codes[:3] == [None] * 3 and P.E_LIMIT in codes  # 3 queued at most; blocks stop at 6
+    assert len(s.state.registry.get(SIM).blocks) == 6
