@@ -33,6 +33,10 @@ from rlvla3.config import JobConfig
 
 log = structlog.get_logger()
 
+BLOCK_BYTES = 1024
+"""What one slot block's two descriptors cost the broker (measured: 140 MB for 131,072), counted
+against its simulator's ``broker.max_peer_bytes``."""
+
 STATUS_REFRESH_S = 0.25
 """STATUS figures are built at most this often (percentiles at most once a second: ``brokers.stats``)."""
 
@@ -185,9 +189,9 @@ class BrokerState:
     def _block(self, w: Worker, block: int, tensors: dict[str, Any]) -> dict[str, Any]:
         """An OBS's tensors by its slot block: an OBS that carries them (checked like any, by
         ``handle``) keeps them under the block's number; one that carries none names them. A
-        simulator has at most two blocks per slot (the slot's front and back), for at most
-        ``broker.max_peer_requests`` slots, all in shared memory: the broker keeps references
-        here, never bytes."""
+        simulator has at most two blocks per slot (the slot's front and back), all in shared
+        memory: the broker keeps references, never bytes. Each counts ``BLOCK_BYTES`` against the
+        peer's ``broker.max_peer_bytes`` (a peer claiming 65,536 slots could hold 140 MB here)."""
         if not tensors:
             known = w.blocks.get(block)
             if known is None:
@@ -195,15 +199,18 @@ class BrokerState:
             return known
         if any(type(t) is not P.ShmRef for t in tensors.values()):
             raise P.ProtocolError(P.E_TENSOR, "a block's tensors are shared-memory references, not inline bytes")
-        most = 2 * max(1, min(w.slots, self.cfg.broker.max_peer_requests))
-        if block not in w.blocks and len(w.blocks) >= most:
-            raise P.ProtocolError(P.E_LIMIT, f"more than {most} blocks (two per slot, slots up to broker.max_peer_requests)")
+        if block not in w.blocks:
+            most = 2 * max(w.slots, 1)
+            if len(w.blocks) >= most:
+                raise P.ProtocolError(P.E_LIMIT, f"more than {most} blocks (two per slot)")
+            self._check_bytes(w, self.dispatcher.queue.held_by(w.identity)[1] + BLOCK_BYTES)
         w.blocks[block] = tensors
         return tensors
 
     def _check_bytes(self, w: Worker, held: int) -> None:
-        """``held``: this peer's queued requests' bytes here, with the new message's."""
-        held += self.trajs.held_by(w.identity)[1]
+        """``held``: this peer's queued requests' bytes here, with the new message's; its queued
+        fragments and its slot blocks count too."""
+        held += self.trajs.held_by(w.identity)[1] + len(w.blocks) * BLOCK_BYTES
         if held > self.cfg.broker.max_peer_bytes:
             raise P.ProtocolError(P.E_LIMIT, f"this peer's queued messages would hold {held} bytes at the broker: "
                                              f"broker.max_peer_bytes={self.cfg.broker.max_peer_bytes}")

@@ -168,7 +168,7 @@ SCHEMA: dict[str, tuple[dict[str, Any], dict[str, Any]]] = {  # type -> (require
         {"slot": _SLOT, "req_id": _ID, "n": F.Int(1, F.MAX_COUNT), "instruction": F.List(_TEXT),
          "episode_step": F.List(_ID)},
         {"version": _VERSION, "env_steps": _STEPS, "decision_steps": _STEPS, "env_restarts": _STEPS,
-         "eval": F.Bool(), "deterministic": F.List(F.Bool()), "block": _COUNT},
+         "eval": F.Bool(), "deterministic": F.List(F.Bool()), "block": F.Int(0, 2 * F.MAX_COUNT)},  # two per slot
     ),
     ACT: ({"slot": _SLOT, "req_id": _ID, "version": _VERSION}, {"queue_us": _US, "forward_us": _US, "error": _REASON}),
     BATCH: ({"batch_id": _ID, "requests": F.List(_REQUEST)}, {"queue_us": F.List(_US)}),

@@ -209,11 +209,16 @@ def test_a_slot_block_is_named_only_after_its_own_simulator_sent_it_and_stays_wi
     assert sorted(s.state.registry.get(SIM).blocks) == [0, 1, 2, 3] and not s.state.registry.get(EVE).blocks
 
 
-def test_a_simulator_claiming_many_slots_keeps_at_most_two_blocks_per_request_it_may_queue():
-    s = Script("broker.max_peer_requests=3")
+
+def test_slot_blocks_count_against_the_peers_byte_cap():
+    """A simulator that claims many slots cannot grow the broker's block table past its
+    ``broker.max_peer_bytes`` (each block counts ``BLOCK_BYTES``)."""
+    from brokers.state import BLOCK_BYTES
+
+    s = Script(f"broker.max_peer_bytes={3 * BLOCK_BYTES}", "broker.max_peer_requests=100")
     s.simulator(SIM, slots=60000)
     ref = P.ShmRef("rlvla3_run_1_1", 64, 4, "uint8", (2, 2), HOST)
-    codes = [code(s.send(SIM, P.OBS, {"slot": b, "req_id": 1, "n": 2, "instruction": ["go"] * 2, "episode_step": [1, 1],
-                                      "block": b}, {"image": ref})) for b in range(8)]
-    assert codes[:3] == [None] * 3 and P.E_LIMIT in codes  # 3 queued at most; blocks stop at 6
-    assert len(s.state.registry.get(SIM).blocks) == 6
+    codes = [code(s.send(SIM, P.OBS, {"slot": b, "req_id": 1, "n": 2, "instruction": ["go"] * 2,
+                                      "episode_step": [1, 1], "block": b}, {"image": ref})) for b in range(5)]
+    assert codes == [None, None, None, P.E_LIMIT, P.E_LIMIT]
+    assert len(s.state.registry.get(SIM).blocks) == 3
