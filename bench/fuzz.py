@@ -6,6 +6,7 @@ while a few fuzzing clients send, as fast as the broker takes them:
 - frames that are not msgpack, or not a map, or carry a wrong version;
 - type confusion: a real message type with one field replaced by a list, a map, a bool, inf,
   NaN, a huge or negative int, a 5,000-character string (every field of SCHEMA in turn);
+- BUNDLEs of the above (each part answered alone), and bundles whose part counts lie;
 - valid but hostile messages: unknown batch ids, re-READY as another role, extreme counters,
   SNAPSHOT requests, DISCONNECT and join again (no STATUS: the one STATUS each client sends last
   is how it knows the broker has read everything; STATUS floods are bench material of their own).
@@ -39,7 +40,7 @@ import zmq
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from bench._common import OUT_DIR, SMALL_ASYNC_JOB, emit_to, keep_logs_unless, local_job, note  # noqa: E402
-from rlvla3 import auth  # noqa: E402
+from rlvla3 import auth, bundle  # noqa: E402
 from rlvla3 import protocol as P  # noqa: E402
 from rlvla3.config import load  # noqa: E402
 from rlvla3.launch import request_status  # noqa: E402
@@ -55,6 +56,7 @@ VALID = {  # one valid header per message type a peer may send to the broker
     P.TRAJ_ACK: {"traj_ids": [1]},
     P.WEIGHTS: {"version": 0},
     P.TRAIN: {"phase": "end", "version": 0},
+    P.BUNDLE: {"parts": []},
 }
 HOSTILE = [[1], {"a": [1]}, True, float("inf"), float("-inf"), float("nan"), 2**64 - 1, -(2**40), "x" * 5000, None]
 FIELDS = [(t, name) for t in VALID for name in {**P.SCHEMA[t][0], **P.SCHEMA[t][1]}]
@@ -80,6 +82,16 @@ def garbage(rng: random.Random) -> list[bytes]:
     if kind == 2:
         return [msgpack.packb({"v": 2, "type": "READY"})]
     return [msgpack.packb({"v": 1, "type": rng.choice([["OBS"], {"t": 1}, 7, None, "NOPE"])})]
+
+
+def bundled(rng: random.Random) -> list[bytes]:
+    """A BUNDLE of 2-8 bad messages, or (one time in four) one whose ``parts`` lie about its frames."""
+    parts = [confused(rng) if rng.random() < 0.5 else garbage(rng) for _ in range(rng.randint(2, 8))]
+    if rng.random() < 0.25:
+        counts = [rng.randint(1, 3) for _ in parts]
+        return [msgpack.packb({"v": 1, "type": P.BUNDLE, "parts": counts}), *(f for m in parts for f in m)]
+    (_, frames), = bundle.bundle(parts)
+    return frames
 
 
 def hostile_valid(rng: random.Random, role: str) -> list:
@@ -153,10 +165,12 @@ class Fuzzer(threading.Thread):
                 self._send(P.encode(P.READY, {**VALID[P.READY], "role": self.role, "credits": 0, "slots": 0}))
             for i in range(self.count):
                 pick = self.rng.random()
-                if pick < 0.45:
+                if pick < 0.40:
                     frames = confused(self.rng)
-                elif pick < 0.65:
+                elif pick < 0.55:
                     frames = garbage(self.rng)
+                elif pick < 0.65:
+                    frames = bundled(self.rng)
                 elif self.role is not None:
                     frames = hostile_valid(self.rng, self.role)
                 else:
