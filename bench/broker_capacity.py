@@ -51,7 +51,7 @@ import os
 import select
 import sys
 import time
-from collections import deque
+from collections import Counter, deque
 from pathlib import Path
 from typing import Any
 
@@ -339,11 +339,8 @@ def run_step(sims: list[Any], procs: dict[str, list[int]], rate: float, duration
 
 
 def merged_counts(counts: Any) -> dict[str, int]:
-    out: dict[str, int] = {}
-    for c in counts:
-        for k, v in c.items():
-            out[k] = out.get(k, 0) + v
-    return out
+    """Error counts of several steps or simulators, summed per code."""
+    return dict(sum((Counter(c) for c in counts), Counter()))
 
 
 def reference_us(frames: list[Any], reps: int = 2000) -> float:
