@@ -1,7 +1,7 @@
 """The broker's Python cost per request, stage by stage, with no sockets: what
 ``bench/broker_capacity.py`` is bounded by, and where to cut.
 
-    python bench/broker_hotpath.py [--max-batch 32] [--requests 20000] [--profile] [--out bench/out]
+    python bench/broker_hotpath.py [--max-batch 32] [--requests 20000] [--backlog 0] [--profile] [--out bench/out]
                                    [--quick | --smoke]
 
 What runs, in this one process: a real ``BrokerState`` with one simulator (many slots, one env
@@ -55,7 +55,7 @@ STAGES = ("decode_obs", "handle_obs", "tick_and_encode_batch", "decode_result", 
 
 
 class HotPath:
-    def __init__(self, max_batch: int, slots: int) -> None:
+    def __init__(self, max_batch: int, slots: int, backlog: int) -> None:
         cfg = load("synthetic.yaml", ["env.name=synthetic", "env.options.image_size=16", f"batching.max_batch={max_batch}",
                                       "batching.max_wait_ms=1000", "run.mode=async", "workers.trainers=0"])
         self.max_batch = max_batch
@@ -64,7 +64,7 @@ class HotPath:
         self.state.handle(SIM, P.decode(P.encode(P.READY, {"role": "simulator", "host": host_id(), "pid": os.getpid(),
                                                            "slots": slots, "num_envs": slots})), now)
         self.state.handle(GEN, P.decode(P.encode(P.READY, {"role": "generator", "host": host_id(), "pid": os.getpid(),
-                                                           "credits": 2})), now)
+                                                           "credits": 1})), now)
         self.pool = ShmPool("hotpath", slots * 1024 + 4096)
         self.obs = []
         for s in range(slots):
@@ -77,6 +77,9 @@ class HotPath:
         self.slots = slots
         self.ns = dict.fromkeys(STAGES, 0)
         self.acts = 0
+        self.sent = 0  # OBS sent so far: request k goes from slot k % slots
+        for _ in range(backlog):  # queued beyond every batch, as at saturation (untimed)
+            self.state.handle(SIM, P.decode(self.next_obs()), now)
 
     def result_frames(self, batch: P.Message) -> list[Any]:
         """The echo generator's answer (not timed: the generator's own cost)."""
@@ -84,15 +87,20 @@ class HotPath:
         return P.encode(P.RESULT, {"batch_id": batch["batch_id"], "version": 0, "forward_us": 0,
                                    "queue_us": batch.get("queue_us", [])}, tensors)
 
+    def next_obs(self) -> list[Any]:
+        """The next slot's OBS, encoded as a simulator worker sends it: the slot's first carries its
+        block's descriptors, the later ones name the block. Each is new (a higher ``req_id``: the
+        broker drops a re-sent one); encoding is the simulator's cost."""
+        fields, tensors = self.obs[self.sent % self.slots]
+        self.sent += 1
+        fields["req_id"] += 1
+        return P.encode(P.OBS, fields, tensors if fields["req_id"] == 1 else None)
+
     def run(self, requests: int) -> None:
         clock, st, ns = time.thread_time_ns, self.state, self.ns  # CPU time: a busy neighbour does not inflate it
-        for k in range(requests // self.max_batch):
-            for j in range(self.max_batch):
-                fields, tensors = self.obs[(k * self.max_batch + j) % self.slots]
-                fields["req_id"] += 1  # each request new (the broker drops a re-sent one); encoding is the simulator's cost
-                # As a simulator worker sends it: the slot's first OBS carries its block's descriptors,
-                # the later ones name the block.
-                frames = P.encode(P.OBS, fields, tensors if fields["req_id"] == 1 else None)
+        for _ in range(requests // self.max_batch):
+            for _ in range(self.max_batch):
+                frames = self.next_obs()
                 t0 = clock()
                 msg = P.decode(frames)
                 t1 = clock()
@@ -126,6 +134,8 @@ def main() -> None:
     ap.add_argument("--max-batch", type=int, default=32)
     ap.add_argument("--slots", type=int, default=256)
     ap.add_argument("--requests", type=int, default=20000)
+    ap.add_argument("--backlog", type=int, default=0,
+                    help="requests kept queued beyond each batch, as at saturation (slots - max_batch at most)")
     ap.add_argument("--profile", action="store_true", help="also a cProfile of the loop (own time, top 30)")
     ap.add_argument("--out", default=OUT_DIR, help="folder for the JSON (default: ./bench/out)")
     ap.add_argument("--quick", action="store_true", help="fewer requests")
@@ -138,7 +148,9 @@ def main() -> None:
     configure(level="warning")
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
-    hot = HotPath(args.max_batch, args.slots)
+    if not 0 <= args.backlog <= args.slots - args.max_batch:
+        ap.error(f"--backlog: 0 to --slots - --max-batch ({args.slots - args.max_batch}); a slot has one request out")
+    hot = HotPath(args.max_batch, args.slots, args.backlog)
     try:
         hot.run(min(args.requests, 2000))  # warm-up
         hot.ns, hot.acts = dict.fromkeys(STAGES, 0), 0
@@ -152,7 +164,7 @@ def main() -> None:
             "requests_per_cpu_s": round(1e6 / broker_us, 1),
             "untimed_us_per_request": round(cpu / done * 1e6 - broker_us, 2),
             "stages_us": {k: round(v / 1000 / done, 2) for k, v in hot.ns.items()},
-            "requests": done, "max_batch": args.max_batch, "slots": args.slots,
+            "requests": done, "max_batch": args.max_batch, "slots": args.slots, "backlog": args.backlog,
             "load_avg": [round(x, 2) for x in os.getloadavg()],
         }
         if args.profile:

@@ -9,9 +9,10 @@ request fails alone and the others of its batch are served.
 
 from __future__ import annotations
 
+import bisect
 import itertools
 from dataclasses import dataclass, field
-from typing import Any, Callable, Iterable
+from typing import Any, Callable, Iterable, Iterator
 
 from rlvla3 import protocol as P
 
@@ -60,13 +61,16 @@ class RequestQueue:
     """Pending requests, served in the order of an ordering function.
 
     The broker asks it on every OBS (how much this simulator holds), on every loop turn (the
-    oldest arrival) and per batch formed; so counts are kept as requests come and go, and only
-    forming batches sorts (``ordered``: the queue is small, and nearly sorted already).
+    oldest arrival) and per batch formed, with hundreds queued at saturation; so counts are kept
+    as requests come and go, and the order too: ``_order`` holds ``(key, seq)`` sorted. A push
+    whose key is not below the last appends (FIFO's every push but a re-queued one), others
+    insert in place; a batch taken from the front is one slice off it.
     """
 
     def __init__(self, key: Callable[[PendingRequest], Any]) -> None:
         self.key = key
-        self._items: dict[int, tuple[Any, PendingRequest]] = {}  # seq -> (key, request), in push order
+        self._items: dict[int, PendingRequest] = {}  # seq -> request, in push order
+        self._order: list[tuple[Any, int]] = []  # (key, seq) sorted: ties in push order
         self._seq = itertools.count()
         self._held: dict[bytes, list[int]] = {}  # simulator -> [requests, inline bytes] queued
         self.envs = 0
@@ -83,7 +87,13 @@ class RequestQueue:
         elif req.arrival < self._last_arrival:  # a re-queued request keeps its arrival
             self._in_order = False
         self._last_arrival = req.arrival
-        self._items[next(self._seq)] = (self.key(req), req)
+        seq = next(self._seq)
+        self._items[seq] = req
+        entry = (self.key(req), seq)
+        if not self._order or self._order[-1] < entry:
+            self._order.append(entry)
+        else:
+            bisect.insort(self._order, entry)
         self._count(req, 1)
 
     def _count(self, req: PendingRequest, sign: int) -> None:
@@ -107,22 +117,32 @@ class RequestQueue:
         if not self._items:
             return None
         if self._in_order:
-            return next(iter(self._items.values()))[1].arrival
-        return min(r.arrival for _, r in self._items.values())
+            return next(iter(self._items.values())).arrival
+        return min(r.arrival for r in self._items.values())
 
-    def ordered(self) -> Iterable[tuple[int, PendingRequest]]:
-        """Live entries in key order (ties: push order), as a sorted copy."""
-        for seq, (_, req) in sorted(self._items.items(), key=lambda e: (e[1][0], e[0])):
-            yield seq, req
+    def ordered(self) -> Iterator[tuple[int, PendingRequest]]:
+        """Live entries in key order (ties: push order). Take nothing while iterating."""
+        items = self._items
+        for _, seq in self._order:
+            yield seq, items[seq]
 
     def take(self, seqs: Iterable[int]) -> None:
+        taken = set()
         for seq in seqs:
-            entry = self._items.pop(seq, None)
-            if entry is not None:
-                self._count(entry[1], -1)
+            req = self._items.pop(seq, None)
+            if req is not None:
+                self._count(req, -1)
+                taken.add(seq)
+        if not taken:
+            return
+        order, k = self._order, len(taken)
+        if all(seq in taken for _, seq in order[:k]):  # the front: a batch taken in order
+            del order[:k]
+        else:
+            self._order = [e for e in order if e[1] not in taken]
 
     def remove_where(self, pred: Callable[[PendingRequest], bool]) -> list[PendingRequest]:
-        gone = [(seq, r) for seq, (_, r) in self._items.items() if pred(r)]
+        gone = [(seq, r) for seq, r in self._items.items() if pred(r)]
         self.take(seq for seq, _ in gone)
         return [r for _, r in gone]
 
@@ -157,13 +177,11 @@ def form_batches(
     if oldest is None or not any(g.free > 0 for g in generators):
         return out
     if not (force or queue.envs >= rule.max_batch or now - oldest >= rule.max_wait_s):
-        return out  # nothing is due: no need to sort
-    order = list(queue.ordered())  # sorted once; entries leave it as they are batched
+        return out  # nothing is due
     formed_for: dict[bytes, int] = {}  # batches formed here per generator, not yet in its inflight
-    while order:
-        oldest = min(r.arrival for _, r in order)
+    while len(queue):
         full = queue.envs >= rule.max_batch
-        if not (force or full or now - oldest >= rule.max_wait_s):
+        if not (force or full or now - queue.oldest_arrival() >= rule.max_wait_s):
             break
         busy = {g.identity: len(g.inflight) + formed_for.get(g.identity, 0) for g in generators}
         free = sorted((g for g in generators if g.free > formed_for.get(g.identity, 0) and (force or full or not busy[g.identity])),
@@ -172,7 +190,7 @@ def form_batches(
         for gen in free:
             picked: list[tuple[int, PendingRequest]] = []
             envs = 0
-            for seq, req in order:
+            for seq, req in queue.ordered():  # from the front: a batch costs its size, not the queue's
                 if req.attempts and picked:
                     continue  # a request whose batch failed is retried alone: a bad one fails alone
                 units = req.n if cost is None else cost(req)
@@ -192,9 +210,7 @@ def form_batches(
                     break
             if not picked:
                 continue
-            taken = {seq for seq, _ in picked}
-            queue.take(taken)
-            order = [e for e in order if e[0] not in taken]
+            queue.take(seq for seq, _ in picked)
             reqs = [r for _, r in picked]
             if rule.sticky:
                 for r in reqs:

@@ -3,6 +3,9 @@ sticky slots; the same rules observed on a live broker."""
 
 from __future__ import annotations
 
+import itertools
+import random
+
 import pytest
 
 from brokers.queue import BatchRule, GeneratorState, PendingRequest, RequestQueue, form_batches
@@ -112,6 +115,30 @@ def test_orderings(ordering, expected):
                  req(1, arrival=1.0, steps=[3, 0], version=1),
                  req(2, arrival=2.0, steps=[9, 9], version=2), ordering=ordering)
     assert [r.slot for _, r in q.ordered()] == expected
+
+
+@pytest.mark.parametrize("ordering", ["arrival", "episode_progress", "policy_version"])
+def test_kept_order_is_a_full_sort_through_pushes_and_takes(ordering):
+    # The queue keeps its order as requests come and go (appends, inserts, slices off the
+    # front, takes from the middle); it must always equal a sort of what is queued.
+    rng = random.Random(7)
+    key = get_ordering(ordering)
+    q, live, seqs = RequestQueue(key), {}, itertools.count()
+    for step in range(400):
+        if rng.random() < 0.6 or not live:
+            r = req(step, arrival=step if rng.random() < 0.8 else rng.uniform(0, step),  # some re-queued
+                    steps=[rng.randrange(5)] * 2, version=rng.randrange(3))
+            q.push(r)
+            live[next(seqs)] = r
+        else:
+            ordered = [seq for seq, _ in q.ordered()]
+            taken = ordered[:rng.randrange(1, 4)] if rng.random() < 0.5 else rng.sample(ordered, min(3, len(ordered)))
+            q.take(taken)
+            for seq in taken:
+                del live[seq]
+        expected = sorted(live, key=lambda s: (key(live[s]), s))
+        assert [seq for seq, _ in q.ordered()] == expected
+        assert len(q) == len(live) and q.envs == 2 * len(live)
 
 
 def test_custom_ordering_by_module_path():
