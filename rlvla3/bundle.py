@@ -11,7 +11,6 @@ from __future__ import annotations
 
 from typing import Any, Sequence
 
-import msgpack
 
 from rlvla3 import protocol as P
 
@@ -40,7 +39,7 @@ def bundle(messages: list[list[Any]]) -> list[tuple[int, list[Any]]]:
 def _bundled(run: list[list[Any]]) -> tuple[int, list[Any]]:
     if len(run) == 1:
         return 1, run[0]
-    header = msgpack.packb({"v": P.PROTOCOL_VERSION, "type": P.BUNDLE, "parts": [len(m) for m in run]})
+    header = P.pack_header({"v": P.PROTOCOL_VERSION, "type": P.BUNDLE, "parts": [len(m) for m in run]})
     return len(run), [header, *(f for m in run for f in m)]
 
 
