@@ -28,7 +28,7 @@ import zmq
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from rlvla3 import auth, names  # noqa: E402
+from rlvla3 import auth  # noqa: E402
 from rlvla3 import protocol as P  # noqa: E402
 from rlvla3.lifetime import follow_launcher  # noqa: E402
 from rlvla3.shm import host_id  # noqa: E402
@@ -74,14 +74,12 @@ def echo_generator(endpoint: str, credits: int, keys_dir: str | None) -> None:
             elif msg.type == P.DISCONNECT:
                 return
             elif msg.type == P.BATCH:
-                tensors = {}
-                for i, req in enumerate(msg["requests"]):
-                    n = req["n"]
-                    if n not in zeros:
-                        zeros[n] = np.zeros((n, *ACTION_SHAPE), np.float32)
-                    tensors[names.tensor_name(names.request_prefix(i), "actions")] = zeros[n]
+                n = sum(req["n"] for req in msg["requests"])  # stacked: the broker slices each request's
+                if n not in zeros:
+                    zeros[n] = np.zeros((n, *ACTION_SHAPE), np.float32)
                 sock.send_multipart(P.encode(P.RESULT, {"batch_id": msg["batch_id"], "version": 0, "forward_us": 0,
-                                                        "queue_us": msg.get("queue_us", [])}, tensors), copy=False)
+                                                        "queue_us": msg.get("queue_us", [])}, {"actions": zeros[n]}),
+                                    copy=False)
 
 
 def relay() -> None:

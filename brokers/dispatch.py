@@ -20,7 +20,7 @@ import structlog
 from brokers.adaptive import AdaptiveBatching, Bounds
 from brokers.admission import AdmissionController
 from brokers.ordering import get_ordering
-from brokers.outgoing import Out, ShmBridge
+from brokers.outgoing import Out, ShmBridge, error
 from brokers.queue import BatchRule, GeneratorState, PendingRequest, RequestQueue, form_batches
 from brokers.registry import Registry, Worker
 from brokers.stats import BrokerStats
@@ -226,29 +226,37 @@ class Dispatcher:
         w.info["version"] = msg["version"]
         if msg.get("error"):
             return self._failed(batch_id, batch, w.name, str(msg["error"])[:300])
+        h = msg.header  # validated: ints are ints
+        dropped = set(h.get("dropped") or ())  # requests the generator could not read
+        served = sum(r.n for i, r in enumerate(batch.requests) if i not in dropped)
+        wrong = [f"{name} {list(t.shape)}" for name, t in msg.tensors.items() if not t.shape or t.shape[0] != served]
+        if wrong:  # not this batch's outputs: served again, as after a failed forward pass
+            self.stats.errors += 1
+            reason = f"RESULT tensors must have one row per served env ({served}): {', '.join(wrong)[:200]}"
+            return self._failed(batch_id, batch, w.name, reason) + [error(w.identity, P.E_TENSOR, reason, P.RESULT)]
         self.stats.record("generate_us", [int((now - batch.sent_at) * 1e6)])
         if self.adaptive is not None:
             self.adaptive.on_result(sum(r.n for r in batch.requests), now - batch.sent_at)
         self.admission.on_settled(batch.requests)
-        h = msg.header  # validated: ints are ints
-        per_request = names.by_request(msg.tensors)
         queue_us = h.get("queue_us") or []
-        dropped = set(h.get("dropped") or ())  # requests the generator could not read
         out = []
         version, forward_us, live, answers = h["version"], h.get("forward_us", 0), self.registry.workers, self.answers
+        slicers, start = [(name, P.row_slicer(t)) for name, t in msg.tensors.items()], 0
         for i, req in enumerate(batch.requests):
             if i in dropped:
                 self.stats.requests_unreadable += 1
+                if req.sim in live:  # alone: the slot restarts its episodes and asks again
+                    out.append(self._answered(req, Out(req.sim, P.ACT, {
+                        "slot": req.slot, "req_id": req.req_id, "version": -1,
+                        "error": "the generator could not read this request's observation (its shared memory is gone?)"})))
+                continue
+            first, start = start, start + req.n
             if req.sim not in live:
                 continue  # its simulator left; nothing to deliver
-            if i in dropped:  # alone: the slot restarts its episodes and asks again
-                out.append(self._answered(req, Out(req.sim, P.ACT, {
-                    "slot": req.slot, "req_id": req.req_id, "version": -1,
-                    "error": "the generator could not read this request's observation (its shared memory is gone?)"})))
-                continue
             fields = {"slot": req.slot, "req_id": req.req_id, "version": version,
                       "queue_us": queue_us[i] if i < len(queue_us) else 0, "forward_us": forward_us}
-            act = answers[(req.sim, req.slot)] = Out(req.sim, P.ACT, fields, per_request.get(i, {}))
+            act = answers[(req.sim, req.slot)] = Out(req.sim, P.ACT, fields,
+                                                     {name: rows(first, req.n) for name, rows in slicers})
             out.append(act)  # (self._answered, inlined)
         return out
 

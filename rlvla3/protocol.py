@@ -22,7 +22,8 @@ Message types and who sends them (``->B`` = to the broker, ``B->`` = from the br
                           tensors are sent once and named by that number after (``brokers.state``)
     ACT         B-> sim   actions, log-probs, values, replay for one OBS request
     BATCH       B-> gen   several OBS requests batched for one forward pass
-    RESULT      gen ->B   the outputs of one BATCH, per request
+    RESULT      gen ->B   the outputs of one BATCH, stacked: each tensor's rows are the served
+                          requests' envs in batch order; the broker slices each request's (``row_slicer``)
     TRAJ        sim ->B, B-> trainer   a finished trajectory fragment
     TRAJ_ACK    trainer ->B, B-> sim   trajectories taken (the sim may free their buffers)
     WEIGHTS     trainer ->B, B-> gen (PUB, snapshot reply)   a version's announcement (manifest,
@@ -47,7 +48,7 @@ from __future__ import annotations
 import math
 import threading
 from dataclasses import dataclass, field
-from typing import Any, Sequence
+from typing import Any, Callable, Sequence
 
 import msgpack
 import numpy as np
@@ -233,7 +234,7 @@ class ShmRef:
         return [name, self.dtype, self.shape, "shm", self.seg, self.offset, self.nbytes, self.host]
 
 
-@dataclass
+@dataclass(slots=True)
 class InlineTensor:
     """A tensor whose bytes arrived as a frame (a zero-copy buffer of the received message)."""
 
@@ -244,6 +245,19 @@ class InlineTensor:
     @property
     def nbytes(self) -> int:
         return math.prod(self.shape) * _itemsize(self.dtype)
+
+
+def row_slicer(t: InlineTensor | ShmRef) -> Callable[[int, int], InlineTensor | ShmRef]:
+    """For a tensor stacked along its first axis, ``rows(start, count)``: those rows without a
+    copy (a view of the frame, or a reference further into the segment). Made once per tensor,
+    called once per request: what a RESULT's slicing costs per request is one small object."""
+    row = t.nbytes // t.shape[0] if t.shape[0] else 0
+    dtype, tail = t.dtype, tuple(t.shape[1:])
+    if type(t) is ShmRef:
+        seg, offset, host = t.seg, t.offset, t.host
+        return lambda start, count: ShmRef(seg, offset + start * row, count * row, dtype, (count, *tail), host)
+    buf = memoryview(t.buffer)
+    return lambda start, count: InlineTensor(dtype, (count, *tail), buf[start * row:(start + count) * row])
 
 
 _ITEMSIZE = {d: 2 if d == "bfloat16" else np.dtype(d).itemsize for d in DTYPES}

@@ -82,14 +82,15 @@ class Script:
         return req_id
 
     def result(self, batch: Out, version: int = 0, error: str | None = None) -> list[Out]:
-        """The generator answers ``batch`` (an Out of type BATCH) with one action per env."""
+        """The generator answers ``batch`` (an Out of type BATCH) with one action per env, stacked
+        (each row holds its request's ``req_id``)."""
         fields: dict[str, Any] = {"batch_id": batch.fields["batch_id"], "version": version}
         tensors = {}
         if error is not None:
             fields["error"] = error
         else:
-            for i, r in enumerate(batch.fields["requests"]):
-                tensors[f"r{i}/action"] = np.full((r["n"], 4), r["req_id"], dtype=np.float32)
+            ids = [r["req_id"] for r in batch.fields["requests"] for _ in range(r["n"])]
+            tensors["action"] = np.repeat(np.asarray(ids, np.float32)[:, None], 4, axis=1)
         return self.send(batch.to, P.RESULT, fields, tensors)
 
     def traj(self, sim: bytes, traj_id: int, steps: int, slot: int = 0, **fields: Any) -> list[Out]:

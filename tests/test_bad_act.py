@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import numpy as np
 
-from rlvla3 import names
 from rlvla3 import protocol as P
 from tests.jobs import join_as_generator, next_batch
 
@@ -25,8 +24,7 @@ def test_a_bad_act_restarts_the_slot_which_asks_again(job_factory, zctx):
             n = req["n"]
             outputs = {"actions": np.zeros((n, 3), np.float32),  # 2-D: no chunk axis
                        "logprob": np.zeros((n, 1), np.float32), "value": np.zeros(n, np.float32)}
-            gen.send_multipart(P.encode(P.RESULT, {"batch_id": batch["batch_id"], "version": 0},
-                                        names.with_prefix(names.request_prefix(0), outputs)))
+            gen.send_multipart(P.encode(P.RESULT, {"batch_id": batch["batch_id"], "version": 0}, outputs))
         again = next_batch(gen)  # the slot recovered each time and asks once more
         seen.append(again["requests"][0]["req_id"])
         assert again["requests"][0]["slot"] == req["slot"] and len(set(seen)) == 3, seen

@@ -241,7 +241,7 @@ def test_a_full_trainer_group_is_refused_and_status_answers_anyone():
 def test_a_result_is_taken_only_from_the_generator_its_batch_went_to():
     s, batch = one_batch_out()
     [err] = s.send(GEN2, P.RESULT, {"batch_id": batch.fields["batch_id"], "version": 0},
-                   {"r0/action": np.zeros((2, 4), np.float32)})
+                   {"action": np.zeros((2, 4), np.float32)})
     assert err.type == P.ERROR and err.fields["code"] == P.E_STATE and "another generator" in err.fields["reason"]
     assert [a.fields["req_id"] for a in s.result(batch)] == [1]  # still out, and served once
 
@@ -331,11 +331,45 @@ def _two_simulators_one_batch(max_batch: int) -> tuple[Script, Out]:
     return s, batch
 
 
+def test_a_stacked_result_is_sliced_into_each_requests_rows():
+    # RESULT carries the batch's outputs stacked, the served requests' envs in batch order; a
+    # request the generator could not read has no rows. Each ACT gets exactly its own rows.
+    s = Script("batching.max_batch=8")
+    s.simulator(SIM, slots=4, num_envs=8)
+    s.generator(GEN, credits=1)
+    for slot, n in enumerate((1, 3, 2, 2)):
+        s.obs(SIM, slot, n=n)
+    [batch] = of_type(s.tick(1.0), P.BATCH, GEN)
+    assert [r["n"] for r in batch.fields["requests"]] == [1, 3, 2, 2]
+    rows = np.arange(1 + 2 + 2, dtype=np.float32)  # request 1 (3 envs) dropped: 5 rows
+    outs = s.send(GEN, P.RESULT, {"batch_id": batch.fields["batch_id"], "version": 0, "dropped": [1]},
+                  {"action": np.stack([rows, -rows], axis=1), "value": rows})
+    acts = {a.fields["slot"]: a for a in of_type(outs, P.ACT)}
+    assert "error" in acts[1].fields and not acts[1].tensors
+    got = {slot: P.inline_array(P.decode(a.encode()).tensors["action"]) for slot, a in acts.items() if slot != 1}
+    assert {slot: a.tolist() for slot, a in got.items()} == {
+        0: [[0, 0]], 2: [[1, -1], [2, -2]], 3: [[3, -3], [4, -4]]}
+    assert P.inline_array(P.decode(acts[3].encode()).tensors["value"]).tolist() == [3, 4]
+
+
+def test_a_result_without_a_row_per_served_env_is_refused_and_its_batch_served_again():
+    s, batch = _two_simulators_one_batch(max_batch=4)
+    outs = s.send(GEN, P.RESULT, {"batch_id": batch.fields["batch_id"], "version": 0},
+                  {"action": np.zeros((3, 4), np.float32)})  # 4 envs served, 3 rows
+    [err] = outs
+    assert err.type == P.ERROR and err.to == GEN and err.fields["code"] == P.E_TENSOR and "(4)" in err.fields["reason"]
+    again = of_type(s.tick(1.0), P.BATCH, GEN)  # each alone now: a bad one fails alone
+    assert [served(b) for b in again] == [served(batch)[:1]]
+    assert [a.to for a in s.result(again[0])] == [SIM]
+    [last] = of_type(s.tick(1.0), P.BATCH, GEN)
+    assert served(last) == served(batch)[1:] and [a.to for a in s.result(last)] == [SIM2]
+
+
 def test_a_request_the_generator_cannot_read_fails_alone_and_a_gone_simulators_is_never_requeued():
     s, batch = _two_simulators_one_batch(max_batch=4)
     first, second = batch.fields["requests"]
     outs = s.send(GEN, P.RESULT, {"batch_id": batch.fields["batch_id"], "version": 0, "dropped": [0]},
-                  {"r1/action": np.zeros((2, 4), np.float32)})
+                  {"action": np.zeros((2, 4), np.float32)})
     by_sim = {o.to: o for o in of_type(outs, P.ACT)}
     assert "could not read" in by_sim[SIM].fields["error"] and by_sim[SIM].fields["req_id"] == first["req_id"]
     assert "error" not in by_sim[SIM2].fields and set(by_sim[SIM2].tensors) == {"action"}

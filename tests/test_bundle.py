@@ -117,7 +117,7 @@ def test_a_live_broker_serves_a_bundle_part_by_part_and_bundles_its_answers(job_
     assert P.BUNDLE in sim.types_received(), "the two ERRORs came singly"
     batch = gen.next(lambda m: m.type == P.BATCH)
     assert [r["slot"] for r in batch["requests"]] == [0, 2]
-    tensors = {f"r{i}/actions": np.full((1, 1, 7), r["slot"], np.float32) for i, r in enumerate(batch["requests"])}
+    tensors = {"actions": np.array([np.full((1, 7), r["slot"]) for r in batch["requests"]], np.float32)}
     gen.send(P.encode(P.RESULT, {"batch_id": batch["batch_id"], "version": 0}, tensors))
     sim.received = []
     acts = {}
@@ -144,7 +144,7 @@ def test_a_peer_that_never_said_bundles_gets_every_message_alone(job_factory, zc
     sim.send(_obs(1))
     batch = gen.next(lambda m: m.type == P.BATCH)
     assert len(batch["requests"]) == 2
-    tensors = {f"r{i}/actions": np.zeros((1, 1, 7), np.float32) for i in range(2)}
+    tensors = {"actions": np.zeros((2, 1, 7), np.float32)}
     gen.send(P.encode(P.RESULT, {"batch_id": batch["batch_id"], "version": 0}, tensors))
     sim.received = []
     acts = []

@@ -9,19 +9,15 @@ from __future__ import annotations
 import numpy as np
 import zmq
 
-from rlvla3 import names
 from rlvla3 import protocol as P
 from tests.jobs import join_as_generator, next_batch, wait_until
 
 
 
 def _answer(sock: zmq.Socket, batch: P.Message) -> None:
-    outputs = {}
-    for i, req in enumerate(batch["requests"]):
-        n = req["n"]
-        outputs.update(names.with_prefix(names.request_prefix(i), {
-            "actions": np.zeros((n, 1, 2), np.float32), "logprob": np.zeros((n, 1), np.float32),
-            "value": np.zeros(n, np.float32)}))
+    n = sum(req["n"] for req in batch["requests"])
+    outputs = {"actions": np.zeros((n, 1, 2), np.float32), "logprob": np.zeros((n, 1), np.float32),
+               "value": np.zeros(n, np.float32)}
     sock.send_multipart(P.encode(P.RESULT, {"batch_id": batch["batch_id"], "version": 0}, outputs))
 
 

@@ -68,8 +68,8 @@ def test_one_request_stays_a_view_of_shared_memory(pool):
     refs = shm_request(pool, obs)
     att = ShmAttachments()
     try:
-        got, sizes, det, _ = gather(batch_message([(obs, refs)]), att)
-        assert sizes == [3] and det.tolist() == [False] * 3 and got.instruction == obs.instruction
+        got, det, _ = gather(batch_message([(obs, refs)]), att)
+        assert len(got) == 3 and det.tolist() == [False] * 3 and got.instruction == obs.instruction
         for name, arr in got.to_tensors().items():
             assert np.shares_memory(arr, att.array(refs[name])), f"{name} was copied"
         # The owner rewrites its block: a view sees the new bytes.
@@ -92,7 +92,7 @@ def test_gathering_several_requests_costs_exactly_one_copy(pool):
             before = tracemalloc.take_snapshot()
             tracemalloc.reset_peak()
             base, _ = tracemalloc.get_traced_memory()
-            got, sizes, det, _ = gather(msg, att)
+            got, det, _ = gather(msg, att)
             _, peak = tracemalloc.get_traced_memory()
             after = tracemalloc.take_snapshot()
         finally:
@@ -106,7 +106,7 @@ def test_gathering_several_requests_costs_exactly_one_copy(pool):
         assert large(after) - large(before) == Counter(field_bytes.values())
         assert peak - base < sum(field_bytes.values()) * 1.1, (peak - base, field_bytes)
 
-        assert sizes == [4, 4, 4] and det.tolist() == [False] * 4 + [True] * 4 + [False] * 4
+        assert len(got) == 12 and det.tolist() == [False] * 4 + [True] * 4 + [False] * 4
         assert got.instruction == [s for o in parts for s in o.instruction]
         tensors = got.to_tensors()
         assert set(tensors) == set(field_bytes)
@@ -123,7 +123,7 @@ def test_gathering_several_requests_costs_exactly_one_copy(pool):
 
 def test_inline_request_wraps_the_received_frames():
     obs = make_obs(2, seed=5)
-    got, _, _, _ = gather(batch_message([(obs, obs.to_tensors())]), ShmAttachments())
+    got, _, _ = gather(batch_message([(obs, obs.to_tensors())]), ShmAttachments())
     for name, arr in got.to_tensors().items():
         assert not arr.flags.owndata and not arr.flags.writeable, f"{name} was copied out of its frame"
         np.testing.assert_array_equal(arr, obs.to_tensors()[name])
@@ -140,14 +140,14 @@ def test_gather_leaves_out_a_request_it_cannot_read_and_serves_the_rest(pool):
     past_end[STATE] = P.ShmRef(pool.name, pool.shm.size - 8, 3 * STATE_DIM * 4, "float32", (3, STATE_DIM), pool.host)
     att = ShmAttachments()
     try:
-        got, sizes, det, dropped = gather(batch_message([(obs, bad), (obs, gone), (good, shm_request(pool, good)),
+        got, det, dropped = gather(batch_message([(obs, bad), (obs, gone), (good, shm_request(pool, good)),
                                                          (obs, {}), (obs, past_end)]), att)
-        assert sizes == [0, 0, 2, 0, 0] and sorted(dropped) == [0, 1, 3, 4] and len(det) == 2
+        assert len(got) == 2 and sorted(dropped) == [0, 1, 3, 4] and len(det) == 2
         assert "state of shape" in dropped[0] and "is gone" in dropped[1] and "no tensor 'state'" in dropped[3]
         assert "beyond segment size" in dropped[4]
         np.testing.assert_array_equal(got.state, good.state)
-        none, sizes, _, dropped = gather(batch_message([(obs, gone)]), att)
-        assert none is None and sizes == [0] and list(dropped) == [0]
+        none, _, dropped = gather(batch_message([(obs, gone)]), att)
+        assert none is None and list(dropped) == [0]
     finally:
         att.close()
     with pytest.raises(ValueError, match="not a list of strings"):
@@ -233,8 +233,7 @@ def test_simulator_writes_in_place_but_never_the_block_a_reader_holds(job_factor
             n = batch["requests"][0]["n"]
             outputs = {"actions": np.ones((n, 1, 2), np.float32), "logprob": np.zeros((n, 1), np.float32),
                        "value": np.zeros(n, np.float32)}
-            gen.send_multipart(P.encode(P.RESULT, {"batch_id": batch["batch_id"], "version": 0},
-                                        names.with_prefix(names.request_prefix(0), outputs)))
+            gen.send_multipart(P.encode(P.RESULT, {"batch_id": batch["batch_id"], "version": 0}, outputs))
     finally:
         att.close()
         gen.close()

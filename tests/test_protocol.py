@@ -382,3 +382,14 @@ def test_obs_naming_an_unknown_shm_host_is_answered(joined):
     wait_until(lambda: job.broker_proc.poll() is not None or job.fig()["queue_depth"] == 0, 10, "the request to leave the queue")
     _still_serves(peers[None])
     assert job.broker_proc.poll() is None
+
+
+def test_rows_of_a_stacked_tensor_are_views_not_copies():
+    stacked = np.arange(12, dtype=np.float32).reshape(6, 2)
+    inline = P.decode(P.encode(P.RESULT, {"batch_id": 1, "version": 0}, {"a": stacked})).tensors["a"]
+    part = P.row_slicer(inline)(2, 3)
+    assert part.shape == (3, 2) and P.inline_array(part).tolist() == stacked[2:5].tolist()
+    ref = P.ShmRef(P.SHM_PREFIX + "x", 4096, 48, "float32", (6, 2), "h")
+    sliced = P.row_slicer(ref)(4, 2)
+    assert (sliced.offset, sliced.nbytes, sliced.shape, sliced.seg) == (4096 + 32, 16, (2, 2), ref.seg)
+    assert P.row_slicer(ref)(6, 0).nbytes == 0

@@ -45,9 +45,9 @@ INLINE_FORWARD_S = 0.005
 
 
 def gather(msg: P.Message, attach: ShmAttachments, pinned: bool = False
-           ) -> tuple[Observation | None, list[int], np.ndarray, dict[int, str]]:
-    """A BATCH's readable requests as one observation, each request's size (0 for one left out)
-    and deterministic flags, and the requests left out with why (``None``: none was readable).
+           ) -> tuple[Observation | None, np.ndarray, dict[int, str]]:
+    """A BATCH's readable requests as one observation, their envs' deterministic flags, and the
+    requests left out with why (``None``: none was readable).
 
     A request that cannot be read (its shared memory is gone with its simulator, tensors that
     disagree with ``n``) is left out alone: the rest of the batch is served.
@@ -58,7 +58,7 @@ def gather(msg: P.Message, attach: ShmAttachments, pinned: bool = False
     must. ``pinned`` (a CUDA policy): that one copy goes into pinned host memory, also for one
     request, and the policy's host-to-device copy is the only other.
     """
-    parts, sizes, det, dropped = [], [], [], {}
+    parts, det, dropped = [], [], {}
     per_request = names.by_request(msg.tensors)
     for i, req in enumerate(msg["requests"]):
         n = int(req["n"])
@@ -69,13 +69,11 @@ def gather(msg: P.Message, attach: ShmAttachments, pinned: bool = False
                 raise ValueError(f"request {i}: {len(obs)} observation(s), n={n}")
         except (KeyError, ValueError) as err:  # ProtocolError is a ValueError
             dropped[i] = str(err)[:300]
-            sizes.append(0)
             continue
         parts.append(obs)
-        sizes.append(n)
         flags = list(req.get("deterministic") or [])
         det.extend(bool(flags[j]) if j < len(flags) else False for j in range(n))
-    return (Observation.concat(parts, pinned=pinned) if parts else None), sizes, np.asarray(det, dtype=bool), dropped
+    return (Observation.concat(parts, pinned=pinned) if parts else None), np.asarray(det, dtype=bool), dropped
 
 
 def pub_address(pub: str, broker_url: str) -> str:
@@ -230,7 +228,7 @@ class GeneratorWorker(WorkerBase):
             # Gather now, even while a forward pass runs: the next batch is ready the moment
             # the current one finishes (its slots do not rewrite their observations before ACT).
             try:
-                obs, sizes, det, dropped = gather(msg, self.attach, pinned=self.policy.device.type == "cuda")
+                obs, det, dropped = gather(msg, self.attach, pinned=self.policy.device.type == "cuda")
             except (KeyError, ValueError) as err:  # requests that cannot be batched together
                 log.error("batch_unreadable", batch_id=msg["batch_id"], error=str(err))
                 self.send(P.RESULT, {"batch_id": msg["batch_id"], "version": self.version, "error": str(err)})
@@ -240,7 +238,7 @@ class GeneratorWorker(WorkerBase):
             if obs is None:
                 self.send(P.RESULT, {"batch_id": msg["batch_id"], "version": self.version, "dropped": sorted(dropped)})
                 return
-            self.batches.append((msg["batch_id"], obs, sizes, det, msg.get("queue_us"), sorted(dropped)))
+            self.batches.append((msg["batch_id"], obs, det, msg.get("queue_us"), sorted(dropped)))
             self._next_batch()
 
     def _next_batch(self) -> None:
@@ -248,10 +246,10 @@ class GeneratorWorker(WorkerBase):
             return
         if self._weights_waiting():
             self._swap_weights()
-        batch_id, obs, sizes, det, queue_us, dropped = self.batches.popleft()
+        batch_id, obs, det, queue_us, dropped = self.batches.popleft()
         self.busy = True
         version = self.version
-        tag = (batch_id, sizes, version, queue_us, dropped)
+        tag = (batch_id, version, queue_us, dropped)
         if self.forward_ema_s < INLINE_FORWARD_S:
             # A short forward pass costs less than two thread hand-offs: run it right here
             # (heartbeats only need to go out once a second).
@@ -296,7 +294,7 @@ class GeneratorWorker(WorkerBase):
                 self._maybe_serve()
             self._fetch_next()
             return
-        batch_id, sizes, version, queue_us, dropped = tag
+        batch_id, version, queue_us, dropped = tag
         self.busy = False
         if self._weights_waiting():
             self._swap_weights()  # between batches, never during one
@@ -309,14 +307,10 @@ class GeneratorWorker(WorkerBase):
         else:
             res, secs = result
             self.forward_ema_s = secs if self.served == 0 else 0.8 * self.forward_ema_s + 0.2 * secs
-            tensors: dict[str, Any] = {}
-            start = 0
-            for i, n in enumerate(sizes):
-                if n:  # 0: a request left out (unreadable)
-                    tensors.update(names.with_prefix(names.request_prefix(i), {name: arr[start:start + n] for name, arr in res.items()}))
-                start += n
+            # Stacked as the forward pass left them: the served requests' envs in batch order
+            # (the broker slices each request's rows).
             fields = {"batch_id": batch_id, "version": version, "forward_us": int(secs * 1e6), "queue_us": queue_us}
-            self.send(P.RESULT, dict(fields, dropped=dropped) if dropped else fields, tensors)
+            self.send(P.RESULT, dict(fields, dropped=dropped) if dropped else fields, res)
             self.served += 1
         if not threaded:
             self._next_batch()
