@@ -92,7 +92,7 @@ def receiver(device_opt: str) -> None:
             t0 = time.perf_counter_ns()
             msg = P.decode(body)
             t1 = time.perf_counter_ns()
-            obs, _, _, _ = gather(msg, att, pinned=device == "cuda")
+            obs, _, _ = gather(msg, att, pinned=device == "cuda")
             t2 = time.perf_counter_ns()
             ready = obs.to_torch(device)
             if device == "cuda":
