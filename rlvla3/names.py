@@ -3,7 +3,7 @@
 A tensor name is parts joined by "/". The prefixes in use:
 
     images/<camera>, state               an observation (OBS; see rlvla3.observation)
-    r<i>/<name>                          request i of a BATCH or RESULT
+    r<i>/<name>                          request i of a BATCH (a RESULT is stacked: no prefix)
     replay/<key>                         the policy's replay data (RESULT, ACT, TRAJ)
     obs/images/<camera>, obs/state       a fragment's observations (TRAJ)
 """
@@ -47,7 +47,7 @@ def request_prefix(index: int) -> str:
 
 
 def by_request(tensors: dict[str, Any]) -> dict[int, dict[str, Any]]:
-    """Group BATCH/RESULT tensors named ``r<index>/<name>`` by request index, in one pass."""
+    """Group BATCH tensors named ``r<index>/<name>`` by request index, in one pass."""
     out: dict[int, dict[str, Any]] = {}
     for key, value in tensors.items():
         head, sep, name = key.partition(NAME_SEP)
