@@ -11,7 +11,6 @@ from __future__ import annotations
 
 from typing import Any, Sequence
 
-
 from rlvla3 import protocol as P
 
 
