@@ -22,6 +22,7 @@ import os
 import sys
 import time
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 import zmq
@@ -47,6 +48,16 @@ def _socket(ctx: zmq.Context, kind: int) -> zmq.Socket:
     return sock
 
 
+def echo_result(batch: P.Message, zeros: dict[int, np.ndarray]) -> list[Any]:
+    """The echo's RESULT to ``batch``: zero actions for its envs, stacked as a generator sends
+    them (the broker slices each request's rows). ``zeros`` keeps one array per batch size."""
+    n = sum(req["n"] for req in batch["requests"])
+    if n not in zeros:
+        zeros[n] = np.zeros((n, *ACTION_SHAPE), np.float32)
+    return P.encode(P.RESULT, {"batch_id": batch["batch_id"], "version": 0, "forward_us": 0,
+                               "queue_us": batch.get("queue_us", [])}, {"actions": zeros[n]})
+
+
 def echo_generator(endpoint: str, credits: int, keys_dir: str | None) -> None:
     """Join ``endpoint`` as a generator and answer every BATCH with zero actions."""
     ctx = zmq.Context()
@@ -56,7 +67,7 @@ def echo_generator(endpoint: str, credits: int, keys_dir: str | None) -> None:
     beat = P.encode(P.HEARTBEAT, {"credits": credits, "version": 0})
     sock.send_multipart(P.encode(P.READY, {"role": "generator", "host": host_id(), "pid": os.getpid(),
                                            "name": "echo-generator", "credits": credits}))
-    zeros: dict[int, np.ndarray] = {}  # n -> zero actions for a request of n envs
+    zeros: dict[int, np.ndarray] = {}  # envs in a batch -> its zero actions
     announced = False
     last_beat = time.monotonic()
     while True:
@@ -74,12 +85,7 @@ def echo_generator(endpoint: str, credits: int, keys_dir: str | None) -> None:
             elif msg.type == P.DISCONNECT:
                 return
             elif msg.type == P.BATCH:
-                n = sum(req["n"] for req in msg["requests"])  # stacked: the broker slices each request's
-                if n not in zeros:
-                    zeros[n] = np.zeros((n, *ACTION_SHAPE), np.float32)
-                sock.send_multipart(P.encode(P.RESULT, {"batch_id": msg["batch_id"], "version": 0, "forward_us": 0,
-                                                        "queue_us": msg.get("queue_us", [])}, {"actions": zeros[n]}),
-                                    copy=False)
+                sock.send_multipart(echo_result(msg, zeros), copy=False)
 
 
 def relay() -> None:

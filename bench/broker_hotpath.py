@@ -41,6 +41,7 @@ import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from _common import OUT_DIR, emit  # noqa: E402
+from _echo import echo_result  # noqa: E402
 
 from brokers.state import BrokerState  # noqa: E402
 from rlvla3 import names  # noqa: E402
@@ -83,12 +84,7 @@ class HotPath:
 
     def result_frames(self, batch: P.Message) -> list[Any]:
         """The echo generator's answer (not timed: the generator's own cost)."""
-        envs = sum(r["n"] for r in batch["requests"])
-        if envs not in self.zeros:
-            self.zeros[envs] = np.zeros((envs, 1, 7), np.float32)
-        tensors = {"actions": self.zeros[envs]}
-        return P.encode(P.RESULT, {"batch_id": batch["batch_id"], "version": 0, "forward_us": 0,
-                                   "queue_us": batch.get("queue_us", [])}, tensors)
+        return echo_result(batch, self.zeros)
 
     def next_obs(self) -> list[Any]:
         """The next slot's OBS, encoded as a simulator worker sends it: the slot's first carries its

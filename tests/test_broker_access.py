@@ -10,6 +10,7 @@ import numpy as np
 import pytest
 from structlog.testing import capture_logs
 
+from brokers.state import BLOCK_BYTES
 from rlvla3 import protocol as P
 from tests.brokerscript import HOST, Script, announcement, of_type
 
@@ -209,12 +210,9 @@ def test_a_slot_block_is_named_only_after_its_own_simulator_sent_it_and_stays_wi
     assert sorted(s.state.registry.get(SIM).blocks) == [0, 1, 2, 3] and not s.state.registry.get(EVE).blocks
 
 
-
 def test_slot_blocks_count_against_the_peers_byte_cap():
     """A simulator that claims many slots cannot grow the broker's block table past its
     ``broker.max_peer_bytes`` (each block counts ``BLOCK_BYTES``)."""
-    from brokers.state import BLOCK_BYTES
-
     s = Script(f"broker.max_peer_bytes={3 * BLOCK_BYTES}", "broker.max_peer_requests=100")
     s.simulator(SIM, slots=60000)
     ref = P.ShmRef("rlvla3_run_1_1", 64, 4, "uint8", (2, 2), HOST)
