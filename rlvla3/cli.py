@@ -423,7 +423,7 @@ def sft(config: str | None, out: str, episodes: int, epochs: int, lr: float, dem
 @click.option("--out", "out_dir", required=True, type=click.Path(file_okay=False), help="Folder to write (created).")
 def export(run_dir: str, fmt: str, out_dir: str) -> None:
     """Write RUN_DIR's trained policy (its latest checkpoint) in the family's own format."""
-    from workers.release.export import export_run
+    from workers.export import export_run
 
     try:
         summary = export_run(run_dir, fmt, out_dir)

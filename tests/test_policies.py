@@ -18,6 +18,7 @@ import yaml
 from rlvla3.observation import Observation
 from workers.envs.base import EnvSpec
 from workers.policies.base import make_policy
+from workers.release.layouts import load_release, save_release
 
 ROOT = Path(__file__).resolve().parents[1]
 SPEC = EnvSpec(cameras={"front": (48, 64), "wrist": (40, 40)}, state_dim=8, action_dim=7, max_episode_steps=50)
@@ -140,8 +141,8 @@ def test_state_dict_round_trip(case):
 def test_from_pretrained_round_trip_and_missing(case, tmp_path):
     family, _, _, policy = case
     cls = type(policy)
-    policy.save_pretrained(str(tmp_path / "ck"))
-    loaded = cls.from_pretrained(str(tmp_path / "ck"), SPEC, device="cpu", dtype="float32")
+    save_release(policy, str(tmp_path / "ck"))
+    loaded = load_release(str(tmp_path / "ck"), cls.family, SPEC, dict(device="cpu", dtype="float32"))
     obs = make_obs(2, seed=6)
     assert torch.equal(act(loaded, obs, True).actions, act(policy, obs, True).actions)
 
@@ -149,7 +150,7 @@ def test_from_pretrained_round_trip_and_missing(case, tmp_path):
     os.remove(tmp_path / "ck" / "tokenizer.json")
     os.remove(tmp_path / "ck" / "model.safetensors")
     with pytest.raises(FileNotFoundError) as err:
-        cls.from_pretrained(str(tmp_path / "ck"), SPEC, device="cpu")
+        load_release(str(tmp_path / "ck"), cls.family, SPEC, dict(device="cpu"))
     assert "tokenizer.json" in str(err.value) and "model.safetensors" in str(err.value)
 
 
@@ -158,13 +159,13 @@ def test_from_pretrained_names_missing_parameters(case, tmp_path):
 
     _, _, _, policy = case
     ck = tmp_path / "ck"
-    policy.save_pretrained(str(ck))
+    save_release(policy, str(ck))
     sd = load_file(ck / "model.safetensors")
     victim = sorted(k for k in sd if "value_head" not in k and "noise_head" not in k and "action_queries" not in k)[0]
     del sd[victim]
     save_file(sd, ck / "model.safetensors")
     with pytest.raises(ValueError, match="missing parameters"):
-        type(policy).from_pretrained(str(ck), SPEC, device="cpu")
+        load_release(str(ck), policy.family, SPEC, dict(device="cpu"))
 
 
 def test_every_family_registered():
@@ -183,7 +184,7 @@ def test_pi0_loads_a_plain_transformers_release(tmp_path):
 
     policy = build("pi0", "pi0_tiny.yaml", {})
     ck = tmp_path / "release"
-    policy.save_pretrained(str(ck))
+    save_release(policy, str(ck))
     for extra in ("rlvla3.json", "rlvla3_rl_heads.safetensors"):
         os.remove(ck / extra)
     cfg = json.loads((ck / "config.json").read_text())
@@ -191,6 +192,6 @@ def test_pi0_loads_a_plain_transformers_release(tmp_path):
     (ck / "config.json").write_text(json.dumps(cfg))
     sd = load_file(ck / "model.safetensors")
     assert any(k.startswith("paligemma_with_expert.") for k in sd)  # released names on disk
-    loaded = type(policy).from_pretrained(str(ck), SPEC, device="cpu", dtype="float32")
+    loaded = load_release(str(ck), policy.family, SPEC, dict(device="cpu", dtype="float32"))
     assert loaded.chunk_size == 3
     assert act(loaded, make_obs(2), True).actions.shape == (2, 3, SPEC.action_dim)

@@ -24,6 +24,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).parent))
 from test_policies import SPEC, act, build, make_obs  # noqa: E402
 
+from workers.release.layouts import load_release, save_release  # noqa: E402
 from workers.release.lerobot_pi import GEMMA_VARIANTS  # noqa: E402
 
 TINY_GEMMA = dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=8, num_key_value_heads=1, head_dim=16)
@@ -150,7 +151,7 @@ def test_lerobot_release_loads_through_model_checkpoint(family, tmp_path):
 def test_transformers_pi0_written_by_upstream_save_pretrained_loads(tmp_path):
     from transformers import PI0ForConditionalGeneration
 
-    from workers.policies.pi0 import Pi0Policy, build_pi0_config
+    from workers.policies.pi0 import build_pi0_config
     from workers.policies.vla_common import char_tokenizer
 
     torch.manual_seed(3)
@@ -159,7 +160,7 @@ def test_transformers_pi0_written_by_upstream_save_pretrained_loads(tmp_path):
     char_tokenizer().save_pretrained(str(tmp_path / "tf"))
     on_disk = json.loads((tmp_path / "tf" / "config.json").read_text())
     assert on_disk["model_type"] == "pi0"
-    policy = Pi0Policy.from_pretrained(str(tmp_path / "tf"), SPEC, device="cpu", dtype="float32")
+    policy = load_release(str(tmp_path / "tf"), "pi0", SPEC, dict(device="cpu", dtype="float32"))
     for k, v in upstream.state_dict().items():
         assert torch.equal(policy.state_dict()[f"pi0.{k}"], v), k
     assert policy.chunk_size == 4 and policy.opts.num_steps == 3
@@ -174,17 +175,15 @@ def test_transformers_pi0_written_by_upstream_save_pretrained_loads(tmp_path):
 def test_release_missing_weights_are_named(tmp_path):
     from safetensors.torch import load_file, save_file
 
-    from workers.policies.pi05 import Pi05Policy
-
     write_lerobot_release(tmp_path / "r", "pi05")
     sd = load_file(tmp_path / "r" / "model.safetensors")
     del sd["model.time_mlp_in.weight"]
     save_file(sd, tmp_path / "r" / "model.safetensors")
     with pytest.raises(ValueError, match="missing parameters.*time_mlp_in.weight"):
-        Pi05Policy.from_pretrained(str(tmp_path / "r"), SPEC, device="cpu")
+        load_release(str(tmp_path / "r"), "pi05", SPEC, dict(device="cpu"))
     os.remove(tmp_path / "r" / "tokenizer.json")
     with pytest.raises(FileNotFoundError, match="paligemma-3b-pt-224"):
-        Pi05Policy.from_pretrained(str(tmp_path / "r"), SPEC, device="cpu")
+        load_release(str(tmp_path / "r"), "pi05", SPEC, dict(device="cpu"))
 
 
 def _real_sizes() -> tuple[dict, dict, dict]:
@@ -234,11 +233,9 @@ class NotATensor:
 def test_openvla_oft_folder_reads_pt_heads_weights_only_and_its_statistics(tmp_path):
     """OFT's folder: proprio projector as fc1/fc2 in a .pt (DDP prefix), action head .pt listed,
     dataset_statistics.json (q01/q99, masked gripper) applied; a .pt holding objects is refused."""
-    from workers.policies.openvla_oft import OpenVLAOFTPolicy
-
     policy = build("openvla_oft", "openvla_oft_tiny.yaml", {})
     d = tmp_path / "oft"
-    policy.save_pretrained(str(d))
+    save_release(policy, str(d))
     os.remove(d / "proprio_projector--0_checkpoint.pt")
     sd = policy.state_dict()
     torch.save({"module.fc1.weight": sd["proprio_proj.0.weight"] * 2, "module.fc1.bias": sd["proprio_proj.0.bias"],
@@ -251,7 +248,7 @@ def test_openvla_oft_folder_reads_pt_heads_weights_only_and_its_statistics(tmp_p
         "action": {"q01": q01.tolist(), "q99": q99.tolist(), "mask": mask, "mean": [0.0] * SPEC.action_dim},
         "proprio": {"q01": [-2.0] * SPEC.state_dim, "q99": [2.0] * SPEC.state_dim}, "num_transitions": 10}}
     (d / "dataset_statistics.json").write_text(json.dumps(stats))
-    loaded = OpenVLAOFTPolicy.from_pretrained(str(d), SPEC, device="cpu", dtype="float32")
+    loaded = load_release(str(d), "openvla_oft", SPEC, dict(device="cpu", dtype="float32"))
     assert torch.equal(loaded.state_dict()["proprio_proj.0.weight"], sd["proprio_proj.0.weight"] * 2)
     (s_shift, s_scale), (a_shift, a_scale) = loaded.norm.affines()
     assert torch.allclose(s_scale, torch.full((SPEC.state_dim,), 2.0)) and torch.allclose(s_shift, torch.zeros(SPEC.state_dim))
@@ -260,17 +257,15 @@ def test_openvla_oft_folder_reads_pt_heads_weights_only_and_its_statistics(tmp_p
 
     torch.save({"fc1.weight": torch.zeros(1), "payload": NotATensor()}, d / "proprio_projector--150000_checkpoint.pt")
     with pytest.raises(Exception, match="(?i)weights_only|unpickl|not an allowed|global"):
-        OpenVLAOFTPolicy.from_pretrained(str(d), SPEC, device="cpu")
+        load_release(str(d), "openvla_oft", SPEC, dict(device="cpu"))
 
 
 def test_gr00t_folder_reads_sharded_weights_and_metadata_statistics(tmp_path):
     from safetensors.torch import load_file, save_file
 
-    from workers.policies.gr00t import Gr00tPolicy
-
     policy = build("gr00t_n15", "gr00t_n15_tiny.yaml", {})
     d = tmp_path / "gr00t"
-    policy.save_pretrained(str(d))
+    save_release(policy, str(d))
     sd = load_file(d / "model.safetensors")
     os.remove(d / "model.safetensors")
     keys = sorted(sd)
@@ -283,7 +278,7 @@ def test_gr00t_folder_reads_sharded_weights_and_metadata_statistics(tmp_path):
         "state": {"joints": lo(SPEC.state_dim - 1, 2.0), "gripper": lo(1, 4.0)},
         "action": {"arm": lo(SPEC.action_dim - 1, 0.5), "gripper": lo(1, 1.0)}}, "embodiment_tag": "new_embodiment"}}
     (d / "experiment_cfg" / "metadata.json").write_text(json.dumps(meta))
-    loaded = Gr00tPolicy.from_pretrained(str(d), SPEC, device="cpu", dtype="float32")
+    loaded = load_release(str(d), "gr00t_n15", SPEC, dict(device="cpu", dtype="float32"))
     obs = make_obs(2, seed=9)
     (s_shift, s_scale), (a_shift, a_scale) = loaded.norm.affines()
     assert s_scale.tolist() == [2.0] * (SPEC.state_dim - 1) + [4.0] and a_scale.tolist() == [0.5] * (SPEC.action_dim - 1) + [1.0]

@@ -7,8 +7,10 @@ import dataclasses
 import torch
 
 from rlvla3.config import JobConfig
-from workers.envs.base import EnvSpec, env_spec
+from workers.contract import EnvSpec
+from workers.envs.base import env_spec
 from workers.policies.base import Policy, _POLICIES, _import_builtin_policies, make_policy
+from workers.release.layouts import load_release
 
 
 def resolve_device(cfg: JobConfig, device: str | None) -> torch.device:
@@ -46,8 +48,8 @@ def build_policy(cfg: JobConfig, spec: EnvSpec | None = None, device: str | None
     torch.manual_seed(cfg.run.seed)
     ours = bool(cfg.model.checkpoint) and _is_rlvla3_checkpoint(cfg.model.checkpoint)
     if cfg.model.checkpoint and not ours:
-        # A released checkpoint (safetensors + config + tokenizer): the family's own loader.
-        policy = policy_class(fam).from_pretrained(cfg.model.checkpoint, spec, **options)
+        # A released checkpoint (safetensors + config + tokenizer): its layout's own loader.
+        policy = load_release(cfg.model.checkpoint, fam, spec, options)
     else:
         policy = make_policy(fam, options, spec)
     policy.to(device=dev, dtype=dtype)  # the towers are there already (built in place)
@@ -58,18 +60,6 @@ def build_policy(cfg: JobConfig, spec: EnvSpec | None = None, device: str | None
     if ours:  # an rlvla3 checkpoint or run folder (sft warm start, resume)
         load_checkpoint_weights(policy, cfg.model.checkpoint)
     return policy
-
-
-def policy_class(family: str) -> type[Policy]:
-    """The Policy subclass of a family, found without building a model."""
-    _import_builtin_policies(family)
-    todo = list(Policy.__subclasses__())
-    while todo:
-        cls = todo.pop()
-        if getattr(cls, "family", None) == family:
-            return cls
-        todo.extend(cls.__subclasses__())
-    raise ValueError(f"no Policy class for family {family!r}")
 
 
 def _is_rlvla3_checkpoint(path: str) -> bool:

@@ -1,7 +1,7 @@
 """The env-adapter contract: every simulator looks the same to the simulator worker.
 
 An adapter owns ``num_envs`` environments that the simulator worker steps together as one
-*slot* (DESIGN §3). It never auto-resets: the worker decides when an env starts a new episode,
+*slot*. It never auto-resets: the worker decides when an env starts a new episode,
 and with which seed / init state, so GRPO groups and evaluation can replay the same start.
 
 Observations are :class:`rlvla3.observation.Observation` batches: a uint8 ``[n, H, W, 3]`` image
@@ -20,7 +20,6 @@ validated into that adapter's options dataclass, so a mistyped key names itself.
 
 from __future__ import annotations
 
-import dataclasses
 from abc import ABC, abstractmethod
 from dataclasses import dataclass, field
 from typing import Any, Callable, Sequence
@@ -28,24 +27,7 @@ from typing import Any, Callable, Sequence
 import numpy as np
 
 from rlvla3.observation import Observation
-
-
-@dataclass(frozen=True)
-class EnvSpec:
-    """What a policy and the wire need to know about an env's observations and actions."""
-
-    cameras: dict[str, tuple[int, int]]
-    """Camera name -> (height, width) of its uint8 RGB image."""
-    state_dim: int
-    """Length of the float32 proprio state vector."""
-    action_dim: int
-    """Length of one action (one step of a chunk)."""
-    max_episode_steps: int
-    """Env steps after which an episode is truncated."""
-    action_low: float = -1.0
-    """Lower bound of every action component."""
-    action_high: float = 1.0
-    """Upper bound of every action component."""
+from workers.contract import EnvSpec, parse_options
 
 
 @dataclass
@@ -175,23 +157,6 @@ def _import_builtin_adapters() -> None:
 
     for mod in ("synthetic", "metaworld", "libero", "maniskill", "robocasa"):
         importlib.import_module(f"workers.envs.{mod}")
-
-
-def parse_options(cls: type | None, options: dict[str, Any] | None, where: str) -> Any:
-    """Validate a dict into an options dataclass, naming any unknown or missing key."""
-    options = dict(options or {})
-    if cls is None:
-        if options:
-            raise ValueError(f"{where}: this env takes no options, got {sorted(options)}")
-        return None
-    known = {f.name: f for f in dataclasses.fields(cls)}
-    unknown = sorted(set(options) - set(known))
-    if unknown:
-        raise ValueError(f"{where}: unknown option(s) {unknown}; known: {sorted(known)}")
-    try:
-        return cls(**options)
-    except TypeError as exc:
-        raise ValueError(f"{where}: {exc}") from None
 
 
 def make_env(name: str, num_envs: int, seed: int = 0, options: dict[str, Any] | None = None) -> EnvAdapter:

@@ -33,7 +33,7 @@ import torch
 from torch import nn
 
 from rlvla3.observation import Observation
-from workers.envs.base import EnvSpec, parse_options
+from workers.contract import EnvSpec, parse_options
 
 LOGPROB_LEVELS = ("token", "action", "chunk")
 
@@ -80,11 +80,6 @@ class Policy(nn.Module, ABC):
     @abstractmethod
     def evaluate(self, obs: Observation, actions: torch.Tensor, replay: dict[str, torch.Tensor]) -> EvalOutput:
         """Differentiable log-probs, entropy and values of given actions."""
-
-    @classmethod
-    def from_pretrained(cls, local_dir: str, spec: EnvSpec, **overrides: Any) -> "Policy":
-        """Load a released checkpoint from a local directory (families override)."""
-        raise NotImplementedError(f"{cls.family}: no checkpoint loader")
 
 
 # ---------------------------------------------------------------------------------------------

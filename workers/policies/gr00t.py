@@ -21,15 +21,14 @@ import torch.nn.functional as F
 from torch import nn
 
 from rlvla3.observation import Observation
-from workers.envs.base import EnvSpec
+from workers.contract import EnvSpec
 from workers.policies.base import Policy, register_policy
 from workers.policies.flow_sampler import FlowOptions, FlowPolicy, FlowSampler
-from workers.release.normalize import StatsNorm
+from workers.policies.stats_norm import StatsNorm
 from workers.policies.vla_common import (
     SIGLIP_BASE,
     SIGLIP_SO400M,
     TINY_VIT,
-    ReleaseCheckpointMixin,
     VLAOptions,
     ValueHead,
     char_tokenizer,
@@ -76,16 +75,6 @@ SIZES: dict[str, dict[str, Any]] = {
         "pad_dims": True,
     },
 }
-
-# GR00T release names -> ours (Eagle's LM and vision tower in HF layout assumed).
-RELEASE_RULES = [
-    ("backbone.eagle_model.vision_model.vision_model.", "vision."),
-    ("backbone.eagle_model.vision_model.", "vision."),
-    ("backbone.eagle_model.language_model.model.", "llm."),
-    ("backbone.eagle_model.mlp1.", "projector."),
-    ("action_head.", "head."),
-]
-FRESH = ("value_head.", "sampler.noise_head.")
 
 IMAGE_MEAN = (0.5, 0.5, 0.5)
 IMAGE_STD = (0.5, 0.5, 0.5)
@@ -183,11 +172,9 @@ class FlowMatchingHead(nn.Module):
         return self.action_decoder(h), h
 
 
-class Gr00tPolicy(ReleaseCheckpointMixin, FlowPolicy):
+class Gr00tPolicy(FlowPolicy):
     family = "gr00t_n15"
     OPTIONS = Gr00tOptions
-    RELEASE_RULES = RELEASE_RULES
-    FRESH = FRESH
 
     def __init__(self, opts: Gr00tOptions, spec: EnvSpec, tokenizer: Any = None) -> None:
         from transformers import Qwen3Config, Qwen3Model, SiglipVisionConfig, SiglipVisionModel

@@ -13,7 +13,7 @@ import torch
 from torch import nn
 
 from rlvla3.observation import Observation
-from workers.envs.base import EnvSpec
+from workers.contract import EnvSpec
 from workers.policies.base import ActOutput, EvalOutput, Policy, register_policy
 
 

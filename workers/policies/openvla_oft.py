@@ -22,14 +22,13 @@ import torch.nn.functional as F
 from torch import nn
 
 from rlvla3.observation import Observation
-from workers.envs.base import EnvSpec
+from workers.contract import EnvSpec
 from workers.policies.base import ActOutput, EvalOutput, Policy, register_policy
-from workers.release.normalize import StatsNorm
+from workers.policies.stats_norm import StatsNorm
 from workers.policies.vla_common import (
     SIGLIP_BASE,
     SIGLIP_SO400M,
     TINY_VIT,
-    ReleaseCheckpointMixin,
     VLAOptions,
     ValueHead,
     char_tokenizer,
@@ -72,17 +71,6 @@ SIZES: dict[str, dict[str, Any]] = {
     },
 }
 
-# OpenVLA release names (HF-format towers assumed) -> ours.
-RELEASE_RULES = [
-    ("language_model.", "llm."),
-    ("vision_backbone.fused_featurizer.", "siglip."),
-    ("vision_backbone.featurizer.", "dinov2."),
-    ("projector.fc1.", "projector.0."),
-    ("projector.fc2.", "projector.2."),
-    ("projector.fc3.", "projector.4."),
-]  # the proprio projector ships in its own .pt file (workers.release.vla_release)
-FRESH = ("value_head.", "action_queries")
-
 SIGLIP_MEAN, SIGLIP_STD = (0.5, 0.5, 0.5), (0.5, 0.5, 0.5)
 DINO_MEAN, DINO_STD = (0.485, 0.456, 0.406), (0.229, 0.224, 0.225)
 
@@ -99,12 +87,10 @@ class OpenVLAOFTOptions(VLAOptions):
     """Sampling temperature of the action-token distribution (log-probs use the same one)."""
 
 
-class OpenVLAOFTPolicy(ReleaseCheckpointMixin, Policy):
+class OpenVLAOFTPolicy(Policy):
     family = "openvla_oft"
     logprob_level = "token"
     OPTIONS = OpenVLAOFTOptions
-    RELEASE_RULES = RELEASE_RULES
-    FRESH = FRESH
 
     def __init__(self, opts: OpenVLAOFTOptions, spec: EnvSpec, tokenizer: Any = None) -> None:
         from transformers import Dinov2Config, Dinov2Model, LlamaConfig, LlamaForCausalLM, SiglipVisionConfig, SiglipVisionModel

@@ -3,7 +3,7 @@
 transformers provides the model (PaliGemma prefix, Gemma action expert, flow-matching velocity).
 This module adds: observation -> prompt/pixels, the stochastic flow sampler with log-probs
 (``flow_sampler``) and a critic on the action expert's state token. Checkpoints in and out
-(transformers' and LeRobot's layouts) live in ``workers.release``.
+(transformers' and LeRobot's layouts) live in ``workers.release``, which builds this class.
 
 The critic reads the expert's hidden state at the *state token*: in pi0's attention layout that
 token sees the prefix and itself only, never the noisy actions, so the value does not depend on
@@ -18,14 +18,12 @@ from typing import Any
 import torch
 
 from rlvla3.observation import Observation
-from workers.envs.base import EnvSpec
+from workers.contract import EnvSpec
 from workers.policies.base import Policy, register_policy
 from workers.policies.flow_sampler import FlowOptions, FlowPolicy, FlowSampler
-from workers.release.normalize import StatsNorm
+from workers.policies.paligemma import IMAGE_MEAN, IMAGE_STD, SIZES
+from workers.policies.stats_norm import StatsNorm
 from workers.policies.vla_common import (
-    SIGLIP_BASE,
-    SIGLIP_SO400M,
-    TINY_VIT,
     VLAOptions,
     ValueHead,
     char_tokenizer,
@@ -38,61 +36,6 @@ from workers.policies.vla_common import (
     size_preset,
     state_tensor,
 )
-
-# Architecture presets. "3b" is the released pi0 (SigLIP So400m + Gemma 2B + Gemma 300M expert).
-SIZES: dict[str, dict[str, Any]] = {
-    "tiny": {
-        "image_size": 32,
-        "patch_size": 8,
-        "vision": TINY_VIT,
-        "text": dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=2,
-                     num_key_value_heads=1, head_dim=32, vocab_size=128),
-        "expert": dict(hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=2,
-                       num_key_value_heads=1, head_dim=32),
-        "image_token_id": 127,
-        "pad_dims": False,
-    },
-    # tiny with the released head layout (Gemma 8 heads / 1 KV head, SigLIP 16 heads): the only
-    # tiny shape LeRobot's config (whose variants fix the heads) can describe.
-    "tiny_release": {
-        "image_size": 32,
-        "patch_size": 8,
-        "vision": dict(TINY_VIT, num_attention_heads=16),
-        "text": dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=8,
-                     num_key_value_heads=1, head_dim=16, vocab_size=128),
-        "expert": dict(hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=8,
-                       num_key_value_heads=1, head_dim=16),
-        "image_token_id": 127,
-        "pad_dims": False,
-    },
-    # ~0.5B with the release layout's shapes (padded dims, 224 px): the big-weight paths on CPU.
-    "medium": {
-        "image_size": 224,
-        "patch_size": 14,
-        "vision": SIGLIP_BASE,
-        "text": dict(hidden_size=1024, intermediate_size=5120, num_hidden_layers=16, num_attention_heads=8,
-                     num_key_value_heads=1, head_dim=128, vocab_size=32000),
-        "expert": dict(hidden_size=512, intermediate_size=2048, num_hidden_layers=16, num_attention_heads=8,
-                       num_key_value_heads=1, head_dim=128),
-        "image_token_id": 31999,
-        "pad_dims": True,
-    },
-    "3b": {
-        "image_size": 224,
-        "patch_size": 14,
-        "vision": SIGLIP_SO400M,
-        "text": dict(hidden_size=2048, intermediate_size=16384, num_hidden_layers=18, num_attention_heads=8,
-                     num_key_value_heads=1, head_dim=256, vocab_size=257152),
-        "expert": dict(hidden_size=1024, intermediate_size=4096, num_hidden_layers=18, num_attention_heads=8,
-                       num_key_value_heads=1, head_dim=256),
-        "image_token_id": 257152,
-        "pad_dims": True,
-    },
-}
-
-IMAGE_MEAN = (0.5, 0.5, 0.5)  # PaliGemma / SigLIP normalise to [-1, 1]
-IMAGE_STD = (0.5, 0.5, 0.5)
-
 
 @dataclass
 class Pi0Options(VLAOptions, FlowOptions):
@@ -235,21 +178,6 @@ class Pi0Policy(FlowPolicy):
             return self.pi0.action_out_proj(h).float(), h
 
         return velocity
-
-    # -- checkpoints --------------------------------------------------------------------------------
-
-    def save_pretrained(self, local_dir: str) -> None:
-        """transformers' layout (the upstream ``save_pretrained``), with tokenizer and statistics."""
-        from workers.release import transformers_pi0
-
-        transformers_pi0.save(self, local_dir)
-
-    @classmethod
-    def from_pretrained(cls, local_dir: str, spec: EnvSpec, **overrides: Any) -> "Pi0Policy":
-        """A transformers-format or LeRobot pi0 folder (told apart by its ``config.json``)."""
-        from workers.release.layouts import load_release
-
-        return load_release(local_dir, "pi0", spec, overrides)
 
 
 @register_policy("pi0", config=Pi0Options)

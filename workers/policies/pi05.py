@@ -20,12 +20,12 @@ import torch.nn.functional as F
 from torch import nn
 
 from rlvla3.observation import Observation
-from workers.envs.base import EnvSpec
+from workers.contract import EnvSpec
 from workers.policies.base import Policy, register_policy
 from workers.policies.flow_sampler import FlowOptions, FlowPolicy, FlowSampler
-from workers.policies.pi0 import IMAGE_MEAN, IMAGE_STD
-from workers.policies.pi0 import SIZES as PI0_SIZES
-from workers.release.normalize import StatsNorm
+from workers.policies.paligemma import IMAGE_MEAN, IMAGE_STD
+from workers.policies.paligemma import SIZES as PI0_SIZES
+from workers.policies.stats_norm import StatsNorm
 from workers.policies.vla_common import (
     VLAOptions,
     ValueHead,
@@ -46,7 +46,6 @@ from workers.policies.vla_common import (
 # pi0's backbone and expert dimensions; "tiny" is pi0's tiny_release, whose head layout LeRobot's
 # pi0.5 config (the family's export format) can describe.
 SIZES = {**PI0_SIZES, "tiny": PI0_SIZES["tiny_release"]}
-
 
 
 @dataclass
@@ -189,19 +188,6 @@ class Pi05Policy(FlowPolicy):
             return self.action_out_proj(out).float(), out
 
         return velocity
-
-
-    def save_pretrained(self, local_dir: str) -> None:
-        """LeRobot's pi0.5 layout (config, weights, processor statistics), tokenizer and RL heads."""
-        from workers.release import lerobot_pi
-
-        lerobot_pi.save(self, local_dir)
-
-    @classmethod
-    def from_pretrained(cls, local_dir: str, spec: EnvSpec, **overrides: Any) -> "Pi05Policy":
-        from workers.release.layouts import load_release
-
-        return load_release(local_dir, "pi05", spec, overrides)
 
 
 @register_policy("pi05", config=Pi05Options)

@@ -1,20 +1,19 @@
 """Pieces every VLA family shares: observation -> tensors, a tokenizer built in code, value heads,
-device/dtype choice, and the hook to its release layout (``workers.release``).
+and device/dtype choice.
 
-Kept free of any one family so OpenVLA-OFT, pi0, pi0.5 and GR00T read observations the same way
-and load releases with the same missing-file / missing-parameter messages.
+Kept free of any one family so OpenVLA-OFT, pi0, pi0.5 and GR00T read observations the same way.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any, ClassVar, Iterable, Sequence
+from typing import Any, Iterable, Sequence
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
-from workers.envs.base import EnvSpec
+from workers.contract import EnvSpec
 
 # ---------------------------------------------------------------------------------------------
 # Device and dtype
@@ -162,33 +161,6 @@ def sinusoid(t: torch.Tensor, dim: int, min_period: float = 4e-3, max_period: fl
     period = min_period * (max_period / min_period) ** frac
     ang = t.float()[:, None] * (2 * torch.pi / period)[None]
     return torch.cat([ang.sin(), ang.cos()], dim=-1)
-
-
-# ---------------------------------------------------------------------------------------------
-# Checkpoints
-# ---------------------------------------------------------------------------------------------
-
-class ReleaseCheckpointMixin:
-    """``save_pretrained`` / ``from_pretrained`` of a family whose release names map onto ours by
-    ``RELEASE_RULES``; ``FRESH`` names the RL additions a release lacks. Put it before ``Policy``
-    in the bases so these override the contract's defaults."""
-
-    OPTIONS: ClassVar[type]
-    """The family's options dataclass (``config.json``'s ``options``)."""
-    RELEASE_RULES: ClassVar[Sequence[tuple[str, str]]] = ()
-    FRESH: ClassVar[Sequence[str]] = ()
-
-    def save_pretrained(self, local_dir: str) -> None:
-        """The family's release folder (``workers.release.vla_release``)."""
-        from workers.release import vla_release
-
-        vla_release.save(self, local_dir)
-
-    @classmethod
-    def from_pretrained(cls, local_dir: str, spec: EnvSpec, **overrides: Any) -> Any:
-        from workers.release.layouts import load_release
-
-        return load_release(local_dir, cls.family, spec, overrides)  # type: ignore[attr-defined]
 
 
 def freeze(params: Iterable[nn.Parameter]) -> None:

@@ -130,3 +130,41 @@ def options_for(cfg_cls: type, *layers: dict[str, Any]) -> Any:
 def export_state(policy: nn.Module, skip: Sequence[str] = (RL_HEADS + (NORM,))) -> dict[str, torch.Tensor]:
     """The policy's tensors a release holds (no RL heads, no normalisation buffers), on CPU."""
     return {k: v.detach().cpu().contiguous().clone() for k, v in policy.state_dict().items() if not k.startswith(tuple(skip))}
+
+
+def first_entry(local_dir: str, name: str) -> tuple[str, Any] | None:
+    """The first (key, value) of a release's JSON statistics file (GR00T and OpenVLA-OFT key their
+    statistics by one embodiment or dataset); None when the release has no such file."""
+    path = os.path.join(local_dir, name)
+    if not os.path.isfile(path):
+        return None
+    with open(path) as f:
+        return next(iter(json.load(f).items()))
+
+
+def load_renamed(local_dir: str, cls: Any, spec: Any, overrides: dict[str, Any], sd: dict[str, torch.Tensor],
+                 rules: Rules, fresh: Sequence[str]) -> Any:
+    """``cls`` built from the folder's ``config.json`` options and tokenizer, ``sd`` loaded strictly
+    under ``rules``; ``fresh`` names what the release lacks (the statistics are set by the caller)."""
+    family = cls.family
+    with open(os.path.join(local_dir, "config.json")) as f:
+        config = json.load(f)
+    opts = options_for(cls.OPTIONS, config.get("options", {}), overrides)
+    policy = cls(opts, spec, tokenizer=load_tokenizer(local_dir, family))
+    names = rename(sd, rules)
+    strict_load(policy, {names[k]: v.to(policy.device) for k, v in sd.items()}, family, tuple(fresh) + (NORM,))
+    return policy
+
+
+def save_renamed(policy: Any, out_dir: str, model_type: str, rules: Rules, skip: Sequence[str]) -> None:
+    """Weights under release names (``rules`` read backwards), ``config.json`` with the release's
+    ``model_type`` and rlvla3's options, and the tokenizer."""
+    from safetensors.torch import save_file
+
+    os.makedirs(out_dir, exist_ok=True)
+    sd = export_state(policy, skip=skip)
+    names = rename(sd, inverted(rules))
+    save_file({names[k]: v for k, v in sd.items()}, os.path.join(out_dir, "model.safetensors"))
+    with open(os.path.join(out_dir, "config.json"), "w") as f:
+        json.dump({"model_type": model_type, "options": dataclasses.asdict(policy.opts)}, f, indent=2)
+    policy.tokenizer.save_pretrained(out_dir)

@@ -1,11 +1,13 @@
 """Which published layout a folder holds, and the family's reader and writer for it.
 
-One table says what each family reads and writes; ``model.checkpoint: DIR`` and
-``Policy.from_pretrained`` come through ``load_release``, ``rlvla3 export`` through ``save_release``.
+One table says what each family reads and writes; ``model.checkpoint: DIR`` comes through
+``load_release``, ``rlvla3 export`` through ``save_release``. The layout modules build the
+policies; the policies know nothing of layouts.
 """
 
 from __future__ import annotations
 
+import os
 from typing import Any
 
 FORMATS = {"pi0": ("transformers", "lerobot"), "pi05": ("lerobot",), "gr00t_n15": ("release",), "openvla_oft": ("release",)}
@@ -26,10 +28,12 @@ def detect(local_dir: str, family: str) -> str:
                      f"transformers pi0 (model_type: pi0) config; {family} loads {FORMATS.get(family)}")
 
 
-def load_release(local_dir: str, family: str, spec: Any, overrides: dict[str, Any]) -> Any:
-    """The family's policy from a released (or exported) checkpoint folder."""
-    import os
-
+def load_release(local_dir: str, family: str, spec: Any, overrides: dict[str, Any] | None = None) -> Any:
+    """The family's policy from a released (or exported) checkpoint folder; ``overrides`` are
+    options that win over the folder's own."""
+    overrides = dict(overrides or {})
+    if family not in FORMATS:
+        raise NotImplementedError(f"{family}: no checkpoint loader")
     has = lambda name: os.path.isfile(os.path.join(local_dir, name))  # noqa: E731
     missing = [n for n in ("config.json", "tokenizer.json") if not has(n)]
     if not has("model.safetensors") and not (os.path.isdir(local_dir) and any(n.endswith(".safetensors.index.json") for n in os.listdir(local_dir))):
@@ -45,14 +49,13 @@ def load_release(local_dir: str, family: str, spec: Any, overrides: dict[str, An
         from workers.release import transformers_pi0
 
         return transformers_pi0.load(local_dir, spec, overrides)
-    from workers.release import vla_release
-
-    return vla_release.load(local_dir, family, spec, overrides)
+    return _release_module(family).load(local_dir, spec, overrides)
 
 
-def save_release(policy: Any, out_dir: str, fmt: str) -> None:
-    """Write ``policy`` in ``fmt``, one of its family's ``FORMATS``."""
+def save_release(policy: Any, out_dir: str, fmt: str | None = None) -> None:
+    """Write ``policy`` in ``fmt``, one of its family's ``FORMATS`` (default: the family's first)."""
     family = policy.family
+    fmt = fmt or FORMATS.get(family, ("",))[0]
     if fmt not in FORMATS.get(family, ()):
         raise ValueError(f"{family} exports as {list(FORMATS.get(family, ()))}, not {fmt!r}")
     if fmt == "lerobot":
@@ -64,6 +67,15 @@ def save_release(policy: Any, out_dir: str, fmt: str) -> None:
 
         transformers_pi0.save(policy, out_dir)
     else:
-        from workers.release import vla_release
+        _release_module(family).save(policy, out_dir)
 
-        vla_release.save(policy, out_dir)
+
+def _release_module(family: str) -> Any:
+    """The module of a family that has one release layout of its own (GR00T N1.5, OpenVLA-OFT)."""
+    if family == "gr00t_n15":
+        from workers.release import gr00t_n15
+
+        return gr00t_n15
+    from workers.release import openvla_oft
+
+    return openvla_oft
