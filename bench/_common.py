@@ -274,7 +274,7 @@ def local_job(cfg: Any, run_dir: Path, bind: str = "tcp://127.0.0.1:0", pub: str
     """A job of ``cfg`` on this machine with its broker up on ``bind`` and ``pub`` (by default free
     loopback ports; its config written to ``run_dir``); the caller starts the workers it wants
     and stops the job."""
-    from rlvla3.launch import LocalJob
+    from rlvla3.app.launch import LocalJob
 
     run_dir.mkdir(parents=True, exist_ok=True)
     cfg_path = run_dir / "config.yaml"

@@ -1,7 +1,7 @@
 """The paper's Fig. 8 on this machine, then the adaptive controller on the same job.
 
 One real job (broker + simulators + 1 generator + 1 trainer, separate processes) is started
-once; the sweep reconfigures it live (``rlvla3.launch.request_tune``: a TUNE from a ``client``)
+once; the sweep reconfigures it live (``rlvla3.app.launch.request_tune``: a TUNE from a ``client``)
 to each ``max_batch`` x ``max_wait_ms`` grid point and measures env steps/s over a window. Then
 it sets the worst grid point, turns ``batching.adaptive`` on with the grid's bounds, and measures
 what the controller reaches (median of ``--adaptive-runs`` runs, each from the worst point).
@@ -34,7 +34,7 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from rlvla3.config import load  # noqa: E402
-from rlvla3.launch import LocalJob, request_tune, stop_processes  # noqa: E402
+from rlvla3.app.launch import LocalJob, request_tune, stop_processes  # noqa: E402
 
 from _common import OUT_DIR, emit, local_job, note, save_figure  # noqa: E402  (bench/, the script's folder, is first on sys.path)
 

@@ -68,7 +68,7 @@ from _common import (  # noqa: E402
 from rlvla3 import auth, bundle, names  # noqa: E402
 from rlvla3 import protocol as P  # noqa: E402
 from rlvla3.config import load  # noqa: E402
-from rlvla3.launch import LocalJob  # noqa: E402
+from rlvla3.app.launch import LocalJob  # noqa: E402
 from rlvla3.lifetime import follow_launcher  # noqa: E402
 from rlvla3.observation import IMAGES, STATE  # noqa: E402
 from rlvla3.shm import ShmPool, host_id  # noqa: E402

@@ -4,7 +4,7 @@ generator and trainer colocated on device 0, for a fixed time in one mode.
     python bench/gpu_job.py --mode sync|async [--seconds 75] [--offload auto|always|never]
     python bench/gpu_job.py --mode async --tiny --device cpu --until-version 1   # the same code on CPU
 
-The job is what ``rlvla3 run`` starts (``rlvla3.launch.LocalJob``: broker, 2 simulators, 1
+The job is what ``rlvla3 run`` starts (``rlvla3.app.launch.LocalJob``: broker, 2 simulators, 1
 generator, 1 trainer, each its own process, JSON logs), with ``placement.mode: colocated`` and
 ``--gpus generator=0 trainer=0``. The bench polls STATUS and stops the job ``--seconds`` after
 it started. Reported:
@@ -45,7 +45,7 @@ sys.path.insert(0, str(ROOT))
 
 from bench._common import emit, note  # noqa: E402
 from rlvla3.config import from_dict, read_yaml  # noqa: E402
-from rlvla3.launch import LocalJob, stop_processes  # noqa: E402
+from rlvla3.app.launch import LocalJob, stop_processes  # noqa: E402
 
 
 def job_dict(args: argparse.Namespace) -> dict[str, Any]:

@@ -1,6 +1,6 @@
 """Env steps/s with simulators on 1, 2 and 3 other hosts, against the same job on one host.
 
-Hosts are network namespaces with their own hostname and /dev/shm (``rlvla3/netns.py``), so a
+Hosts are network namespaces with their own hostname and /dev/shm (``rlvla3/harness/netns.py``), so a
 simulator on another host than the broker sends its observations and trajectories as inline
 frames over TCP (veth pairs, one bridge) and the job runs with CURVE on, as across machines.
 One job: broker, generator and trainer on the head host; first one simulator on the head host
@@ -29,7 +29,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from bench._common import OUT_DIR  # noqa: E402
 from rlvla3.config import load  # noqa: E402
-from rlvla3.netns import NetnsJob, per_worker, unavailable  # noqa: E402
+from rlvla3.harness.netns import NetnsJob, per_worker, unavailable  # noqa: E402
 
 NOTE = ("all namespace hosts share one machine's CPU cores: the rates measure the fabric's cross-host overhead "
         "(inline frames over TCP with CURVE instead of shared memory), not scaling with hosts")

@@ -35,7 +35,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from bench._common import OUT_DIR  # noqa: E402
 from rlvla3.config import load  # noqa: E402
-from rlvla3.launch import request_status, spawn, stop_processes  # noqa: E402
+from rlvla3.app.launch import request_status, spawn, stop_processes  # noqa: E402
 
 RSS_SLACK_MB = 32.0
 FATES = ("evaluation", "trained", "stale", "discarded", "unreadable", "lost_with_trainer", "held_by_trainers")

@@ -39,7 +39,7 @@ from bench._common import OUT_DIR, SMALL_ASYNC_JOB, emit_to, keep_logs_unless, l
 from brokers.stats import STALL_WINDOW_S  # noqa: E402
 from rlvla3 import protocol as P  # noqa: E402
 from rlvla3.config import load  # noqa: E402
-from rlvla3.launch import request_status  # noqa: E402
+from rlvla3.app.launch import request_status  # noqa: E402
 
 JOB = SMALL_ASYNC_JOB
 

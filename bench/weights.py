@@ -72,7 +72,7 @@ from bench._common import OUT_DIR, emit, note, start_child, stop_child  # noqa: 
 from rlvla3 import protocol as P  # noqa: E402
 from rlvla3.shm import host_id, segments_of_run  # noqa: E402
 from rlvla3.config import load  # noqa: E402
-from rlvla3.launch import LocalJob  # noqa: E402
+from rlvla3.app.launch import LocalJob  # noqa: E402
 from rlvla3.weights.publisher import WeightPublisher  # noqa: E402
 from rlvla3.weights.receiver import WeightReceiver  # noqa: E402
 

@@ -3,6 +3,6 @@ from rlvla3.lifetime import follow_launcher
 
 follow_launcher()
 
-from rlvla3.cli import main  # noqa: E402
+from rlvla3.app.cli import main  # noqa: E402
 
 main()

@@ -11,7 +11,7 @@ from typing import Any, Callable
 
 import numpy as np
 
-from rlvla3.launch import LocalJob
+from rlvla3.app.launch import LocalJob
 from rlvla3.observation import Observation
 
 # Small and quick on a 2-core machine: few envs, short fragments, tiny updates.

@@ -23,7 +23,7 @@ import pytest
 
 from brokers.adaptive import AdaptiveBatching, Bounds
 from rlvla3 import protocol as P
-from rlvla3.launch import request_tune
+from rlvla3.app.launch import request_tune
 from rlvla3.lifetime import launcher_env
 from tests.brokerscript import Script
 

@@ -16,9 +16,9 @@ from click.testing import CliRunner
 
 from rlvla3 import auth
 from rlvla3 import protocol as P
-from rlvla3.cli import main
+from rlvla3.app.cli import main
 from rlvla3.config import load
-from rlvla3.launch import LocalJob, request_status
+from rlvla3.app.launch import LocalJob, request_status
 from tests.jobs import FAST, wait_until
 
 ROOT = Path(__file__).resolve().parents[1]

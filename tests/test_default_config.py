@@ -14,7 +14,7 @@ from pathlib import Path
 import pytest
 from click.testing import CliRunner
 
-from rlvla3.cli import main
+from rlvla3.app.cli import main
 from rlvla3.config import DEFAULT_CONFIG, load
 
 ROOT = Path(__file__).resolve().parents[1]

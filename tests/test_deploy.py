@@ -31,7 +31,7 @@ try:
 except ModuleNotFoundError:  # Python 3.10: pytest's own dependency
     import tomli as tomllib
 
-from rlvla3.cli import main as cli
+from rlvla3.app.cli import main as cli
 from rlvla3.config import load
 from rlvla3.scale_config import parse_gpus
 

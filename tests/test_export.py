@@ -71,7 +71,7 @@ def make_run(run_dir: Path, family: str, options: dict, lora: dict | None = None
 
 
 def export_argv(run_dir: Path, fmt: str, out: Path) -> list[str]:
-    return [sys.executable, "-m", "rlvla3.cli", "export", str(run_dir), "--format", fmt, "--out", str(out)]
+    return [sys.executable, "-m", "rlvla3.app.cli", "export", str(run_dir), "--format", fmt, "--out", str(out)]
 
 
 class Exports:

@@ -18,7 +18,7 @@ from pathlib import Path
 
 import pytest
 
-from rlvla3.launch import request_status
+from rlvla3.app.launch import request_status
 from rlvla3.lifetime import LAUNCHER_ENV, launcher_env
 from rlvla3.shm import SHM_DIR, segments_of_run
 from tests.jobs import job_logs, wait_until

@@ -1,5 +1,5 @@
 """A job across several hosts for real: every host is a network namespace with its own hostname
-and /dev/shm (``rlvla3/netns.py``), joined by veth pairs on one bridge, and the job runs with
+and /dev/shm (``rlvla3/harness/netns.py``), joined by veth pairs on one bridge, and the job runs with
 CURVE on, as it would across machines.
 
     head   (10.213.0.1)  broker, simulator sim-head, generator gen-head
@@ -22,7 +22,7 @@ from pathlib import Path
 import pytest
 
 from rlvla3.config import load
-from rlvla3.netns import NetnsJob, per_worker as per, unavailable
+from rlvla3.harness.netns import NetnsJob, per_worker as per, unavailable
 from tests.jobs import FAST
 
 REASON = unavailable()

@@ -22,7 +22,7 @@ import pytest
 import yaml
 
 from rlvla3.config import load
-from rlvla3.launch import stop_processes
+from rlvla3.app.launch import stop_processes
 from tests.jobs import TestJob as Job, job_logs as _logs, start_job
 
 pytestmark = pytest.mark.slow

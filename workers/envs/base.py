@@ -159,6 +159,23 @@ def _import_builtin_adapters() -> None:
         importlib.import_module(f"workers.envs.{mod}")
 
 
+def require_simulator(name: str) -> None:
+    """Raise ModuleNotFoundError, with install instructions, when env ``name``'s simulator is not
+    installed here: an adapter module may define ``require_installed()`` (Meta-World's does). A
+    name that is not a built-in adapter passes; building the env will judge."""
+    import importlib
+
+    module = f"workers.envs.{name}"
+    try:
+        check = getattr(importlib.import_module(module), "require_installed", None)
+    except ModuleNotFoundError as exc:
+        if exc.name == module:
+            return
+        raise
+    if check is not None:
+        check()
+
+
 def make_env(name: str, num_envs: int, seed: int = 0, options: dict[str, Any] | None = None) -> EnvAdapter:
     """Build the adapter registered as ``name`` with ``num_envs`` envs."""
     _import_builtin_adapters()

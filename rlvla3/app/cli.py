@@ -6,23 +6,18 @@ import json
 import os
 import sys
 import time
-from datetime import datetime
 from pathlib import Path
 from typing import Any
 
 import click
-import structlog
 
 from rlvla3 import logging as rlog
-from rlvla3.config import ConfigError, load
+from rlvla3.app.eval_cmd import eval_command
+from rlvla3.app.launch import request_status, spawn, stop_processes
+from rlvla3.app.progress import latest_eval
+from rlvla3.app.run import RunController, RunOptions, RunRefused, load_config, require_simulator
+from rlvla3.config import ConfigError, JobConfig
 from rlvla3.lifetime import on_stop_signals, stopped_cleanly
-from rlvla3.progress import CURVES_EVERY_S, latest_eval, progress_line, progress_row, write_curves
-
-log = structlog.get_logger()
-
-STEPS_CHECK_EVERY_S = 0.25
-"""How often ``rlvla3 run`` asks the broker whether ``--steps`` is reached (it stops within this
-of the count, not within ``run.progress_every_s``)."""
 
 
 @click.group()
@@ -33,30 +28,18 @@ def main(log_json: bool, log_level: str) -> None:
     rlog.configure(json=log_json, level=log_level)
 
 
-def _load(config: str | None, overrides: tuple[str, ...], gpus: tuple[str, ...] = ()):
-    from rlvla3.scale_config import gpu_overrides
-
+def _load(config: str | None, overrides: tuple[str, ...]) -> JobConfig:
     try:
-        return load(config, overrides + gpu_overrides(gpus))
-    except ConfigError as exc:
+        return load_config(config, overrides)
+    except RunRefused as exc:
         raise click.ClickException(str(exc)) from None
 
 
-def _require_simulator(cfg: Any) -> None:
-    """Fail before starting anything when the job's simulator is not installed here: an env
-    adapter module may define ``require_installed()``, which raises ModuleNotFoundError with
-    install instructions (Meta-World's does)."""
-    import importlib
-
-    module = f"workers.envs.{cfg.env.name}"
+def _require_simulator(cfg: JobConfig) -> None:
     try:
-        check = getattr(importlib.import_module(module), "require_installed", None)
-        if check is not None:
-            check()
-    except ModuleNotFoundError as exc:
-        if exc.name == module:  # not a built-in adapter: building the env will judge
-            return
-        raise click.ClickException(f"env {cfg.env.name!r}: {exc}") from None
+        require_simulator(cfg)
+    except RunRefused as exc:
+        raise click.ClickException(str(exc)) from None
 
 
 # ---------------------------------------------------------------------------------------------
@@ -124,7 +107,6 @@ def worker(role: str, broker_url: str, gpus: str | None, count: int, num_envs: i
            index: int, name: str | None, run_dir: str | None, overrides: tuple[str, ...], resume: str | None,
            keys_dir: str | None, key_name: str | None) -> None:
     """Run simulator, generator or trainer workers that join a broker (at any time)."""
-    from rlvla3.launch import spawn, stop_processes
     from rlvla3.scale_config import parse_gpus
 
     try:
@@ -195,7 +177,6 @@ def worker(role: str, broker_url: str, gpus: str | None, count: int, num_envs: i
 def status(broker_url: str, as_json: bool, timeout: float, keys_dir: str | None, key_name: str) -> None:
     """Print a broker's live figures."""
     from rlvla3.auth import AuthError
-    from rlvla3.launch import request_status
 
     try:
         fig = request_status(broker_url, timeout, keys_dir=keys_dir, key_name=key_name)
@@ -270,118 +251,16 @@ def run(ctx: click.Context, config: str | None, steps: int | None, overrides: tu
         bind: str, pub: str, resume: str | None, keys_dir: str | None, record_dir: str | None,
         record_slots: str | None, gpus: tuple[str, ...]) -> None:
     """Run broker and all workers on this machine from one config, with live progress."""
-    from rlvla3.auth import AuthError, check_bind
-    from rlvla3.launch import JobInterrupted, LocalJob
-    from rlvla3.shm import segments_of_run
-    if resume:
-        from workers.checkpoint import latest_checkpoint
-
-        if config or overrides or run_dir:
-            raise click.ClickException("--resume continues a run with its own config and folder: drop CONFIG, --set and --run-dir")
-        folder = Path(resume)
-        if latest_checkpoint(folder) is None:
-            raise click.ClickException(f"--resume {resume}: no checkpoint under {folder / 'checkpoints'}")
-        cfg = _load(str(folder / "config.yaml"), ())
-    else:
-        cfg = _load(config, overrides, gpus)
-        folder = Path(run_dir) if run_dir else Path(cfg.run.run_dir) / f"{cfg.run.name}-{datetime.now().strftime('%Y%m%d-%H%M%S')}"
-    _require_simulator(cfg)
-    if record_dir:
-        from workers.lerobot_dataset import require_pyarrow
-
-        try:
-            require_pyarrow()
-            cfg.run.record_slots = [int(x) for x in record_slots.split(",")] if record_slots else []
-        except (ModuleNotFoundError, ValueError) as exc:
-            raise click.ClickException(f"--record: {exc}") from None
-        cfg.run.record_dir = str(Path(record_dir).resolve())
-    if keys_dir:
-        cfg.broker.keys_dir = str(Path(keys_dir).resolve())
-    if cfg.broker.keys_dir:
-        try:
-            check_bind([bind, pub], cfg.broker.keys_dir, False, False)
-        except AuthError as exc:
-            raise click.ClickException(str(exc)) from None
-    total = steps or cfg.run.total_env_steps
-    folder.mkdir(parents=True, exist_ok=True)
-    if not resume and cfg.run.sft_episodes > 0 and not cfg.model.checkpoint:
-        from workers.sft import run_sft
-
-        click.echo(f"warm start: cloning {cfg.run.sft_episodes} scripted-expert episodes into {folder / 'sft'}")
-        fig = run_sft(cfg, folder / "sft", episodes=cfg.run.sft_episodes, epochs=cfg.run.sft_epochs)
-        click.echo(f"warm start: deterministic success {fig['success_before']} -> {fig['success_after']}")
-        cfg.model.checkpoint = str((folder / "sft").resolve())
-    cfg_path = folder / "config.yaml"
-    cfg_path.write_text(cfg.to_yaml())
     log_json = ctx.parent.params.get("log_json", False) if ctx.parent else False
-    job = LocalJob(cfg, folder, cfg_path, log_json=log_json, resume=str(folder) if resume else None)
-    on_stop_signals(job.request_stop)  # Ctrl-C, preemption (SIGTERM), a closed terminal (SIGHUP)
-    click.echo(f"run folder {folder}  mode={cfg.run.mode}  env={cfg.env.name}  model={cfg.model.family}  steps={total}")
-    metrics = open(folder / "metrics.jsonl", "a", buffering=1)
-    t0 = time.monotonic()
-    last: dict[str, Any] = {}
-    reason = "steps_reached"
-    run_id = ""
+    opts = RunOptions(config=config, steps=steps, overrides=overrides, run_dir=run_dir, bind=bind, pub=pub,
+                      resume=resume, keys_dir=keys_dir, record_dir=record_dir, record_slots=record_slots,
+                      gpus=gpus, log_json=log_json)
     try:
-        job.start_broker(bind, pub)
-        run_id = json.loads((folder / "broker.json").read_text())["run_id"]
-        job.start_all()
-        next_print = next_curves = next_check = time.monotonic()
-        while True:
-            if job.stop_requested:
-                reason = "interrupted"
-                break
-            dead = [p for p in [job.broker_proc, *job.workers] if p.poll() is not None]
-            if dead:
-                reason = f"process_exited(code={dead[0].returncode})"
-                break
-            now = time.monotonic()
-            if now >= next_check:  # the step count, often; progress every progress_every_s
-                next_check = now + STEPS_CHECK_EVERY_S
-                try:
-                    fig = job.status()
-                except TimeoutError:
-                    continue
-                last = fig
-                done = fig["env_steps"] >= total
-                if done or now >= next_print:
-                    next_print = now + cfg.run.progress_every_s
-                    row = progress_row(fig, now - t0)
-                    metrics.write(json.dumps(row) + "\n")
-                    click.echo(progress_line(row))
-                    if now >= next_curves:
-                        next_curves = now + CURVES_EVERY_S
-                        write_curves(folder / "metrics.jsonl", folder / "curves.png")
-                if done:
-                    break
-            time.sleep(0.1)  # the controller only polls STATUS; nothing waits on this
-    except JobInterrupted:
-        reason = "interrupted"
-    finally:
-        job.stop()
-        metrics.close()
-        write_curves(folder / "metrics.jsonl", folder / "curves.png")
-        leftovers = segments_of_run(run_id) if run_id else []
-        summary = {"run_dir": str(folder), "reason": reason, "seconds": round(time.monotonic() - t0, 1),
-                   "shm_leftovers": len(leftovers), **(progress_row(last, time.monotonic() - t0) if last else {})}
-        if cfg.run.record_dir:
-            summary["dataset"] = _write_recording(cfg)
-        (folder / "summary.json").write_text(json.dumps(summary, indent=1))
-        click.echo(json.dumps(summary))
-    if reason.startswith("process_exited"):
-        raise click.ClickException(f"a process exited early; logs are in {folder}")
-
-
-def _write_recording(cfg: Any) -> dict[str, Any]:
-    """The run's staged episodes as a LeRobot dataset (a failure is reported, not raised: the
-    staged episodes stay and the run's summary is still written)."""
-    from workers.lerobot_dataset import write_dataset
-
-    try:
-        return write_dataset(cfg.run.record_dir, robot_type=cfg.env.name)
-    except Exception as exc:  # noqa: BLE001 - reported in the summary, the staging files remain
-        log.error("dataset_write_failed", error=repr(exc))
-        return {"dataset": cfg.run.record_dir, "error": repr(exc)}
+        controller = RunController.prepare(opts, echo=click.echo)
+    except RunRefused as exc:
+        raise click.ClickException(str(exc)) from None
+    if controller.run().startswith("process_exited"):
+        raise click.ClickException(f"a process exited early; logs are in {controller.folder}")
 
 
 # ---------------------------------------------------------------------------------------------
@@ -431,8 +310,6 @@ def export(run_dir: str, fmt: str, out_dir: str) -> None:
         raise click.ClickException(str(exc)) from None
     click.echo(json.dumps(summary))
 
-
-from rlvla3.eval_cmd import eval_command  # noqa: E402  (a command of its own module)
 
 main.add_command(eval_command)
 

@@ -36,7 +36,7 @@ from typing import Any, Callable
 
 import structlog
 
-from rlvla3.launch import spawn
+from rlvla3.app.launch import spawn
 
 log = structlog.get_logger()
 
@@ -130,7 +130,7 @@ class NetnsHosts:
 
     def spawn(self, host: Host, args: list[str], log_path: Path | None = None,
               env: dict[str, str] | None = None) -> subprocess.Popen:
-        """Start ``rlvla3 ARGS`` on ``host`` (``rlvla3.launch.spawn`` inside its namespaces)."""
+        """Start ``rlvla3 ARGS`` on ``host`` (``rlvla3.app.launch.spawn`` inside its namespaces)."""
         enter = ["nsenter", "-t", str(host.holder.pid), "--net", "--mount", "--uts", "--"]
         proc = spawn(args, log_path, env, wrap=enter)
         host.procs.append(proc)
@@ -231,7 +231,7 @@ class NetnsJob:
         return self.hosts.spawn(h, args, self.folder / f"{name}.log")
 
     def status(self, timeout_s: float = 10.0) -> dict[str, Any]:
-        from rlvla3.launch import request_status
+        from rlvla3.app.launch import request_status
 
         return self.hosts.call_in(self.hosts.hosts["head"],
                                   lambda: request_status(self.url, timeout_s, keys_dir=str(self.keys), key_name="client"),

@@ -39,7 +39,7 @@ def spawn(args: list[str], log_path: Path | None = None, env: dict[str, str] | N
     structlog stream) goes to ``log_path``. Main thread only. The child gets its own session, so
     a terminal's Ctrl-C or hang-up reaches only this launcher, which then stops its children in
     order (:func:`stop_processes`). ``wrap`` prefixes the command with one that execs it (e.g.
-    ``nsenter ... --``, ``rlvla3/netns.py``), so the pid is still the rlvla3 process's."""
+    ``nsenter ... --``, ``rlvla3/harness/netns.py``), so the pid is still the rlvla3 process's."""
     out = open(log_path, "ab") if log_path else None
     proc = subprocess.Popen(
         [*wrap, *python_cmd(*args)], stdout=out or subprocess.DEVNULL, stderr=subprocess.STDOUT if out else None,

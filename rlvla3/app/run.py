@@ -1,0 +1,221 @@
+"""``rlvla3 run``'s controller: the run folder and its config, the job on this machine, the progress
+it shows while it goes, and the summary it leaves.
+
+The command line only gathers options into :class:`RunOptions`; :meth:`RunController.prepare`
+turns them into a config and a folder (or refuses with a :class:`RunRefused` that names the
+option), and :meth:`RunController.run` starts the job and follows it until the step count, a stop
+signal or a process that dies.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+from dataclasses import dataclass
+from datetime import datetime
+from pathlib import Path
+from typing import Any, Callable
+
+import structlog
+
+from rlvla3.app.launch import JobInterrupted, LocalJob
+from rlvla3.app.progress import CURVES_EVERY_S, progress_line, progress_row, write_curves
+from rlvla3.auth import AuthError, check_bind
+from rlvla3.config import ConfigError, JobConfig, load
+from rlvla3.lifetime import on_stop_signals
+from rlvla3.scale_config import gpu_overrides
+from rlvla3.shm import segments_of_run
+
+log = structlog.get_logger()
+
+STEPS_CHECK_EVERY_S = 0.25
+"""How often ``rlvla3 run`` asks the broker whether ``--steps`` is reached (it stops within this
+of the count, not within ``run.progress_every_s``)."""
+
+
+class RunRefused(Exception):
+    """An option or config that cannot start a run; the message names it."""
+
+
+@dataclass
+class RunOptions:
+    """What ``rlvla3 run`` was asked for (its command-line options)."""
+
+    config: str | None = None
+    steps: int | None = None
+    overrides: tuple[str, ...] = ()
+    run_dir: str | None = None
+    bind: str = "tcp://127.0.0.1:0"
+    pub: str = "tcp://127.0.0.1:0"
+    resume: str | None = None
+    keys_dir: str | None = None
+    record_dir: str | None = None
+    record_slots: str | None = None
+    gpus: tuple[str, ...] = ()
+    log_json: bool = False
+
+
+def load_config(config: str | None, overrides: tuple[str, ...], gpus: tuple[str, ...] = ()) -> JobConfig:
+    """The job config with ``--set`` and ``--gpus`` applied; a bad key is a :class:`RunRefused`."""
+    try:
+        return load(config, overrides + gpu_overrides(gpus))
+    except ConfigError as exc:
+        raise RunRefused(str(exc)) from None
+
+
+def require_simulator(cfg: JobConfig) -> None:
+    """Fail before starting anything when the job's simulator is not installed here: an env
+    adapter module may define ``require_installed()``, which raises ModuleNotFoundError with
+    install instructions (Meta-World's does)."""
+    from workers.envs.base import require_simulator as check
+
+    try:
+        check(cfg.env.name)
+    except ModuleNotFoundError as exc:
+        raise RunRefused(f"env {cfg.env.name!r}: {exc}") from None
+
+
+class RunController:
+    """One ``rlvla3 run``: a prepared config and folder, then the job followed to its end."""
+
+    def __init__(self, cfg: JobConfig, folder: Path, opts: RunOptions, echo: Callable[[str], None] = print) -> None:
+        self.cfg = cfg
+        self.folder = folder
+        self.opts = opts
+        self.echo = echo
+        self.total = opts.steps or cfg.run.total_env_steps
+        self.last: dict[str, Any] = {}
+        """The newest STATUS figures (the summary's last progress row)."""
+
+    @classmethod
+    def prepare(cls, opts: RunOptions, echo: Callable[[str], None] = print) -> "RunController":
+        """The config (the resumed run's own, or CONFIG with --set/--gpus), the run folder, the
+        recording and key settings, and the behaviour-cloning warm start when the config asks."""
+        if opts.resume:
+            from workers.checkpoint import latest_checkpoint
+
+            if opts.config or opts.overrides or opts.run_dir:
+                raise RunRefused("--resume continues a run with its own config and folder: drop CONFIG, --set and --run-dir")
+            folder = Path(opts.resume)
+            if latest_checkpoint(folder) is None:
+                raise RunRefused(f"--resume {opts.resume}: no checkpoint under {folder / 'checkpoints'}")
+            cfg = load_config(str(folder / "config.yaml"), ())
+        else:
+            cfg = load_config(opts.config, opts.overrides, opts.gpus)
+            stamp = datetime.now().strftime("%Y%m%d-%H%M%S")
+            folder = Path(opts.run_dir) if opts.run_dir else Path(cfg.run.run_dir) / f"{cfg.run.name}-{stamp}"
+        require_simulator(cfg)
+        if opts.record_dir:
+            from workers.lerobot_dataset import require_pyarrow
+
+            try:
+                require_pyarrow()
+                cfg.run.record_slots = [int(x) for x in opts.record_slots.split(",")] if opts.record_slots else []
+            except (ModuleNotFoundError, ValueError) as exc:
+                raise RunRefused(f"--record: {exc}") from None
+            cfg.run.record_dir = str(Path(opts.record_dir).resolve())
+        if opts.keys_dir:
+            cfg.broker.keys_dir = str(Path(opts.keys_dir).resolve())
+        if cfg.broker.keys_dir:
+            try:
+                check_bind([opts.bind, opts.pub], cfg.broker.keys_dir, False, False)
+            except AuthError as exc:
+                raise RunRefused(str(exc)) from None
+        folder.mkdir(parents=True, exist_ok=True)
+        controller = cls(cfg, folder, opts, echo)
+        if not opts.resume and cfg.run.sft_episodes > 0 and not cfg.model.checkpoint:
+            controller.warm_start()
+        return controller
+
+    def warm_start(self) -> None:
+        """Clone the scripted expert into ``sft/`` and start RL from it."""
+        from workers.sft import run_sft
+
+        cfg, out = self.cfg, self.folder / "sft"
+        self.echo(f"warm start: cloning {cfg.run.sft_episodes} scripted-expert episodes into {out}")
+        fig = run_sft(cfg, out, episodes=cfg.run.sft_episodes, epochs=cfg.run.sft_epochs)
+        self.echo(f"warm start: deterministic success {fig['success_before']} -> {fig['success_after']}")
+        cfg.model.checkpoint = str(out.resolve())
+
+    def run(self) -> str:
+        """Start the job, follow it, stop it, write the summary; returns why it ended
+        (``steps_reached``, ``interrupted`` or ``process_exited(code=N)``)."""
+        cfg, folder = self.cfg, self.folder
+        cfg_path = folder / "config.yaml"
+        cfg_path.write_text(cfg.to_yaml())
+        job = LocalJob(cfg, folder, cfg_path, log_json=self.opts.log_json, resume=str(folder) if self.opts.resume else None)
+        on_stop_signals(job.request_stop)  # Ctrl-C, preemption (SIGTERM), a closed terminal (SIGHUP)
+        self.echo(f"run folder {folder}  mode={cfg.run.mode}  env={cfg.env.name}  model={cfg.model.family}  steps={self.total}")
+        t0 = time.monotonic()
+        reason = "steps_reached"
+        run_id = ""
+        metrics = open(folder / "metrics.jsonl", "a", buffering=1)
+        try:
+            job.start_broker(self.opts.bind, self.opts.pub)
+            run_id = json.loads((folder / "broker.json").read_text())["run_id"]
+            job.start_all()
+            reason = self.follow(job, metrics, t0)
+        except JobInterrupted:
+            reason = "interrupted"
+        finally:
+            job.stop()
+            metrics.close()
+            self.summarise(reason, run_id, t0)
+        return reason
+
+    def follow(self, job: LocalJob, metrics: Any, t0: float) -> str:
+        """Poll STATUS until the step count is reached, a stop is asked or a process dies; write a
+        metrics row and a progress line every ``run.progress_every_s``, the curves every
+        ``CURVES_EVERY_S``."""
+        next_print = next_curves = next_check = time.monotonic()
+        while True:
+            if job.stop_requested:
+                return "interrupted"
+            dead = [p for p in [job.broker_proc, *job.workers] if p.poll() is not None]
+            if dead:
+                return f"process_exited(code={dead[0].returncode})"
+            now = time.monotonic()
+            if now >= next_check:  # the step count, often; progress every progress_every_s
+                next_check = now + STEPS_CHECK_EVERY_S
+                try:
+                    fig = job.status()
+                except TimeoutError:
+                    continue
+                self.last = fig
+                done = fig["env_steps"] >= self.total
+                if done or now >= next_print:
+                    next_print = now + self.cfg.run.progress_every_s
+                    row = progress_row(fig, now - t0)
+                    metrics.write(json.dumps(row) + "\n")
+                    self.echo(progress_line(row))
+                    if now >= next_curves:
+                        next_curves = now + CURVES_EVERY_S
+                        write_curves(self.folder / "metrics.jsonl", self.folder / "curves.png")
+                if done:
+                    return "steps_reached"
+            time.sleep(0.1)  # the controller only polls STATUS; nothing waits on this
+
+    def summarise(self, reason: str, run_id: str, t0: float) -> dict[str, Any]:
+        """Final curves, the recording (when asked) and ``summary.json``, echoed as one JSON line."""
+        folder = self.folder
+        write_curves(folder / "metrics.jsonl", folder / "curves.png")
+        leftovers = segments_of_run(run_id) if run_id else []
+        elapsed = time.monotonic() - t0
+        summary = {"run_dir": str(folder), "reason": reason, "seconds": round(elapsed, 1),
+                   "shm_leftovers": len(leftovers), **(progress_row(self.last, elapsed) if self.last else {})}
+        if self.cfg.run.record_dir:
+            summary["dataset"] = self.write_recording()
+        (folder / "summary.json").write_text(json.dumps(summary, indent=1))
+        self.echo(json.dumps(summary))
+        return summary
+
+    def write_recording(self) -> dict[str, Any]:
+        """The run's staged episodes as a LeRobot dataset (a failure is reported, not raised: the
+        staged episodes stay and the run's summary is still written)."""
+        from workers.lerobot_dataset import write_dataset
+
+        try:
+            return write_dataset(self.cfg.run.record_dir, robot_type=self.cfg.env.name)
+        except Exception as exc:  # noqa: BLE001 - reported in the summary, the staging files remain
+            log.error("dataset_write_failed", error=repr(exc))
+            return {"dataset": self.cfg.run.record_dir, "error": repr(exc)}
