@@ -1,17 +1,12 @@
-"""The rlvla3 wire protocol: every constant, limit and message type, then one codec.
+"""The rlvla3 wire protocol: every constant, limit and message type, then the message codec.
 
 A message is a multipart ZeroMQ message ``[header, *tensor frames]`` (after the ROUTER's identity
 frame, which the socket adds and strips). The header is a msgpack map:
 
     {"v": PROTOCOL_VERSION, "type": "OBS", ...fields..., "tensors": [desc, ...]}
 
-and each tensor descriptor is an array, by position (a map's keys cost the broker a third of
-an OBS's decode, and every request carries two descriptors):
-
-    [name: str, dtype: str, shape: [int, ...], "inline"]
-        -> its bytes are the next unused frame, sent zero-copy;
-    [name: str, dtype: str, shape: [int, ...], "shm", seg: str, offset: int, nbytes: int, host: str]
-        -> its bytes live in the named shared-memory segment on ``host``.
+and each tensor descriptor says where that tensor's bytes are: in the next frame, or in a
+shared-memory segment (the tensor codec, ``rlvla3/tensors.py``).
 
 Message types and who sends them (``->B`` = to the broker, ``B->`` = from the broker):
 
@@ -45,15 +40,39 @@ Nothing here unpickles; decoding validates before anything reads a field.
 
 from __future__ import annotations
 
-import math
 import threading
 from dataclasses import dataclass, field
-from typing import Any, Callable, Sequence
+from typing import Any, Sequence
 
 import msgpack
-import numpy as np
 
 from rlvla3 import fields as F
+from rlvla3.protocol_errors import (  # noqa: F401 - the wire's error vocabulary, read as P.E_*
+    E_AUTH,
+    E_FIELD,
+    E_LIMIT,
+    E_MALFORMED,
+    E_OVERSIZE,
+    E_ROLE,
+    E_STATE,
+    E_TENSOR,
+    E_TYPE,
+    E_VERSION,
+    ProtocolError,
+)
+from rlvla3.tensors import (  # noqa: F401 - the tensor types and helpers every peer reads as P.*
+    MAX_NAME_LEN,
+    SHM_PREFIX,
+    InlineTensor,
+    ShmRef,
+    as_numpy,
+    bytes_of,
+    decode_tensors,
+    describe,
+    dtype_name,
+    inline_array,
+    row_slicer,
+)
 
 # ---------------------------------------------------------------------------------------------
 # Constants and limits
@@ -98,10 +117,6 @@ MAX_HEADER_BYTES = 4 * 1024 * 1024
 MAX_FRAMES = 8192
 MAX_MESSAGE_BYTES = 2 * 1024**3 - 1
 """ZMQ_MAXMSGSIZE on every socket that receives from peers: one frame can never exceed it."""
-MAX_TENSOR_DIMS = 8
-MAX_NAME_LEN = 256
-MAX_SHM_OFFSET = 2**40
-"""No shared-memory segment is larger than 1 TiB: offsets and sizes beyond it are hostile."""
 SOCKET_HWM = 10_000
 LINGER_MS = 500
 
@@ -110,29 +125,6 @@ MAX_BUNDLE_PARTS = 256
 holds the broker's loop from its timers (256 OBS, about 10 ms)."""
 MAX_BUNDLE_BYTES = 64 * 1024**2
 """A bundle stops growing at this many bytes; a bigger message goes alone."""
-
-ZERO_COPY_MIN_BYTES = 64 * 1024
-"""Below this, pyzmq's zero-copy send costs more than it saves; copy instead."""
-
-DTYPES = (
-    "bool", "uint8", "int8", "int16", "uint16", "int32", "int64",
-    "float16", "bfloat16", "float32", "float64",
-)
-"""bfloat16 travels as raw 2-byte words (numpy has no bf16); torch views it back."""
-
-SHM_PREFIX = "rlvla3_"
-
-# Error codes carried by ERROR messages.
-E_MALFORMED = "malformed"
-E_VERSION = "version"
-E_TYPE = "unknown_type"
-E_OVERSIZE = "oversize"
-E_FIELD = "bad_field"
-E_TENSOR = "bad_tensor"
-E_STATE = "out_of_order"
-E_ROLE = "wrong_role"
-E_AUTH = "unauthorized"  # a key, segment or identity this peer may not use
-E_LIMIT = "over_limit"  # a per-peer cap (broker.max_peer_*) or a request no batch can hold
 
 # Every header field of every message type: name -> spec (rlvla3/fields.py). ``required`` must
 # be present; the others are checked when present. Both directions of a type share one entry.
@@ -204,104 +196,6 @@ BROKER_PRIVATE = ("attempts", "admitted")
 _FAST = {t: F.compile_check(req, opt, ("v", "type", "tensors")) for t, (req, opt) in SCHEMA.items()}
 
 
-class ProtocolError(ValueError):
-    """A message that must be answered with ERROR and dropped."""
-
-    def __init__(self, code: str, reason: str) -> None:
-        super().__init__(f"{code}: {reason}")
-        self.code = code
-        self.reason = reason
-
-
-# ---------------------------------------------------------------------------------------------
-# Tensors
-# ---------------------------------------------------------------------------------------------
-
-
-@dataclass(slots=True, unsafe_hash=True)
-class ShmRef:
-    """Where a tensor's bytes live in a shared-memory segment (no bytes travel). Never changed;
-    not ``frozen``: a frozen dataclass's init costs 1 us, per tensor of every OBS the broker reads."""
-
-    seg: str
-    offset: int
-    nbytes: int
-    dtype: str
-    shape: tuple[int, ...]
-    host: str
-
-    def descriptor(self, name: str) -> list[Any]:
-        return [name, self.dtype, self.shape, "shm", self.seg, self.offset, self.nbytes, self.host]
-
-
-@dataclass(slots=True)
-class InlineTensor:
-    """A tensor whose bytes arrived as a frame (a zero-copy buffer of the received message)."""
-
-    dtype: str
-    shape: tuple[int, ...]
-    buffer: Any  # bytes / memoryview / zmq.Frame buffer
-
-    @property
-    def nbytes(self) -> int:
-        return math.prod(self.shape) * _itemsize(self.dtype)
-
-
-def row_slicer(t: InlineTensor | ShmRef) -> Callable[[int, int], InlineTensor | ShmRef]:
-    """For a tensor stacked along its first axis, ``rows(start, count)``: those rows without a
-    copy (a view of the frame, or a reference further into the segment). Made once per tensor,
-    called once per request: what a RESULT's slicing costs per request is one small object."""
-    row = t.nbytes // t.shape[0] if t.shape[0] else 0
-    dtype, tail = t.dtype, tuple(t.shape[1:])
-    if type(t) is ShmRef:
-        seg, offset, host = t.seg, t.offset, t.host
-        return lambda start, count: ShmRef(seg, offset + start * row, count * row, dtype, (count, *tail), host)
-    buf = memoryview(t.buffer)
-    return lambda start, count: InlineTensor(dtype, (count, *tail), buf[start * row:(start + count) * row])
-
-
-_ITEMSIZE = {d: 2 if d == "bfloat16" else np.dtype(d).itemsize for d in DTYPES}
-_itemsize = _ITEMSIZE.__getitem__  # bytes per item of a wire dtype
-
-
-def _np_dtype(dtype: str) -> np.dtype:
-    return np.dtype(np.uint16) if dtype == "bfloat16" else np.dtype(dtype)
-
-
-def dtype_name(arr: Any) -> str:
-    """The wire name of a numpy array's or torch tensor's dtype."""
-    d = getattr(arr, "dtype", None)
-    s = str(d)
-    if s.startswith("torch."):
-        s = s[len("torch."):]
-    if s not in DTYPES:
-        raise ProtocolError(E_TENSOR, f"dtype {s} cannot travel; allowed: {DTYPES}")
-    return s
-
-
-def as_numpy(arr: Any) -> np.ndarray:
-    """A contiguous numpy view of a numpy array or CPU torch tensor (bf16 as raw uint16)."""
-    if isinstance(arr, np.ndarray):
-        return np.ascontiguousarray(arr)
-    import torch  # local: the codec must not need torch to decode
-
-    if isinstance(arr, torch.Tensor):
-        t = arr.detach()
-        if t.device.type != "cpu":
-            t = t.cpu()
-        t = t.contiguous()
-        if t.dtype == torch.bfloat16:
-            return t.view(torch.uint16).numpy() if hasattr(torch, "uint16") else t.view(torch.int16).numpy().view(np.uint16)
-        return t.numpy()
-    return np.ascontiguousarray(np.asarray(arr))
-
-
-def inline_array(t: InlineTensor) -> np.ndarray:
-    """A read-only numpy view over an inline tensor's frame (no copy)."""
-    arr = np.frombuffer(t.buffer, dtype=_np_dtype(t.dtype), count=math.prod(t.shape))
-    return arr.reshape(t.shape)
-
-
 # ---------------------------------------------------------------------------------------------
 # Messages
 # ---------------------------------------------------------------------------------------------
@@ -342,20 +236,7 @@ def encode(msg_type: str, fields: dict[str, Any] | None = None, tensors: dict[st
     if msg_type not in SCHEMA:  # a dict: every type has its entry
         raise ProtocolError(E_TYPE, f"unknown message type {msg_type!r}")
     header: dict[str, Any] = {"v": PROTOCOL_VERSION, "type": msg_type, **(fields or {})}
-    descs: list[list[Any]] = []
-    frames: list[Any] = []
-    for name, value in (tensors or {}).items():
-        if type(value) is ShmRef:
-            descs.append(value.descriptor(name))
-            continue
-        if type(value) is InlineTensor:
-            descs.append([name, value.dtype, value.shape, "inline"])
-            frames.append(value.buffer)
-            continue
-        dt = dtype_name(value)
-        arr = as_numpy(value)
-        descs.append([name, dt, arr.shape, "inline"])
-        frames.append(arr.data if arr.nbytes >= ZERO_COPY_MIN_BYTES else arr.tobytes())
+    descs, frames = describe(tensors or {})
     header["tensors"] = descs
     return [pack_header(header), *frames]
 
@@ -366,7 +247,7 @@ def decode(frames: Sequence[Any]) -> Message:
         raise ProtocolError(E_MALFORMED, "empty message")
     if len(frames) > MAX_FRAMES:
         raise ProtocolError(E_OVERSIZE, f"{len(frames)} frames > {MAX_FRAMES}")
-    raw = _bytes_of(frames[0])
+    raw = bytes_of(frames[0])
     if len(raw) > MAX_HEADER_BYTES:
         raise ProtocolError(E_OVERSIZE, f"header of {len(raw)} bytes > {MAX_HEADER_BYTES}")
     try:
@@ -386,7 +267,10 @@ def decode(frames: Sequence[Any]) -> Message:
         if sum(header["parts"]) != len(frames) - 1:
             raise ProtocolError(E_FIELD, f"BUNDLE: parts of {sum(header['parts'])} frames, {len(frames) - 1} sent")
         return Message(type=BUNDLE, header=header)
-    tensors = _decode_tensors(header.get("tensors", []), frames[1:])
+    descs = header.get("tensors", [])
+    if type(descs) is list and len(descs) > MAX_FRAMES:
+        raise ProtocolError(E_OVERSIZE, f"{len(descs)} tensors > {MAX_FRAMES}")
+    tensors = decode_tensors(descs, frames[1:])
     return Message(type=msg_type, header=header, tensors=tensors)
 
 
@@ -424,66 +308,6 @@ def _check_fields(msg_type: str, header: dict[str, Any]) -> None:
                 F.checked_int(count, 0, F.MAX_ID, f"stats.staleness_counts[{key}]")
     except F.FieldError as err:
         raise ProtocolError(E_FIELD, f"{msg_type}: {err}") from None
-
-
-def _bytes_of(frame: Any) -> bytes | memoryview:
-    if isinstance(frame, (bytes, bytearray, memoryview)):
-        return frame
-    buf = getattr(frame, "buffer", None)  # zmq.Frame
-    if buf is not None:
-        return buf
-    raise ProtocolError(E_MALFORMED, f"frame of type {type(frame).__name__}")
-
-
-def _decode_tensors(descs: Any, frames: Sequence[Any]) -> dict[str, InlineTensor | ShmRef]:
-    if type(descs) is not list:
-        raise ProtocolError(E_TENSOR, "tensors is not a list")
-    if len(descs) > MAX_FRAMES:
-        raise ProtocolError(E_OVERSIZE, f"{len(descs)} tensors > {MAX_FRAMES}")
-    out: dict[str, InlineTensor | ShmRef] = {}
-    next_frame = 0
-    for d in descs:
-        if type(d) is not list or len(d) not in (4, 8):
-            raise ProtocolError(E_TENSOR, "tensor descriptor is not [name, dtype, shape, where, ...]")
-        name, dtype, shape, where = d[0], d[1], d[2], d[3]
-        if type(name) is not str or not name or len(name) > MAX_NAME_LEN or name in out:
-            raise ProtocolError(E_TENSOR, f"tensor name {str(name)[:64]!r}: missing, too long or twice")
-        itemsize = _ITEMSIZE.get(dtype) if type(dtype) is str else None
-        if itemsize is None:
-            raise ProtocolError(E_TENSOR, f"tensor {name!r}: dtype {dtype!r} not allowed")
-        if type(shape) is not list or len(shape) > MAX_TENSOR_DIMS:
-            raise ProtocolError(E_TENSOR, f"tensor {name!r}: bad shape {shape!r}")
-        nbytes = itemsize
-        for dim in shape:  # exact ints (not bools), each in [0, 2^31)
-            if type(dim) is not int or not 0 <= dim < 2**31:
-                raise ProtocolError(E_TENSOR, f"tensor {name!r}: bad shape {shape!r}")
-            nbytes *= dim
-        if nbytes > MAX_SHM_OFFSET:
-            raise ProtocolError(E_TENSOR, f"tensor {name!r}: {nbytes} bytes is more than any segment")
-        if where == "shm" and len(d) == 8:
-            seg, offset, nb, host = d[4], d[5], d[6], d[7]
-            if type(seg) is not str or not seg.startswith(SHM_PREFIX) or len(seg) > MAX_NAME_LEN or "/" in seg:
-                raise ProtocolError(E_TENSOR, f"tensor {name!r}: bad segment name {seg!r}")
-            if type(offset) is not int or not 0 <= offset <= MAX_SHM_OFFSET:
-                raise ProtocolError(E_TENSOR, f"tensor {name!r}: bad offset {offset!r}")
-            if type(nb) is not int or nb != nbytes:
-                raise ProtocolError(E_TENSOR, f"tensor {name!r}: nbytes {nb!r} != shape's {nbytes}")
-            if type(host) is not str or not host or len(host) > MAX_NAME_LEN:
-                raise ProtocolError(E_TENSOR, f"tensor {name!r}: shm descriptor without host")
-            out[name] = ShmRef(seg, offset, nbytes, dtype, tuple(shape), host)
-        elif where == "inline" and len(d) == 4:
-            if next_frame >= len(frames):
-                raise ProtocolError(E_TENSOR, f"tensor {name!r}: no frame left for it")
-            buf = _bytes_of(frames[next_frame])
-            next_frame += 1
-            if len(buf) != nbytes:
-                raise ProtocolError(E_TENSOR, f"tensor {name!r}: frame has {len(buf)} bytes, shape needs {nbytes}")
-            out[name] = InlineTensor(dtype=dtype, shape=tuple(shape), buffer=buf)
-        else:
-            raise ProtocolError(E_TENSOR, f"tensor {name!r}: where={str(where)[:32]!r} with {len(d)} items")
-    if next_frame != len(frames):
-        raise ProtocolError(E_TENSOR, f"{len(frames) - next_frame} frame(s) not described by the header")
-    return out
 
 
 def error_frames(code: str, reason: str, ref_type: str | None = None) -> list[Any]:

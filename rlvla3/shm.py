@@ -32,7 +32,7 @@ import structlog
 
 from rlvla3.lifetime import add_exit_cleanup
 from rlvla3.observation import Observation
-from rlvla3.protocol import SHM_PREFIX, InlineTensor, ShmRef, _itemsize, _np_dtype, as_numpy, dtype_name, inline_array
+from rlvla3.tensors import SHM_PREFIX, InlineTensor, ShmRef, as_numpy, dtype_name, inline_array, itemsize, np_dtype
 
 log = structlog.get_logger()
 
@@ -212,10 +212,10 @@ class ShmPool(OwnedSegment):
 
     def view(self, offset: int, dtype: str, shape: tuple[int, ...]) -> np.ndarray:
         count = math.prod(shape)
-        return np.ndarray(shape, dtype=_np_dtype(dtype), buffer=self.shm.buf, offset=offset) if count else np.empty(shape, _np_dtype(dtype))
+        return np.ndarray(shape, dtype=np_dtype(dtype), buffer=self.shm.buf, offset=offset) if count else np.empty(shape, np_dtype(dtype))
 
     def ref(self, offset: int, dtype: str, shape: tuple[int, ...]) -> ShmRef:
-        nbytes = math.prod(shape) * _itemsize(dtype)
+        nbytes = math.prod(shape) * itemsize(dtype)
         return ShmRef(seg=self.name, offset=offset, nbytes=nbytes, dtype=dtype, shape=tuple(shape), host=self.host)
 
     def put(self, arr: Any) -> ShmRef | None:
@@ -225,7 +225,7 @@ class ShmPool(OwnedSegment):
         off = self.alloc(a.nbytes)
         if off is None:
             return None
-        self.view(off, dt, a.shape)[...] = a.view(_np_dtype(dt)) if dt == "bfloat16" else a
+        self.view(off, dt, a.shape)[...] = a.view(np_dtype(dt)) if dt == "bfloat16" else a
         return self.ref(off, dt, a.shape)
 
     def put_many(self, tensors: dict[str, Any]) -> tuple[dict[str, ShmRef], list[int]] | None:
@@ -338,7 +338,7 @@ class ShmAttachments:
         seg = self._attach(ref.seg)
         if ref.offset + ref.nbytes > seg.size:
             raise ValueError(f"{ref.seg}: block {ref.offset}+{ref.nbytes} beyond segment size {seg.size}")
-        return np.ndarray(ref.shape, dtype=_np_dtype(ref.dtype), buffer=seg.buf, offset=ref.offset)
+        return np.ndarray(ref.shape, dtype=np_dtype(ref.dtype), buffer=seg.buf, offset=ref.offset)
 
     def materialize(self, value: InlineTensor | ShmRef, copy: bool = False) -> np.ndarray:
         """The numpy array behind a received tensor, from a frame or shared memory."""

@@ -32,7 +32,7 @@ from typing import Any, Iterable
 import numpy as np
 import xxhash
 
-from rlvla3.protocol import DTYPES, MAX_NAME_LEN, MAX_TENSOR_DIMS, _itemsize
+from rlvla3.tensors import DTYPES, MAX_NAME_LEN, MAX_TENSOR_DIMS, itemsize
 
 FROZEN = 0
 """Region of tensors written once (frozen parameters and buffers)."""
@@ -99,7 +99,7 @@ class Layout:
         ends = {True: 0, False: 0}
         delta_end = 0
         for name, dtype, shape, trainable in tensors:
-            nbytes = math.prod(shape) * _itemsize(dtype)
+            nbytes = math.prod(shape) * itemsize(dtype)
             off = ends[trainable]
             specs.append(TensorSpec(name, dtype, tuple(shape), trainable, off, nbytes))
             ends[trainable] = align(off + nbytes)
@@ -208,7 +208,7 @@ def _entry(item: Any, version: int, store_size: int | None) -> Entry:
         raise ManifestError(f"{name}: region {region!r} unknown")
     if not all(_is_int(v) and v >= 0 for v in (offset, nbytes, checksum, since)) or checksum >= 2**64:
         raise ManifestError(f"{name}: offset, nbytes, checksum and since must be non-negative integers")
-    if nbytes != math.prod(shape) * _itemsize(dtype):
+    if nbytes != math.prod(shape) * itemsize(dtype):
         raise ManifestError(f"{name}: nbytes {nbytes} does not match shape {shape} x {dtype}")
     if since > version or (region in SLOTS and since != version) or not isinstance(trainable, bool):
         raise ManifestError(f"{name}: since={since} does not fit version {version} in region {region}")

@@ -27,7 +27,7 @@ import numpy as np
 import structlog
 import torch
 
-from rlvla3.protocol import as_numpy, dtype_name
+from rlvla3.tensors import as_numpy, dtype_name
 from rlvla3.shm import host_id, sweep_leftovers
 from rlvla3.weights.announce import Announcement
 from rlvla3.weights.manifest import DELTA_SLOTS, FROZEN, SLOTS, Entry, Layout, Manifest, checksum, copy_many

@@ -28,7 +28,7 @@ from multiprocessing import shared_memory
 
 import numpy as np
 
-from rlvla3.protocol import SHM_PREFIX
+from rlvla3.tensors import SHM_PREFIX
 from rlvla3.shm import POISON, AttachedSegment, OwnedSegment, check_free_space, unmap
 from rlvla3.weights.manifest import REGIONS
 
