@@ -19,6 +19,7 @@ import structlog
 
 from brokers.adaptive import AdaptiveBatching, Bounds
 from brokers.admission import AdmissionController
+from brokers.holdings import PeerHoldings
 from brokers.ordering import get_ordering
 from brokers.outgoing import Out, ShmBridge, error
 from brokers.queue import BatchRule, GeneratorState, PendingRequest, RequestQueue, form_batches
@@ -42,12 +43,12 @@ class Batch:
 
 class Dispatcher:
     def __init__(self, cfg: JobConfig, registry: Registry, admission: AdmissionController, bridge: ShmBridge,
-                 stats: BrokerStats) -> None:
+                 stats: BrokerStats, holdings: PeerHoldings | None = None) -> None:
         self.registry = registry
         self.admission = admission
         self.bridge = bridge
         self.stats = stats
-        self.queue = RequestQueue(get_ordering(cfg.batching.ordering))
+        self.queue = RequestQueue(get_ordering(cfg.batching.ordering), holdings)
         self.timeout_s = cfg.batching.batch_timeout_s
         self.rule = BatchRule(cfg.batching.max_batch, cfg.batching.max_wait_ms / 1000.0, cfg.batching.assignment == "sticky")
         self.batching = cfg.batching

@@ -21,7 +21,9 @@ from __future__ import annotations
 from typing import Any
 
 FATES = ("trained", "stale", "discarded", "unreadable")
-"""What a trainer reports in TRAJ_ACK (TRAJ_ACK field: ``dropped_stale`` for stale)."""
+"""What a trainer reports in TRAJ_ACK."""
+FIELD_OF = {"trained": "trained", "stale": "dropped_stale", "discarded": "discarded", "unreadable": "unreadable"}
+"""Each fate's TRAJ_ACK field."""
 
 
 class AckLedger:
@@ -40,11 +42,14 @@ class AckLedger:
         else:
             self._held[trainer] = self._held.get(trainer, 0) + steps
 
-    def on_report(self, trainer: bytes, fates: dict[str, int]) -> None:
-        """A trainer's TRAJ_ACK: steps that met each fate since its previous report."""
+    def on_report(self, trainer: bytes, ack: dict[str, Any]) -> dict[str, int]:
+        """A trainer's TRAJ_ACK fields: steps that met each fate since its previous report.
+        Returns them by fate."""
+        fates = {fate: int(ack.get(field, 0)) for fate, field in FIELD_OF.items()}
         for fate, n in fates.items():
             self.reported[fate] += n
             self._held[trainer] = self._held.get(trainer, 0) - n
+        return fates
 
     def held(self, trainer: bytes) -> int:
         return self._held.get(trainer, 0)

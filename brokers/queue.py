@@ -14,12 +14,7 @@ import itertools
 from dataclasses import dataclass, field
 from typing import Any, Callable, Iterable, Iterator
 
-from rlvla3 import protocol as P
-
-
-def inline_bytes(tensors: dict[str, Any]) -> int:
-    """Bytes a message's tensors hold in the broker's memory (shared-memory ones hold none)."""
-    return sum(t.nbytes for t in tensors.values() if isinstance(t, P.InlineTensor))
+from brokers.holdings import PeerHoldings
 
 
 @dataclass(slots=True)
@@ -38,7 +33,7 @@ class PendingRequest:
     host: str = ""
     starts: int = 0  # envs in this request that begin a new episode
     attempts: int = 0  # batches of this request that failed on a generator
-    nbytes: int = 0  # bytes its inline tensors hold here (``inline_bytes``; none with shared memory)
+    nbytes: int = 0  # bytes its inline tensors hold here (``holdings.inline_bytes``; none with shared memory)
 
     @property
     def slot_key(self) -> tuple[bytes, int]:
@@ -67,12 +62,13 @@ class RequestQueue:
     insert in place; a batch taken from the front is one slice off it.
     """
 
-    def __init__(self, key: Callable[[PendingRequest], Any]) -> None:
+    def __init__(self, key: Callable[[PendingRequest], Any], holdings: PeerHoldings | None = None) -> None:
         self.key = key
+        self.holdings = holdings or PeerHoldings()
+        """Each simulator's queued requests and their bytes, shared with the trajectory router."""
         self._items: dict[int, PendingRequest] = {}  # seq -> request, in push order
         self._order: list[tuple[Any, int]] = []  # (key, seq) sorted: ties in push order
         self._seq = itertools.count()
-        self._held: dict[bytes, list[int]] = {}  # simulator -> [requests, inline bytes] queued
         self.envs = 0
         self.evals = 0  # evaluation requests queued (sync mode's barrier does not wait for them)
         self._in_order = True  # arrivals never decrease in push order: the first entry is the oldest
@@ -99,18 +95,7 @@ class RequestQueue:
     def _count(self, req: PendingRequest, sign: int) -> None:
         self.envs += sign * req.n
         self.evals += sign * bool(req.header.get("eval"))
-        held = self._held.get(req.sim)
-        if held is None:
-            held = self._held[req.sim] = [0, 0]
-        held[0] += sign
-        held[1] += sign * req.nbytes
-        if not held[0]:
-            del self._held[req.sim]
-
-    def held_by(self, sim: bytes) -> tuple[int, int]:
-        """How many requests ``sim`` has queued and the inline bytes they hold here."""
-        held = self._held.get(sim)
-        return (held[0], held[1]) if held else (0, 0)
+        self.holdings.request(req.sim, sign, req.nbytes)
 
     def oldest_arrival(self) -> float | None:
         """Asked every loop turn: the first entry's, unless a request was queued again."""

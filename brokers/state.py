@@ -7,9 +7,10 @@ the messages to send come out. ``brokers.broker`` is the socket shell around it.
     state.unsent(out)                         # the shell could not send ``out`` (peer gone/full)
 
 Sections, one module each: the worker registry (``registry``), dispatch and batching
-(``dispatch``), trajectories (``trajectories``), admission (``admission``), the latest weight
-announcement (``weights``: versions, never bytes), the alternating modes' turns (``pacing``).
-The sync barrier is here.
+(``dispatch``), trajectories and the fate of their steps (``trajectories``, ``ledger``),
+admission (``admission``), what each simulator holds here (``holdings``), the latest weight
+announcement (``weights``: versions, never bytes), the alternating modes' turns (``pacing``),
+the STATUS figures (``status``). The sync barrier is here.
 """
 
 from __future__ import annotations
@@ -21,24 +22,18 @@ import structlog
 from brokers import access
 from brokers.admission import AdmissionController
 from brokers.dispatch import Dispatcher
+from brokers.holdings import PeerHoldings, inline_bytes
 from brokers.outgoing import E_INTERNAL, Out, ShmBridge, error
 from brokers.pacing import Alternation
-from brokers.queue import inline_bytes
 from brokers.registry import Registry, Worker
 from brokers.stats import BrokerStats
+from brokers.status import StatusCache, job_figures
 from brokers.trajectories import TrajectoryRouter
 from brokers.weights import WeightsAnnouncements
 from rlvla3 import protocol as P
 from rlvla3.config import JobConfig
 
 log = structlog.get_logger()
-
-BLOCK_BYTES = 1024
-"""What one slot block's two descriptors cost the broker (measured: 140 MB for 131,072), counted
-against its simulator's ``broker.max_peer_bytes``."""
-
-STATUS_REFRESH_S = 0.25
-"""STATUS figures are built at most this often (percentiles at most once a second: ``brokers.stats``)."""
 
 
 class BrokerState:
@@ -54,9 +49,11 @@ class BrokerState:
         self.admission = AdmissionController(None if self.mode == "sync" else cfg.algo.max_staleness, cfg.algo.batch_steps)
         self._obs_window = self.admission.window(cfg.batching.max_batch)  # the largest OBS it can ever admit
         self.bridge = bridge or ShmBridge(host)
-        self.dispatcher = Dispatcher(cfg, self.registry, self.admission, self.bridge, self.stats)
+        b = cfg.broker
+        self.holdings = PeerHoldings(b.max_peer_requests, b.max_peer_trajs, b.max_peer_bytes)
+        self.dispatcher = Dispatcher(cfg, self.registry, self.admission, self.bridge, self.stats, self.holdings)
         self.trajs = TrajectoryRouter(self.registry, self.bridge, self.stats, grpo=cfg.algo.name == "grpo",
-                                      admission=self.admission, hold_steps=cfg.algo.batch_steps)
+                                      admission=self.admission, hold_steps=cfg.algo.batch_steps, holdings=self.holdings)
         self.weights = WeightsAnnouncements()
         self.curve = bool(cfg.broker.keys_dir)  # roles bound to key names (brokers.access)
         self.model_spec: tuple | None = None  # the tensors of the first accepted manifest
@@ -65,7 +62,7 @@ class BrokerState:
         self.trainer_version = 0
         self.pacing = Alternation(cfg.algo.batch_steps, enabled=self.mode != "async")
         self._last_hb = now
-        self._status: tuple[float, dict[str, Any], list[Any]] | None = None  # (built at, figures, frames)
+        self.status_cache = StatusCache()
 
     # =========================================================================================
     # Messages in
@@ -85,7 +82,7 @@ class BrokerState:
             except P.ProtocolError as err:
                 return self.reject(identity, err.code, err.reason, msg.type, now)
         if msg.type == P.STATUS:
-            return [self._status_reply(identity, now)]
+            return [self.status_cache.reply(identity, now, self.status)]
         if worker is None:
             return self.reject(identity, P.E_STATE, f"{msg.type} before READY: send READY first", msg.type, now)
         handler = self._HANDLERS.get(msg.type)
@@ -178,11 +175,8 @@ class BrokerState:
         if window is not None and h["n"] > window and not h.get("eval"):
             raise P.ProtocolError(P.E_LIMIT, f"OBS of {h['n']} envs: no admission window holds more than {window} "
                                              "(algo.max_staleness + 1) * algo.batch_steps")
-        queued, held = self.dispatcher.queue.held_by(w.identity)
-        if queued >= self.cfg.broker.max_peer_requests:
-            raise P.ProtocolError(P.E_LIMIT, f"{queued} requests of this simulator queued: broker.max_peer_requests")
         nbytes = inline_bytes(tensors)
-        self._check_bytes(w, held + nbytes)
+        self.holdings.admit_obs(w.identity, len(w.blocks), nbytes)
         self.dispatcher.on_obs(w, msg, now, nbytes, tensors)
         return []
 
@@ -190,8 +184,8 @@ class BrokerState:
         """An OBS's tensors by its slot block: an OBS that carries them (checked like any, by
         ``handle``) keeps them under the block's number; one that carries none names them. A
         simulator has at most two blocks per slot (the slot's front and back), all in shared
-        memory: the broker keeps references, never bytes. Each counts ``BLOCK_BYTES`` against the
-        peer's ``broker.max_peer_bytes`` (a peer claiming 65,536 slots could hold 140 MB here)."""
+        memory: the broker keeps references, never bytes. Each counts ``holdings.BLOCK_BYTES``
+        against the peer's ``broker.max_peer_bytes`` (a peer claiming 65,536 slots could hold 140 MB here)."""
         if not tensors:
             known = w.blocks.get(block)
             if known is None:
@@ -200,28 +194,13 @@ class BrokerState:
         if any(type(t) is not P.ShmRef for t in tensors.values()):
             raise P.ProtocolError(P.E_TENSOR, "a block's tensors are shared-memory references, not inline bytes")
         if block not in w.blocks:
-            most = 2 * max(w.slots, 1)
-            if len(w.blocks) >= most:
-                raise P.ProtocolError(P.E_LIMIT, f"more than {most} blocks (two per slot)")
-            self._check_bytes(w, self.dispatcher.queue.held_by(w.identity)[1] + BLOCK_BYTES)
+            self.holdings.admit_block(w.identity, len(w.blocks), w.slots)
         w.blocks[block] = tensors
         return tensors
 
-    def _check_bytes(self, w: Worker, held: int) -> None:
-        """``held``: this peer's queued requests' bytes here, with the new message's; its queued
-        fragments and its slot blocks count too."""
-        held += self.trajs.held_by(w.identity)[1] + len(w.blocks) * BLOCK_BYTES
-        if held > self.cfg.broker.max_peer_bytes:
-            raise P.ProtocolError(P.E_LIMIT, f"this peer's queued messages would hold {held} bytes at the broker: "
-                                             f"broker.max_peer_bytes={self.cfg.broker.max_peer_bytes}")
-
     def _on_traj(self, w: Worker, msg: P.Message, now: float) -> list[Out]:
-        waiting = self.trajs.held_by(w.identity)[0]
-        if waiting >= self.cfg.broker.max_peer_trajs:
-            raise P.ProtocolError(P.E_LIMIT, f"{waiting} fragments of this simulator wait for a trainer: "
-                                             "broker.max_peer_trajs")
         nbytes = inline_bytes(msg.tensors)
-        self._check_bytes(w, self.dispatcher.queue.held_by(w.identity)[1] + nbytes)
+        self.holdings.admit_traj(w.identity, len(w.blocks), nbytes)
         self.stats.traj_received += 1
         evaluating = bool(msg.get("eval"))
         if evaluating:
@@ -243,16 +222,12 @@ class BrokerState:
         return self.weights.on_snapshot(w.identity)
 
     def _on_traj_ack(self, w: Worker, msg: P.Message, now: float) -> list[Out]:
-        out = self.trajs.on_ack(w, msg)
-        dropped = int(msg.get("dropped_stale", 0))
-        discarded = int(msg.get("discarded", 0))  # never trained on, e.g. zero-variance GRPO groups
-        unreadable = int(msg.get("unreadable", 0))  # e.g. its shared memory went with its writer
-        self.stats.dropped_stale += dropped
-        self.stats.discarded += discarded
-        self.admission.on_discarded(dropped + discarded + unreadable)
+        out, fates = self.trajs.on_ack(w, msg)  # counted once, in the ledger
+        never_trained = fates["discarded"] + fates["unreadable"]  # e.g. zero-variance groups, memory gone with its writer
+        self.admission.on_discarded(fates["stale"] + never_trained)
         # Stale samples were taken into a batch and masked there (GRPO groups pruned before
         # that are covered by the trainer's TRAIN starved): only steps never taken count here.
-        self.pacing.on_given_up(discarded + unreadable)
+        self.pacing.on_given_up(never_trained)
         return out
 
     def _on_weights(self, w: Worker, msg: P.Message, now: float) -> list[Out]:
@@ -426,46 +401,9 @@ class BrokerState:
     # =========================================================================================
 
     def _on_tune(self, w: Worker, msg: P.Message, now: float) -> list[Out]:
-        self._status = None  # the client that changed the rule sees it in its next STATUS
+        self.status_cache.clear()
         return self.dispatcher.on_tune(w, msg, now)
 
-    def _status_reply(self, identity: bytes, now: float) -> Out:
-        """STATUS, answered from figures built and encoded at most every ``STATUS_REFRESH_S``:
-        between refreshes an answer costs the loop a send, whatever the job's size (a flood of
-        STATUS once stalled the loop for seconds; ``bench/status_flood.py`` measures it)."""
-        if self._status is None or now - self._status[0] >= STATUS_REFRESH_S:
-            fig = self.status(now)
-            self._status = (now, fig, P.encode(P.STATUS, {"figures": fig}))
-        return Out(identity, P.STATUS, {"figures": self._status[1]}, frames=self._status[2])
-
     def status(self, now: float) -> dict[str, Any]:
-        gens = self.dispatcher.generators
-        fig = self.stats.snapshot(now)
-        fig.update({
-            "run_id": self.run_id,
-            "mode": self.mode,
-            "workers": self.registry.counts(),
-            "slots": sum(w.slots for w in self.registry.of_role("simulator")),
-            "queue_depth": len(self.dispatcher.queue),
-            "queued_envs": self.dispatcher.queue.envs,
-            "batches_inflight": len(self.dispatcher.batches),
-            "trajs_pending": len(self.trajs.pending),
-            "trajs_inflight": len(self.trajs.out),
-            "policy_version": self.weights.version,
-            "trainer_version": self.trainer_version,
-            "training_pause": self.training_pause,
-            "pacing": self.pacing.figures(),
-            "admission_waits": self.admission.waits,
-            "admission": self.admission.figures(),
-            "acked_steps": self.trajs.ledger.figures(),
-            "batching": self.dispatcher.figures(),
-            "per_worker": [
-                {"name": w.name, "role": w.role, "worker_id": w.worker_id, "host": w.host, "pid": w.pid,
-                 "version": w.info.get("version"), "served": w.info.get("served"), "env_steps": w.info.get("env_steps"),
-                 "credits": gens[w.identity].credits if w.identity in gens else None,
-                 "inflight": len(gens[w.identity].inflight) if w.identity in gens else len(w.trajs_inflight),
-                 "frames": dict(w.frames)}
-                for w in self.registry
-            ],
-        })
-        return fig
+        """The live figures of the job (``brokers.status.job_figures``)."""
+        return job_figures(self, now)

@@ -95,8 +95,6 @@ class BrokerStats:
     traj_dropped: int = 0
     episodes: int = 0
     successes: int = 0
-    dropped_stale: int = 0
-    discarded: int = 0
     env_restarts: int = 0
     batch_size: HdrHistogram = field(default_factory=_hist)
     queue_wait_us: HdrHistogram = field(default_factory=_hist)
@@ -205,8 +203,6 @@ class BrokerStats:
                 "acked": self.traj_acked, "requeued": self.traj_requeued, "dropped": self.traj_dropped,
             },
             "episodes": self.episodes,
-            "dropped_stale": self.dropped_stale,
-            "discarded": self.discarded,
             "env_restarts": self.env_restarts,
             "max_loop_stall_ms": round(self.max_loop_stall_ms, 3),
             "loop_stall_ms_recent": round(self.recent_stall_ms(now), 3),

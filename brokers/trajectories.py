@@ -18,6 +18,7 @@ from typing import Any
 import structlog
 
 from brokers.admission import AdmissionController
+from brokers.holdings import PeerHoldings
 from brokers.ledger import AckLedger
 from brokers.outgoing import Out, ShmBridge
 from brokers.registry import Registry, Worker
@@ -35,12 +36,13 @@ class Trajectory:
     header: dict[str, Any]
     tensors: dict[str, Any]
     steps: int
-    nbytes: int = 0  # bytes its inline tensors hold here (``inline_bytes``; none with shared memory)
+    nbytes: int = 0  # bytes its inline tensors hold here (``holdings.inline_bytes``; none with shared memory)
 
 
 class TrajectoryRouter:
     def __init__(self, registry: Registry, bridge: ShmBridge, stats: BrokerStats, grpo: bool,
-                 admission: AdmissionController | None = None, hold_steps: int | None = None) -> None:
+                 admission: AdmissionController | None = None, hold_steps: int | None = None,
+                 holdings: PeerHoldings | None = None) -> None:
         self.registry = registry
         self.admission = admission
         self.bridge = bridge
@@ -54,32 +56,21 @@ class TrajectoryRouter:
         # Groups complete only with more fragments: GRPO trainers are not held back.
         self.hold_steps = None if grpo else hold_steps
         self._out_steps: dict[bytes, int] = {}  # trainer -> training steps delivered, not acked
-        self._queued: dict[bytes, list[int]] = {}  # simulator -> [fragments, inline bytes] in pending
+        self.holdings = holdings or PeerHoldings()  # each simulator's fragments in pending, and their bytes
 
     def _enqueue(self, traj: Trajectory, front: bool = False) -> None:
         (self.pending.appendleft if front else self.pending.append)(traj)
-        held = self._queued.setdefault(traj.sim, [0, 0])
-        held[0] += 1
-        held[1] += traj.nbytes
+        self.holdings.fragment(traj.sim, 1, traj.nbytes)
 
     def _left(self, traj: Trajectory) -> None:
         """A fragment left the queue for good (sent or dropped)."""
-        held = self._queued[traj.sim]
-        held[0] -= 1
-        held[1] -= traj.nbytes
-        if held[0] == 0:
-            del self._queued[traj.sim]
+        self.holdings.fragment(traj.sim, -1, traj.nbytes)
 
     def on_traj(self, w: Worker, msg: P.Message, nbytes: int) -> None:
         self._next_gid += 1
         w.count_frames(msg.tensors)
         self._enqueue(Trajectory(self._next_gid, w.identity, msg["traj_id"], msg.header, msg.tensors, msg["steps"],
                                  nbytes))
-
-    def held_by(self, sim: bytes) -> tuple[int, int]:
-        """How many of ``sim``'s fragments wait for a trainer and the inline bytes they hold."""
-        count, nbytes = self._queued.get(sim, (0, 0))
-        return count, nbytes
 
     def deliver(self) -> list[Out]:
         """Hand pending fragments to trainers with free credits, least loaded first."""
@@ -168,9 +159,11 @@ class TrajectoryRouter:
         self.stats.traj_delivered -= 1
         self._enqueue(entry[1], front=True)
 
-    def on_ack(self, w: Worker, msg: P.Message) -> list[Out]:
+    def on_ack(self, w: Worker, msg: P.Message) -> tuple[list[Out], dict[str, int]]:
         """A trainer acknowledges fragments it was sent (only those: an ack of another trainer's
-        would free a simulator's buffers and credit the ledger for steps nobody holds)."""
+        would free a simulator's buffers and credit the ledger for steps nobody holds) and reports
+        the fates of steps it held. Returns the acks for the simulators and the fates, as the
+        ledger counted them."""
         per_sim: dict[bytes, list[int]] = {}
         for gid in msg["traj_ids"]:  # checked before anything changes
             if not isinstance(gid, int):
@@ -186,9 +179,8 @@ class TrajectoryRouter:
             self._settled(entry[0], entry[1])
             self.ledger.on_acked(w.identity, entry[1].steps, bool(entry[1].header.get("eval")))
             per_sim.setdefault(entry[1].sim, []).append(entry[1].traj_id)
-        self.ledger.on_report(w.identity, {"trained": int(msg.get("trained", 0)), "stale": int(msg.get("dropped_stale", 0)),
-                                           "discarded": int(msg.get("discarded", 0)), "unreadable": int(msg.get("unreadable", 0))})
-        return [Out(sim, P.TRAJ_ACK, {"traj_ids": ids}) for sim, ids in per_sim.items() if sim in self.registry]
+        fates = self.ledger.on_report(w.identity, msg.header)
+        return [Out(sim, P.TRAJ_ACK, {"traj_ids": ids}) for sim, ids in per_sim.items() if sim in self.registry], fates
 
     def trainer_gone(self, w: Worker) -> int:
         """A trainer left: its fragments in flight go back to the queue. Returns the training

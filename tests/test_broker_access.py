@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 from structlog.testing import capture_logs
 
-from brokers.state import BLOCK_BYTES
+from brokers.holdings import BLOCK_BYTES
 from rlvla3 import protocol as P
 from tests.brokerscript import HOST, Script, announcement, of_type
 
