@@ -51,7 +51,6 @@ from workers.algorithms.memory import enable_gradient_checkpointing  # noqa: E40
 from workers.algorithms.update import TrainState, update  # noqa: E402
 from workers.envs.base import EnvSpec  # noqa: E402
 from workers.learner import Fragment, Learner, build_batch  # noqa: E402
-from workers.metrics import Counters  # noqa: E402
 from workers.model import build_policy  # noqa: E402
 from workers.trajectory import EnvTrajectory, StepRecord  # noqa: E402
 from gpu_models import device_or_exit  # noqa: E402  (bench/, the script's folder, is first on sys.path)
@@ -136,7 +135,7 @@ def run_case(policy: Any, family: str, algo: str, args: argparse.Namespace, devi
     state = TrainState.build(policy, cfg.algo)
     obs, acts = behaviour(policy, spec, cfg.algo.batch_steps, seed=0)
     frags = fragments(obs, acts, algo, cfg.env.fragment_len, cfg.env.group_size, cfg.model.chunk_size)
-    learner = Learner(cfg, Counters())
+    learner = Learner(cfg)
     row: dict[str, Any] = {"update_s": [], "samples": [], "peak_mem_gib": None, "state_mem_gib": None}
     for k in range(args.updates):
         for f in frags:  # the same samples each time: fresh ones would cost act() time, not update time

@@ -11,7 +11,6 @@ from rlvla3.observation import Observation
 from tests.jobs import FAST
 from workers.algorithms.update import TrainState, update
 from workers.learner import Fragment, Learner, build_batch
-from workers.metrics import Counters
 from workers.model import build_policy
 
 
@@ -45,8 +44,8 @@ def _fragment(policy, n: int, version: int, *, env: int = 0, episode: int = 0, s
 def test_grpo_groups_assemble_score_and_drop_whole_when_stale():
     cfg = _cfg("algo.name=grpo", "env.group_size=2", "algo.max_staleness=2")
     policy = build_policy(cfg)
-    counters = Counters()
-    learner = Learner(cfg, counters)
+    learner = Learner(cfg)
+    counters = learner.counters
 
     # group (reach, seed 1): one episode in two fragments, then the other episode -> one unit
     learner.add(_fragment(policy, 3, 0, env=0, seed=1, done=False))
@@ -78,7 +77,7 @@ def test_grpo_groups_assemble_score_and_drop_whole_when_stale():
 def test_ppo_batch_masks_stale_samples_and_update_reports_typed_result():
     cfg = _cfg("algo.max_staleness=1", "algo.check_replicas=true")
     policy = build_policy(cfg).train()
-    learner = Learner(cfg, Counters())
+    learner = Learner(cfg)
     learner.add(_fragment(policy, 4, 1, env=0, done=False))
     learner.add(_fragment(policy, 3, 3, env=1, ret=2.0, success=True))
     units = learner.take(cfg.algo.batch_steps)

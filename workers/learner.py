@@ -2,7 +2,9 @@
 
 No sockets and no torch modules: the trainer's shell (``workers.trainer``) hands it fragments
 it already copied out of shared memory, asks it for units when it may update, and reports what
-it dropped to the broker.
+it dropped to the broker. The learner keeps the counts: the running totals (``counters``, which
+checkpoints carry), the steps received and not yet trained (``received_steps``), and each
+step's fate until TRAJ_ACK reports it (``unreported``).
 
 Units:
   * PPO: one fragment (GAE runs per fragment, bootstrapped from its last observation).
@@ -85,18 +87,20 @@ class Unit:
 class Learner:
     """Group assembly, staleness pruning and the queue of units ready to train on."""
 
-    def __init__(self, cfg: JobConfig, counters: Counters) -> None:
+    def __init__(self, cfg: JobConfig) -> None:
         self.algo = cfg.algo
         self.grpo = cfg.algo.name == "grpo"
+        self.alternating = cfg.run.mode != "async"
         self.group_size = cfg.env.group_size
-        self.counters = counters
+        self.counters = Counters()
+        """Totals since the trainer started (or resumed: checkpoints carry them)."""
         self.ready: deque[Unit] = deque()
         self.ready_steps = 0
         self.received_steps = 0
         """Decision steps received and not yet taken into an update: the trainer's mirror of an
         alternating broker's count (brokers/pacing.py), so that a pause the broker holds because
-        of steps in incomplete groups is always seen here too (the shell lowers it by each update's
-        steps and zeroes it when it reports starvation)."""
+        of steps in incomplete groups is always seen here too (lowered by each update's steps,
+        :meth:`consumed`, and zeroed when starvation is reported, :meth:`starved`)."""
         self.pending_eps: dict[tuple, list[Fragment]] = {}
         self.pending_groups: dict[tuple, list[list[Fragment]]] = {}
         self.dropped_groups: OrderedDict[tuple, None] = OrderedDict()  # their later episodes are discarded
@@ -203,17 +207,42 @@ class Learner:
         self.counters.dropped_stale += n
         self.unreported["dropped_stale"] += n
 
-    def count_dropped(self, n: int) -> None:
-        """Samples an update masked as stale (its :class:`UpdateResult` says how many)."""
-        self._drop_steps(n)
+    def count_update(self, result: Any) -> None:
+        """An update's :class:`UpdateResult`: the samples it masked as stale and those it trained
+        on; when it stepped, one more update and its samples and env steps in the totals."""
+        self._drop_steps(result.dropped_stale)
+        self.unreported["trained"] += result.samples
+        if result.trained:
+            self.counters.updates += 1
+            self.counters.samples_trained += result.samples
+            self.counters.env_steps_consumed += result.env_steps
 
-    def count_trained(self, n: int) -> None:
-        """Samples an update trained on (its :class:`UpdateResult` says how many)."""
-        self.unreported["trained"] += n
+    def count_unreadable(self, steps: int, evaluation: bool) -> None:
+        """A fragment the trainer could not read; a training one's ``steps`` are reported (the
+        broker counts evaluation fragments as such)."""
+        self.counters.unreadable += 1
+        if not evaluation:
+            self.unreported["unreadable"] += steps
 
-    def count_unreadable(self, n: int) -> None:
-        """Steps of a training fragment the trainer could not read."""
-        self.unreported["unreadable"] += n
+    def count_eval(self, done: bool) -> None:
+        """An evaluation fragment, measured and never trained on; ``done``: its episode ended."""
+        self.counters.eval_fragments += 1
+        if done:
+            self.counters.eval_episodes += 1
+
+    def consumed(self, steps: int) -> None:
+        """An update took ``steps``: they no longer wait, here as at the broker."""
+        self.received_steps = max(0, self.received_steps - steps)
+
+    def starved(self, share: int) -> bool:
+        """GRPO under an alternating broker: True (once per further ``share`` received) when a
+        share of steps arrived but incomplete groups leave less than that ready to train on. The
+        broker paused at ``batch_steps`` delivered then, so it must be told to hand out more work
+        rather than both sides waiting; each rank sees its share of the broker's count."""
+        if self.grpo and self.alternating and self.received_steps >= share > self.ready_steps:
+            self.received_steps = 0
+            return True
+        return False
 
     def take_unreported(self) -> dict[str, int]:
         """Steps per fate since the last call, as TRAJ_ACK fields (``brokers/ledger.py``)."""

@@ -1,0 +1,84 @@
+"""A trainer rank's checkpoints: where it resumes from, which ranks save, and saving.
+
+Rank 0 saves alone, unless the checkpoint is collective (FSDP shards, or DCP's sharded format
+with several ranks): then every rank saves and loads its part, and every rank must see the
+files. A trainer resumes from ``--resume RUN_DIR``, or, rejoining a running job, from its own
+run folder's latest checkpoint.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import structlog
+import torch
+
+from rlvla3.config import JobConfig
+from workers.metrics import Counters
+
+log = structlog.get_logger()
+
+
+class Checkpoints:
+    def __init__(self, cfg: JobConfig, run_dir: Path | None, resume: str | None, rank: int, world: int) -> None:
+        self.cfg = cfg
+        self.run_dir = run_dir
+        self.resume_from = resume
+        self.rank = rank
+        self.world = world
+
+    @property
+    def collective(self) -> bool:
+        """Every rank saves and loads (FSDP shards, or DCP's files); else rank 0 alone."""
+        return self.cfg.train.fsdp or (self.world > 1 and self.cfg.train.checkpoint_format == "sharded")
+
+    @property
+    def saves(self) -> bool:
+        """This rank writes checkpoints."""
+        return self.rank == 0 or self.collective
+
+    def due(self, version: int) -> bool:
+        """A freshly trained ``version`` is checkpointed every ``algo.checkpoint_every`` versions."""
+        every = self.cfg.algo.checkpoint_every
+        return every > 0 and version % every == 0 and self.saves
+
+    def resume(self, state: Any, version: int, counters: Counters) -> tuple[int, str | None]:
+        """Load the checkpoint this rank resumes from, if any, into ``state`` and ``counters``;
+        returns the version to continue from and the checkpoint's path (None: nothing loaded)."""
+        from workers.checkpoint import latest_checkpoint, load_checkpoint
+
+        src = self.resume_from
+        if src is None and version > 0 and self.run_dir is not None and latest_checkpoint(self.run_dir) is not None:
+            src = str(self.run_dir)
+        found = src is not None and latest_checkpoint(src) is not None
+        if self.collective:  # every rank loads its part, so every rank must see the files
+            flags = torch.tensor([int(src is not None), int(found)], dtype=torch.int64)
+            lo = flags.clone()
+            torch.distributed.all_reduce(flags, op=torch.distributed.ReduceOp.MAX)
+            torch.distributed.all_reduce(lo, op=torch.distributed.ReduceOp.MIN)
+            if int(flags[0]) and not int(lo[1]):
+                raise SystemExit(f"trainer rank {self.rank}: resuming a sharded/FSDP group needs the checkpoint on "
+                                 f"every rank (a shared run folder); this rank sees {'it' if found else 'none'}")
+            if not int(flags[0]):
+                return version, None
+        elif src is None:
+            return version, None
+        elif self.rank > 0 and not found:
+            return version, None  # another host: rank 0's weights arrive by broadcast
+        saved = load_checkpoint(src, state.policy, state.optimizer)
+        counters.restore(saved["counters"])
+        return max(version, saved["version"]), str(saved["path"])
+
+    def save(self, state: Any, version: int, counters: Counters) -> None:
+        """Write ``version`` (weights, optimizer, counters, config) into the run folder."""
+        if self.run_dir is None:
+            return
+        from workers.checkpoint import save_checkpoint
+
+        keep = self.cfg.algo.keep_checkpoints or None
+        fmt = self.cfg.train.checkpoint_format
+        path = save_checkpoint(self.run_dir, state.policy, state.optimizer, version,
+                               counters.as_dict(), self.cfg.to_yaml(), keep_last=keep, fmt=fmt)
+        if self.rank == 0:
+            log.info("checkpoint_saved", version=version, path=str(path), format=fmt)
