@@ -109,7 +109,7 @@ class AdmissionController:
     def cost(self, req: Admissible) -> int:
         """Units a request takes from the grant: none when evaluating or already admitted."""
         if not self.enabled or req.header.get("eval") or (req.sim, req.slot, req.req_id) in self._admitted:
-            return 0  # (the key is _key's, inlined: asked per queued request whenever a batch forms)
+            return 0  # (_key's key written out: asked per queued request whenever a batch forms)
         return req.n
 
     # ---- Events from the broker's handlers -----------------------------------------------------

@@ -139,7 +139,7 @@ class Dispatcher:
         tensors: dict[str, Any] = {}
         meta = []
         for i, (r, req_tensors) in enumerate(ready):
-            head = names.request_prefix(i) + names.NAME_SEP  # names.with_prefix, inlined
+            head = names.request_prefix(i) + names.NAME_SEP  # names.with_prefix written out: per request of every batch
             for name, t in req_tensors.items():
                 tensors[head + name] = t
             header = r.header
@@ -258,7 +258,7 @@ class Dispatcher:
                       "queue_us": queue_us[i] if i < len(queue_us) else 0, "forward_us": forward_us}
             act = answers[(req.sim, req.slot)] = Out(req.sim, P.ACT, fields,
                                                      {name: rows(first, req.n) for name, rows in slicers})
-            out.append(act)  # (self._answered, inlined)
+            out.append(act)  # what self._answered does, written out: per request of every RESULT
         return out
 
     def _failed(self, batch_id: int, batch: Batch, generator: str, error: str) -> list[Out]:

@@ -6,7 +6,7 @@ while it updates; they resume when the update is over (its weights are announced
 trainer reports the end) and less than a batch waits. The account is of steps, not of events:
 steps that arrive during an update count toward the next batch, so a trainer that already holds
 the next batch when it finishes keeps the rollouts paused and trains again. (Counting from zero
-at every new version let such steps slip past the count, and the modes drifted into overlap.)
+at every new version would let such steps slip past the count, and the modes drift into overlap.)
 """
 
 from __future__ import annotations

@@ -27,8 +27,8 @@ def tensor_name(*parts: str) -> str:
 
 
 def with_prefix(prefix: str, tensors: dict[str, Any]) -> dict[str, Any]:
-    """The same tensors, each named ``prefix/<name>`` (as ``tensor_name`` joins them; inlined:
-    the broker renames every request's tensors in every BATCH and RESULT)."""
+    """The same tensors, each named ``prefix/<name>`` (as ``tensor_name`` joins them, written
+    out here because the broker renames every request's tensors in every BATCH and RESULT)."""
     if not prefix:
         return {tensor_name(k): v for k, v in tensors.items()}
     head = prefix + NAME_SEP

@@ -1,4 +1,4 @@
-"""Real simulators behind the real simulator worker and broker (issue 3).
+"""Real simulators behind the real simulator worker and broker.
 
 * Each installed simulator (Meta-World, ManiSkill, LIBERO), from its repo config, state-based and
   with short episodes: the simulator worker resets, steps and ends episodes served by a generator

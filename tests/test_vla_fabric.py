@@ -1,5 +1,5 @@
 """Every tiny VLA family served by a generator worker through the broker and trained by a
-trainer worker, on the synthetic task (issue 4), from the ``configs/synthetic_<family>.yaml``
+trainer worker, on the synthetic task, from the ``configs/synthetic_<family>.yaml``
 recipes.
 
 One job per family does both algorithms: a PPO trainer takes a step and publishes it; then it

@@ -9,7 +9,7 @@ import torch
 from rlvla3.config import JobConfig
 from workers.contract import EnvSpec
 from workers.envs.base import env_spec
-from workers.policies.base import Policy, _POLICIES, _import_builtin_policies, make_policy
+from workers.policies.base import Policy, make_policy, options_class
 from workers.release.layouts import load_release
 
 
@@ -34,15 +34,15 @@ def build_policy(cfg: JobConfig, spec: EnvSpec | None = None, device: str | None
     """The job's policy, seeded with the run seed. Only trainer rank 0's build is served:
     generators wait for its version 0 (``rlvla3.weights``) and never serve their own build."""
     spec = spec or job_spec(cfg)
-    _import_builtin_policies(cfg.model.family)
+    opts_cls = options_class(cfg.model.family)
     dev = resolve_device(cfg, device)
     dtype = resolve_dtype(cfg, dev)
     options = dict(cfg.model.options)
     fam = cfg.model.family
-    if fam in _POLICIES:
+    if opts_cls is not None:
         # One source per setting: chunk length, device and dtype come from model.chunk_size,
         # workers.device (or --gpus) and model.dtype; model.options cannot set them (RENAMED).
-        fields = {f.name for f in dataclasses.fields(_POLICIES[fam][1])}
+        fields = {f.name for f in dataclasses.fields(opts_cls)}
         job_wide = {"chunk_size": cfg.model.chunk_size, "device": str(dev), "dtype": str(dtype).removeprefix("torch.")}
         options.update({k: v for k, v in job_wide.items() if k in fields})
     torch.manual_seed(cfg.run.seed)

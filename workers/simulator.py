@@ -298,9 +298,6 @@ class SimulatorWorker(WorkerBase):
             return
         self._send_obs(slot, env_steps=int(outcome.steps.sum()))
 
-    def _latest_version(self) -> int:
-        return max((s.version for s in self.slots if not s.eval), default=0)
-
     # -- sending ------------------------------------------------------------------------------
 
     def _send_obs(self, slot: Slot, env_steps: int) -> None:

@@ -2,8 +2,8 @@
 
 RoboCasa is not on the package registry and needs robosuite >= 1.5.2 while LIBERO pins 1.4, plus
 several GB of kitchen assets fetched by its own script. So it lives in its own virtualenv and
-runs as a separate simulator worker that joins the same broker (DESIGN §5: the process boundary
-is the dependency boundary). Without the package or its assets, building this env raises
+runs as a separate simulator worker that joins the same broker (the process boundary is the
+dependency boundary). Without the package or its assets, building this env raises
 :class:`RoboCasaUnavailable` with the install steps.
 """
 

@@ -24,7 +24,6 @@ them and the generator gathers them: images uint8 ``[B, H, W, 3]`` per camera, `
 
 from __future__ import annotations
 
-import dataclasses
 from abc import ABC, abstractmethod
 from dataclasses import dataclass, field
 from typing import Any, Callable, ClassVar
@@ -136,6 +135,8 @@ def make_policy(family: str, options: dict[str, Any] | None, spec: EnvSpec) -> P
     return policy
 
 
-def config_fields(family: str) -> list[str]:
+def options_class(family: str) -> type | None:
+    """The options dataclass of ``family`` (None when no such family is registered)."""
     _import_builtin_policies(family)
-    return [f.name for f in dataclasses.fields(_POLICIES[family][1])]
+    entry = _POLICIES.get(family)
+    return entry[1] if entry else None

@@ -200,10 +200,6 @@ class OpenVLAOFTPolicy(Policy):
         tok = ((a - lo) / width).floor().long().clamp(0, self.opts.n_bins - 1)
         return tok.reshape(len(tok), -1)
 
-    def action_token_ids(self, bins: torch.Tensor) -> torch.Tensor:
-        """Vocabulary ids of action bins (for logging / SFT): the last ``n_bins`` ids."""
-        return self.llm.config.vocab_size - self.opts.n_bins + bins
-
 
 @register_policy("openvla_oft", config=OpenVLAOFTOptions)
 def build_openvla_oft(opts: OpenVLAOFTOptions, spec: EnvSpec) -> Policy:
