@@ -1,8 +1,9 @@
-"""Starting processes: the broker and workers as real OS processes, and the ``run`` controller.
+"""Starting processes: the broker and workers as real OS processes (``LocalJob``), stopping them
+in order, and asking a broker for STATUS or a new batching rule.
 
-``rlvla3 run`` is nothing more than what a user would do by hand on several machines -
-``rlvla3 broker`` and ``rlvla3 worker --role ...`` - started on this one, plus a progress
-display that asks the broker for STATUS.
+``rlvla3 run`` (``rlvla3/app/run.py``) is nothing more than what a user would do by hand on
+several machines - ``rlvla3 broker`` and ``rlvla3 worker --role ...`` - started on this one,
+plus a progress display that asks the broker for STATUS.
 """
 
 from __future__ import annotations
