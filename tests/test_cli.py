@@ -129,3 +129,17 @@ def test_ctrl_c_stops_every_process(tmp_path: Path):
     for pid in pids:
         with pytest.raises(ProcessLookupError):
             os.kill(pid, 0)
+
+
+def test_run_controller_refuses_before_it_starts_anything(tmp_path):
+    """``rlvla3 run``'s controller (rlvla3/app/run.py) names what cannot start a run, before any
+    process starts or any folder is made."""
+    from rlvla3.app.run import RunController, RunOptions, RunRefused
+
+    with pytest.raises(RunRefused, match="drop CONFIG"):
+        RunController.prepare(RunOptions(config="synthetic.yaml", resume=str(tmp_path)))
+    with pytest.raises(RunRefused, match="no checkpoint"):
+        RunController.prepare(RunOptions(resume=str(tmp_path)))
+    with pytest.raises(RunRefused, match="batching.max_bach"):
+        RunController.prepare(RunOptions(config="synthetic.yaml", overrides=("batching.max_bach=3",), run_dir=str(tmp_path / "r")))
+    assert not (tmp_path / "r").exists()
