@@ -1,6 +1,6 @@
 """The adaptive batching controller (``brokers/adaptive.py``) on recorded traces, and on a job.
 
-A trace is a throughput surface measured by ``bench/batching_sweep.py`` on this machine (env
+A trace is a throughput surface measured by ``bench/broker/batching_sweep.py`` on this machine (env
 steps/s per ``max_batch`` x ``max_wait_ms`` grid point, ``tests/traces/``). The controller is
 driven on a scripted clock: each 0.1 s it is told the envs served at its current point (the
 recorded rate, interpolated between grid points, with 4% noise). It must converge to within 5%
@@ -183,7 +183,7 @@ def test_a_client_sets_the_rule_of_a_live_job(job_factory):
     b = job.cfg.batching
     assert b.adaptive_min_batch <= fig["batching"]["max_batch"] <= b.adaptive_max_batch
     assert request_tune(job.endpoint, max_batch=4, max_wait_ms=2.0, adaptive=False)["adaptive"] is False
-    fig = job.fig()
+    fig = job.status()
     assert fig["batching"] == {"max_batch": 4, "max_wait_ms": 2.0, "adaptive": False}
     steps = fig["env_steps"]
     job.wait(lambda f: f["env_steps"] > steps + 200, 60, "steps under the new rule")

@@ -15,7 +15,8 @@ import zmq
 from rlvla3 import protocol as P
 from rlvla3.shm import host_id
 from rlvla3.weights.publisher import WeightPublisher
-from tests.jobs import wait_until
+from rlvla3.harness.jobs import per_worker
+from rlvla3.status_client import wait_until
 from workers.model import build_policy
 
 
@@ -64,7 +65,7 @@ def test_generator_keeps_weights_when_a_version_fails_to_load(job_factory, zctx)
         def gen_version():
             job.assert_alive()
             trainer.send_multipart(P.encode(P.HEARTBEAT, {}))  # stay alive in the broker's eyes
-            w = job.worker(job.fig(), "generator0")
+            w = per_worker(job.status(), "generator0")
             return w["version"] if w and w["version"] is not None else None
 
         wait_until(lambda: gen_version() == 1, 180, "the generator to load version 1", interval=0.2)
@@ -95,7 +96,7 @@ def test_generator_keeps_weights_when_a_version_fails_to_load(job_factory, zctx)
         trainer.send_multipart(P.encode(P.WEIGHTS, good.publish(5)))
         wait_until(lambda: gen_version() == 5, 60, "the generator to load the next good version")
         assert all(p.poll() is None for p in job.workers)
-        assert np.isfinite(job.fig()["policy_version"])
+        assert np.isfinite(job.status()["policy_version"])
     finally:
         trainer.close()
         for pub in publishers:

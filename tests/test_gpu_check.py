@@ -1,4 +1,4 @@
-"""``bench/gpu_check.sh --dry-run``: the prepared GPU check rehearsed on CPU with tiny models.
+"""``bench/gpu/check.sh --dry-run``: the prepared GPU check rehearsed on CPU with tiny models.
 
 One run of the whole script (the same stage scripts and flags as on the GPU, tiny sizes): each
 stage writes its own JSON as it ends, each holds the figures its GPU run will report, and the
@@ -28,7 +28,7 @@ FAMILIES = {"pi0", "pi05", "gr00t_n15", "openvla_oft"}
 def test_gpu_check_dry_run_writes_every_stage(tmp_path: Path) -> None:
     out = tmp_path / "gc"
     proc = subprocess.run(
-        ["bash", str(ROOT / "bench" / "gpu_check.sh"), "--dry-run", "--out", str(out), "--carry", str(tmp_path / "none")],
+        ["bash", str(ROOT / "bench" / "gpu" / "check.sh"), "--dry-run", "--out", str(out), "--carry", str(tmp_path / "none")],
         cwd=tmp_path, capture_output=True, text=True, timeout=840,
         env={**os.environ, **launcher_env(), "PYTHON": sys.executable, "GPU_CHECK_SITE": str(tmp_path / "site"),
              "MUJOCO_GL": os.environ.get("MUJOCO_GL", "egl"), "GPU_CHECK_T_INSTALL": "1"},

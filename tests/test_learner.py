@@ -8,7 +8,7 @@ import torch
 
 from rlvla3.config import load
 from rlvla3.observation import Observation
-from tests.jobs import FAST
+from rlvla3.harness.jobs import SMALL_JOB
 from workers.algorithms.update import TrainState, update
 from workers.learner import Fragment, Learner, build_batch
 from workers.metrics import Counters
@@ -16,7 +16,7 @@ from workers.model import build_policy
 
 
 def _cfg(*overrides: str):
-    return load("synthetic.yaml", [*FAST, *overrides])
+    return load("synthetic.yaml", [*SMALL_JOB, *overrides])
 
 
 def _fragment(policy, n: int, version: int, *, env: int = 0, episode: int = 0, seed: int = 0,

@@ -35,7 +35,9 @@ from rlvla3 import names
 from rlvla3 import protocol as P  # noqa: E402
 from rlvla3.config import load  # noqa: E402
 from rlvla3.observation import IMAGES  # noqa: E402
-from tests.jobs import TestJob as Job, job_logs as _logs, robocasa_available, start_job, wait_until  # noqa: E402
+from rlvla3.harness.jobs import Job, per_worker
+from rlvla3.status_client import wait_until
+from tests.jobs import robocasa_available, start_job
 
 pytestmark = pytest.mark.slow
 
@@ -108,7 +110,7 @@ def test_episodes_through_fabric(repo_job, sim: str) -> None:
                    f"{sim}: four episodes through broker, simulator, generator and trainer")
     assert fig["workers"] == {"simulator": 1, "generator": 1, "trainer": 1}, fig["workers"]
     assert fig["slots"] == 2
-    assert fig["errors"] == 0 and fig["env_restarts"] == 0, _logs(job)
+    assert fig["errors"] == 0 and fig["env_restarts"] == 0, job.logs()
     # An episode of max_episode_steps env steps (chunks of 4) ends within a few decisions.
     assert fig["env_steps"] >= 4 * 4, fig["env_steps"]
     assert isinstance(fig["return_recent"], float) and np.isfinite(fig["return_recent"])
@@ -227,11 +229,11 @@ def test_faulty_envs_restarted_while_others_keep_stepping(repo_job) -> None:
         return all("env_restart" in (job.run_dir / f"sim_{fault}.log").read_text() for fault in FAULTS)
 
     wait_until(restarted, 240, "a restart after the crash and one after the hang", interval=0.1)
-    fig = job.fig()
+    fig = job.status()
     assert fig["env_restarts"] >= 2
 
     def steps(f: dict[str, Any], name: str) -> int:
-        return int((job.worker(f, name) or {}).get("env_steps") or 0)
+        return int(per_worker(f, name).get("env_steps") or 0)
 
     base = {n: steps(fig, n) for n in ("simulator0", *(f"sim_{fault}" for fault in FAULTS))}
     # The healthy simulator's slots keep stepping, and the restarted slots step again.

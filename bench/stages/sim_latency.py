@@ -6,7 +6,7 @@ replay it (``--save-profile FILE`` -> ``latency: {replay: FILE}``). Writes a per
 line is one JSON object ``{case: {p50_ms, p99_ms, steps_per_s, ...}}``, cases not installed carry
 ``{"skipped": why}``.
 
-    python bench/sim_latency.py [--quick] [--out /tmp/simlat] [--num-envs 4] [--save-profile p.json]
+    python bench/stages/sim_latency.py [--quick] [--out /tmp/simlat] [--num-envs 4] [--save-profile p.json]
 """
 
 from __future__ import annotations
@@ -15,17 +15,15 @@ import argparse
 import importlib.util
 import json
 import os
-import sys
 import time
 from pathlib import Path
 from typing import Any
 
 os.environ.setdefault("MUJOCO_GL", "egl")
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-import numpy as np  # noqa: E402
+import numpy as np
 
-from _common import OUT_DIR  # noqa: E402  (bench/, the script's folder, is first on sys.path)
+from rlvla3.harness.bench import OUT_DIR
 
 # case -> (adapter, python package it needs, adapter options)
 CASES: dict[str, tuple[str, str, dict[str, Any]]] = {

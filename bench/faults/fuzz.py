@@ -20,32 +20,27 @@ with ERROR, from its own counter; some replies are dropped when a client's queue
 ``rss_growth_mb`` (the broker's resident memory after fuzzing minus before). Targets: alive,
 advancing, RSS growth <= 64 MB.
 
-    python bench/fuzz.py            # 100,000 messages
-    python bench/fuzz.py --quick    # 5,000 messages
-    python bench/fuzz.py --curve    # the same against a broker with CURVE keys (roles bound to keys)
+    python bench/faults/fuzz.py            # 100,000 messages
+    python bench/faults/fuzz.py --quick    # 5,000 messages
+    python bench/faults/fuzz.py --curve    # the same against a broker with CURVE keys (roles bound to keys)
 """
 
 from __future__ import annotations
 
 import argparse
 import random
-import sys
-import tempfile
 import threading
 import time
-from pathlib import Path
 
 import msgpack
 import zmq
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from bench._common import OUT_DIR, SMALL_ASYNC_JOB, emit_to, keep_logs_unless, local_job, note  # noqa: E402
-from rlvla3 import auth, bundle  # noqa: E402
-from rlvla3 import protocol as P  # noqa: E402
-from rlvla3.config import load  # noqa: E402
-from rlvla3.app.launch import request_status  # noqa: E402
-
-JOB = SMALL_ASYNC_JOB
+from rlvla3 import auth, bundle
+from rlvla3 import protocol as P
+from rlvla3.config import load
+from rlvla3.harness.bench import OUT_DIR, bench_run_dir, emit_to, keep_logs_unless, note
+from rlvla3.harness.jobs import SMALL_JOB, rss_mb, start_job
+from rlvla3.app.launch import request_status
 
 VALID = {  # one valid header per message type a peer may send to the broker
     P.READY: {"role": "client", "host": "fuzzhost", "pid": 1},
@@ -201,13 +196,6 @@ def keyless_answered(ctx: zmq.Context, endpoint: str) -> bool:
         sock.close()
 
 
-def rss_mb(pid: int) -> float:
-    for line in Path(f"/proc/{pid}/status").read_text().splitlines():
-        if line.startswith("VmRSS:"):
-            return int(line.split()[1]) / 1024
-    return 0.0
-
-
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--messages", type=int, default=100_000, help="Messages in all, split over the clients.")
@@ -222,17 +210,11 @@ def main() -> None:
     args = ap.parse_args()
     total = 1_000 if args.smoke else 5_000 if args.quick else args.messages
 
-    root = Path(tempfile.mkdtemp(prefix="rlvla3-fuzz-"))
-    keys = None
-    if args.curve:
-        keys = str(root / "keys")
-        auth.make_keys(keys)
-    cfg = load("synthetic.yaml", [*JOB, *([f"broker.keys_dir={keys}"] if keys else [])])
-    job = local_job(cfg, root)
+    root, keys = bench_run_dir("fuzz", args.curve)
+    job = start_job(load("synthetic.yaml", [*SMALL_JOB, *([f"broker.keys_dir={keys}"] if keys else [])]), root)
     result: dict = {}
     try:
         endpoint = job.endpoint
-        job.start_all()
         before = job.wait_status(lambda f: f["env_steps"] > 0 and f["policy_version"] >= 1, 300.0, "the job to train once")
         rss0 = rss_mb(job.broker_proc.pid)
         note(f"job running (env_steps={before['env_steps']}, version={before['policy_version']}); fuzzing with {total} messages")

@@ -1,4 +1,4 @@
-"""Helpers shared by the fabric benchmarks (latency, transfer): histograms, percentile plots,
+"""What the benchmarks share: histograms, percentile plots, CPU clocks of a process,
 sub-millisecond waits on a ZMQ socket, child processes that announce their endpoint, JSON out.
 
 Benchmarks follow the project's habits: open-loop (a request is due at ``t0 + i/rate``, latency
@@ -21,15 +21,12 @@ from typing import Any, Callable, Iterable
 import zmq
 from hdrh.histogram import HdrHistogram
 
-ROOT = Path(__file__).resolve().parents[1]
+from rlvla3.lifetime import launcher_env
+
 OUT_DIR = "bench/out"
 """Where every benchmark writes its PNGs and JSON unless ``--out`` says otherwise: relative to
 the current folder, so the README's commands (run from the repository root) write into the
 git-ignored ``bench/out/``."""
-if str(ROOT) not in sys.path:
-    sys.path.insert(0, str(ROOT))
-
-from rlvla3.lifetime import launcher_env  # noqa: E402
 
 # ---------------------------------------------------------------------------------------------
 # Histograms
@@ -209,8 +206,7 @@ def start_child(args: list[str], timeout_s: float = 30.0, talk: bool = False) ->
     ``rlvla3.lifetime.follow_launcher()`` first so that it ends with this process. ``talk``: its
     stdin is a pipe (commands from this process; its later stdout lines are the answers)."""
     proc = subprocess.Popen([sys.executable, *args], stdout=subprocess.PIPE,
-                            stdin=subprocess.PIPE if talk else subprocess.DEVNULL,
-                            cwd=str(ROOT), env={**os.environ, "PYTHONPATH": str(ROOT), **launcher_env()})
+                            stdin=subprocess.PIPE if talk else subprocess.DEVNULL, env={**os.environ, **launcher_env()})
     line = read_line(proc, timeout_s)
     if line is not None:
         return proc, line.strip()
@@ -234,16 +230,6 @@ def stop_child(proc: subprocess.Popen, timeout_s: float = 5.0) -> None:
 # ---------------------------------------------------------------------------------------------
 # Output
 # ---------------------------------------------------------------------------------------------
-
-
-SMALL_ASYNC_JOB = (
-    "run.mode=async", "env.num_envs=4", "env.slots=2", "env.fragment_len=8",
-    "env.options.latency={kind: constant, mean_ms: 1.0}", "env.options.image_size=8",
-    "algo.batch_steps=64", "algo.minibatch_size=32", "algo.epochs=1",
-    "batching.max_batch=8", "batching.max_wait_ms=2", "model.options.hidden=32",
-    "workers.simulators=1", "workers.generators=1", "workers.trainers=1",
-)
-"""A small synthetic async job, 1 worker per role: what the hostile-traffic benches aim at."""
 
 
 def bench_run_dir(name: str, curve: bool) -> tuple[Path, str | None]:
@@ -270,22 +256,14 @@ def keep_logs_unless(ok: bool, run_dir: Path) -> None:
         note(f"logs kept in {run_dir}")
 
 
-def local_job(cfg: Any, run_dir: Path, bind: str = "tcp://127.0.0.1:0", pub: str = "tcp://127.0.0.1:0") -> Any:
-    """A job of ``cfg`` on this machine with its broker up on ``bind`` and ``pub`` (by default free
-    loopback ports; its config written to ``run_dir``); the caller starts the workers it wants
-    and stops the job."""
-    from rlvla3.app.launch import LocalJob
+def random_observation(spec: Any, n: int, rng: Any, instruction: str = "reach") -> Any:
+    """``n`` envs of random camera images and proprio state for an env spec: a policy's input."""
+    import numpy as np
 
-    run_dir.mkdir(parents=True, exist_ok=True)
-    cfg_path = run_dir / "config.yaml"
-    cfg_path.write_text(cfg.to_yaml())
-    job = LocalJob(cfg, run_dir, cfg_path)
-    try:
-        job.start_broker(bind, pub)
-    except BaseException:
-        job.stop()
-        raise
-    return job
+    from rlvla3.observation import Observation
+
+    return Observation({c: rng.integers(0, 256, (n, h, w, 3), dtype=np.uint8) for c, (h, w) in spec.cameras.items()},
+                       rng.uniform(-1, 1, (n, spec.state_dim)).astype(np.float32), [instruction] * n)
 
 
 def emit(result: dict[str, Any]) -> None:

@@ -1,7 +1,7 @@
 """The broker's Python cost per request, stage by stage, with no sockets: what
-``bench/broker_capacity.py`` is bounded by, and where to cut.
+``bench/broker/capacity.py`` is bounded by, and where to cut.
 
-    python bench/broker_hotpath.py [--max-batch 32] [--requests 20000] [--backlog 0] [--profile] [--out bench/out]
+    python bench/broker/hotpath.py [--max-batch 32] [--requests 20000] [--backlog 0] [--profile] [--out bench/out]
                                    [--quick | --smoke]
 
 What runs, in this one process: a real ``BrokerState`` with one simulator (many slots, one env
@@ -32,24 +32,22 @@ import io
 import json
 import os
 import pstats
-import sys
 import time
 from pathlib import Path
 from typing import Any
 
 import numpy as np
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-from _common import OUT_DIR, emit  # noqa: E402
-from _echo import echo_result  # noqa: E402
+from rlvla3.harness.bench import OUT_DIR, emit
+from rlvla3.harness.echo import echo_result
 
-from brokers.state import BrokerState  # noqa: E402
-from rlvla3 import names  # noqa: E402
-from rlvla3 import protocol as P  # noqa: E402
-from rlvla3.config import load  # noqa: E402
-from rlvla3.logging import configure  # noqa: E402
-from rlvla3.observation import IMAGES, STATE  # noqa: E402
-from rlvla3.shm import ShmPool, host_id  # noqa: E402
+from brokers.state import BrokerState
+from rlvla3 import names
+from rlvla3 import protocol as P
+from rlvla3.config import load
+from rlvla3.logging import configure
+from rlvla3.observation import IMAGES, STATE
+from rlvla3.shm import ShmPool, host_id
 
 SIM, GEN = b"\x00sim", b"\x00gen"
 STAGES = ("decode_obs", "handle_obs", "tick_and_encode_batch", "decode_result", "handle_result", "encode_act")

@@ -8,9 +8,9 @@ per second: the simulator slots stepping random actions (resets included) with n
 generator's batched forward with no env; the trainer's update with no I/O. The slowest of them,
 ``bottleneck_sps``, is what a perfectly overlapped pipeline reaches.
 
-    python bench/ablation.py --quick                 # synthetic, < 60 s
-    python bench/ablation.py                         # synthetic, 20 s per mode
-    python bench/ablation.py --sim libero --window 60
+    python bench/jobs/ablation.py --quick                 # synthetic, < 60 s
+    python bench/jobs/ablation.py                         # synthetic, 20 s per mode
+    python bench/jobs/ablation.py --sim libero --window 60
 
 Simulators (``--sim``; each has its own default layout, flags override it):
 
@@ -35,7 +35,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import sys
 import tempfile
 import threading
 import time
@@ -45,13 +44,12 @@ from typing import Any
 
 import numpy as np
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 os.environ.setdefault("MUJOCO_GL", "egl")
 
-from rlvla3.config import JobConfig, load  # noqa: E402
-from rlvla3.observation import Observation  # noqa: E402
-
-from _common import OUT_DIR, emit, local_job, note  # noqa: E402  (bench/ is first on sys.path)
+from rlvla3.config import JobConfig, load
+from rlvla3.harness.bench import OUT_DIR, emit, note
+from rlvla3.harness.jobs import start_job
+from rlvla3.observation import Observation
 
 MODES = ("sync", "async_rollout", "async")
 STAGES = ("simulators", "generator", "trainer")
@@ -114,27 +112,16 @@ def load_now() -> float:
 # ---------------------------------------------------------------------------------------------
 
 
-def start_mode(mode: str, args: argparse.Namespace, train_cost_s: float, root: Path) -> Any:
-    job = local_job(job_config(args, mode, train_cost_s), root / mode)
-    try:
-        job.start_all()
-    except BaseException:
-        job.stop()
-        raise
-    return job
-
-
 def measure_mode(mode: str, job: Any, args: argparse.Namespace) -> dict[str, Any]:
     """Wait until the trainer made its first update (every process up, the loop has turned
     once), then count env steps over ``args.window`` seconds."""
-    fig = job.wait_status(lambda f: f.get("trainer_version", 0) >= 1, args.warmup_s, f"{mode}: a first update")
-    t0, s0, v0, load0 = time.monotonic(), fig["env_steps"], fig["trainer_version"], load_now()
-    time.sleep(args.window)
-    fig = job.status()
-    t1, s1 = time.monotonic(), fig["env_steps"]
+    job.wait(lambda f: f.get("trainer_version", 0) >= 1, args.warmup_s, f"{mode}: a first update")
+    load0 = load_now()
+    window = job.rate(args.window)
+    fig = window["last"]
     trainer = fig.get("trainer") or {}
     return {
-        "sps": round((s1 - s0) / (t1 - t0), 2), "updates": fig["trainer_version"] - v0,
+        "sps": round(window["rate"], 2), "updates": fig["trainer_version"] - window["first"]["trainer_version"],
         "versions": fig["policy_version"], "batch_p50": fig["batch_size"].get("p50"),
         "queue_wait_p50_us": fig["queue_wait_us"].get("p50"), "generate_p50_us": fig["generate_us"].get("p50"),
         "update_s": trainer.get("update_s"), "compute_s": trainer.get("compute_s"),
@@ -153,10 +140,10 @@ def run_modes(args: argparse.Namespace, train_cost_s: float) -> dict[str, dict[s
         stopping: threading.Thread | None = None
         try:
             for mode in MODES if args.smoke else ():
-                jobs[mode] = start_mode(mode, args, train_cost_s, Path(tmp))
+                jobs[mode] = start_job(job_config(args, mode, train_cost_s), Path(tmp) / mode)
             for mode in MODES:
                 if mode not in jobs:
-                    jobs[mode] = start_mode(mode, args, train_cost_s, Path(tmp))
+                    jobs[mode] = start_job(job_config(args, mode, train_cost_s), Path(tmp) / mode)
                 if stopping is not None:
                     stopping.join()
                 out[mode] = measure_mode(mode, jobs[mode], args)

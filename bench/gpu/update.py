@@ -1,7 +1,7 @@
 """One PPO and one GRPO update of each family at release size on one CUDA GPU: time and peak
 memory, through the trainer's own path.
 
-    python bench/gpu_update.py [--families pi0,openvla_oft] [--algos ppo,grpo] [--updates 2]
+    python bench/gpu/update.py [--families pi0,openvla_oft] [--algos ppo,grpo] [--updates 2]
                                [--batch-steps 64] [--minibatch 16] [--device cuda | --device cpu --tiny]
 
 Nothing here re-implements the update. Per family: the policy comes from
@@ -20,7 +20,7 @@ Gradient checkpointing (``--grad-ckpt``) is on for both: OpenVLA-OFT recomputes 
 
 Releases: π0 at 3B trains in full; OpenVLA-OFT at 7.5B trains with LoRA (full Adam does not fit
 one H200), as ``configs/models/*`` and the README say. Two 224x224 cameras, as
-``bench/gpu_models.py``.
+``bench/gpu/models.py``.
 
 Per (family, algo): ``update_s`` of each update (the first one also allocates the optimizer
 state), ``peak_mem_gib`` (``torch.cuda.max_memory_allocated`` during the update),
@@ -42,19 +42,18 @@ from typing import Any
 import numpy as np
 import torch
 
-ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT))
+from bench.gpu.models import device_or_exit
+from rlvla3.config import from_dict, read_yaml
+from rlvla3.observation import Observation
+from workers.algorithms.memory import enable_gradient_checkpointing
+from workers.algorithms.update import TrainState, update
+from workers.envs.base import EnvSpec
+from workers.learner import Fragment, Learner, build_batch
+from workers.metrics import Counters
+from workers.model import build_policy
+from workers.trajectory import EnvTrajectory, StepRecord
 
-from rlvla3.config import from_dict, read_yaml  # noqa: E402
-from rlvla3.observation import Observation  # noqa: E402
-from workers.algorithms.memory import enable_gradient_checkpointing  # noqa: E402
-from workers.algorithms.update import TrainState, update  # noqa: E402
-from workers.envs.base import EnvSpec  # noqa: E402
-from workers.learner import Fragment, Learner, build_batch  # noqa: E402
-from workers.metrics import Counters  # noqa: E402
-from workers.model import build_policy  # noqa: E402
-from workers.trajectory import EnvTrajectory, StepRecord  # noqa: E402
-from gpu_models import device_or_exit  # noqa: E402  (bench/, the script's folder, is first on sys.path)
+ROOT = Path(__file__).resolve().parents[2]
 
 RELEASE = {"pi0": ("pi0_3b.yaml", False), "openvla_oft": ("openvla_oft_7b.yaml", True)}
 """family -> (its release model config under configs/models, LoRA on)."""

@@ -2,11 +2,11 @@
 beside two floors measured in the same run: a raw pyzmq DEALER<->ROUTER echo, and a raw relay
 of the same topology (simulator -> relay -> echo -> relay -> simulator, pyzmq and no logic).
 
-    python bench/latency.py [--rate 150] [--duration 2] [--rounds 8] [--transport shm|inline]
+    python bench/broker/latency.py [--rate 150] [--duration 2] [--rounds 8] [--transport shm|inline]
                             [--generator echo|policy] [--curve] [--out bench/out] [--quick | --smoke]
 
 What runs: a real broker (``LocalJob``: synthetic env spec with 16x16 images, ``max_batch`` 1,
-``max_wait_ms`` 0) with one generator: by default the echo generator of ``bench/_echo.py``, a
+``max_wait_ms`` 0) with one generator: by default the echo generator of ``rlvla3/harness/echo.py``, a
 generator-role peer on the real protocol that answers each BATCH with zero actions and no
 forward pass, so that the figure is the broker's own cost; ``--generator policy`` runs a real
 generator worker with a small mlp instead. This process acts as a simulator with many slots
@@ -32,8 +32,7 @@ Last line of stdout: one JSON object (``p50_us``, ``p99_us``, ``p999_us``, ``raw
 from __future__ import annotations
 
 import argparse
-import os
-import sys
+import json
 import time
 from collections import deque
 from pathlib import Path
@@ -42,19 +41,19 @@ from typing import Any, Callable
 import numpy as np
 import zmq
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-from _common import (  # noqa: E402
-    bench_run_dir, emit, keep_logs_unless, local_job, merged, new_hist, note, parse_bench_args, percentile_plot, record_us, start_child, stop_child,
-    summary, wait_readable,
+from rlvla3 import names
+from rlvla3 import protocol as P
+from rlvla3.config import load
+from rlvla3.harness.bench import (
+    bench_run_dir, emit, keep_logs_unless, merged, new_hist, note, parse_bench_args, percentile_plot, record_us,
+    start_child, stop_child, summary, wait_readable,
 )
-
-from rlvla3 import auth, names  # noqa: E402
-from rlvla3 import protocol as P  # noqa: E402
-from rlvla3.config import load  # noqa: E402
-from rlvla3.app.launch import LocalJob  # noqa: E402
-from rlvla3.lifetime import follow_launcher  # noqa: E402
-from rlvla3.observation import IMAGES, STATE, Observation  # noqa: E402
-from rlvla3.shm import ShmPool, host_id  # noqa: E402
+from rlvla3.harness.echo import ECHO
+from rlvla3.harness.jobs import Job, start_job
+from rlvla3.harness.peer import Peer
+from rlvla3.lifetime import follow_launcher
+from rlvla3.observation import IMAGES, STATE, Observation
+from rlvla3.shm import ShmPool, host_id
 
 IMAGE = 16
 STATE_DIM = 4
@@ -227,11 +226,8 @@ def open_loop(sock: zmq.Socket, client: Client, rate: float, duration_s: float, 
 # =============================================================================================
 
 
-ECHO = str(Path(__file__).resolve().parent / "_echo.py")
-
-
-def start_fabric(args: argparse.Namespace, run_dir: Path, keys: str | None) -> tuple[LocalJob, Any]:
-    """The broker, and its generator: the echo peer (``bench/_echo.py``: the broker's own cost)
+def start_fabric(args: argparse.Namespace, run_dir: Path, keys: str | None) -> tuple[Job, Any]:
+    """The broker, and its generator: the echo peer (``rlvla3/harness/echo.py``: the broker's own cost)
     or a real generator worker with a small policy (``--generator policy``)."""
     overrides = [
         "env.name=synthetic", f"env.options.image_size={IMAGE}", "env.num_envs=1", "env.slots=1",
@@ -242,35 +238,16 @@ def start_fabric(args: argparse.Namespace, run_dir: Path, keys: str | None) -> t
         "workers.trainers=0", "run.mode=async", "workers.device=cpu", "workers.torch_threads=1",
         *([f"broker.keys_dir={keys}"] if keys else []),
     ]
-    job = local_job(load("synthetic.yaml", overrides), run_dir)
+    job = start_job(load("synthetic.yaml", overrides), run_dir, workers=False)
     if args.generator == "policy":
         return job, job.start_worker("generator", "generator0")
     try:
-        gen, _ = start_child([ECHO, "generator", job.endpoint, "--credits", str(args.credits),
+        gen, _ = start_child([*ECHO, "generator", job.endpoint, "--credits", str(args.credits),
                               *(["--keys", keys] if keys else [])])
     except BaseException:
         job.stop()
         raise
     return job, gen
-
-
-def connect_simulator(ctx: zmq.Context, endpoint: str, slots: int, n: int, timeout_s: float = 20.0,
-                      keys: str | None = None) -> tuple[zmq.Socket, dict[str, Any]]:
-    sock = ctx.socket(zmq.DEALER)
-    sock.setsockopt(zmq.LINGER, 0)
-    sock.setsockopt(zmq.SNDHWM, P.SOCKET_HWM)
-    sock.setsockopt(zmq.RCVHWM, P.SOCKET_HWM)
-    auth.configure_client(sock, keys, "simulator")
-    sock.connect(endpoint)
-    sock.send_multipart(P.encode(P.READY, {"role": "simulator", "host": host_id(), "pid": os.getpid(),
-                                           "name": "bench-latency", "slots": slots, "num_envs": slots * n}))
-    deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline:
-        if sock.poll(int(max(1, (deadline - time.monotonic()) * 1000))):
-            msg = P.decode(sock.recv_multipart())
-            if msg.type == P.READY:
-                return sock, dict(msg.header)
-    raise TimeoutError(f"broker at {endpoint} did not answer READY within {timeout_s} s")
 
 
 def generator_serving(fig: dict[str, Any]) -> bool:
@@ -317,7 +294,7 @@ def main() -> None:
     t_start = time.monotonic()
     run_dir, keys = bench_run_dir("latency", args.curve)
     ctx = zmq.Context()
-    job: LocalJob | None = None
+    job: Job | None = None
     children: list[Any] = []
     client: Client | None = None
     socks: list[zmq.Socket] = []
@@ -329,10 +306,11 @@ def main() -> None:
             children.append(gen)
         echo, echo_ep = start_child([__file__, "--child"])
         children.append(echo)
-        relay, relay_ep = start_child([ECHO, "relay"])
+        relay, relay_ep = start_child([*ECHO, "relay"])
         children.append(relay)
-        children.append(start_child([ECHO, "relay-echo", relay_ep])[0])
-        bsock, welcome = connect_simulator(ctx, job.endpoint, args.slots, args.n, keys=keys)
+        children.append(start_child([*ECHO, "relay-echo", relay_ep])[0])
+        sim = Peer(ctx, job.endpoint, "simulator", "bench-latency", keys, slots=args.slots, num_envs=args.slots * args.n)
+        welcome, bsock = sim.expect(P.READY, 20.0).header, sim.sock
         socks.append(bsock)
         esock, rsock = ctx.socket(zmq.DEALER), ctx.socket(zmq.DEALER)
         for sk, ep in ((esock, echo_ep), (rsock, relay_ep)):
@@ -345,23 +323,10 @@ def main() -> None:
             transport = "inline"
         client = Client(args.slots, args.n, transport, str(welcome.get("run_id", "bench")))
 
-        def keepalive() -> None:  # the broker expires a silent worker after 3 x 1 s
-            bsock.send_multipart(P.encode(P.HEARTBEAT), zmq.DONTWAIT)
-
         def drain_broker() -> None:
-            keepalive()
-            while bsock.getsockopt(zmq.EVENTS) & zmq.POLLIN:
-                bsock.recv_multipart()
+            sim.keepalive(every_s=0.0)  # the broker expires a silent worker after 3 x 1 s
 
-        deadline = time.monotonic() + 60
-        while not generator_serving(job.status()):
-            keepalive()
-            if time.monotonic() > deadline:
-                raise TimeoutError(f"the generator did not start serving within 60 s; logs in {run_dir}")
-            if gen.poll() is not None:
-                raise RuntimeError(f"the generator exited ({gen.returncode}); logs in {run_dir}")
-            bsock.poll(100)  # polling STATUS with a deadline
-            drain_broker()
+        job.wait(lambda f: drain_broker() or generator_serving(f), 60, "the generator to serve")
         note(f"fabric up in {time.monotonic() - t_start:.1f} s; generator={args.generator}, transport={transport}, "
              f"curve={bool(keys)}, rate={args.rate}/s, {args.rounds} x {args.duration} s per phase")
 
@@ -446,16 +411,14 @@ def main() -> None:
             f"max_wait {args.max_wait_ms} ms, CURVE {'on' if keys else 'off'} (latency from due time)",
         )
         result["png"] = str(png)
-        (out / "latency.json").write_text(__import__("json").dumps(result, indent=1))
+        (out / "latency.json").write_text(json.dumps(result, indent=1))
         ok = True
         emit(result)
     finally:
-        for sk in socks:
-            try:
-                sk.send_multipart(P.encode(P.DISCONNECT), zmq.DONTWAIT) if sk is socks[0] else None
-            except zmq.ZMQError:
-                pass
+        for sk in socks[1:]:
             sk.close(0)
+        if socks:
+            sim.close()
         if client is not None:
             client.close()
         for child in children:

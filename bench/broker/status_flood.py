@@ -18,30 +18,26 @@ Reported from the broker's own figures (STATUS):
   whatever the job size.
 - ``job_advanced``: env steps and the policy version grew during the flood.
 
-    python bench/status_flood.py            # 20 s, 256 fake simulators x 64 slots
-    python bench/status_flood.py --quick    # 12 s
+    python bench/broker/status_flood.py            # 20 s, 256 fake simulators x 64 slots
+    python bench/broker/status_flood.py --quick    # 12 s
 """
 
 from __future__ import annotations
 
 import argparse
 import os
-import sys
-import tempfile
 import threading
 import time
 from pathlib import Path
 
 import zmq
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from bench._common import OUT_DIR, SMALL_ASYNC_JOB, emit_to, keep_logs_unless, local_job, note  # noqa: E402
-from brokers.stats import STALL_WINDOW_S  # noqa: E402
-from rlvla3 import protocol as P  # noqa: E402
-from rlvla3.config import load  # noqa: E402
-from rlvla3.app.launch import request_status  # noqa: E402
-
-JOB = SMALL_ASYNC_JOB
+from brokers.stats import STALL_WINDOW_S
+from rlvla3 import protocol as P
+from rlvla3.config import load
+from rlvla3.harness.bench import OUT_DIR, bench_run_dir, emit_to, keep_logs_unless, note
+from rlvla3.harness.jobs import SMALL_JOB, start_job
+from rlvla3.app.launch import request_status
 
 
 class FakeSimulators(threading.Thread):
@@ -116,12 +112,11 @@ def main() -> None:
     seconds = 1.0 if args.smoke else 12.0 if args.quick else args.seconds
     fakes = 8 if args.smoke else args.fake_sims
 
-    root = Path(tempfile.mkdtemp(prefix="rlvla3-status-flood-"))
-    job = local_job(load("synthetic.yaml", list(JOB)), root)
+    root, _ = bench_run_dir("status_flood", False)
+    job = start_job(load("synthetic.yaml", SMALL_JOB), root)
     ctx = zmq.Context()
     result: dict = {}
     try:
-        job.start_all()
         job.wait_status(lambda f: f["env_steps"] > 0 and (args.smoke or f["policy_version"] >= 1), 300.0,
                         "the job to step and train once")
         sims = FakeSimulators(ctx, job.endpoint, fakes, args.slots)

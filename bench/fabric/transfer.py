@@ -1,13 +1,13 @@
 """Camera images from the renderer's output in a simulator to a tensor ready in a generator:
 shared memory vs inline frames.
 
-    python bench/transfer.py [--images 32] [--size 224] [--requests 1] [--reps 30] [--device cpu|auto]
+    python bench/fabric/transfer.py [--images 32] [--size 224] [--requests 1] [--reps 30] [--device cpu|auto]
                              [--out bench/out] [--quick | --smoke]
 
 This process plays the simulator, a child process the generator, over tcp://127.0.0.1. The
 batch is ``--requests`` slots' observations (``--images`` uint8 images in all, plus their
 states), sent as the BATCH the broker forwards (the broker's own hop, the same either way, is
-``bench/latency.py``'s). One request (the default) is one slot's 32 images, as this benchmark
+``bench/broker/latency.py``'s). One request (the default) is one slot's 32 images, as this benchmark
 always measured; with several, the generator's gather copies the batch once, both ways. Each repetition's time runs from the renderer's output to the
 generator's tensor; the renderer itself is not timed. Three ways, interleaved rep by rep:
 
@@ -39,7 +39,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import sys
 import time
 from pathlib import Path
 from typing import Any
@@ -48,14 +47,13 @@ import msgpack
 import numpy as np
 import zmq
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-from _common import emit, note, parse_bench_args, save_figure, start_child, stop_child  # noqa: E402
+from rlvla3.harness.bench import emit, note, parse_bench_args, save_figure, start_child, stop_child
 
-from rlvla3 import names  # noqa: E402
-from rlvla3 import protocol as P  # noqa: E402
-from rlvla3.lifetime import follow_launcher  # noqa: E402
-from rlvla3.observation import Observation  # noqa: E402
-from rlvla3.shm import ShmAttachments, ShmPool, locate, observation_block  # noqa: E402
+from rlvla3 import names
+from rlvla3 import protocol as P
+from rlvla3.lifetime import follow_launcher
+from rlvla3.observation import Observation
+from rlvla3.shm import ShmAttachments, ShmPool, locate, observation_block
 
 MODES = ("shm", "shm_copy", "inline")
 STATE_DIM = 8

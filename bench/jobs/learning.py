@@ -8,8 +8,8 @@ seconds. Seconds are counted from the first env step, so process start-up is not
 The claim being checked (RL-VLA^3, AReaL): async reaches the same success per env step (within
 seed noise: staleness is corrected by decoupled PPO) and gets there sooner in seconds.
 
-    python bench/learning.py --quick                 # synthetic, 1 seed, < 60 s, prints JSON last
-    python bench/learning.py --seeds 0 1 2 --steps 12000 --out /tmp/learning
+    python bench/jobs/learning.py --quick                 # synthetic, 1 seed, < 60 s, prints JSON last
+    python bench/jobs/learning.py --seeds 0 1 2 --steps 12000 --out /tmp/learning
 
 ``--quick`` stops each job once its success reaches the target, and prints one JSON object last:
 ``sync_steps_to_target``, ``async_steps_to_target``, ``sync_seconds_to_target``,
@@ -19,7 +19,7 @@ env steps and wall-clock seconds.
 
 Pixels (a tiny OpenVLA-OFT on Meta-World from a 64x64 camera, proprio state and the instruction):
 
-    python bench/learning.py --config configs/metaworld_oft_rgb.yaml --seeds 0 1 --steps 60000 \
+    python bench/jobs/learning.py --config configs/metaworld_oft_rgb.yaml --seeds 0 1 --steps 60000 \
         --timeout 1800 --sft-episodes 120 --sft-epochs 20 --final-eval 100 [--blank-images]
 
 ``--sft-episodes`` warm-starts once per seed with ``rlvla3 sft`` (not timed; sync and async start
@@ -43,12 +43,10 @@ from typing import Any
 
 import numpy as np
 
-from _common import OUT_DIR  # (bench/, the script's folder, is first on sys.path)
+from rlvla3.harness.bench import OUT_DIR
+from rlvla3.lifetime import launcher_env
 
-ROOT = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(ROOT))
-
-from rlvla3.lifetime import launcher_env  # noqa: E402
+ROOT = Path(__file__).resolve().parents[2]
 
 MODES = ("sync", "async")
 MIN_EPISODES = 200

@@ -1,7 +1,7 @@
 """Publish -> every reader swapped: weight versions through the shared-memory store, against a
 plain memcpy of the same bytes measured in the same run.
 
-    python bench/weights.py [--sizes tiny,medium] [--readers 1,2] [--versions 4] [--copy-threads 2]
+    python bench/fabric/weights.py [--sizes tiny,medium] [--readers 1,2] [--versions 4] [--copy-threads 2]
                             [--quick | --smoke] [--out bench/out]
 
 Processes, all on this host:
@@ -66,15 +66,14 @@ import torch
 import xxhash
 import zmq
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-
-from bench._common import OUT_DIR, emit, note, start_child, stop_child  # noqa: E402
-from rlvla3 import protocol as P  # noqa: E402
-from rlvla3.shm import host_id, segments_of_run  # noqa: E402
-from rlvla3.config import load  # noqa: E402
-from rlvla3.app.launch import LocalJob  # noqa: E402
-from rlvla3.weights.publisher import WeightPublisher  # noqa: E402
-from rlvla3.weights.receiver import WeightReceiver  # noqa: E402
+from rlvla3 import protocol as P
+from rlvla3.config import load
+from rlvla3.harness.bench import OUT_DIR, emit, note, start_child, stop_child
+from rlvla3.harness.jobs import rss_mb, start_job
+from rlvla3.harness.peer import Peer
+from rlvla3.shm import host_id, segments_of_run
+from rlvla3.weights.publisher import WeightPublisher
+from rlvla3.weights.receiver import WeightReceiver
 
 SIZES = {
     # name: (hidden, ffn, layers, vocab, kv)
@@ -139,20 +138,6 @@ def params_m(m: torch.nn.Module) -> float:
 
 
 # -- children ----------------------------------------------------------------------------------
-
-
-def rss_mb() -> float:
-    for line in Path("/proc/self/status").read_text().splitlines():
-        if line.startswith("VmRSS:"):
-            return int(line.split()[1]) / 1024
-    return float("nan")
-
-
-def rss_of(pid: int) -> float:
-    for line in Path(f"/proc/{pid}/status").read_text().splitlines():
-        if line.startswith("VmRSS:"):
-            return int(line.split()[1]) / 1024
-    return float("nan")
 
 
 def reader(args: argparse.Namespace) -> None:
@@ -237,7 +222,7 @@ def reader(args: argparse.Namespace) -> None:
          forward_ms_max=max(forward_ms, default=None), max_gap_ms=max(gaps, default=None),
          max_idle_gap_ms=max(idle_gaps, default=None), idle_gaps=len(idle_gaps),
          gap_p99_ms=float(np.percentile(gaps, 99)) if gaps else None,
-         max_swap_ms=max(swaps, default=None), rejected=rx.rejected, rss_mb=rss_mb())
+         max_swap_ms=max(swaps, default=None), rejected=rx.rejected, rss_mb=rss_mb(os.getpid()))
     rx.close()
     for s in (sub, ctl, report):
         s.close()
@@ -273,21 +258,11 @@ class Bench:
         self.ctx = zmq.Context()
         self.tmp = Path(tempfile.mkdtemp(prefix="rlvla3_weights_bench_"))
         cfg = load("synthetic.yaml", ["broker.liveness=600"])  # the bench trainer is busy publishing at times
-        (self.tmp / "config.yaml").write_text(cfg.to_yaml())
-        self.job = LocalJob(cfg, self.tmp, self.tmp / "config.yaml")
-        endpoint = self.job.start_broker("tcp://127.0.0.1:0", "tcp://127.0.0.1:0")
-        self.broker = self.ctx.socket(zmq.DEALER)
-        self.broker.setsockopt(zmq.LINGER, 0)
-        self.broker.connect(endpoint)
-        self.broker.send_multipart(P.encode(P.READY, {"role": "trainer", "host": host_id(), "pid": os.getpid(), "name": "bench"}))
-        if not self.broker.poll(30_000, zmq.POLLIN):
-            raise RuntimeError("the broker did not answer READY")
-        welcome = P.decode(self.broker.recv_multipart())
-        if welcome.type != P.READY:
-            raise RuntimeError(f"the broker refused the bench trainer: {welcome.header}")
-        self.pub_ep = welcome["pub"]
-        self.last_hb = time.monotonic()
-        self.broker_rss_start = rss_of(self.job.broker_proc.pid)
+        self.job = start_job(cfg, self.tmp, workers=False)
+        self.trainer = Peer(self.ctx, self.job.endpoint, "trainer", "bench")
+        self.broker = self.trainer.sock
+        self.pub_ep = self.trainer.expect(P.READY, 30.0)["pub"]
+        self.broker_rss_start = rss_mb(self.job.broker_proc.pid)
         self.pull = self.ctx.socket(zmq.PULL)
         self.pull.bind("tcp://127.0.0.1:*")
         self.ctl = self.ctx.socket(zmq.PUB)
@@ -315,7 +290,7 @@ class Bench:
                     continue
                 if msg["figures"]["policy_version"] != fields["version"]:
                     raise RuntimeError(f"the broker holds version {msg['figures']['policy_version']}, not {fields['version']}")
-                self.broker_rss.append(rss_of(self.job.broker_proc.pid))
+                self.broker_rss.append(rss_mb(self.job.broker_proc.pid))
                 return
         raise RuntimeError("the broker did not answer STATUS")
 
@@ -325,9 +300,7 @@ class Bench:
             msg = P.decode(self.broker.recv_multipart())
             if msg.type == P.ERROR:
                 raise RuntimeError(f"the broker sent ERROR: {msg['reason']}")
-        if time.monotonic() - self.last_hb > 0.5:
-            self.broker.send_multipart(P.encode(P.HEARTBEAT, {}))
-            self.last_hb = time.monotonic()
+        self.trainer.keepalive(drain=False)
 
     def drain(self, until: Any, timeout: float, what: str) -> None:
         deadline = time.monotonic() + timeout
