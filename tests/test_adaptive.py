@@ -13,9 +13,6 @@ from __future__ import annotations
 
 import importlib.util
 import json
-import os
-import subprocess
-import sys
 from pathlib import Path
 
 import numpy as np
@@ -23,8 +20,8 @@ import pytest
 
 from brokers.adaptive import AdaptiveBatching, Bounds
 from rlvla3 import protocol as P
+from rlvla3.harness.jobs import last_json, run_cli
 from rlvla3.app.launch import request_tune
-from rlvla3.lifetime import launcher_env
 from tests.brokerscript import Script
 
 TRACES = Path(__file__).parent / "traces"
@@ -149,14 +146,14 @@ def run_adaptive(config: str, steps: int, tmp_path: Path, *sets: str) -> dict:
     """``rlvla3 run CONFIG --steps N`` with ``batching.adaptive: true`` from a poor start (batches of
     one): the run must end on its step budget; returns its summary and last metrics row."""
     run_dir = tmp_path / "run"
-    args = [sys.executable, "-m", "rlvla3", "run", config, "--steps", str(steps), "--run-dir", str(run_dir),
+    args = ["run", config, "--steps", str(steps), "--run-dir", str(run_dir),
             "--set", "batching.adaptive=true", "--set", "batching.max_batch=1", "--set", "batching.max_wait_ms=20",
             "--set", "batching.adaptive_window_s=0.5", "--set", "run.progress_every_s=0.5"]
     for s in sets:
         args += ["--set", s]
-    r = subprocess.run(args, capture_output=True, text=True, timeout=600, env={**os.environ, **launcher_env()})
+    r = run_cli(*args, timeout=600)
     assert r.returncode == 0, r.stderr[-3000:]
-    summary = json.loads(r.stdout.strip().splitlines()[-1])
+    summary = last_json(r.stdout)
     assert summary["reason"] == "steps_reached" and summary["env_steps"] >= steps, summary
     logs = (run_dir / "broker.log").read_text()
     assert "batching_tuned" in logs  # the controller moved the rule

@@ -1,13 +1,18 @@
 """A job on this machine through the real launcher (``rlvla3.app.launch.LocalJob``), watched from
 outside: poll its STATUS until a condition or a deadline, env steps/s over a window, the RSS of
-its processes."""
+its processes; an ``rlvla3`` command run to its end."""
 
 from __future__ import annotations
 
+import json
+import os
+import subprocess
+import sys
 from pathlib import Path
 from typing import Any, Callable
 
 from rlvla3.app.launch import LocalJob
+from rlvla3.lifetime import launcher_env
 from rlvla3.status_client import rate_over, wait_until
 
 SMALL_JOB = (
@@ -19,6 +24,24 @@ SMALL_JOB = (
 )
 """Overrides for a small, quick synthetic job (few envs, short fragments, tiny updates), one worker
 per role: quick on a 2-core machine."""
+
+
+def run_command(argv: list[str], timeout: float = 240, env: dict[str, str] | None = None,
+                **popen: Any) -> subprocess.CompletedProcess:
+    """``argv`` run to its end as a user runs it, but ending with this process
+    (``rlvla3/lifetime.py``); stdout and stderr captured as text. ``env`` adds to this one's."""
+    return subprocess.run(argv, capture_output=True, text=True, timeout=timeout,
+                          env={**os.environ, **(env or {}), **launcher_env()}, **popen)
+
+
+def run_cli(*args: str, timeout: float = 240, **popen: Any) -> subprocess.CompletedProcess:
+    """``python -m rlvla3 ARGS`` through :func:`run_command`: the real entry point."""
+    return run_command([sys.executable, "-m", "rlvla3", *args], timeout, **popen)
+
+
+def last_json(stdout: str) -> Any:
+    """The JSON object on the last line of a command's stdout (``rlvla3 run``'s summary, a bench's result)."""
+    return json.loads(stdout.strip().splitlines()[-1])
 
 
 def rss_mb(pid: int) -> float | None:
