@@ -11,8 +11,8 @@ from brokers.outgoing import Out
 from brokers.state import BrokerState
 from rlvla3 import protocol as P
 from rlvla3.config import load
-from rlvla3.weights.manifest import Entry, Manifest
 from rlvla3.harness.jobs import SMALL_JOB
+from rlvla3.weights.manifest import Entry, Manifest
 
 HOST = "testhost"
 

@@ -5,8 +5,8 @@ from __future__ import annotations
 
 import pytest
 
-from rlvla3.shm import segments_of_run
 from rlvla3.harness.jobs import per_worker
+from rlvla3.shm import segments_of_run
 
 pytestmark = pytest.mark.slow
 

@@ -7,8 +7,8 @@ import numpy as np
 import torch
 
 from rlvla3.config import load
-from rlvla3.observation import Observation
 from rlvla3.harness.jobs import SMALL_JOB
+from rlvla3.observation import Observation
 from workers.algorithms.update import TrainState, update
 from workers.learner import Fragment, Learner, build_batch
 from workers.metrics import Counters

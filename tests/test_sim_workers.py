@@ -20,7 +20,6 @@ from __future__ import annotations
 import os
 import subprocess
 import sys
-import time
 from pathlib import Path
 from typing import Any
 
@@ -34,8 +33,9 @@ os.environ.setdefault("PYOPENGL_PLATFORM", "egl")
 from rlvla3 import names
 from rlvla3 import protocol as P  # noqa: E402
 from rlvla3.config import load  # noqa: E402
-from rlvla3.observation import IMAGES  # noqa: E402
 from rlvla3.harness.jobs import Job, per_worker
+from rlvla3.harness.peer import Peer
+from rlvla3.observation import IMAGES  # noqa: E402
 from rlvla3.status_client import wait_until
 from tests.jobs import robocasa_available, start_job
 
@@ -133,28 +133,19 @@ class ProbeGenerator:
     answers, so the slot waits; the job is torn down afterwards)."""
 
     def __init__(self, ctx: zmq.Context, endpoint: str) -> None:
-        self.sock = ctx.socket(zmq.DEALER)
-        self.sock.setsockopt(zmq.LINGER, 0)
-        self.sock.connect(endpoint)
-        self.sock.send_multipart(P.encode(P.READY, {"role": "generator", "host": "probe-other-host", "pid": os.getpid(),
-                                                    "name": "probe", "credits": 1}))
-        self._last_hb = time.monotonic()
+        self.peer = Peer(ctx, endpoint, "generator", "probe", host="probe-other-host", credits=1)
 
     def next_batch(self, timeout: float, alive: Any) -> P.Message:
-        deadline = time.monotonic() + timeout
-        while time.monotonic() < deadline:
-            alive()
-            if time.monotonic() - self._last_hb > 0.5:
-                self.sock.send_multipart(P.encode(P.HEARTBEAT, {"credits": 1}))
-                self._last_hb = time.monotonic()
-            if self.sock.poll(200):
-                msg = P.decode(self.sock.recv_multipart())
-                if msg.type == P.BATCH:
-                    return msg
-        raise AssertionError(f"no BATCH reached the probe generator within {timeout:.0f} s")
+        return wait_until(lambda: alive() or self._batch(), timeout, "a BATCH at the probe generator", interval=0)
+
+    def _batch(self) -> P.Message | None:
+        try:
+            return self.peer.expect(P.BATCH, 0.2, credits=1)
+        except TimeoutError:
+            return None
 
     def close(self) -> None:
-        self.sock.close(linger=0)
+        self.peer.sock.close(linger=0)
 
 
 @pytest.mark.sim

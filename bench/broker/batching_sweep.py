@@ -31,7 +31,7 @@ import time
 from pathlib import Path
 
 from rlvla3.config import load
-from rlvla3.harness.bench import OUT_DIR, emit, note, save_figure
+from rlvla3.harness.bench import emit_to, note, parse_bench_args, save_figure, subplots
 from rlvla3.harness.jobs import Job, start_job
 from rlvla3.app.launch import request_tune, stop_processes
 
@@ -122,14 +122,10 @@ def profile_change(job: Job, args: argparse.Namespace) -> dict:
 
 
 def plot(grid: dict[str, float], batches: list[int], waits: list[float], adaptive_sps: float | None, path: Path) -> None:
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
     import numpy as np
 
     z = np.array([[grid[f"{b}x{w}"] for w in waits] for b in batches])
-    fig, ax = plt.subplots(figsize=(1.3 * len(waits) + 3, 0.8 * len(batches) + 2))
+    fig, ax = subplots(figsize=(1.3 * len(waits) + 3, 0.8 * len(batches) + 2))
     im = ax.imshow(z, cmap="viridis", origin="lower", aspect="auto")
     for i in range(len(batches)):
         for j in range(len(waits)):
@@ -148,9 +144,6 @@ def plot(grid: dict[str, float], batches: list[int], waits: list[float], adaptiv
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--out", default=OUT_DIR, help="folder for the PNG and JSON (default: ./bench/out)")
-    ap.add_argument("--quick", action="store_true", help="3x3 grid, one adaptive run: under 3 minutes")
-    ap.add_argument("--smoke", action="store_true", help="tiny run for CI (no timing value): 2x1 grid, short windows")
     ap.add_argument("--profile", default="bimodal", help="bimodal | constant | lognormal | replay:FILE")
     ap.add_argument("--batches", default="2,4,8,16,32", help="max_batch grid")
     ap.add_argument("--waits", default="1,4,16,32", help="max_wait_ms grid")
@@ -167,7 +160,8 @@ def main() -> None:
     ap.add_argument("--change-profile", default="", help="after the adaptive runs, switch the simulators to this profile live")
     ap.add_argument("--change-follow", type=float, default=40.0, help="seconds followed after the switch")
     ap.add_argument("--change-reference", default="", help="batching_sweep.json of the new profile (its best point)")
-    args = ap.parse_args()
+    args = parse_bench_args(ap, "3x3 grid, one adaptive run: under 3 minutes",
+                            smoke_help="tiny run for CI (no timing value): 2x1 grid, short windows")
     if args.quick:
         args.batches, args.waits, args.window, args.adaptive_runs, args.converge = "2,8,32", "1,8,32", 4.0, 1, 24.0
     if args.smoke:
@@ -204,8 +198,7 @@ def main() -> None:
         "adaptive_sps": adaptive_sps, "adaptive_vs_best": round(adaptive_sps / max(grid[best_key], 1e-9), 3),
         "adaptive_runs": runs, "profile_change": change, "window_s": args.window, "elapsed_s": round(time.monotonic() - t_start, 1),
     }
-    (out / "batching_sweep.json").write_text(json.dumps(result, indent=2))
-    emit(result)
+    emit_to(out, "batching_sweep.json", result)
 
 
 if __name__ == "__main__":

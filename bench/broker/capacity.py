@@ -1,46 +1,29 @@
 """How many requests per second one broker routes: fake simulator slots and an echo generator,
 the offered rate ramped until the broker saturates.
 
-    python bench/broker/capacity.py [--sims 2] [--slots 256] [--envs 1] [--max-batch 32] [--max-wait-ms 2]
-                                    [--duration 4] [--curve] [--no-bundles] [--out bench/out] [--quick | --smoke]
+    python bench/broker/capacity.py --quick     # --sims 2 --slots 256 --envs 1 --max-batch 32 --curve ...
 
-What runs: a real broker (``LocalJob``, bound on ipc://), the echo generator of
-``rlvla3/harness/echo.py`` (a generator-role peer that answers each BATCH with zero actions, no forward
-pass) and ``--sims`` simulator processes (children of this script), each one simulator peer
-with ``--slots`` slots. A request is one OBS of one env whose observation (a 16x16 image and a
-state vector) lies in the simulator's shared memory; it is counted at the simulator when its
-ACT comes back. ``--envs N`` makes each OBS carry N envs (a slot stepping N envs, as
-``env.num_envs / env.slots`` does): still one request each, and ``env_obs_per_broker_core``
-says how many env observations a broker core routes that way (``docs/scaling.md``, "Past one
-broker", step 1). ``max_batch`` counts envs, as the broker does. Each simulator sends what is
-due at once as one BUNDLE and reads the broker's BUNDLEs of ACTs, as a simulator worker does;
-``--no-bundles``: one message per request each way. Every simulator is open-loop:
-request ``i`` is due at ``t0 + i/rate`` and goes out on a free slot; latency counts from when it
-was due (HdrHistogram, microseconds).
+What runs: a real broker (bound on ipc://), the echo generator (``rlvla3/harness/echo.py``: a
+generator-role peer that answers each BATCH with zeros) and ``--sims`` simulator processes with
+``--slots`` slots each. A request is one OBS whose observation (a 16x16 image and a state) lies
+in the simulator's shared memory, counted when its ACT comes back; ``--envs N`` makes each OBS
+carry N envs (``env_obs_per_broker_core``: env observations a broker core routes that way,
+``docs/scaling.md``). A simulator sends what is due at once as one BUNDLE and reads BUNDLEs of
+ACTs, as a simulator worker does (``--no-bundles``: one message per request). Open-loop: request
+``i`` is due at ``t0 + i/rate``; latency counts from then (HdrHistogram, us).
 
 The ramp: steps of ``--duration`` s, the offered rate growing by ``--factor`` from
-``--start-rate`` until the broker saturates (the achieved rate falls under 85% of the offered
-one, or the broker's process uses 90% of a core) or ``--steps`` is reached. ``max_rps`` is the
-best achieved rate; then one more step offers 80% of it for ``p99_us_at_80pct``.
+``--start-rate`` until the broker saturates (achieved < 85% of offered, or 90% of a core used)
+or ``--steps``; ``max_rps`` is the best achieved rate, then one step at 80% of it gives
+``p99_us_at_80pct``. The load generators share the cores with the broker, so
+``rps_per_broker_core`` divides the rate by the broker process's own CPU over the same window
+(user + system from /proc, zmq's I/O thread included; ``broker_threads_cpu_pct`` splits it).
+Target: >= 20,000 requests/s per broker core. ``reference_obs_decode_us`` (one OBS decode's CPU
+time here, before and after) is the yardstick between runs under different loads. ``errors``:
+an overloaded step leaves requests outstanding that the broker may refuse as ``over_limit``.
 
-The load generators share the machine's cores with the broker, so the broker may never get a
-whole core: ``rps_per_broker_core`` divides the rate by the broker process's own CPU use over
-the same window (its user + system time from /proc, zmq's I/O thread included), at the step
-that gave ``max_rps``. Target: >= 20,000 requests/s per fully used broker core.
-
-A shared machine's load inflates CPU time as well as wall time: ``reference_obs_decode_us``
-(the CPU time of one OBS decode in this process, before and after the ramp) is the yardstick
-to compare figures taken under different loads.
-
-Last line of stdout: one JSON object (``max_rps``, ``rps_per_broker_core``, ``p99_us_at_80pct``,
-``broker_cpu_pct``, ``broker_threads_cpu_pct`` (its Python loop's thread against libzmq's
-I/O thread), ``envs_per_request``, ``env_obs_per_broker_core``, ``broker_cpu_us_per_request``,
-``curve``, ``bundles``, ``errors`` and ``error_codes`` (an overloaded step leaves requests
-outstanding that the next reuses, which the broker may refuse as ``over_limit``),
-``reference_obs_decode_us``, ``ramp`` ...). Writes
-``broker_capacity.png`` (achieved against offered rate, and broker CPU) and
-``broker_capacity.json`` under ``--out``; with ``--profile``, the broker runs under cProfile
-timed by its own thread's CPU clock, and its top functions go to ``broker_capacity.prof.txt``.
+Writes ``broker_capacity.png`` and ``broker_capacity.json`` under ``--out``; ``--profile`` runs
+the broker under cProfile (its thread's CPU clock): ``broker_capacity.prof.txt``.
 """
 
 from __future__ import annotations
@@ -63,8 +46,8 @@ from rlvla3 import bundle, names
 from rlvla3 import protocol as P
 from rlvla3.config import load
 from rlvla3.harness.bench import (
-    bench_run_dir, cpu_seconds, emit, keep_logs_unless, new_hist, note, parse_bench_args, read_line, record_us,
-    save_figure, start_child, stop_child, summary, thread_cpu_seconds, wait_readable,
+    bench_run_dir, cpu_seconds, emit_to, keep_logs_unless, new_hist, note, parse_bench_args, read_line, record_us,
+    save_figure, start_child, stop_child, subplots, summary, thread_cpu_seconds, wait_readable,
 )
 from rlvla3.harness.echo import ECHO
 from rlvla3.harness.jobs import Job, generator_serving, start_job
@@ -82,11 +65,6 @@ SATURATED_RATE = 0.85
 """A step whose achieved rate is under this share of the offered one has saturated."""
 SATURATED_CPU = 90.0
 """A step where the broker's process used this much of one core (%) has saturated."""
-
-
-# =============================================================================================
-# A simulator process: open-loop requests on many slots, driven by commands on stdin
-# =============================================================================================
 
 
 class FakeSimulator:
@@ -259,11 +237,6 @@ def profiled_broker(config: str, run_dir: str, prof_out: str) -> None:
     Path(prof_out).write_text(text.getvalue())
 
 
-# =============================================================================================
-# The controller
-# =============================================================================================
-
-
 def answer(proc: Any, timeout_s: float) -> str:
     """A simulator child's answer line, within ``timeout_s``."""
     line = read_line(proc, timeout_s)
@@ -320,12 +293,8 @@ def reference_us(frames: list[Any], reps: int = 2000) -> float:
 
 
 def plot(ramp: list[dict[str, Any]], path: Path, title: str) -> Path:
-    import matplotlib
 
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    fig, ax = plt.subplots(figsize=(7, 4.2))
+    fig, ax = subplots(figsize=(7, 4.2))
     xs = [r["offered_rps"] for r in ramp]
     ax.plot(xs, [r["achieved_rps"] for r in ramp], "o-", label="achieved requests/s")
     ax.plot(xs, xs, ":", color="grey", label="offered")
@@ -464,9 +433,8 @@ def main() -> None:
         result["png"] = str(plot(ramp, out / "broker_capacity.png",
                                  f"one broker, echo generator, {args.sims} x {args.slots} slots x {args.envs} envs, max_batch "
                                  f"{args.max_batch}, CURVE {'on' if keys else 'off'}"))
-        (out / "broker_capacity.json").write_text(json.dumps(result, indent=1))
         ok = True
-        emit(result)
+        emit_to(out, "broker_capacity.json", result)
     finally:
         for child in children:
             if child.stdin is not None:  # a simulator: end of stdin, it leaves and frees its memory

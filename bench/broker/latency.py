@@ -2,37 +2,28 @@
 beside two floors measured in the same run: a raw pyzmq DEALER<->ROUTER echo, and a raw relay
 of the same topology (simulator -> relay -> echo -> relay -> simulator, pyzmq and no logic).
 
-    python bench/broker/latency.py [--rate 150] [--duration 2] [--rounds 8] [--transport shm|inline]
-                            [--generator echo|policy] [--curve] [--out bench/out] [--quick | --smoke]
+    python bench/broker/latency.py --quick     # --rate 150 --transport shm|inline --generator echo|policy --curve
 
-What runs: a real broker (``LocalJob``: synthetic env spec with 16x16 images, ``max_batch`` 1,
-``max_wait_ms`` 0) with one generator: by default the echo generator of ``rlvla3/harness/echo.py``, a
-generator-role peer on the real protocol that answers each BATCH with zero actions and no
-forward pass, so that the figure is the broker's own cost; ``--generator policy`` runs a real
-generator worker with a small mlp instead. This process acts as a simulator with many slots
-(default 64). Request ``i`` is due at ``t0 + i/rate``; it goes out on a free slot (a slot is
-busy until its reply is back; with none free it waits, and that wait is part of its latency).
-Latency counts from when the request was *due* (wrk2's cure for coordinated omission) and goes
-into an HdrHistogram in microseconds. Both floors run the very same client code and OBS frames:
-the echo is a ROUTER that returns every message (one hop each way), the relay has the broker's
-four hops and process wake-ups with nothing done on them. Rounds alternate raw, relay and broker
-so that a noisy neighbour hits all alike. Targets: broker p50 <= 1.5x the relay's, p99 <= 2x.
+What runs: a real broker (16x16 images, ``max_batch`` 1, ``max_wait_ms`` 0) with one generator:
+by default the echo peer (``rlvla3/harness/echo.py``: zeros for each BATCH, no forward pass, so
+the figure is the broker's own cost), with ``--generator policy`` a real generator worker with a
+small mlp. This process is a simulator with many slots. Request ``i`` is due at ``t0 + i/rate``
+and goes out on a free slot (waiting for one is part of its latency); latency counts from when
+it was *due* (wrk2's cure for coordinated omission), in an HdrHistogram in us. Both floors run the
+same client code and frames; rounds alternate raw, relay and broker so that a noisy neighbour
+hits all alike. Targets: broker p50 <= 1.5x the relay's, p99 <= 2x.
 
-Latency in parts (p50s, us): ``send_lag`` (due -> sent: pacing and waiting for a slot),
-``queue_wait`` (broker queue, from ACT.queue_us), ``forward`` (the generator's forward pass,
-ACT.forward_us), ``generate`` (broker: BATCH out -> RESULT in, from STATUS), ``batch_form``
-(STATUS), and what remains of the client's round trip: the hops and the Python on them.
-
-Last line of stdout: one JSON object (``p50_us``, ``p99_us``, ``p999_us``, ``raw_p50_us``,
-``raw_p99_us``, ``relay_p50_us``, ``relay_p99_us``, ``p50_over_relay``, ``p99_over_relay``,
-``achieved_rate``, ``target_rate``, ``ratio_p50`` (over the raw echo), ``curve``, ``parts``
-...). Writes ``latency.png`` (percentile plot) and ``latency.json`` under ``--out``.
+Latency in parts (``parts``, us): ``send_lag`` (due -> sent), ``queue_wait`` (ACT.queue_us),
+``forward`` (ACT.forward_us), the broker's ``generate`` and ``batch_form`` (STATUS), and what
+remains: the hops and the Python on them. Last line of stdout: one JSON object (``p50_us``,
+``p99_us``, ``raw_p50_us``, ``relay_p50_us``, ``p50_over_relay``, ``p99_over_relay``,
+``achieved_rate``, ``ratio_p50`` over the raw echo, ``parts`` ...); ``latency.png`` and
+``latency.json`` under ``--out``.
 """
 
 from __future__ import annotations
 
 import argparse
-import json
 import time
 from collections import deque
 from pathlib import Path
@@ -45,7 +36,7 @@ from rlvla3 import names
 from rlvla3 import protocol as P
 from rlvla3.config import load
 from rlvla3.harness.bench import (
-    bench_run_dir, emit, keep_logs_unless, merged, new_hist, note, parse_bench_args, percentile_plot, record_us,
+    bench_run_dir, emit_to, keep_logs_unless, merged, new_hist, note, parse_bench_args, percentile_plot, record_us,
     start_child, stop_child, summary, wait_readable,
 )
 from rlvla3.harness.echo import ECHO
@@ -57,11 +48,6 @@ from rlvla3.shm import ShmPool, host_id
 
 IMAGE = 16
 STATE_DIM = 4
-
-
-# =============================================================================================
-# The raw floor: a ROUTER that echoes every message (separate process)
-# =============================================================================================
 
 
 def echo_server() -> None:
@@ -86,11 +72,6 @@ def echo_server() -> None:
             sock.send_multipart(frames, zmq.DONTWAIT, copy=False)
     sock.close()
     ctx.term()
-
-
-# =============================================================================================
-# The client: an open-loop simulator with many slots
-# =============================================================================================
 
 
 class Client:
@@ -221,11 +202,6 @@ def open_loop(sock: zmq.Socket, client: Client, rate: float, duration_s: float, 
     return req_id
 
 
-# =============================================================================================
-# The fabric: broker + one generator
-# =============================================================================================
-
-
 def start_fabric(args: argparse.Namespace, run_dir: Path, keys: str | None) -> tuple[Job, Any]:
     """The broker, and its generator: the echo peer (``rlvla3/harness/echo.py``: the broker's own cost)
     or a real generator worker with a small policy (``--generator policy``)."""
@@ -252,11 +228,6 @@ def start_fabric(args: argparse.Namespace, run_dir: Path, keys: str | None) -> t
 
 def generator_serving(fig: dict[str, Any]) -> bool:
     return any(w["role"] == "generator" and (w.get("credits") or 0) > 0 for w in fig.get("per_worker", []))
-
-
-# =============================================================================================
-# Main
-# =============================================================================================
 
 
 def main() -> None:
@@ -411,9 +382,8 @@ def main() -> None:
             f"max_wait {args.max_wait_ms} ms, CURVE {'on' if keys else 'off'} (latency from due time)",
         )
         result["png"] = str(png)
-        (out / "latency.json").write_text(json.dumps(result, indent=1))
         ok = True
-        emit(result)
+        emit_to(out, "latency.json", result)
     finally:
         for sk in socks[1:]:
             sk.close(0)

@@ -35,8 +35,9 @@ import zmq
 from brokers.stats import STALL_WINDOW_S
 from rlvla3 import protocol as P
 from rlvla3.config import load
-from rlvla3.harness.bench import OUT_DIR, bench_run_dir, emit_to, keep_logs_unless, note
+from rlvla3.harness.bench import bench_run_dir, emit_to, keep_logs_unless, note, parse_bench_args
 from rlvla3.harness.jobs import SMALL_JOB, start_job
+from rlvla3.harness.peer import Peer
 from rlvla3.app.launch import request_status
 
 
@@ -45,28 +46,20 @@ class FakeSimulators(threading.Thread):
 
     def __init__(self, ctx: zmq.Context, endpoint: str, count: int, slots: int) -> None:
         super().__init__(daemon=True, name="fake-sims")
-        self.socks = []
-        for i in range(count):
-            s = ctx.socket(zmq.DEALER)
-            s.setsockopt(zmq.LINGER, 0)
-            s.connect(endpoint)
-            s.send_multipart(P.encode(P.READY, {"role": "simulator", "host": "fakehost", "pid": 100_000 + i,
-                                                "name": f"fake{i}", "slots": slots, "num_envs": slots}))
-            self.socks.append(s)
+        self.peers = [Peer(ctx, endpoint, "simulator", f"fake{i}", host="fakehost", pid=100_000 + i, slots=slots,
+                           num_envs=slots) for i in range(count)]
         self.stop = threading.Event()
 
     def run(self) -> None:
         while not self.stop.wait(0.5):
-            for s in self.socks:
-                while s.poll(0):
-                    s.recv_multipart()
-                s.send_multipart(P.encode(P.HEARTBEAT, {}), zmq.DONTWAIT)
+            for peer in self.peers:
+                peer.keepalive(every_s=0.0)
 
     def close(self) -> None:
         self.stop.set()
         self.join(5)
-        for s in self.socks:
-            s.close()
+        for peer in self.peers:
+            peer.sock.close(0)
 
 
 class Flooder(threading.Thread):
@@ -105,10 +98,7 @@ def main() -> None:
     ap.add_argument("--window", type=int, default=32, help="STATUS requests each client keeps in flight.")
     ap.add_argument("--fake-sims", type=int, default=256, help="Extra simulators that join and only heartbeat.")
     ap.add_argument("--slots", type=int, default=64, help="Slots of each extra simulator.")
-    ap.add_argument("--quick", action="store_true", help="A 12 s flood.")
-    ap.add_argument("--smoke", action="store_true", help="A 1 s flood, 8 extra simulators: checks the script runs.")
-    ap.add_argument("--out", default=OUT_DIR, help="Folder for status_flood.json (default ./bench/out).")
-    args = ap.parse_args()
+    args = parse_bench_args(ap, "a 12 s flood", smoke_help="a 1 s flood, 8 extra simulators: checks the script runs")
     seconds = 1.0 if args.smoke else 12.0 if args.quick else args.seconds
     fakes = 8 if args.smoke else args.fake_sims
 

@@ -17,7 +17,6 @@ Needs root and iproute2 (network namespaces); prints one JSON object last.
 from __future__ import annotations
 
 import argparse
-import json
 import signal
 import tempfile
 import time
@@ -26,7 +25,7 @@ from typing import Any
 
 
 from rlvla3.config import load
-from rlvla3.harness.bench import OUT_DIR
+from rlvla3.harness.bench import emit_to, parse_bench_args
 from rlvla3.harness.jobs import per_worker
 from rlvla3.harness.netns import NetnsJob, unavailable
 from rlvla3.status_client import rate_over
@@ -59,19 +58,15 @@ def measure(job: NetnsJob, warm_s: float, window_s: float, sims: list[str]) -> d
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--quick", action="store_true", help="shorter windows (about a minute and a half)")
-    ap.add_argument("--smoke", action="store_true", help="tiny windows, no timing value (the README test)")
-    ap.add_argument("--out", default=OUT_DIR, help="folder for multihost.json")
     ap.add_argument("--max-hosts", type=int, default=3, help="simulator hosts to add, one by one")
-    args = ap.parse_args()
+    args = parse_bench_args(ap, "shorter windows (about a minute and a half)", smoke_help="tiny windows, no timing value")
     warm_s, window_s = (0.2, 0.5) if args.smoke else (3.0, 10.0) if args.quick else (10.0, 30.0)
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     reason = unavailable()
     if reason is not None:
         result = {"skipped": reason, "note": NOTE}
-        (out / "multihost.json").write_text(json.dumps(result, indent=1))
-        print(json.dumps(result))
+        emit_to(out, "multihost.json", result)
         return
 
     folder = Path(tempfile.mkdtemp(prefix="rlvla3-multihost-"))
@@ -110,8 +105,7 @@ def main() -> None:
         "mode": "smoke" if args.smoke else "quick" if args.quick else "full",
         "note": NOTE,
     }
-    (out / "multihost.json").write_text(json.dumps(result, indent=1))
-    print(json.dumps(result))
+    emit_to(out, "multihost.json", result)
 
 
 if __name__ == "__main__":

@@ -32,7 +32,7 @@ from typing import Any
 
 
 from rlvla3.config import load
-from rlvla3.harness.bench import OUT_DIR
+from rlvla3.harness.bench import OUT_DIR, save_figure, subplots
 from rlvla3.harness.jobs import Job, rss_mb
 from rlvla3.app.launch import spawn, stop_processes
 from rlvla3.status_client import DeadlinePassed, wait_until
@@ -246,12 +246,8 @@ def report(soak: Soak, last: dict[str, Any], kills: list[dict[str, Any]], timeli
 
 
 def plot_rss(soak: Soak, path: Path) -> None:
-    import matplotlib
 
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    fig, ax = plt.subplots(figsize=(9, 4.5))
+    fig, ax = subplots(figsize=(9, 4.5))
     for p in soak.procs:
         if p.rss:
             ax.plot([t - soak.t0 for t, _ in p.rss], [r for _, r in p.rss], label=p.name, lw=1)
@@ -259,9 +255,7 @@ def plot_rss(soak: Soak, path: Path) -> None:
     ax.set_ylabel("RSS (MiB)")
     ax.set_title("RSS of every process (a new line per restart)")
     ax.legend(fontsize=6, ncol=4)
-    fig.tight_layout()
-    fig.savefig(path, dpi=100)
-    plt.close(fig)
+    save_figure(fig, path, 100)
 
 
 if __name__ == "__main__":

@@ -33,7 +33,6 @@ update was padded with a sleep or its real compute was already longer (``train_c
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import tempfile
 import threading
@@ -47,7 +46,7 @@ import numpy as np
 os.environ.setdefault("MUJOCO_GL", "egl")
 
 from rlvla3.config import JobConfig, load
-from rlvla3.harness.bench import OUT_DIR, emit, note
+from rlvla3.harness.bench import emit_to, note, parse_bench_args, save_figure, subplots
 from rlvla3.harness.jobs import start_job
 from rlvla3.observation import Observation
 
@@ -107,11 +106,6 @@ def load_now() -> float:
     return round(os.getloadavg()[0], 2)
 
 
-# ---------------------------------------------------------------------------------------------
-# Each mode as a real job
-# ---------------------------------------------------------------------------------------------
-
-
 def measure_mode(mode: str, job: Any, args: argparse.Namespace) -> dict[str, Any]:
     """Wait until the trainer made its first update (every process up, the loop has turned
     once), then count env steps over ``args.window`` seconds."""
@@ -158,11 +152,6 @@ def run_modes(args: argparse.Namespace, train_cost_s: float) -> dict[str, dict[s
             for t in [*stops, *([stopping] if stopping is not None else [])]:
                 t.join()
     return out
-
-
-# ---------------------------------------------------------------------------------------------
-# Each stage alone (in this process, as the workers run it: one torch thread, the same adapters)
-# ---------------------------------------------------------------------------------------------
 
 
 def sim_stage_alone(cfg: JobConfig, seconds: float) -> float:
@@ -265,21 +254,12 @@ def trainer_stage_alone(cfg: JobConfig, seconds: float) -> tuple[float, float]:
     return done / (time.monotonic() - t0), float(np.median(compute))
 
 
-# ---------------------------------------------------------------------------------------------
-# Table 1 as a picture
-# ---------------------------------------------------------------------------------------------
-
-
 def plot(result: dict[str, Any], path: Path) -> None:
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
 
     rows = [("sync", result["sync_sps"], "#999999"), ("async rollout", result["async_rollout_sps"], "#6699cc"),
             ("async", result["async_sps"], "#3366aa")]
     rows += [(f"{s} alone", result["stages_sps"][s], "#cc6633") for s in STAGES]
-    fig, ax = plt.subplots(figsize=(7, 3.8))
+    fig, ax = subplots(figsize=(7, 3.8))
     ys = np.arange(len(rows))[::-1]
     ax.barh(ys, [r[1] for r in rows], color=[r[2] for r in rows])
     ax.set_yticks(ys, [r[0] for r in rows])
@@ -293,14 +273,7 @@ def plot(result: dict[str, Any], path: Path) -> None:
     ax.set_xlabel("samples / s (env steps)")
     ax.set_title(f"{result['sim']}: train cost {result['train_cost_s']:.3f} s ({result['train_cost_kind']}), "
                  f"load {result['load'][0]}-{result['load'][1]}", fontsize=9)
-    fig.tight_layout()
-    fig.savefig(path, dpi=120)
-    plt.close(fig)
-
-
-# ---------------------------------------------------------------------------------------------
-# Main
-# ---------------------------------------------------------------------------------------------
+    save_figure(fig, path, 120)
 
 
 def parse_args() -> argparse.Namespace:
@@ -309,9 +282,6 @@ def parse_args() -> argparse.Namespace:
     ap.add_argument("--train-cost", default="auto",
                     help="seconds every update lasts at least (train.min_update_s); 'auto': the generator's "
                          "time for one batch alone, measured first; 0: the real update only")
-    ap.add_argument("--quick", action="store_true", help="short windows: under 60 s in all (synthetic)")
-    ap.add_argument("--smoke", action="store_true", help="tiny run for CI (no timing value)")
-    ap.add_argument("--out", default=OUT_DIR, help="folder for ablation_<sim>.png/json (default: ./bench/out)")
     ap.add_argument("--window", type=float, help="seconds measured per mode (default: the simulator's)")
     ap.add_argument("--stage-s", type=float, help="seconds per stage alone (default: the simulator's)")
     ap.add_argument("--warmup-s", type=float, default=900.0, help="most seconds a job may take to its first update")
@@ -323,7 +293,7 @@ def parse_args() -> argparse.Namespace:
     ap.add_argument("--max-staleness", type=int, default=4)
     ap.add_argument("--episode-steps", type=int, help="env.options.max_episode_steps (default: the simulator's)")
     ap.add_argument("--forward-ms", type=float, default=20.0, help="generator forward time per batch")
-    args = ap.parse_args()
+    args = parse_bench_args(ap, "short windows: under 60 s in all (synthetic)")
     layout = LAYOUTS[args.sim]
     for key in ("window", "stage_s", "sims", "envs", "slots", "max_batch", "batch_steps"):
         if getattr(args, key) is None:
@@ -384,8 +354,7 @@ def main() -> None:
                         "forward_ms": args.forward_ms, "cameras": sorted(job_spec(cfg).cameras)}
     result["load"] = [load0, load_now()]
     plot(result, out / f"ablation_{args.sim}.png")
-    (out / f"ablation_{args.sim}.json").write_text(json.dumps(result, indent=1))
-    emit(result)
+    emit_to(out, f"ablation_{args.sim}.json", result)
 
 
 if __name__ == "__main__":

@@ -43,7 +43,7 @@ from typing import Any
 
 import numpy as np
 
-from rlvla3.harness.bench import OUT_DIR
+from rlvla3.harness.bench import OUT_DIR, emit_to, parse_bench_args, save_figure, subplots
 from rlvla3.lifetime import launcher_env
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -173,14 +173,10 @@ def plot(curves: dict[str, list[dict[str, np.ndarray]]], target: float, out: Pat
          evals: dict[str, list[dict[str, Any]]] | None = None) -> list[Path]:
     """Success and return against env steps and seconds; ``evals`` (``curve_json``'s) adds the
     eval slots' deterministic success as markers."""
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
 
     paths = []
     for metric in ("success", "return"):
-        fig, axes = plt.subplots(1, 2, figsize=(11, 4))
+        fig, axes = subplots(1, 2, figsize=(11, 4))
         for mode, color in zip(MODES, ("tab:blue", "tab:orange")):
             for i, c in enumerate(curves.get(mode, [])):
                 for ax, x in zip(axes, ("steps", "seconds")):
@@ -198,25 +194,20 @@ def plot(curves: dict[str, list[dict[str, np.ndarray]]], target: float, out: Pat
             ax.legend()
             ax.grid(alpha=0.3)
         fig.suptitle(f"{title}: sync vs async ({metric})")
-        fig.tight_layout()
         p = out / f"learning_{metric}.png"
-        fig.savefig(p, dpi=110)
-        plt.close(fig)
+        save_figure(fig, p, 110)
         paths.append(p)
     return paths
 
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--quick", action="store_true", help="one seed, stop at target, < 60 s")
     ap.add_argument("--config", default="synthetic.yaml",
                     help="job config (e.g. metaworld_default.yaml for the Meta-World task; needs Meta-World)")
     ap.add_argument("--seeds", type=int, nargs="+", default=[0, 1, 2])
     ap.add_argument("--steps", type=int, default=12000, help="env steps per job")
     ap.add_argument("--target", type=float, default=0.9, help="success rate counted as reached")
     ap.add_argument("--set", dest="overrides", action="append", default=[], help="extra config override for every job")
-    ap.add_argument("--out", default=f"{OUT_DIR}/learning", help="folder for PNGs, per-run folders and results.json (default: ./bench/out/learning)")
-    ap.add_argument("--smoke", action="store_true", help="tiny run for CI (no learning value): a few hundred steps per mode")
     ap.add_argument("--timeout", type=float, default=300.0, help="seconds per job at most")
     ap.add_argument("--modes", nargs="+", choices=MODES, default=list(MODES), help="run.mode values to run, in order")
     ap.add_argument("--blank-images", action="store_true",
@@ -226,7 +217,8 @@ def main() -> None:
     ap.add_argument("--sft-lr", type=float, default=1e-3, help="learning rate of the warm start")
     ap.add_argument("--final-eval", type=int, default=0,
                     help="score the warm start and each job's last checkpoint on this many held-out starts")
-    args = ap.parse_args()
+    args = parse_bench_args(ap, "one seed, stop at target, < 60 s", out=f"{OUT_DIR}/learning",
+                            smoke_help="tiny run for CI (no learning value): a few hundred steps per mode")
 
     overrides = list(args.overrides)
     if args.blank_images:
@@ -289,8 +281,7 @@ def main() -> None:
         "curves": curves_json,
         "out": str(out), "png": pngs,
     }
-    (out / "results.json").write_text(json.dumps(result, indent=1))
-    print(json.dumps(result))
+    emit_to(out, "results.json", result)
 
 
 if __name__ == "__main__":

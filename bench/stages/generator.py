@@ -22,7 +22,7 @@ import numpy as np
 import torch
 import yaml
 
-from rlvla3.harness.bench import OUT_DIR, random_observation, save_figure
+from rlvla3.harness.bench import parse_bench_args, random_observation, save_figure, subplots
 from workers.envs.base import EnvSpec
 from workers.policies.base import make_policy
 
@@ -51,12 +51,8 @@ def time_act(policy, obs: dict, reps: int, warm_up: bool = True) -> float:
 
 
 def plot(results: dict, path: Path) -> None:
-    import matplotlib
 
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    fig, (ax1, ax2) = plt.subplots(1, 2, figsize=(11, 4))
+    fig, (ax1, ax2) = subplots(1, 2, figsize=(11, 4))
     for fam, rows in results.items():
         bs = sorted(int(b) for b in rows)
         ax1.plot(bs, [rows[str(b)]["samples_per_s"] for b in bs], marker="o", label=fam)
@@ -73,12 +69,10 @@ def plot(results: dict, path: Path) -> None:
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--out", default=OUT_DIR, help="folder for the PNG and JSON (default: ./bench/out)")
-    ap.add_argument("--quick", action="store_true", help="small images, 2 reps: under 60 s on 2 cores")
-    ap.add_argument("--smoke", action="store_true", help="tiny run for CI (no timing value): tiny images, batches 1-2")
     ap.add_argument("--max-batch", type=int, default=64)
     ap.add_argument("--families", default=",".join(FAMILIES))
-    args = ap.parse_args()
+    args = parse_bench_args(ap, "small images, 2 reps: under 60 s on 2 cores",
+                            smoke_help="tiny run for CI (no timing value): tiny images, batches 1-2")
 
     size = 64 if args.quick else 224
     reps = 3 if args.quick else 5

@@ -28,10 +28,6 @@ OUT_DIR = "bench/out"
 the current folder, so the README's commands (run from the repository root) write into the
 git-ignored ``bench/out/``."""
 
-# ---------------------------------------------------------------------------------------------
-# Histograms
-# ---------------------------------------------------------------------------------------------
-
 
 def new_hist() -> HdrHistogram:
     """1 us .. 60 s at 3 significant digits (values in microseconds)."""
@@ -62,21 +58,12 @@ def merged(hists: Iterable[HdrHistogram]) -> HdrHistogram:
     return out
 
 
-# ---------------------------------------------------------------------------------------------
-# Plots (matplotlib imported lazily: the smoke test need not pay for it twice)
-# ---------------------------------------------------------------------------------------------
-
-
 def percentile_plot(curves: dict[str, HdrHistogram], path: Path, title: str) -> Path:
     """HdrHistogram-style plot: x = percentile on a log scale of 1/(1-p), 50 .. 99.99; y = us."""
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
     import numpy as np
 
     xs = np.linspace(np.log10(2), 4, 200)  # 1/(1-p) from 2 (p50) to 10^4 (p99.99)
-    fig, ax = plt.subplots(figsize=(7, 4.2))
+    fig, ax = subplots(figsize=(7, 4.2))
     for label, h in curves.items():
         if not h.get_total_count():
             continue
@@ -93,6 +80,16 @@ def percentile_plot(curves: dict[str, HdrHistogram], path: Path, title: str) -> 
     ax.grid(True, which="both", alpha=0.3)
     ax.legend(fontsize=8)
     return save_figure(fig, path)
+
+
+def subplots(*args: Any, **kw: Any) -> tuple[Any, Any]:
+    """``plt.subplots`` on the Agg backend (files only, no display)."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    return plt.subplots(*args, **kw)
 
 
 def save_figure(fig: Any, path: Path, dpi: int = 110) -> Path:
@@ -131,11 +128,6 @@ def thread_cpu_seconds(pid: int) -> dict[str, float]:
     return out
 
 
-# ---------------------------------------------------------------------------------------------
-# Waiting on a socket with microsecond timeouts
-# ---------------------------------------------------------------------------------------------
-
-
 def wait_readable(sock: zmq.Socket, timeout_s: float, spin_s: float = 0.0) -> bool:
     """Wait until ``sock`` has a message, at most ``timeout_s`` (sub-millisecond resolution).
 
@@ -161,23 +153,18 @@ def wait_readable(sock: zmq.Socket, timeout_s: float, spin_s: float = 0.0) -> bo
     return bool(sock.getsockopt(zmq.EVENTS) & zmq.POLLIN)
 
 
-# ---------------------------------------------------------------------------------------------
-# Child processes
-# ---------------------------------------------------------------------------------------------
-
-
-def parse_bench_args(ap: argparse.ArgumentParser, quick_help: str,
-                     child: Callable[[argparse.Namespace], None]) -> argparse.Namespace | None:
-    """Add the options every fabric benchmark takes (``--out``, ``--quick``, ``--smoke``) and a
-    hidden ``--child``, and parse the command line. A process started with ``--child`` (by
-    :func:`start_child`) runs ``child(args)`` and gets None: it is the benchmark's helper, not
-    the benchmark."""
-    ap.add_argument("--out", default=OUT_DIR, help="folder for the PNG and JSON (default: ./bench/out)")
+def parse_bench_args(ap: argparse.ArgumentParser, quick_help: str, child: Callable[[argparse.Namespace], None] | None = None,
+                     smoke_help: str = "tiny run for CI (no timing value)", out: str = OUT_DIR) -> argparse.Namespace | None:
+    """Add the options every benchmark takes (``--out``, ``--quick``, ``--smoke``) and parse the
+    command line. With ``child``, a hidden ``--child`` too: a process started with it (by
+    :func:`start_child`) runs ``child(args)`` and gets None: it is the benchmark's helper."""
+    ap.add_argument("--out", default=out, help=f"folder for what it writes (default: ./{out})")
     ap.add_argument("--quick", action="store_true", help=quick_help)
-    ap.add_argument("--smoke", action="store_true", help="tiny run for CI (no timing value)")
-    ap.add_argument("--child", action="store_true", help=argparse.SUPPRESS)
+    ap.add_argument("--smoke", action="store_true", help=smoke_help)
+    if child is not None:
+        ap.add_argument("--child", action="store_true", help=argparse.SUPPRESS)
     args = ap.parse_args()
-    if not args.child:
+    if child is None or not args.child:
         return args
     child(args)
     return None
@@ -225,11 +212,6 @@ def stop_child(proc: subprocess.Popen, timeout_s: float = 5.0) -> None:
     for pipe in (proc.stdout, proc.stdin):
         if pipe is not None:
             pipe.close()
-
-
-# ---------------------------------------------------------------------------------------------
-# Output
-# ---------------------------------------------------------------------------------------------
 
 
 def bench_run_dir(name: str, curve: bool) -> tuple[Path, str | None]:

@@ -255,4 +255,3 @@ class NetnsJob:
 
     def close(self) -> None:
         self.hosts.close()
-
