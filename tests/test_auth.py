@@ -17,9 +17,9 @@ from click.testing import CliRunner
 from rlvla3 import auth
 from rlvla3 import protocol as P
 from rlvla3.app.cli import main
+from rlvla3.app.launch import request_status
 from rlvla3.config import load
 from rlvla3.harness.jobs import SMALL_JOB, Job, start_job
-from rlvla3.app.launch import request_status
 from rlvla3.status_client import wait_until
 
 ROOT = Path(__file__).resolve().parents[1]

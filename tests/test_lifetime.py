@@ -18,8 +18,8 @@ from pathlib import Path
 
 import pytest
 
-from rlvla3.harness.jobs import per_worker
 from rlvla3.app.launch import request_status
+from rlvla3.harness.jobs import per_worker
 from rlvla3.lifetime import LAUNCHER_ENV, launcher_env
 from rlvla3.shm import SHM_DIR, segments_of_run
 from rlvla3.status_client import wait_until

@@ -21,9 +21,9 @@ from typing import Any
 import pytest
 import yaml
 
+from rlvla3.app.launch import stop_processes
 from rlvla3.config import load
 from rlvla3.harness.jobs import Job
-from rlvla3.app.launch import stop_processes
 from tests.jobs import start_job
 
 pytestmark = pytest.mark.slow

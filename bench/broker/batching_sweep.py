@@ -30,10 +30,10 @@ import tempfile
 import time
 from pathlib import Path
 
+from rlvla3.app.launch import request_tune, stop_processes
 from rlvla3.config import load
 from rlvla3.harness.bench import emit_to, note, parse_bench_args, save_figure, subplots
 from rlvla3.harness.jobs import Job, start_job
-from rlvla3.app.launch import request_tune, stop_processes
 
 PROFILES = {
     "bimodal": "{kind: bimodal, mean_ms: 2.0, slow_ms: 40.0, slow_prob: 0.05}",

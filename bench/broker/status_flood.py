@@ -34,11 +34,11 @@ import zmq
 
 from brokers.stats import STALL_WINDOW_S
 from rlvla3 import protocol as P
+from rlvla3.app.launch import request_status
 from rlvla3.config import load
 from rlvla3.harness.bench import bench_run_dir, emit_to, keep_logs_unless, note, parse_bench_args
 from rlvla3.harness.jobs import SMALL_JOB, start_job
 from rlvla3.harness.peer import Peer
-from rlvla3.app.launch import request_status
 
 
 class FakeSimulators(threading.Thread):

@@ -29,10 +29,10 @@ import zmq
 
 from rlvla3 import auth, bundle
 from rlvla3 import protocol as P
+from rlvla3.app.launch import request_status
 from rlvla3.config import load
 from rlvla3.harness.bench import bench_run_dir, emit_to, keep_logs_unless, note, parse_bench_args
 from rlvla3.harness.jobs import SMALL_JOB, rss_mb, start_job
-from rlvla3.app.launch import request_status
 
 VALID = {  # one valid header per message type a peer may send to the broker
     P.READY: {"role": "client", "host": "fuzzhost", "pid": 1},

@@ -31,10 +31,10 @@ from pathlib import Path
 from typing import Any
 
 
+from rlvla3.app.launch import spawn, stop_processes
 from rlvla3.config import load
 from rlvla3.harness.bench import OUT_DIR, save_figure, subplots
 from rlvla3.harness.jobs import Job, rss_mb
-from rlvla3.app.launch import spawn, stop_processes
 from rlvla3.status_client import DeadlinePassed, wait_until
 
 RSS_SLACK_MB = 32.0

@@ -40,9 +40,9 @@ from datetime import datetime
 from pathlib import Path
 from typing import Any
 
+from rlvla3.app.launch import LocalJob, stop_processes
 from rlvla3.config import from_dict, read_yaml
 from rlvla3.harness.bench import emit, note
-from rlvla3.app.launch import LocalJob, stop_processes
 
 ROOT = Path(__file__).resolve().parents[2]
 
