@@ -11,8 +11,8 @@ from brokers.outgoing import Out
 from brokers.state import BrokerState
 from rlvla3 import protocol as P
 from rlvla3.config import load
+from rlvla3.harness.jobs import SMALL_JOB
 from rlvla3.weights.manifest import Entry, Manifest
-from tests.jobs import FAST
 
 HOST = "testhost"
 
@@ -28,7 +28,7 @@ class Script:
     """A broker state at a scripted clock. ``now`` only moves when a test moves it."""
 
     def __init__(self, *overrides: str) -> None:
-        self.cfg = load("synthetic.yaml", [*FAST, *overrides])
+        self.cfg = load("synthetic.yaml", [*SMALL_JOB, *overrides])
         self.now = 0.0
         self.state = BrokerState(self.cfg, self.now, run_id="script", host=HOST)
         self.sent: list[Out] = []

@@ -9,15 +9,16 @@ import pytest
 import zmq
 
 from rlvla3.config import load
-from tests.jobs import FAST, TestJob, start_job
+from rlvla3.harness.jobs import Job, SMALL_JOB
+from tests.jobs import start_job
 
 
 @pytest.fixture
 def job_factory(tmp_path: Path):
-    jobs: list[TestJob] = []
+    jobs: list[Job] = []
 
-    def make(*overrides: str, start: bool = True) -> TestJob:
-        return start_job(load("synthetic.yaml", [*FAST, *overrides]), tmp_path, jobs, start)
+    def make(*overrides: str, start: bool = True) -> Job:
+        return start_job(load("synthetic.yaml", [*SMALL_JOB, *overrides]), tmp_path, jobs, start)
 
     yield make
     for j in jobs:

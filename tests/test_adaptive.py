@@ -1,6 +1,6 @@
 """The adaptive batching controller (``brokers/adaptive.py``) on recorded traces, and on a job.
 
-A trace is a throughput surface measured by ``bench/batching_sweep.py`` on this machine (env
+A trace is a throughput surface measured by ``bench/broker/batching_sweep.py`` on this machine (env
 steps/s per ``max_batch`` x ``max_wait_ms`` grid point, ``tests/traces/``). The controller is
 driven on a scripted clock: each 0.1 s it is told the envs served at its current point (the
 recorded rate, interpolated between grid points, with 4% noise). It must converge to within 5%
@@ -13,9 +13,6 @@ from __future__ import annotations
 
 import importlib.util
 import json
-import os
-import subprocess
-import sys
 from pathlib import Path
 
 import numpy as np
@@ -24,7 +21,7 @@ import pytest
 from brokers.adaptive import AdaptiveBatching, Bounds
 from rlvla3 import protocol as P
 from rlvla3.app.launch import request_tune
-from rlvla3.lifetime import launcher_env
+from rlvla3.harness.jobs import last_json, run_cli
 from tests.brokerscript import Script
 
 TRACES = Path(__file__).parent / "traces"
@@ -149,14 +146,14 @@ def run_adaptive(config: str, steps: int, tmp_path: Path, *sets: str) -> dict:
     """``rlvla3 run CONFIG --steps N`` with ``batching.adaptive: true`` from a poor start (batches of
     one): the run must end on its step budget; returns its summary and last metrics row."""
     run_dir = tmp_path / "run"
-    args = [sys.executable, "-m", "rlvla3", "run", config, "--steps", str(steps), "--run-dir", str(run_dir),
+    args = ["run", config, "--steps", str(steps), "--run-dir", str(run_dir),
             "--set", "batching.adaptive=true", "--set", "batching.max_batch=1", "--set", "batching.max_wait_ms=20",
             "--set", "batching.adaptive_window_s=0.5", "--set", "run.progress_every_s=0.5"]
     for s in sets:
         args += ["--set", s]
-    r = subprocess.run(args, capture_output=True, text=True, timeout=600, env={**os.environ, **launcher_env()})
+    r = run_cli(*args, timeout=600)
     assert r.returncode == 0, r.stderr[-3000:]
-    summary = json.loads(r.stdout.strip().splitlines()[-1])
+    summary = last_json(r.stdout)
     assert summary["reason"] == "steps_reached" and summary["env_steps"] >= steps, summary
     logs = (run_dir / "broker.log").read_text()
     assert "batching_tuned" in logs  # the controller moved the rule
@@ -183,7 +180,7 @@ def test_a_client_sets_the_rule_of_a_live_job(job_factory):
     b = job.cfg.batching
     assert b.adaptive_min_batch <= fig["batching"]["max_batch"] <= b.adaptive_max_batch
     assert request_tune(job.endpoint, max_batch=4, max_wait_ms=2.0, adaptive=False)["adaptive"] is False
-    fig = job.fig()
+    fig = job.status()
     assert fig["batching"] == {"max_batch": 4, "max_wait_ms": 2.0, "adaptive": False}
     steps = fig["env_steps"]
     job.wait(lambda f: f["env_steps"] > steps + 200, 60, "steps under the new rule")

@@ -17,9 +17,10 @@ from click.testing import CliRunner
 from rlvla3 import auth
 from rlvla3 import protocol as P
 from rlvla3.app.cli import main
+from rlvla3.app.launch import request_status
 from rlvla3.config import load
-from rlvla3.app.launch import LocalJob, request_status
-from tests.jobs import FAST, wait_until
+from rlvla3.harness.jobs import SMALL_JOB, Job, start_job
+from rlvla3.status_client import wait_until
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -44,16 +45,8 @@ def test_keys_command_makes_owner_only_secrets(keys: Path):
     assert (keys / "broker.key_secret").read_bytes() == before  # existing pairs are kept
 
 
-def _job(tmp_path: Path, bind: str = "tcp://127.0.0.1:0", pub: str = "tcp://127.0.0.1:0", start: bool = True) -> LocalJob:
-    run_dir = tmp_path / "job"
-    run_dir.mkdir()
-    cfg = load("synthetic.yaml", list(FAST))
-    (run_dir / "config.yaml").write_text(cfg.to_yaml())
-    job = LocalJob(cfg, run_dir, run_dir / "config.yaml")
-    job.start_broker(bind, pub)
-    if start:
-        job.start_all()
-    return job
+def _job(tmp_path: Path, bind: str = "tcp://127.0.0.1:0", pub: str = "tcp://127.0.0.1:0", start: bool = True) -> Job:
+    return start_job(load("synthetic.yaml", list(SMALL_JOB)), tmp_path / "job", start, bind, pub)
 
 
 def _silent(ctx: zmq.Context, endpoint: str, setup) -> bool:
@@ -148,7 +141,7 @@ def test_rlvla3_run_with_keys(tmp_path: Path, keys: Path):
     """``rlvla3 run --keys``: every process a CURVE peer with its role's key, STATUS polls too."""
     run_dir = tmp_path / "run"
     env = {k: v for k, v in os.environ.items() if k != "RLVLA3_KEYS"}
-    sets = [x for kv in FAST for x in ("--set", kv)]
+    sets = [x for kv in SMALL_JOB for x in ("--set", kv)]
     r = subprocess.run([sys.executable, "-m", "rlvla3", "run", "synthetic.yaml", "--steps", "300", "--keys", str(keys),
                         "--run-dir", str(run_dir), *sets], cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
     assert r.returncode == 0, r.stderr[-3000:]

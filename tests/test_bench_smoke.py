@@ -203,7 +203,7 @@ CHECKS: dict[str, Callable[[dict[str, Any], Path], None]] = {
     "latency": check_latency, "transfer": check_transfer, "ablation": check_ablation,
     "sim_latency": check_sim_latency, "generator": check_generator, "learning": check_learning, "weights": check_weights,
     "fuzz": check_fuzz, "status_flood": check_status_flood, "multihost": check_multihost, "soak": check_soak,
-    "batching_sweep": check_batching_sweep, "broker_capacity": check_broker_capacity, "broker_hotpath": check_broker_hotpath,
+    "batching_sweep": check_batching_sweep, "capacity": check_broker_capacity, "hotpath": check_broker_hotpath,
 }
 
 
@@ -215,7 +215,7 @@ CHECKS: dict[str, Callable[[dict[str, Any], Path], None]] = {
 def test_readme_block_lists_bench_scripts() -> None:
     assert COMMANDS, 'the README\'s "## Benchmarks" block has no command'
     for argv in COMMANDS:
-        assert argv[0] == "python" and re.fullmatch(r"bench/\w+\.py", argv[1]), shlex.join(argv)
+        assert argv[0] == "python" and re.fullmatch(r"bench/\w+/\w+\.py", argv[1]), shlex.join(argv)
         assert (ROOT / argv[1]).is_file(), argv[1]
     assert {Path(a[1]).stem for a in COMMANDS} >= set(CHECKS), "a checked benchmark left the README"
 

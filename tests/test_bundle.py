@@ -11,7 +11,7 @@ import zmq
 
 from rlvla3 import bundle
 from rlvla3 import protocol as P
-from tests.jobs import wait_until
+from rlvla3.status_client import wait_until
 
 
 def _obs(slot: int, req_id: int = 1) -> list:
@@ -128,8 +128,8 @@ def test_a_live_broker_serves_a_bundle_part_by_part_and_bundles_its_answers(job_
             break
     assert acts == {0: 0.0, 2: 2.0}
     assert [t for t in sim.types_received() if t != P.HEARTBEAT] == [P.BUNDLE], "the two ACTs were not one message"
-    wait_until(lambda: job.fig()["requests"] == 2, 10, "the broker to count two requests")
-    bundles = job.fig()["bundles"]
+    wait_until(lambda: job.status()["requests"] == 2, 10, "the broker to count two requests")
+    bundles = job.status()["bundles"]
     assert bundles["in"] == 1 and bundles["in_parts"] == 4
     assert bundles["out"] >= 2 and bundles["out_parts"] >= 4  # two ERRORs, two ACTs (a heartbeat may join one)
     for p in (sim, gen):
@@ -154,6 +154,6 @@ def test_a_peer_that_never_said_bundles_gets_every_message_alone(job_factory, zc
             break
     assert sorted(acts) == [0, 1]
     assert P.BUNDLE not in sim.types_received()
-    assert job.fig()["bundles"] == {"in": 0, "in_parts": 0, "out": 0, "out_parts": 0}
+    assert job.status()["bundles"] == {"in": 0, "in_parts": 0, "out": 0, "out_parts": 0}
     for p in (sim, gen):
         p.close()

@@ -13,14 +13,9 @@ from pathlib import Path
 import pytest
 
 from rlvla3.config import RENAMED, ConfigError, load
-from rlvla3.scale_config import parse_gpus
+from rlvla3.harness.jobs import last_json, run_cli
 from rlvla3.lifetime import launcher_env
-
-
-def rlvla3(*args: str, timeout: float = 240) -> subprocess.CompletedProcess:
-    """The real entry point, ending with this test process (``rlvla3/lifetime.py``)."""
-    return subprocess.run([sys.executable, "-m", "rlvla3", *args], capture_output=True, text=True, timeout=timeout,
-                          env={**os.environ, **launcher_env()})
+from rlvla3.scale_config import parse_gpus
 
 
 def test_parse_gpus():
@@ -59,18 +54,18 @@ def test_removed_keys_name_their_replacement():
 
 
 def test_cli_rejects_unknown_key_before_starting_anything(tmp_path: Path):
-    r = rlvla3("run", "configs/synthetic.yaml", "--set", "algo.lrr=1", "--run-dir", str(tmp_path / "r"), timeout=60)
+    r = run_cli("run", "configs/synthetic.yaml", "--set", "algo.lrr=1", "--run-dir", str(tmp_path / "r"), timeout=60)
     assert r.returncode != 0 and "algo.lrr" in r.stderr
 
 
 @pytest.mark.slow
 def test_run_smoke_and_status(tmp_path: Path):
     run_dir = tmp_path / "run"
-    r = rlvla3("run", "configs/synthetic.yaml", "--steps", "600", "--run-dir", str(run_dir),
+    r = run_cli("run", "configs/synthetic.yaml", "--steps", "600", "--run-dir", str(run_dir),
                "--set", "env.num_envs=4", "--set", "env.slots=2", "--set", "algo.batch_steps=64",
                "--set", "run.progress_every_s=0.5", "--set", "workers.simulators=1")
     assert r.returncode == 0, r.stderr[-3000:]
-    summary = json.loads(r.stdout.strip().splitlines()[-1])
+    summary = last_json(r.stdout)
     assert summary["reason"] == "steps_reached" and summary["env_steps"] >= 600
     assert summary["shm_leftovers"] == 0
     rows = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
@@ -86,7 +81,7 @@ def test_status_json_worker_count_and_a_trainer_beyond_the_group(job_factory):
     sims = job.start_worker("simulator", "pair", ["--count", "2", "--num-envs", "2", "--slots", "1"])
     job.wait(lambda f: f["workers"]["simulator"] == 2 and f["slots"] == 2 and f["workers"]["trainer"] == 1, 60,
              "two simulators from one --count 2, and the trainer")
-    r = rlvla3("status", "--broker", job.endpoint, "--json", timeout=30)
+    r = run_cli("status", "--broker", job.endpoint, "--json", timeout=30)
     fig = json.loads(r.stdout)
     for key in ("workers", "env_steps", "queue_depth", "policy_version"):
         assert key in fig
@@ -124,7 +119,7 @@ def test_ctrl_c_stops_every_process(tmp_path: Path):
     finally:
         if proc.poll() is None:
             proc.kill()
-    summary = json.loads(out.strip().splitlines()[-1])
+    summary = last_json(out)
     assert summary["reason"] == "interrupted" and summary["shm_leftovers"] == 0
     for pid in pids:
         with pytest.raises(ProcessLookupError):

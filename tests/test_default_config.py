@@ -5,10 +5,7 @@ starting anything, naming how to install it; with it, a tiny default run complet
 from __future__ import annotations
 
 import importlib.util
-import json
 import os
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
@@ -16,6 +13,7 @@ from click.testing import CliRunner
 
 from rlvla3.app.cli import main
 from rlvla3.config import DEFAULT_CONFIG, load
+from rlvla3.harness.jobs import last_json, run_cli
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -61,14 +59,13 @@ def test_default_run_tiny(tmp_path):
     sets = ["run.sft_episodes=8", "run.sft_epochs=2", "run.progress_every_s=0.5",
             "env.options.max_episode_steps=40", "env.num_envs=4", "env.slots=1", "env.parallel=thread",
             "env.eval_slots=0", "workers.simulators=1", "algo.batch_steps=64", "algo.minibatch_size=32"]
-    args = [sys.executable, "-m", "rlvla3", "run", "--steps", "300", "--run-dir", str(run_dir)]
+    args = ["run", "--steps", "300", "--run-dir", str(run_dir)]
     for s in sets:
         args += ["--set", s]
-    env = {**os.environ, "MUJOCO_GL": os.environ.get("MUJOCO_GL", "egl")}
-    r = subprocess.run(args, capture_output=True, text=True, timeout=150, cwd=ROOT, env=env)
+    r = run_cli(*args, timeout=150, cwd=ROOT, env={"MUJOCO_GL": os.environ.get("MUJOCO_GL", "egl")})
     assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
     assert "warm start: deterministic success" in r.stdout
-    summary = json.loads(r.stdout.strip().splitlines()[-1])
+    summary = last_json(r.stdout)
     assert summary["reason"] == "steps_reached" and summary["env_steps"] >= 300, summary
     assert summary["shm_leftovers"] == 0
     assert (run_dir / "sft" / "model.safetensors").is_file()

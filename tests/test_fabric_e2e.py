@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import pytest
 
+from rlvla3.harness.jobs import per_worker
 from rlvla3.shm import segments_of_run
 
 pytestmark = pytest.mark.slow
@@ -38,12 +39,12 @@ def test_workers_join_mid_run_and_a_late_generator_gets_current_weights(job_fact
     job.start_worker("simulator", "late_sim", ["--index", "7"])
     job.start_worker("generator", "late_gen", ["--set", "model.options.forward_delay_ms=1"])
     fig = job.wait(
-        lambda f: (job.worker(f, "late_sim") or {}).get("role") == "simulator"
-        and ((job.worker(f, "late_gen") or {}).get("served") or 0) > 5,
+        lambda f: per_worker(f, "late_sim").get("role") == "simulator"
+        and (per_worker(f, "late_gen").get("served") or 0) > 5,
         90, "late generator serving batches",
     )
     base = fig["env_steps"]
-    assert job.worker(fig, "late_gen")["version"] >= 3  # the current weights, not its own build
+    assert per_worker(fig, "late_gen")["version"] >= 3  # the current weights, not its own build
     # The late simulator's slots get served: its own step count grows.
-    job.wait(lambda f: ((job.worker(f, "late_sim") or {}).get("env_steps") or 0) > 50, 60, "late simulator stepping")
+    job.wait(lambda f: (per_worker(f, "late_sim").get("env_steps") or 0) > 50, 60, "late simulator stepping")
     assert fig["slots"] == 4 and fig["errors"] == 0 and base > 0

@@ -14,7 +14,8 @@ import pytest
 import zmq
 
 from rlvla3 import protocol as P
-from tests.jobs import job_logs, wait_until
+from rlvla3.harness.jobs import per_worker
+from rlvla3.status_client import wait_until
 
 pytestmark = pytest.mark.slow
 
@@ -23,13 +24,13 @@ def test_generator_killed_mid_batch_is_requeued_and_nothing_lost(job_factory):
     # A slow forward pass keeps the doomed generator mid-batch almost all the time.
     job = job_factory("workers.generators=0", "batching.credits=1")
     doomed = job.start_worker("generator", "doomed", ["--set", "model.options.forward_delay_ms=400"])
-    job.wait(lambda f: ((job.worker(f, "doomed") or {}).get("served") or 0) >= 2, 90, "doomed generator serving")
+    job.wait(lambda f: (per_worker(f, "doomed").get("served") or 0) >= 2, 90, "doomed generator serving")
     job.start_worker("generator", "survivor")
-    job.wait(lambda f: ((job.worker(f, "survivor") or {}).get("served") or 0) >= 1, 90, "survivor serving")
-    fig = job.wait(lambda f: ((job.worker(f, "doomed") or {}).get("inflight") or 0) >= 1, 60,
+    job.wait(lambda f: (per_worker(f, "survivor").get("served") or 0) >= 1, 90, "survivor serving")
+    fig = job.wait(lambda f: (per_worker(f, "doomed").get("inflight") or 0) >= 1, 60,
                    "a batch in flight on the doomed generator")
     os.kill(doomed.pid, signal.SIGKILL)
-    fig = job.wait(lambda f: job.worker(f, "doomed") is None and f["requeued"] >= 1, 60, "the dead generator's batch requeued")
+    fig = job.wait(lambda f: not per_worker(f, "doomed") and f["requeued"] >= 1, 60, "the dead generator's batch requeued")
     before = fig["env_steps"]
     fig = job.wait(lambda f: f["env_steps"] > before + 200 and f["traj"]["acked"] >= 4, 120, "stepping on without it")
     # Every simulator slot still progresses (none stuck waiting for the lost batch) ...
@@ -46,7 +47,7 @@ def test_trainer_killed_its_trajectories_go_to_the_next(job_factory):
     first = job.start_worker("trainer", "first", ["--set", "workers.torch_threads=1"])
     job.wait(lambda f: f["traj"]["acked"] >= 3, 90, "first trainer taking trajectories")
     os.kill(first.pid, signal.SIGKILL)
-    fig = job.wait(lambda f: job.worker(f, "first") is None, 30, "trainer expiry")
+    fig = job.wait(lambda f: not per_worker(f, "first"), 30, "trainer expiry")
     received_then = fig["traj"]["received"]
     job.start_worker("trainer", "second")
     fig = job.wait(lambda f: f["traj"]["acked"] >= received_then and f["trajs_pending"] == 0, 90,
@@ -106,7 +107,7 @@ def test_a_reconnecting_trainer_takes_back_its_rank_and_nobody_else_can(job_fact
     version = fig["policy_version"]
     fig = job.wait(lambda f: f["workers"]["trainer"] == 1 and f["policy_version"] > version + 1, 120,
                    "the trainer training on at rank 0")
-    assert all(p.poll() is None for p in job.workers), job_logs(job)
+    assert all(p.poll() is None for p in job.workers), job.logs()
 
 
 def test_a_rejection_flood_writes_a_bounded_log(job_factory, zctx):
@@ -151,7 +152,7 @@ def test_a_request_whose_shared_memory_is_gone_fails_alone(job_factory):
     os.kill(doomed.pid, signal.SIGKILL)
     wait_until(lambda: not list(Path("/dev/shm").glob(f"rlvla3_*_{doomed.pid}_*")), 30, "the killed simulator's memory unlinked")
     job.start_worker("generator", "gen")
-    fig = job.wait(lambda f: f["requests_unreadable"] >= 1 and ((job.worker(f, "survivor") or {}).get("env_steps") or 0) > 0,
+    fig = job.wait(lambda f: f["requests_unreadable"] >= 1 and (per_worker(f, "survivor").get("env_steps") or 0) > 0,
                    90, "the unreadable request left out and the other served")
     assert fig["requeued"] == 0 and fig["queue_depth"] <= 1, fig
     assert "act_failed_resetting_slot" not in (job.run_dir / "survivor.log").read_text()

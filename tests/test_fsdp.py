@@ -13,8 +13,8 @@ import torch
 import torch.multiprocessing as mp
 
 from rlvla3.config import load
+from rlvla3.harness.bench import random_observation
 from rlvla3.observation import Observation
-from tests.jobs import random_observation
 from workers.algorithms.distributed import destroy_trainer_group, init_trainer_group, wrap_ddp, wrap_fsdp
 from workers.algorithms.ppo import make_optimizer
 from workers.algorithms.update import TrainBatch, TrainState, update

@@ -5,7 +5,6 @@ rank 0 with the production publisher (a shared-memory weight store per model) ov
 
 from __future__ import annotations
 
-import os
 import uuid
 
 import numpy as np
@@ -13,9 +12,10 @@ import torch
 import zmq
 
 from rlvla3 import protocol as P
-from rlvla3.shm import host_id
+from rlvla3.harness.jobs import per_worker
+from rlvla3.harness.peer import Peer
+from rlvla3.status_client import wait_until
 from rlvla3.weights.publisher import WeightPublisher
-from tests.jobs import wait_until
 from workers.model import build_policy
 
 
@@ -36,9 +36,9 @@ def _reply(sock: zmq.Socket) -> P.Message:
 
 def test_generator_keeps_weights_when_a_version_fails_to_load(job_factory, zctx):
     job = job_factory(start=False)
-    trainer = zctx.socket(zmq.DEALER)
-    trainer.setsockopt(zmq.LINGER, 0)
-    trainer.connect(job.endpoint)
+    # This process is rank 0: the stores it announces are its own (host, pid), as the broker checks.
+    hand = Peer(zctx, job.endpoint, "trainer", "hand-trainer")
+    trainer = hand.sock
     publishers: list[WeightPublisher] = []
 
     def publisher(model: torch.nn.Module) -> WeightPublisher:
@@ -46,10 +46,7 @@ def test_generator_keeps_weights_when_a_version_fails_to_load(job_factory, zctx)
         return publishers[-1]
 
     try:
-        # This process is rank 0: the stores it announces are its own (host, pid), as the broker checks.
-        trainer.send_multipart(P.encode(P.READY, {"role": "trainer", "host": host_id(), "pid": os.getpid(),
-                                                  "name": "hand-trainer"}))
-        assert trainer.poll(5000) and P.decode(trainer.recv_multipart()).type == P.READY
+        hand.expect(P.READY, 5)
         # The broker takes announcements only: a WEIGHTS with the bytes inline is an ERROR.
         good_model = build_policy(job.cfg)
         trainer.send_multipart(P.encode(P.WEIGHTS, {"version": 1}, {k: v.detach() for k, v in good_model.state_dict().items()}))
@@ -64,7 +61,7 @@ def test_generator_keeps_weights_when_a_version_fails_to_load(job_factory, zctx)
         def gen_version():
             job.assert_alive()
             trainer.send_multipart(P.encode(P.HEARTBEAT, {}))  # stay alive in the broker's eyes
-            w = job.worker(job.fig(), "generator0")
+            w = per_worker(job.status(), "generator0")
             return w["version"] if w and w["version"] is not None else None
 
         wait_until(lambda: gen_version() == 1, 180, "the generator to load version 1", interval=0.2)
@@ -95,7 +92,7 @@ def test_generator_keeps_weights_when_a_version_fails_to_load(job_factory, zctx)
         trainer.send_multipart(P.encode(P.WEIGHTS, good.publish(5)))
         wait_until(lambda: gen_version() == 5, 60, "the generator to load the next good version")
         assert all(p.poll() is None for p in job.workers)
-        assert np.isfinite(job.fig()["policy_version"])
+        assert np.isfinite(job.status()["policy_version"])
     finally:
         trainer.close()
         for pub in publishers:

@@ -1,4 +1,4 @@
-"""``bench/gpu_check.sh --dry-run``: the prepared GPU check rehearsed on CPU with tiny models.
+"""``bench/gpu/check.sh --dry-run``: the prepared GPU check rehearsed on CPU with tiny models.
 
 One run of the whole script (the same stage scripts and flags as on the GPU, tiny sizes): each
 stage writes its own JSON as it ends, each holds the figures its GPU run will report, and the
@@ -11,13 +11,12 @@ from __future__ import annotations
 
 import json
 import os
-import subprocess
 import sys
 from pathlib import Path
 
 import pytest
 
-from rlvla3.lifetime import launcher_env
+from rlvla3.harness.jobs import last_json, run_command
 
 ROOT = Path(__file__).resolve().parents[1]
 STAGES = ("install", "models", "update", "job_sync", "job_async")
@@ -27,14 +26,12 @@ FAMILIES = {"pi0", "pi05", "gr00t_n15", "openvla_oft"}
 @pytest.mark.timeout(900)  # ~1 min alone; process start-up is slow on a loaded 2-core VM
 def test_gpu_check_dry_run_writes_every_stage(tmp_path: Path) -> None:
     out = tmp_path / "gc"
-    proc = subprocess.run(
-        ["bash", str(ROOT / "bench" / "gpu_check.sh"), "--dry-run", "--out", str(out), "--carry", str(tmp_path / "none")],
-        cwd=tmp_path, capture_output=True, text=True, timeout=840,
-        env={**os.environ, **launcher_env(), "PYTHON": sys.executable, "GPU_CHECK_SITE": str(tmp_path / "site"),
-             "MUJOCO_GL": os.environ.get("MUJOCO_GL", "egl"), "GPU_CHECK_T_INSTALL": "1"},
-    )
+    proc = run_command(
+        ["bash", str(ROOT / "bench" / "gpu" / "check.sh"), "--dry-run", "--out", str(out), "--carry", str(tmp_path / "none")],
+        840, {"PYTHON": sys.executable, "GPU_CHECK_SITE": str(tmp_path / "site"),
+              "MUJOCO_GL": os.environ.get("MUJOCO_GL", "egl"), "GPU_CHECK_T_INSTALL": "1"}, cwd=tmp_path)
     assert proc.returncode == 0, proc.stderr[-3000:]
-    summary = json.loads(proc.stdout.strip().splitlines()[-1])
+    summary = last_json(proc.stdout)
     stages = summary["stages"]
     assert summary["dry_run"] is True and set(stages) == set(STAGES)
     assert summary["failed"] == ["install"], {n: stages[n].get("error") for n in summary["failed"]}

@@ -7,15 +7,15 @@ import numpy as np
 import torch
 
 from rlvla3.config import load
+from rlvla3.harness.jobs import SMALL_JOB
 from rlvla3.observation import Observation
-from tests.jobs import FAST
 from workers.algorithms.update import TrainState, update
 from workers.learner import Fragment, Learner, build_batch
 from workers.model import build_policy
 
 
 def _cfg(*overrides: str):
-    return load("synthetic.yaml", [*FAST, *overrides])
+    return load("synthetic.yaml", [*SMALL_JOB, *overrides])
 
 
 def _fragment(policy, n: int, version: int, *, env: int = 0, episode: int = 0, seed: int = 0,

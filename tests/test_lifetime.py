@@ -19,9 +19,10 @@ from pathlib import Path
 import pytest
 
 from rlvla3.app.launch import request_status
+from rlvla3.harness.jobs import per_worker
 from rlvla3.lifetime import LAUNCHER_ENV, launcher_env
 from rlvla3.shm import SHM_DIR, segments_of_run
-from tests.jobs import job_logs, wait_until
+from rlvla3.status_client import wait_until
 from workers.checkpoint import latest_checkpoint
 
 pytestmark = pytest.mark.slow
@@ -217,7 +218,7 @@ def test_a_stuck_simulator_unlinks_its_shared_memory_before_it_is_forced_out(tmp
 
 
 def test_sigkill_bench_while_its_job_starts_leaves_nothing(tmp_path: Path):
-    args = [sys.executable, "bench/ablation.py", "--quick", "--sims", "2", "--envs", "4", "--slots", "2",
+    args = [sys.executable, "bench/jobs/ablation.py", "--quick", "--sims", "2", "--envs", "4", "--slots", "2",
             "--batch-steps", "64", "--train-cost", "0", "--out", str(tmp_path / "out")]
     proc = subprocess.Popen(args, cwd=ROOT, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True,
                             env={**os.environ, "TMPDIR": str(tmp_path), **launcher_env()})
@@ -299,7 +300,7 @@ def test_hand_started_worker_outlives_its_parent_and_its_broker(job_factory, tmp
         cwd=ROOT, env=env, capture_output=True, text=True, timeout=30, check=True)
     pid = int(shell.stdout.strip())
     try:
-        job.wait(lambda f: ((job.worker(f, "byhand") or {}).get("env_steps") or 0) > 0, 120,
+        job.wait(lambda f: (per_worker(f, "byhand").get("env_steps") or 0) > 0, 120,
                  "the hand-started simulator stepping after its parent exited")
         job.broker_proc.send_signal(signal.SIGKILL)
         job.broker_proc.wait(10)
@@ -307,7 +308,7 @@ def test_hand_started_worker_outlives_its_parent_and_its_broker(job_factory, tmp
         st = _stat(pid)
         assert st is not None and st[0] != "Z", f"the hand-started worker died with its broker\n{log.read_text()[-2000:]}"
         job.start_broker(job.endpoint, None)  # the same address: the worker re-joins
-        job.wait(lambda f: ((job.worker(f, "byhand") or {}).get("env_steps") or 0) > 0, 120,
+        job.wait(lambda f: (per_worker(f, "byhand").get("env_steps") or 0) > 0, 120,
                  "the hand-started simulator re-joined the restarted broker")
     finally:
         try:
@@ -315,4 +316,4 @@ def test_hand_started_worker_outlives_its_parent_and_its_broker(job_factory, tmp
         except ProcessLookupError:
             pass
         wait_until(lambda: (_stat(pid) or ("Z",))[0] == "Z", 30, "the hand-started worker stopping")
-    assert "worker_stopped" in log.read_text(), job_logs(job)
+    assert "worker_stopped" in log.read_text(), job.logs()

@@ -5,7 +5,7 @@ import numpy as np
 import torch
 
 from rlvla3.config import load
-from tests.jobs import random_observation
+from rlvla3.harness.bench import random_observation
 from workers.algorithms.ppo import ppo_update
 from workers.algorithms.ppo import make_optimizer
 from workers.model import build_policy, job_spec

@@ -9,10 +9,10 @@ import numpy as np
 import torch
 
 from rlvla3.config import load
+from rlvla3.harness.bench import random_observation
 from rlvla3.observation import Observation
 from rlvla3.weights.announce import parse_announcement
 from rlvla3.weights.publisher import WeightPublisher
-from tests.jobs import random_observation
 from workers.algorithms.ppo import make_optimizer
 from workers.model import build_policy, job_spec
 

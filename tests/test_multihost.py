@@ -22,8 +22,8 @@ from pathlib import Path
 import pytest
 
 from rlvla3.config import load
-from rlvla3.harness.netns import NetnsJob, per_worker as per, unavailable
-from tests.jobs import FAST
+from rlvla3.harness.jobs import SMALL_JOB, per_worker as per
+from rlvla3.harness.netns import NetnsJob, unavailable
 
 REASON = unavailable()
 pytestmark = [pytest.mark.multihost, pytest.mark.timeout(900),
@@ -33,7 +33,7 @@ FATES = ("evaluation", "trained", "stale", "discarded", "unreadable", "lost_with
 
 
 def test_job_across_namespace_hosts_with_curve(tmp_path: Path):
-    cfg = load("synthetic.yaml", FAST)
+    cfg = load("synthetic.yaml", SMALL_JOB)
     cfg_path = tmp_path / "config.yaml"
     cfg_path.write_text(cfg.to_yaml())
     c = NetnsJob(tmp_path)

@@ -10,7 +10,8 @@ import numpy as np
 import zmq
 
 from rlvla3 import protocol as P
-from tests.jobs import join_as_generator, next_batch, wait_until
+from rlvla3.status_client import wait_until
+from tests.jobs import join_as_generator, next_batch
 
 
 
@@ -34,7 +35,7 @@ def test_a_late_act_makes_the_simulator_ask_again_and_no_request_is_served_twice
         # Held past obs_resend_s: the held request's copy is dropped, the refused one is queued again.
         def copies_settled() -> bool:
             gen.send_multipart(P.encode(P.HEARTBEAT, {"credits": 1}))
-            f = job.fig()
+            f = job.status()
             return f["duplicates"] >= 1 and f["queue_depth"] == 1
 
         wait_until(copies_settled, 30, "a copy of the held request dropped and the refused one queued again", 0.2)
@@ -44,7 +45,7 @@ def test_a_late_act_makes_the_simulator_ask_again_and_no_request_is_served_twice
             served += [(r["slot"], r["req_id"]) for r in batch["requests"]]
             _answer(gen, batch)
         assert len(served) == len(set(served)), served  # nothing served twice
-        fig = job.fig()
+        fig = job.status()
         assert fig["duplicates"] >= 1 and job.broker_proc.poll() is None
         assert "obs_resent" in (job.run_dir / "simulator0.log").read_text()
     finally:

@@ -13,8 +13,8 @@ import pytest
 import torch
 
 from rlvla3.config import ConfigError, load
+from rlvla3.harness.bench import random_observation
 from rlvla3.scale_config import validate_placement
-from tests.jobs import random_observation
 from workers.algorithms.memory import TrainerOffload, make_offload
 from workers.algorithms.ppo import make_optimizer, ppo_update
 from workers.model import build_policy, job_spec

@@ -181,7 +181,7 @@ def test_replayed_corpus(broker_sock, zctx):
             reply = _expect_error(peer, frames)
             assert reply.type == P.ERROR and reply["code"] != P.E_STATE, (case.name, reply.header)
         _still_serves(sock)
-        assert job.fig()["errors"] >= len(cases)
+        assert job.status()["errors"] >= len(cases)
         assert job.broker_proc.poll() is None
     finally:
         for s in peers.values():
@@ -377,9 +377,9 @@ def test_obs_naming_an_unknown_shm_host_is_answered(joined):
     ref = P.ShmRef(seg=P.SHM_PREFIX + "nosuch", offset=0, nbytes=12, dtype="float32", shape=(1, 3), host="nowhere")
     peers["simulator"].send_multipart(P.encode(P.OBS, {"slot": 0, "req_id": 1, "n": 1, "instruction": ["x"],
                                                        "episode_step": [0]}, {"state": ref}))
-    from tests.jobs import wait_until
+    from rlvla3.status_client import wait_until
 
-    wait_until(lambda: job.broker_proc.poll() is not None or job.fig()["queue_depth"] == 0, 10, "the request to leave the queue")
+    wait_until(lambda: job.broker_proc.poll() is not None or job.status()["queue_depth"] == 0, 10, "the request to leave the queue")
     _still_serves(peers[None])
     assert job.broker_proc.poll() is None
 

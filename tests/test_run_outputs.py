@@ -5,15 +5,12 @@ with --record a LeRobot v3.0 dataset whose files parse and whose frame counts ag
 from __future__ import annotations
 
 import json
-import os
-import subprocess
-import sys
 from pathlib import Path
 
 import numpy as np
 import pytest
 
-from rlvla3.lifetime import launcher_env
+from rlvla3.harness.jobs import run_cli
 from tests.jobs import video_frames
 
 pa = pytest.importorskip("pyarrow")
@@ -23,11 +20,9 @@ pytestmark = pytest.mark.slow
 
 def test_run_shows_eval_round_curves_videos_and_records_a_dataset(tmp_path: Path):
     run_dir, ds = tmp_path / "run", tmp_path / "ds"
-    r = subprocess.run([sys.executable, "-m", "rlvla3", "run", "configs/synthetic.yaml", "--steps", "3000",
-                        "--run-dir", str(run_dir), "--record", str(ds), "--record-slots", "0",
-                        "--set", "workers.simulators=1", "--set", "env.eval_slots=1", "--set", "env.eval_every=1",
-                        "--set", "env.eval_episodes=2", "--set", "run.progress_every_s=1"],
-                       capture_output=True, text=True, timeout=400, env={**os.environ, **launcher_env()})
+    r = run_cli("run", "configs/synthetic.yaml", "--steps", "3000", "--run-dir", str(run_dir), "--record", str(ds),
+                "--record-slots", "0", "--set", "workers.simulators=1", "--set", "env.eval_slots=1",
+                "--set", "env.eval_every=1", "--set", "env.eval_episodes=2", "--set", "run.progress_every_s=1", timeout=400)
     assert r.returncode == 0, r.stderr[-3000:]
     assert " eval(v0)=" in r.stdout  # the live line shows the evaluation round
 

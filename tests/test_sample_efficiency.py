@@ -13,7 +13,7 @@ import statistics
 
 import pytest
 
-from tests.jobs import wait_until
+from rlvla3.status_client import wait_until
 
 pytestmark = pytest.mark.slow
 
@@ -33,7 +33,7 @@ def final_returns(job_factory, runs: list[tuple[str, int]]) -> dict[tuple[str, i
             if run in returns:
                 continue
             job.assert_alive()
-            f = job.fig()
+            f = job.status()
             if f["env_steps"] >= STEPS and f["return_recent"] is not None:
                 returns[run] = float(f["return_recent"])
                 job.stop()  # the others get its CPU

@@ -20,7 +20,6 @@ from __future__ import annotations
 import os
 import subprocess
 import sys
-import time
 from pathlib import Path
 from typing import Any
 
@@ -34,8 +33,11 @@ os.environ.setdefault("PYOPENGL_PLATFORM", "egl")
 from rlvla3 import names
 from rlvla3 import protocol as P  # noqa: E402
 from rlvla3.config import load  # noqa: E402
+from rlvla3.harness.jobs import Job, per_worker
+from rlvla3.harness.peer import Peer
 from rlvla3.observation import IMAGES  # noqa: E402
-from tests.jobs import TestJob as Job, job_logs as _logs, robocasa_available, start_job, wait_until  # noqa: E402
+from rlvla3.status_client import wait_until
+from tests.jobs import robocasa_available, start_job
 
 pytestmark = pytest.mark.slow
 
@@ -108,7 +110,7 @@ def test_episodes_through_fabric(repo_job, sim: str) -> None:
                    f"{sim}: four episodes through broker, simulator, generator and trainer")
     assert fig["workers"] == {"simulator": 1, "generator": 1, "trainer": 1}, fig["workers"]
     assert fig["slots"] == 2
-    assert fig["errors"] == 0 and fig["env_restarts"] == 0, _logs(job)
+    assert fig["errors"] == 0 and fig["env_restarts"] == 0, job.logs()
     # An episode of max_episode_steps env steps (chunks of 4) ends within a few decisions.
     assert fig["env_steps"] >= 4 * 4, fig["env_steps"]
     assert isinstance(fig["return_recent"], float) and np.isfinite(fig["return_recent"])
@@ -131,28 +133,19 @@ class ProbeGenerator:
     answers, so the slot waits; the job is torn down afterwards)."""
 
     def __init__(self, ctx: zmq.Context, endpoint: str) -> None:
-        self.sock = ctx.socket(zmq.DEALER)
-        self.sock.setsockopt(zmq.LINGER, 0)
-        self.sock.connect(endpoint)
-        self.sock.send_multipart(P.encode(P.READY, {"role": "generator", "host": "probe-other-host", "pid": os.getpid(),
-                                                    "name": "probe", "credits": 1}))
-        self._last_hb = time.monotonic()
+        self.peer = Peer(ctx, endpoint, "generator", "probe", host="probe-other-host", credits=1)
 
     def next_batch(self, timeout: float, alive: Any) -> P.Message:
-        deadline = time.monotonic() + timeout
-        while time.monotonic() < deadline:
-            alive()
-            if time.monotonic() - self._last_hb > 0.5:
-                self.sock.send_multipart(P.encode(P.HEARTBEAT, {"credits": 1}))
-                self._last_hb = time.monotonic()
-            if self.sock.poll(200):
-                msg = P.decode(self.sock.recv_multipart())
-                if msg.type == P.BATCH:
-                    return msg
-        raise AssertionError(f"no BATCH reached the probe generator within {timeout:.0f} s")
+        return wait_until(lambda: alive() or self._batch(), timeout, "a BATCH at the probe generator", interval=0)
+
+    def _batch(self) -> P.Message | None:
+        try:
+            return self.peer.expect(P.BATCH, 0.2, credits=1)
+        except TimeoutError:
+            return None
 
     def close(self) -> None:
-        self.sock.close(linger=0)
+        self.peer.sock.close(linger=0)
 
 
 @pytest.mark.sim
@@ -227,11 +220,11 @@ def test_faulty_envs_restarted_while_others_keep_stepping(repo_job) -> None:
         return all("env_restart" in (job.run_dir / f"sim_{fault}.log").read_text() for fault in FAULTS)
 
     wait_until(restarted, 240, "a restart after the crash and one after the hang", interval=0.1)
-    fig = job.fig()
+    fig = job.status()
     assert fig["env_restarts"] >= 2
 
     def steps(f: dict[str, Any], name: str) -> int:
-        return int((job.worker(f, name) or {}).get("env_steps") or 0)
+        return int(per_worker(f, name).get("env_steps") or 0)
 
     base = {n: steps(fig, n) for n in ("simulator0", *(f"sim_{fault}" for fault in FAULTS))}
     # The healthy simulator's slots keep stepping, and the restarted slots step again.

@@ -9,8 +9,8 @@ import torch
 from torch import nn
 
 from rlvla3.config import load
+from rlvla3.harness.bench import random_observation
 from rlvla3.observation import Observation
-from tests.jobs import random_observation
 from workers.algorithms.memory import enable_gradient_checkpointing
 from workers.algorithms.ppo import make_optimizer
 from workers.algorithms.precision import MasterAdam

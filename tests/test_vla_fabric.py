@@ -21,9 +21,10 @@ from typing import Any
 import pytest
 import yaml
 
-from rlvla3.config import load
 from rlvla3.app.launch import stop_processes
-from tests.jobs import TestJob as Job, job_logs as _logs, start_job
+from rlvla3.config import load
+from rlvla3.harness.jobs import Job
+from tests.jobs import start_job
 
 pytestmark = pytest.mark.slow
 
@@ -77,7 +78,7 @@ def test_family_ppo_then_grpo_step_through_fabric(recipe_job, family: str) -> No
     # figures come after the announcement, once a due checkpoint is written: wait for both).
     fig = job.wait(lambda f: f["policy_version"] >= 1 and served(f) > 0 and "samples" in f["trainer"], 300,
                    f"{family}: one PPO version published")
-    assert fig["errors"] == 0, _logs(job)
+    assert fig["errors"] == 0, job.logs()
     tr = fig["trainer"]
     assert tr["samples"] > 0 and "groups_complete" not in tr, tr
     assert tr["value_loss"] > 0.0  # PPO trains the value head
@@ -95,7 +96,7 @@ def test_family_ppo_then_grpo_step_through_fabric(recipe_job, family: str) -> No
     tr = fig["trainer"]
     assert tr["groups_complete"] >= 1 and tr["samples"] > 0, tr
     assert tr["value_loss"] == 0.0, tr  # GRPO has no critic
-    assert fig["errors"] == 0 and fig["traj"]["dropped"] == 0, _logs(job)
+    assert fig["errors"] == 0 and fig["traj"]["dropped"] == 0, job.logs()
     log = (job.run_dir / "trainer_grpo.log").read_text()
     assert "algo=grpo" in log or '"algo": "grpo"' in log, log[-2000:]
 

@@ -26,12 +26,12 @@ import zmq
 
 from rlvla3 import protocol as P
 from rlvla3.shm import host_id, segments_of_run
+from rlvla3.status_client import wait_until
 from rlvla3.weights.announce import LatestWeights, parse_announcement
 from rlvla3.weights.manifest import Entry, ManifestError, Manifest
 from rlvla3.weights.publisher import WeightPublisher
 from rlvla3.weights.receiver import WeightReceiver
 from rlvla3.weights.stream import plan_buckets
-from tests.jobs import wait_until
 from tests.weights_peer import digest, tiny_model
 
 ROOT = Path(__file__).resolve().parents[1]

@@ -3,7 +3,7 @@
 The fabric decides shared memory versus inline frames by host id (``rlvla3.shm.host_id``:
 hostname, boot id, /dev/shm device), so a job spread over these hosts takes the cross-host paths
 for real: TCP between namespaces (veth pairs on one bridge), inline frames between hosts,
-shared memory within one. ``bench/multihost.py`` and the ``multihost`` test run jobs on them.
+shared memory within one. ``bench/fabric/multihost.py`` and the ``multihost`` test run jobs on them.
 
     hosts = NetnsHosts()                  # needs root and iproute2; see ``unavailable()``
     broker = hosts.add("broker")          # the first host holds the bridge: 10.213.0.1
@@ -29,14 +29,14 @@ import shutil
 import signal
 import subprocess
 import threading
-import time
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Callable
 
 import structlog
 
-from rlvla3.app.launch import spawn
+from rlvla3.app.launch import request_status, spawn
+from rlvla3.status_client import DeadlinePassed, wait_until
 
 log = structlog.get_logger()
 
@@ -116,17 +116,15 @@ class NetnsHosts:
 
     def _wait_holder(self, host: Host, timeout_s: float = 10.0) -> None:
         """Until the holder runs ``sleep`` with its /dev/shm mounted (its mount namespace is set)."""
-        deadline = time.monotonic() + timeout_s
-        while time.monotonic() < deadline:
+        def running() -> bool:
             if host.holder.poll() is not None:
                 raise RuntimeError(f"host {host.name}: the namespace holder exited with {host.holder.returncode}")
             try:
-                if Path(f"/proc/{host.holder.pid}/comm").read_text().strip() == "sleep":
-                    return
+                return Path(f"/proc/{host.holder.pid}/comm").read_text().strip() == "sleep"
             except OSError:
-                pass
-            time.sleep(0.02)  # polling the holder's exec, with a deadline
-        raise RuntimeError(f"host {host.name}: the namespace holder did not start within {timeout_s} s")
+                return False
+
+        wait_until(running, timeout_s, f"host {host.name}'s namespace holder to start", interval=0.02)
 
     def spawn(self, host: Host, args: list[str], log_path: Path | None = None,
               env: dict[str, str] | None = None) -> subprocess.Popen:
@@ -231,8 +229,6 @@ class NetnsJob:
         return self.hosts.spawn(h, args, self.folder / f"{name}.log")
 
     def status(self, timeout_s: float = 10.0) -> dict[str, Any]:
-        from rlvla3.app.launch import request_status
-
         return self.hosts.call_in(self.hosts.hosts["head"],
                                   lambda: request_status(self.url, timeout_s, keys_dir=str(self.keys), key_name="client"),
                                   timeout_s + 5)
@@ -249,21 +245,13 @@ class NetnsJob:
         return self._poll(check, timeout_s, what)
 
     def _poll(self, fn: Callable[[], Any], timeout_s: float, what: str) -> Any:
-        deadline = time.monotonic() + timeout_s
-        while time.monotonic() < deadline:
-            value = fn()
-            if value:
-                return value
-            time.sleep(0.25)  # polling with a deadline
-        raise TimeoutError(f"timed out after {timeout_s:.0f} s waiting for {what}\n{self.logs()}")
+        try:
+            return wait_until(fn, timeout_s, what, interval=0.25)
+        except DeadlinePassed as exc:
+            raise DeadlinePassed(f"{exc}\n{self.logs()}") from None
 
     def logs(self, tail: int = 2000) -> str:
         return "\n".join(f"--- {f.name}\n{f.read_text(errors='replace')[-tail:]}" for f in sorted(self.folder.glob("*.log")))
 
     def close(self) -> None:
         self.hosts.close()
-
-
-def per_worker(fig: dict[str, Any], name: str) -> dict[str, Any]:
-    """One worker's row of a STATUS answer (empty when it is not registered)."""
-    return next((w for w in fig.get("per_worker", []) if w["name"] == name), {})

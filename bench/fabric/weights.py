@@ -1,50 +1,33 @@
 """Publish -> every reader swapped: weight versions through the shared-memory store, against a
 plain memcpy of the same bytes measured in the same run.
 
-    python bench/weights.py [--sizes tiny,medium] [--readers 1,2] [--versions 4] [--copy-threads 2]
-                            [--quick | --smoke] [--out bench/out]
+    python bench/fabric/weights.py --quick      # --sizes tiny,medium --readers 1,2 --versions 4 ...
 
-Processes, all on this host:
+All on this host: this process plays trainer rank 0, a :class:`WeightPublisher` over a
+transformer-shaped bf16 model (``medium``: Qwen2-0.5B's shapes, 494M parameters, the embedding
+frozen; built on the meta device, never as an fp32 copy) whose every trainable tensor changes
+per version; a real broker (``rlvla3 broker``) that this process joins as the trainer, keeps
+the newest announcement and publishes it (its RSS after each is ``broker_rss_mb``, before the
+first ``broker_rss_mb_start``); 1 or 2 readers, each a :class:`WeightReceiver` beside a loop of
+bf16 "forward passes" that swaps between two passes.
 
-- this process plays trainer rank 0: a :class:`WeightPublisher` over a transformer-shaped bf16
-  model (``medium``: Qwen2-0.5B's shapes, 494M parameters, the 136M-parameter embedding frozen;
-  built on the meta device and materialised in bf16, never as an fp32 copy). Each version
-  changes every trainable tensor, is written into the store and announced;
-- a real broker process (``rlvla3 broker``, the synthetic config): this process joins it as
-  the trainer and sends each WEIGHTS announcement; the broker keeps the newest
-  (:class:`LatestWeights`) and publishes it on its PUB, which the readers subscribe to. Its RSS
-  (``/proc/PID/status``, max over the run, read after each announcement) is ``broker_rss_mb``;
-  ``broker_rss_mb_start`` is its RSS before the first version;
-- 1 or 2 reader processes, each a :class:`WeightReceiver` beside a serving loop that runs
-  "forward passes" (bf16 matmuls through the model's first layers) back to back; a weights
-  thread fetches and verifies, the loop swaps between two passes.
+Per version: ``publish_to_swap_ms`` from the start of ``publish()`` to the last reader's swap
+(CLOCK_MONOTONIC; median over versions 1..; version 0 also carries the frozen tensors:
+``first_version_ms``). ``copies`` = 2 (model -> store -> the reader's staging; the swap re-points
+parameters). ``memcpy_ms``: ``np.copyto`` of as many bytes between pre-touched buffers, one
+thread, right after each swap; ``hash_ms``: xxh3-64 over them; ``ratio`` = publish_to_swap /
+(memcpy x copies), from the medians. ``max_serving_gap_ms``: the longest time between two
+forward passes of a reader after its first swap (``max_swap_ms`` the swap itself,
+``max_serving_gap_idle_ms`` the same with no version under way: the host's own noise).
+``--sizes 3gb``: a 3.0 GB bf16 version (about 16 GB of RAM with 1 reader). ``--copy-threads``:
+``weights.copy_threads`` on both sides.
 
-Per version: ``publish_to_swap_ms`` runs from the start of ``publish()`` (the copy into the
-store) to the moment the last reader has swapped (CLOCK_MONOTONIC, shared by processes on one
-host); median over versions 1.. (version 0 carries the frozen tensors too and pays the readers'
-first page faults: ``first_version_ms``). ``copies`` = 2 (model -> store, store -> the reader's
-staging tensors; the swap re-points parameters, no copy). ``memcpy_ms`` is ``np.copyto`` of
-the same number of bytes between two pre-touched buffers, one thread, timed right after each
-version's swap (median), ``hash_ms`` xxh3-64 over them (the path hashes on both sides).
-``ratio`` = publish_to_swap / (memcpy x copies), from the medians (``ratio_per_version`` too;
-``ratio_vs_best_memcpy`` against the fastest memcpy, ``memcpy_gb_per_s`` this host's bandwidth
-by it; ``passes`` lists what else the path does to each byte: two hashes and an inf/NaN check).
-``max_serving_gap_ms`` is the longest time between two forward passes of a reader after its
-first swap (the swap itself is ``max_swap_ms``, first swap excluded), to compare with
-``forward_ms``; ``max_serving_gap_idle_ms`` is the longest one while no version was under way
-(the host's own scheduling noise: on a loaded 2-core machine it is as long), and
-``serving_gap_p99_ms`` the 99th percentile. Readers stage each version on a weights thread
-beside the served tensors and swap between two passes by re-pointing them
-(``rlvla3.weights.receiver``). ``--sizes 3gb``: a 3.0 GB
-bf16 version (the issue's trainer -> every generator figure; about 16 GB of RAM with 1 reader). ``copy_threads`` threads copy and hash on each side (``weights.copy_threads``).
+``--delta none|bf16``: readers act as generators on another host (they read rank 0's stream) and
+the publisher runs with ``weights.delta``; ``bytes_mb`` is what one version moves over it.
+``--dtype float32``: fp32 parameters (a bf16 delta then moves half their bytes).
 
-``--delta none|bf16``: readers act as generators on another host (they read over rank 0's
-stream, not the store) and the publisher runs with ``weights.delta``; ``bytes_mb`` is then what
-one version moves over the stream (``trainable_mb`` whole). ``--dtype float32`` builds fp32
-parameters: a bf16 delta moves half their bytes; of bf16 parameters it moves the same bytes.
-
-Last line of stdout: one JSON object, the headline run's keys (largest size, most readers)
-plus ``runs`` (every size x readers). The machine this runs on may be shared and noisy.
+Last line of stdout: one JSON object, the largest size's and most readers' run plus ``runs``
+(every size x readers). The machine may be shared and noisy.
 """
 
 from __future__ import annotations
@@ -66,15 +49,14 @@ import torch
 import xxhash
 import zmq
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-
-from bench._common import OUT_DIR, emit, note, start_child, stop_child  # noqa: E402
-from rlvla3 import protocol as P  # noqa: E402
-from rlvla3.shm import host_id, segments_of_run  # noqa: E402
-from rlvla3.config import load  # noqa: E402
-from rlvla3.app.launch import LocalJob  # noqa: E402
-from rlvla3.weights.publisher import WeightPublisher  # noqa: E402
-from rlvla3.weights.receiver import WeightReceiver  # noqa: E402
+from rlvla3 import protocol as P
+from rlvla3.config import load
+from rlvla3.harness.bench import emit_to, note, parse_bench_args, start_child, stop_child
+from rlvla3.harness.jobs import rss_mb, start_job
+from rlvla3.harness.peer import Peer
+from rlvla3.shm import host_id, segments_of_run
+from rlvla3.weights.publisher import WeightPublisher
+from rlvla3.weights.receiver import WeightReceiver
 
 SIZES = {
     # name: (hidden, ffn, layers, vocab, kv)
@@ -139,20 +121,6 @@ def params_m(m: torch.nn.Module) -> float:
 
 
 # -- children ----------------------------------------------------------------------------------
-
-
-def rss_mb() -> float:
-    for line in Path("/proc/self/status").read_text().splitlines():
-        if line.startswith("VmRSS:"):
-            return int(line.split()[1]) / 1024
-    return float("nan")
-
-
-def rss_of(pid: int) -> float:
-    for line in Path(f"/proc/{pid}/status").read_text().splitlines():
-        if line.startswith("VmRSS:"):
-            return int(line.split()[1]) / 1024
-    return float("nan")
 
 
 def reader(args: argparse.Namespace) -> None:
@@ -237,7 +205,7 @@ def reader(args: argparse.Namespace) -> None:
          forward_ms_max=max(forward_ms, default=None), max_gap_ms=max(gaps, default=None),
          max_idle_gap_ms=max(idle_gaps, default=None), idle_gaps=len(idle_gaps),
          gap_p99_ms=float(np.percentile(gaps, 99)) if gaps else None,
-         max_swap_ms=max(swaps, default=None), rejected=rx.rejected, rss_mb=rss_mb())
+         max_swap_ms=max(swaps, default=None), rejected=rx.rejected, rss_mb=rss_mb(os.getpid()))
     rx.close()
     for s in (sub, ctl, report):
         s.close()
@@ -273,21 +241,11 @@ class Bench:
         self.ctx = zmq.Context()
         self.tmp = Path(tempfile.mkdtemp(prefix="rlvla3_weights_bench_"))
         cfg = load("synthetic.yaml", ["broker.liveness=600"])  # the bench trainer is busy publishing at times
-        (self.tmp / "config.yaml").write_text(cfg.to_yaml())
-        self.job = LocalJob(cfg, self.tmp, self.tmp / "config.yaml")
-        endpoint = self.job.start_broker("tcp://127.0.0.1:0", "tcp://127.0.0.1:0")
-        self.broker = self.ctx.socket(zmq.DEALER)
-        self.broker.setsockopt(zmq.LINGER, 0)
-        self.broker.connect(endpoint)
-        self.broker.send_multipart(P.encode(P.READY, {"role": "trainer", "host": host_id(), "pid": os.getpid(), "name": "bench"}))
-        if not self.broker.poll(30_000, zmq.POLLIN):
-            raise RuntimeError("the broker did not answer READY")
-        welcome = P.decode(self.broker.recv_multipart())
-        if welcome.type != P.READY:
-            raise RuntimeError(f"the broker refused the bench trainer: {welcome.header}")
-        self.pub_ep = welcome["pub"]
-        self.last_hb = time.monotonic()
-        self.broker_rss_start = rss_of(self.job.broker_proc.pid)
+        self.job = start_job(cfg, self.tmp, workers=False)
+        self.trainer = Peer(self.ctx, self.job.endpoint, "trainer", "bench")
+        self.broker = self.trainer.sock
+        self.pub_ep = self.trainer.expect(P.READY, 30.0)["pub"]
+        self.broker_rss_start = rss_mb(self.job.broker_proc.pid)
         self.pull = self.ctx.socket(zmq.PULL)
         self.pull.bind("tcp://127.0.0.1:*")
         self.ctl = self.ctx.socket(zmq.PUB)
@@ -315,7 +273,7 @@ class Bench:
                     continue
                 if msg["figures"]["policy_version"] != fields["version"]:
                     raise RuntimeError(f"the broker holds version {msg['figures']['policy_version']}, not {fields['version']}")
-                self.broker_rss.append(rss_of(self.job.broker_proc.pid))
+                self.broker_rss.append(rss_mb(self.job.broker_proc.pid))
                 return
         raise RuntimeError("the broker did not answer STATUS")
 
@@ -325,9 +283,7 @@ class Bench:
             msg = P.decode(self.broker.recv_multipart())
             if msg.type == P.ERROR:
                 raise RuntimeError(f"the broker sent ERROR: {msg['reason']}")
-        if time.monotonic() - self.last_hb > 0.5:
-            self.broker.send_multipart(P.encode(P.HEARTBEAT, {}))
-            self.last_hb = time.monotonic()
+        self.trainer.keepalive(drain=False)
 
     def drain(self, until: Any, timeout: float, what: str) -> None:
         deadline = time.monotonic() + timeout
@@ -444,13 +400,11 @@ def main() -> None:
     ap.add_argument("--readers", default="1,2")
     ap.add_argument("--versions", type=int, default=4)
     ap.add_argument("--copy-threads", type=int, default=2, help="weights.copy_threads, both sides")
-    ap.add_argument("--quick", action="store_true", help="the last of --sizes only, 1 reader, 2 versions (about a minute)")
-    ap.add_argument("--smoke", action="store_true", help="tiny, 1 reader, 2 versions (seconds)")
     ap.add_argument("--delta", choices=["none", "bf16"], help="readers on 'another host' read the stream; weights.delta")
     ap.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float32"], help="the model's parameters")
     ap.add_argument("--host", default="", help="(reader) the host it claims to be on")
-    ap.add_argument("--out", default=OUT_DIR, help="folder for weights.json (default: ./bench/out)")
-    args = ap.parse_args()
+    args = parse_bench_args(ap, "the last of --sizes only, 1 reader, 2 versions (about a minute)",
+                            smoke_help="tiny, 1 reader, 2 versions (seconds)")
     if args.child == "reader":
         return reader(args)
     sizes = ["tiny"] if args.smoke else args.sizes.split(",")[-1:] if args.quick else args.sizes.split(",")
@@ -475,10 +429,7 @@ def main() -> None:
     result = {**head, "runs": runs, "host_cpus": os.cpu_count(),
               "note": "broker_rss_mb: RSS of the real broker process (rlvla3 broker) that relays every "
                       "announcement; shared, noisy machine"}
-    if args.out:
-        Path(args.out).mkdir(parents=True, exist_ok=True)
-        (Path(args.out) / "weights.json").write_text(json.dumps(result, indent=1))
-    emit(result)
+    emit_to(args.out, "weights.json", result)
 
 
 if __name__ == "__main__":

@@ -1,9 +1,9 @@
-"""Stage a of ``bench/gpu_check.sh``: install what the GPU machine lacks from the carried folder,
+"""Stage a of ``bench/gpu/check.sh``: install what the GPU machine lacks from the carried folder,
 with no network, then check that everything the other stages import is there.
 
-    python bench/gpu_install.py --carry gpu_carry --site /tmp/rlvla3-site [--dry-run]
+    python bench/gpu/install.py --carry gpu_carry --site /tmp/rlvla3-site [--dry-run]
 
-- ``CARRY/wheels/*.whl`` (made by ``bash bench/gpu_check.sh --prepare``): each wheel whose
+- ``CARRY/wheels/*.whl`` (made by ``bash bench/gpu/check.sh --prepare``): each wheel whose
   distribution is not installed already goes into ``--site`` with ``pip install --no-index
   --no-deps --no-compile`` (the image's own packages stay; the caller puts ``--site`` first on
   ``PYTHONPATH`` for every later stage).
@@ -124,7 +124,7 @@ def probe(code: str, args: list[str], timeout: float) -> str:
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--carry", default="gpu_carry", help="folder with wheels/ and gl/ (bench/gpu_check.sh --prepare)")
+    ap.add_argument("--carry", default="gpu_carry", help="folder with wheels/ and gl/ (bench/gpu/check.sh --prepare)")
     ap.add_argument("--site", required=True, help="where the wheels go (put it first on PYTHONPATH afterwards)")
     ap.add_argument("--dry-run", action="store_true", help="CPU rehearsal: never writes outside --site")
     args = ap.parse_args()

@@ -1,12 +1,12 @@
 """Each VLA family at a realistic size (random weights) on one CUDA GPU: act() throughput and
 peak memory at batch 1, 8, 32, 64.
 
-    python bench/gpu_models.py [--batches 1,8,32,64] [--families pi0,pi05,gr00t_n15,openvla_oft]
+    python bench/gpu/models.py [--batches 1,8,32,64] [--families pi0,pi05,gr00t_n15,openvla_oft]
 
 Weights are created directly on the GPU in bf16 (no download, no CPU copy of a 7B model).
 Prints one JSON object last: ``{family: {"params_b": .., "build_s": .., "batches": {batch:
 {"samples_per_s", "latency_ms", "peak_mem_gib"}}}}``, and the figures so far after each family
-(the last line wins: ``bench/gpu_check.sh`` keeps them when a run is cut short). Without CUDA
+(the last line wins: ``bench/gpu/check.sh`` keeps them when a run is cut short). Without CUDA
 it says so and exits 2.
 ``--device cpu --tiny`` runs the same code on the tiny configs (a smoke test of this script).
 """
@@ -17,17 +17,13 @@ import argparse
 import json
 import sys
 import time
-from pathlib import Path
 
 import numpy as np
 import torch
 
-ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT))
-
-from rlvla3.observation import Observation  # noqa: E402
-from workers.envs.base import EnvSpec  # noqa: E402
-from workers.policies.base import make_policy  # noqa: E402
+from rlvla3.harness.bench import random_observation
+from workers.envs.base import EnvSpec
+from workers.policies.base import make_policy
 
 # family -> (size preset, chunk_size, extra options): release-like settings.
 REAL = {
@@ -37,15 +33,6 @@ REAL = {
     "openvla_oft": ("7b", 8, {"n_bins": 256}),
 }
 TINY = {f: ("tiny", 4, {}) for f in REAL}
-
-
-def synthetic_obs(spec: EnvSpec, batch: int) -> Observation:
-    rng = np.random.default_rng(batch)
-    return Observation(
-        {c: rng.integers(0, 256, (batch, h, w, 3), dtype=np.uint8) for c, (h, w) in spec.cameras.items()},
-        rng.uniform(-1, 1, (batch, spec.state_dim)).astype(np.float32),
-        ["put the bowl on the plate and close the drawer"] * batch,
-    )
 
 
 def sync(device: torch.device) -> None:
@@ -72,7 +59,7 @@ def bench_family(family: str, preset: tuple, spec: EnvSpec, batches: list[int], 
                  "params_b": round(sum(p.numel() for p in policy.parameters()) / 1e9, 3), "batches": {}}
     print(f"{family}: {row['params_b']} B params, built in {row['build_s']} s", file=sys.stderr)
     for b in batches:
-        obs = synthetic_obs(spec, b)
+        obs = random_observation(spec, b, np.random.default_rng(b), "put the bowl on the plate and close the drawer")
         try:
             with torch.inference_mode():
                 policy.act(obs)  # warm-up (kernels, allocator)

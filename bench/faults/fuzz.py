@@ -1,51 +1,38 @@
 """Throw >= 100,000 hostile messages at a live job and check that it shrugs them off.
 
-A synthetic job (broker, simulator, generator, trainer: real processes on tcp://127.0.0.1) runs
-while a few fuzzing clients send, as fast as the broker takes them:
+    python bench/faults/fuzz.py --quick    # 5,000 messages; --curve: a broker with CURVE keys
 
-- frames that are not msgpack, or not a map, or carry a wrong version;
-- type confusion: a real message type with one field replaced by a list, a map, a bool, inf,
-  NaN, a huge or negative int, a 5,000-character string (every field of SCHEMA in turn);
-- BUNDLEs of the above (each part answered alone), and bundles whose part counts lie;
-- valid but hostile messages: unknown batch ids, re-READY as another role, extreme counters,
-  SNAPSHOT requests, DISCONNECT and join again (no STATUS: the one STATUS each client sends last
-  is how it knows the broker has read everything; STATUS floods are bench material of their own).
+A synthetic job (real processes on tcp://127.0.0.1) runs while a few fuzzing clients send, as
+fast as the broker takes them: frames that are not msgpack, not a map or of a wrong version;
+a real message type with one field (every field of SCHEMA in turn) replaced by a list, a map, a
+bool, inf, NaN, a huge or negative int, a 5,000-character string; BUNDLEs of those, and bundles
+whose part counts lie; valid but hostile messages (unknown batch ids, re-READY as another role,
+extreme counters, SNAPSHOT, DISCONNECT and join again). The clients join as roles that cannot
+feed the job's workers (a generator with no credits, a simulator whose OBS are all malformed, a
+``client``) plus a stranger that never joins; each ends with a STATUS whose reply proves the
+broker read everything (``all_read``).
 
-The clients join as roles that cannot feed work to the job's real workers (a generator with no
-credits, a simulator whose OBS are all malformed, a ``client``) plus one stranger that never
-joins; each ends with a STATUS whose reply proves the broker read all its messages
-(``all_read``). Output: one JSON object with ``sent``, ``errors`` (messages the broker answered
-with ERROR, from its own counter; some replies are dropped when a client's queue is full),
-``broker_alive``, ``job_advanced`` (env steps and the policy version grew while fuzzing) and
-``rss_growth_mb`` (the broker's resident memory after fuzzing minus before). Targets: alive,
-advancing, RSS growth <= 64 MB.
-
-    python bench/fuzz.py            # 100,000 messages
-    python bench/fuzz.py --quick    # 5,000 messages
-    python bench/fuzz.py --curve    # the same against a broker with CURVE keys (roles bound to keys)
+Last line of stdout: one JSON object with ``sent``, ``errors`` (answered with ERROR, the broker's
+own count), ``broker_alive``, ``job_advanced`` (env steps and policy version grew while fuzzing)
+and ``rss_growth_mb`` (the broker's). Targets: alive, advancing, RSS growth <= 64 MB.
 """
 
 from __future__ import annotations
 
 import argparse
 import random
-import sys
-import tempfile
 import threading
 import time
-from pathlib import Path
 
 import msgpack
 import zmq
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from bench._common import OUT_DIR, SMALL_ASYNC_JOB, emit_to, keep_logs_unless, local_job, note  # noqa: E402
-from rlvla3 import auth, bundle  # noqa: E402
-from rlvla3 import protocol as P  # noqa: E402
-from rlvla3.config import load  # noqa: E402
-from rlvla3.app.launch import request_status  # noqa: E402
-
-JOB = SMALL_ASYNC_JOB
+from rlvla3 import auth, bundle
+from rlvla3 import protocol as P
+from rlvla3.app.launch import request_status
+from rlvla3.config import load
+from rlvla3.harness.bench import bench_run_dir, emit_to, keep_logs_unless, note, parse_bench_args
+from rlvla3.harness.jobs import SMALL_JOB, rss_mb, start_job
 
 VALID = {  # one valid header per message type a peer may send to the broker
     P.READY: {"role": "client", "host": "fuzzhost", "pid": 1},
@@ -201,38 +188,22 @@ def keyless_answered(ctx: zmq.Context, endpoint: str) -> bool:
         sock.close()
 
 
-def rss_mb(pid: int) -> float:
-    for line in Path(f"/proc/{pid}/status").read_text().splitlines():
-        if line.startswith("VmRSS:"):
-            return int(line.split()[1]) / 1024
-    return 0.0
-
-
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--messages", type=int, default=100_000, help="Messages in all, split over the clients.")
     ap.add_argument("--clients", type=int, default=4, help="Fuzzing clients (simulator, generator, client, stranger...).")
-    ap.add_argument("--quick", action="store_true", help="5,000 messages: a short run.")
-    ap.add_argument("--smoke", action="store_true", help="1,000 messages: checks the script runs, measures nothing.")
-    ap.add_argument("--out", default=OUT_DIR, help="Folder for fuzz.json (default ./bench/out).")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--curve", action="store_true",
                     help="The broker runs with CURVE keys (rlvla3 keys): the clients hold allowlisted keys of their "
                          "roles (the stranger the client key, never joining), and a peer without a key must get nothing.")
-    args = ap.parse_args()
+    args = parse_bench_args(ap, "5,000 messages: a short run", smoke_help="1,000 messages: checks the script runs")
     total = 1_000 if args.smoke else 5_000 if args.quick else args.messages
 
-    root = Path(tempfile.mkdtemp(prefix="rlvla3-fuzz-"))
-    keys = None
-    if args.curve:
-        keys = str(root / "keys")
-        auth.make_keys(keys)
-    cfg = load("synthetic.yaml", [*JOB, *([f"broker.keys_dir={keys}"] if keys else [])])
-    job = local_job(cfg, root)
+    root, keys = bench_run_dir("fuzz", args.curve)
+    job = start_job(load("synthetic.yaml", [*SMALL_JOB, *([f"broker.keys_dir={keys}"] if keys else [])]), root)
     result: dict = {}
     try:
         endpoint = job.endpoint
-        job.start_all()
         before = job.wait_status(lambda f: f["env_steps"] > 0 and f["policy_version"] >= 1, 300.0, "the job to train once")
         rss0 = rss_mb(job.broker_proc.pid)
         note(f"job running (env_steps={before['env_steps']}, version={before['policy_version']}); fuzzing with {total} messages")

@@ -1,8 +1,8 @@
-"""The bookkeeping of ``bench/gpu_check.sh``: one JSON file per stage as it ends, and the summary.
+"""The bookkeeping of ``bench/gpu/check.sh``: one JSON file per stage as it ends, and the summary.
 
-    python bench/gpu_report.py stage NAME RC SECONDS TIMEOUT_S STDOUT STDERR > OUT/NAME.json
-    python bench/gpu_report.py skip NAME REASON > OUT/NAME.json
-    python bench/gpu_report.py summary OUT DRY_RUN CUDA TOTAL_S      # one JSON object (also OUT/summary.json)
+    python bench/gpu/report.py stage NAME RC SECONDS TIMEOUT_S STDOUT STDERR > OUT/NAME.json
+    python bench/gpu/report.py skip NAME REASON > OUT/NAME.json
+    python bench/gpu/report.py summary OUT DRY_RUN CUDA TOTAL_S      # one JSON object (also OUT/summary.json)
 
 The summary holds every stage's JSON under ``stages`` and, under ``headline``, the figures a
 note quotes: act samples/s per family and batch, each update's time and peak memory, and per

@@ -1,19 +1,19 @@
 #!/usr/bin/env bash
-# The prepared GPU check (issue 9, item 5): one H200, no network, under 5 minutes. docs/gpu.md
+# The prepared GPU check: one H200, no network, under 5 minutes. bench/gpu/README.md
 # says what it measures and how to run it.
 #
-#   bash bench/gpu_check.sh --prepare [--carry gpu_carry]   # here, with a network: fill the carry folder
-#   bash bench/gpu_check.sh [--carry gpu_carry] [--out DIR]  # on the GPU machine
-#   bash bench/gpu_check.sh --dry-run [--out DIR]            # every stage on CPU with tiny models
+#   bash bench/gpu/check.sh --prepare [--carry gpu_carry]   # here, with a network: fill the carry folder
+#   bash bench/gpu/check.sh [--carry gpu_carry] [--out DIR]  # on the GPU machine
+#   bash bench/gpu/check.sh --dry-run [--out DIR]            # every stage on CPU with tiny models
 #   ... --stages update,job_async                            # only these (a rerun; the rest: "not selected")
 #
 # Stages, in order, each under its own timeout, each writing OUT/<stage>.json the moment it ends
 # (a stage that runs out of time loses only itself, and keeps the figures it printed so far):
-#   install    bench/gpu_install.py: the carried wheels (and GL loaders) the image lacks
-#   models     bench/gpu_models.py: act() throughput and peak memory, batch 1/8/32/64, 4 families
-#   update     bench/gpu_update.py: one PPO and one GRPO update, π0 (full) and OpenVLA-OFT (LoRA)
-#   job_sync   bench/gpu_job.py --mode sync: Meta-World 224² x π0 3B, colocated on one GPU
-#   job_async  bench/gpu_job.py --mode async: the same job, generation and training overlapped
+#   install    bench/gpu/install.py: the carried wheels (and GL loaders) the image lacks
+#   models     bench/gpu/models.py: act() throughput and peak memory, batch 1/8/32/64, 4 families
+#   update     bench/gpu/update.py: one PPO and one GRPO update, π0 (full) and OpenVLA-OFT (LoRA)
+#   job_sync   bench/gpu/job.py --mode sync: Meta-World 224² x π0 3B, colocated on one GPU
+#   job_async  bench/gpu/job.py --mode async: the same job, generation and training overlapped
 # The last line of stdout is one JSON object summarising every stage (also OUT/summary.json).
 # Without CUDA (and no --dry-run) the GPU stages are skipped, said so, and the script exits 0.
 # Timeouts (seconds, GPU run): GPU_CHECK_T_INSTALL=45, GPU_CHECK_T_MODELS=60, GPU_CHECK_T_UPDATE=75;
@@ -22,7 +22,7 @@
 set -uo pipefail
 
 HERE="$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)"
-ROOT="$(dirname "$HERE")"
+ROOT="$(cd "$HERE/../.." && pwd)"
 PY="${PYTHON:-python3}"
 DRY=0
 PREPARE=0
@@ -92,14 +92,14 @@ run_stage() {
   local name=$1 tmo=$2; shift 2
   local t1 rc
   if [[ ",$SELECTED," != *",$name,"* ]]; then
-    "$PY" "$HERE/gpu_report.py" skip "$name" "not selected (--stages)" >"$OUT/$name.json"
+    "$PY" "$HERE/report.py" skip "$name" "not selected (--stages)" >"$OUT/$name.json"
     return
   fi
   echo "gpu_check: stage $name (timeout ${tmo} s): $*" >&2
   t1=$(date +%s.%N)
   timeout -k 10 "$tmo" "$@" >"$OUT/logs/$name.out" 2>"$OUT/logs/$name.log"
   rc=$?
-  "$PY" "$HERE/gpu_report.py" stage "$name" "$rc" \
+  "$PY" "$HERE/report.py" stage "$name" "$rc" \
     "$("$PY" -c "import sys; print(float(sys.argv[2]) - float(sys.argv[1]))" "$t1" "$(date +%s.%N)")" \
     "$tmo" "$OUT/logs/$name.out" "$OUT/logs/$name.log" >"$OUT/$name.json"
   echo "gpu_check: stage $name done, rc=$rc" >&2
@@ -111,32 +111,32 @@ job_budget() {  # what is left for the job stages, split between those still to 
 }
 
 if [[ $DRY == 1 ]]; then
-  run_stage install "${GPU_CHECK_T_INSTALL:-120}" "$PY" bench/gpu_install.py --carry "$CARRY" --site "$SITE" --dry-run
-  run_stage models "${GPU_CHECK_T_MODELS:-180}" "$PY" bench/gpu_models.py --device cpu --tiny --batches 1,2 --reps 1
-  run_stage update "${GPU_CHECK_T_UPDATE:-240}" "$PY" bench/gpu_update.py --device cpu --tiny --updates 1 --batch-steps 8 --minibatch 8 \
+  run_stage install "${GPU_CHECK_T_INSTALL:-120}" "$PY" bench/gpu/install.py --carry "$CARRY" --site "$SITE" --dry-run
+  run_stage models "${GPU_CHECK_T_MODELS:-180}" "$PY" bench/gpu/models.py --device cpu --tiny --batches 1,2 --reps 1
+  run_stage update "${GPU_CHECK_T_UPDATE:-240}" "$PY" bench/gpu/update.py --device cpu --tiny --updates 1 --batch-steps 8 --minibatch 8 \
     --fragment-len 4 --group-size 2
   tiny_job=(--device cpu --tiny --until-version 1 --simulators 1 --envs 2 --slots 1 --batch-steps 8 --minibatch 8
             --fragment-len 4 --seconds 150)
-  run_stage job_sync 180 "$PY" bench/gpu_job.py --mode sync "${tiny_job[@]}"
-  run_stage job_async 180 "$PY" bench/gpu_job.py --mode async "${tiny_job[@]}"
+  run_stage job_sync 180 "$PY" bench/gpu/job.py --mode sync "${tiny_job[@]}"
+  run_stage job_async 180 "$PY" bench/gpu/job.py --mode async "${tiny_job[@]}"
   CUDA=0
 else
-  run_stage install "${GPU_CHECK_T_INSTALL:-45}" "$PY" bench/gpu_install.py --carry "$CARRY" --site "$SITE"
+  run_stage install "${GPU_CHECK_T_INSTALL:-45}" "$PY" bench/gpu/install.py --carry "$CARRY" --site "$SITE"
   if "$PY" -c "import sys, torch; sys.exit(0 if torch.cuda.is_available() else 3)" 2>/dev/null; then
     CUDA=1
-    run_stage models "${GPU_CHECK_T_MODELS:-60}" "$PY" bench/gpu_models.py --reps 2
-    run_stage update "${GPU_CHECK_T_UPDATE:-75}" "$PY" bench/gpu_update.py --updates 1
+    run_stage models "${GPU_CHECK_T_MODELS:-60}" "$PY" bench/gpu/models.py --reps 2
+    run_stage update "${GPU_CHECK_T_UPDATE:-75}" "$PY" bench/gpu/update.py --updates 1
     t=$(job_budget 2)
-    run_stage job_sync "$t" "$PY" bench/gpu_job.py --mode sync --seconds $((t - 15))
+    run_stage job_sync "$t" "$PY" bench/gpu/job.py --mode sync --seconds $((t - 15))
     t=$(job_budget 1)
-    run_stage job_async "$t" "$PY" bench/gpu_job.py --mode async --seconds $((t - 15))
+    run_stage job_async "$t" "$PY" bench/gpu/job.py --mode async --seconds $((t - 15))
   else
     CUDA=0
     echo "gpu_check: CUDA is not available here; the GPU stages are skipped (--dry-run rehearses them on CPU)" >&2
     for s in models update job_sync job_async; do
-      "$PY" "$HERE/gpu_report.py" skip "$s" "CUDA not available" >"$OUT/$s.json"
+      "$PY" "$HERE/report.py" skip "$s" "CUDA not available" >"$OUT/$s.json"
     done
   fi
 fi
-"$PY" "$HERE/gpu_report.py" summary "$OUT" "$DRY" "$CUDA" "$(elapsed)"
+"$PY" "$HERE/report.py" summary "$OUT" "$DRY" "$CUDA" "$(elapsed)"
 exit 0

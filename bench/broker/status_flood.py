@@ -18,30 +18,27 @@ Reported from the broker's own figures (STATUS):
   whatever the job size.
 - ``job_advanced``: env steps and the policy version grew during the flood.
 
-    python bench/status_flood.py            # 20 s, 256 fake simulators x 64 slots
-    python bench/status_flood.py --quick    # 12 s
+    python bench/broker/status_flood.py            # 20 s, 256 fake simulators x 64 slots
+    python bench/broker/status_flood.py --quick    # 12 s
 """
 
 from __future__ import annotations
 
 import argparse
 import os
-import sys
-import tempfile
 import threading
 import time
 from pathlib import Path
 
 import zmq
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from bench._common import OUT_DIR, SMALL_ASYNC_JOB, emit_to, keep_logs_unless, local_job, note  # noqa: E402
-from brokers.stats import STALL_WINDOW_S  # noqa: E402
-from rlvla3 import protocol as P  # noqa: E402
-from rlvla3.config import load  # noqa: E402
-from rlvla3.app.launch import request_status  # noqa: E402
-
-JOB = SMALL_ASYNC_JOB
+from brokers.stats import STALL_WINDOW_S
+from rlvla3 import protocol as P
+from rlvla3.app.launch import request_status
+from rlvla3.config import load
+from rlvla3.harness.bench import bench_run_dir, emit_to, keep_logs_unless, note, parse_bench_args
+from rlvla3.harness.jobs import SMALL_JOB, start_job
+from rlvla3.harness.peer import Peer
 
 
 class FakeSimulators(threading.Thread):
@@ -49,28 +46,20 @@ class FakeSimulators(threading.Thread):
 
     def __init__(self, ctx: zmq.Context, endpoint: str, count: int, slots: int) -> None:
         super().__init__(daemon=True, name="fake-sims")
-        self.socks = []
-        for i in range(count):
-            s = ctx.socket(zmq.DEALER)
-            s.setsockopt(zmq.LINGER, 0)
-            s.connect(endpoint)
-            s.send_multipart(P.encode(P.READY, {"role": "simulator", "host": "fakehost", "pid": 100_000 + i,
-                                                "name": f"fake{i}", "slots": slots, "num_envs": slots}))
-            self.socks.append(s)
+        self.peers = [Peer(ctx, endpoint, "simulator", f"fake{i}", host="fakehost", pid=100_000 + i, slots=slots,
+                           num_envs=slots) for i in range(count)]
         self.stop = threading.Event()
 
     def run(self) -> None:
         while not self.stop.wait(0.5):
-            for s in self.socks:
-                while s.poll(0):
-                    s.recv_multipart()
-                s.send_multipart(P.encode(P.HEARTBEAT, {}), zmq.DONTWAIT)
+            for peer in self.peers:
+                peer.keepalive(every_s=0.0)
 
     def close(self) -> None:
         self.stop.set()
         self.join(5)
-        for s in self.socks:
-            s.close()
+        for peer in self.peers:
+            peer.sock.close(0)
 
 
 class Flooder(threading.Thread):
@@ -109,19 +98,15 @@ def main() -> None:
     ap.add_argument("--window", type=int, default=32, help="STATUS requests each client keeps in flight.")
     ap.add_argument("--fake-sims", type=int, default=256, help="Extra simulators that join and only heartbeat.")
     ap.add_argument("--slots", type=int, default=64, help="Slots of each extra simulator.")
-    ap.add_argument("--quick", action="store_true", help="A 12 s flood.")
-    ap.add_argument("--smoke", action="store_true", help="A 1 s flood, 8 extra simulators: checks the script runs.")
-    ap.add_argument("--out", default=OUT_DIR, help="Folder for status_flood.json (default ./bench/out).")
-    args = ap.parse_args()
+    args = parse_bench_args(ap, "a 12 s flood", smoke_help="a 1 s flood, 8 extra simulators: checks the script runs")
     seconds = 1.0 if args.smoke else 12.0 if args.quick else args.seconds
     fakes = 8 if args.smoke else args.fake_sims
 
-    root = Path(tempfile.mkdtemp(prefix="rlvla3-status-flood-"))
-    job = local_job(load("synthetic.yaml", list(JOB)), root)
+    root, _ = bench_run_dir("status_flood", False)
+    job = start_job(load("synthetic.yaml", SMALL_JOB), root)
     ctx = zmq.Context()
     result: dict = {}
     try:
-        job.start_all()
         job.wait_status(lambda f: f["env_steps"] > 0 and (args.smoke or f["policy_version"] >= 1), 300.0,
                         "the job to step and train once")
         sims = FakeSimulators(ctx, job.endpoint, fakes, args.slots)

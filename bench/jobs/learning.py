@@ -8,8 +8,8 @@ seconds. Seconds are counted from the first env step, so process start-up is not
 The claim being checked (RL-VLA^3, AReaL): async reaches the same success per env step (within
 seed noise: staleness is corrected by decoupled PPO) and gets there sooner in seconds.
 
-    python bench/learning.py --quick                 # synthetic, 1 seed, < 60 s, prints JSON last
-    python bench/learning.py --seeds 0 1 2 --steps 12000 --out /tmp/learning
+    python bench/jobs/learning.py --quick                 # synthetic, 1 seed, < 60 s, prints JSON last
+    python bench/jobs/learning.py --seeds 0 1 2 --steps 12000 --out /tmp/learning
 
 ``--quick`` stops each job once its success reaches the target, and prints one JSON object last:
 ``sync_steps_to_target``, ``async_steps_to_target``, ``sync_seconds_to_target``,
@@ -19,7 +19,7 @@ env steps and wall-clock seconds.
 
 Pixels (a tiny OpenVLA-OFT on Meta-World from a 64x64 camera, proprio state and the instruction):
 
-    python bench/learning.py --config configs/metaworld_oft_rgb.yaml --seeds 0 1 --steps 60000 \
+    python bench/jobs/learning.py --config configs/metaworld_oft_rgb.yaml --seeds 0 1 --steps 60000 \
         --timeout 1800 --sft-episodes 120 --sft-epochs 20 --final-eval 100 [--blank-images]
 
 ``--sft-episodes`` warm-starts once per seed with ``rlvla3 sft`` (not timed; sync and async start
@@ -43,12 +43,10 @@ from typing import Any
 
 import numpy as np
 
-from _common import OUT_DIR  # (bench/, the script's folder, is first on sys.path)
+from rlvla3.harness.bench import OUT_DIR, emit_to, parse_bench_args, save_figure, subplots
+from rlvla3.lifetime import launcher_env
 
-ROOT = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(ROOT))
-
-from rlvla3.lifetime import launcher_env  # noqa: E402
+ROOT = Path(__file__).resolve().parents[2]
 
 MODES = ("sync", "async")
 MIN_EPISODES = 200
@@ -175,14 +173,10 @@ def plot(curves: dict[str, list[dict[str, np.ndarray]]], target: float, out: Pat
          evals: dict[str, list[dict[str, Any]]] | None = None) -> list[Path]:
     """Success and return against env steps and seconds; ``evals`` (``curve_json``'s) adds the
     eval slots' deterministic success as markers."""
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
 
     paths = []
     for metric in ("success", "return"):
-        fig, axes = plt.subplots(1, 2, figsize=(11, 4))
+        fig, axes = subplots(1, 2, figsize=(11, 4))
         for mode, color in zip(MODES, ("tab:blue", "tab:orange")):
             for i, c in enumerate(curves.get(mode, [])):
                 for ax, x in zip(axes, ("steps", "seconds")):
@@ -200,25 +194,20 @@ def plot(curves: dict[str, list[dict[str, np.ndarray]]], target: float, out: Pat
             ax.legend()
             ax.grid(alpha=0.3)
         fig.suptitle(f"{title}: sync vs async ({metric})")
-        fig.tight_layout()
         p = out / f"learning_{metric}.png"
-        fig.savefig(p, dpi=110)
-        plt.close(fig)
+        save_figure(fig, p, 110)
         paths.append(p)
     return paths
 
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--quick", action="store_true", help="one seed, stop at target, < 60 s")
     ap.add_argument("--config", default="synthetic.yaml",
                     help="job config (e.g. metaworld_default.yaml for the Meta-World task; needs Meta-World)")
     ap.add_argument("--seeds", type=int, nargs="+", default=[0, 1, 2])
     ap.add_argument("--steps", type=int, default=12000, help="env steps per job")
     ap.add_argument("--target", type=float, default=0.9, help="success rate counted as reached")
     ap.add_argument("--set", dest="overrides", action="append", default=[], help="extra config override for every job")
-    ap.add_argument("--out", default=f"{OUT_DIR}/learning", help="folder for PNGs, per-run folders and results.json (default: ./bench/out/learning)")
-    ap.add_argument("--smoke", action="store_true", help="tiny run for CI (no learning value): a few hundred steps per mode")
     ap.add_argument("--timeout", type=float, default=300.0, help="seconds per job at most")
     ap.add_argument("--modes", nargs="+", choices=MODES, default=list(MODES), help="run.mode values to run, in order")
     ap.add_argument("--blank-images", action="store_true",
@@ -228,7 +217,8 @@ def main() -> None:
     ap.add_argument("--sft-lr", type=float, default=1e-3, help="learning rate of the warm start")
     ap.add_argument("--final-eval", type=int, default=0,
                     help="score the warm start and each job's last checkpoint on this many held-out starts")
-    args = ap.parse_args()
+    args = parse_bench_args(ap, "one seed, stop at target, < 60 s", out=f"{OUT_DIR}/learning",
+                            smoke_help="tiny run for CI (no learning value): a few hundred steps per mode")
 
     overrides = list(args.overrides)
     if args.blank_images:
@@ -291,8 +281,7 @@ def main() -> None:
         "curves": curves_json,
         "out": str(out), "png": pngs,
     }
-    (out / "results.json").write_text(json.dumps(result, indent=1))
-    print(json.dumps(result))
+    emit_to(out, "results.json", result)
 
 
 if __name__ == "__main__":

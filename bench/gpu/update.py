@@ -1,32 +1,20 @@
 """One PPO and one GRPO update of each family at release size on one CUDA GPU: time and peak
 memory, through the trainer's own path.
 
-    python bench/gpu_update.py [--families pi0,openvla_oft] [--algos ppo,grpo] [--updates 2]
-                               [--batch-steps 64] [--minibatch 16] [--device cuda | --device cpu --tiny]
+    python bench/gpu/update.py --updates 1     # --families pi0,openvla_oft --algos ppo,grpo; --device cpu --tiny
 
-Nothing here re-implements the update. Per family: the policy comes from
-``workers.model.build_policy`` (the trainer's build: target device and dtype, LoRA from
-``model.lora``, then ``enable_gradient_checkpointing``), the optimizer from ``TrainState.build``
-(bf16 parameters get ``MasterAdam``'s fp32 master and moments). The batch is made the way a job
-makes it: the policy's own ``act()`` gives actions, log-probs, values and replay for
-``batch_steps`` observations, simulator slots' ``EnvTrajectory`` stacks them into fragments
-(PPO: cut fragments, bootstrapped; GRPO: complete episodes in groups of ``--group-size`` that
-share a start), the ``Learner`` turns them into units (GRPO scores each group) and
-``build_batch`` + ``workers.algorithms.update.update`` run the update.
+Nothing here re-implements the update: ``workers.model.build_policy`` builds the policy as the
+trainer does (device, dtype, LoRA, gradient checkpointing: OpenVLA-OFT recomputes its towers, π0
+its vision tower), ``TrainState.build`` the optimizer (bf16 parameters get ``MasterAdam``'s fp32
+state). The policy's own ``act()`` makes ``batch_steps`` decisions, ``EnvTrajectory`` stacks them
+into fragments (GRPO: groups of ``--group-size`` episodes sharing a start), the ``Learner`` turns
+them into units and ``build_batch`` + ``update`` run the update. π0 at 3B trains in full,
+OpenVLA-OFT at 7.5B with LoRA (full Adam does not fit one H200); two 224x224 cameras.
 
-Gradient checkpointing (``--grad-ckpt``) is on for both: OpenVLA-OFT recomputes its towers,
-π0 only its vision tower (its expert reads the KV cache the language model writes, see
-``Pi0Policy.checkpoint_towers``).
-
-Releases: π0 at 3B trains in full; OpenVLA-OFT at 7.5B trains with LoRA (full Adam does not fit
-one H200), as ``configs/models/*`` and the README say. Two 224x224 cameras, as
-``bench/gpu_models.py``.
-
-Per (family, algo): ``update_s`` of each update (the first one also allocates the optimizer
-state), ``peak_mem_gib`` (``torch.cuda.max_memory_allocated`` during the update),
-``state_mem_gib`` (allocated after it: weights + optimizer state), ``samples``. Prints the
-figures so far as one JSON object after each case, the last line being the complete result.
-Without CUDA (and no ``--device cpu``) it says so and exits 2.
+Per (family, algo): ``update_s`` of each update (the first also allocates the optimizer state),
+``peak_mem_gib``, ``state_mem_gib`` (weights + optimizer state after it), ``samples``. The
+figures so far are printed after each case; the last line is the complete result. Without CUDA
+(and no ``--device cpu``) it says so and exits 2.
 """
 
 from __future__ import annotations
@@ -42,18 +30,17 @@ from typing import Any
 import numpy as np
 import torch
 
-ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT))
+from bench.gpu.models import device_or_exit
+from rlvla3.config import from_dict, read_yaml
+from rlvla3.observation import Observation
+from workers.algorithms.memory import enable_gradient_checkpointing
+from workers.algorithms.update import TrainState, update
+from workers.contract import EnvSpec
+from workers.learner import Fragment, Learner, build_batch
+from workers.model import build_policy
+from workers.trajectory import EnvTrajectory, StepRecord
 
-from rlvla3.config import from_dict, read_yaml  # noqa: E402
-from rlvla3.observation import Observation  # noqa: E402
-from workers.algorithms.memory import enable_gradient_checkpointing  # noqa: E402
-from workers.algorithms.update import TrainState, update  # noqa: E402
-from workers.envs.base import EnvSpec  # noqa: E402
-from workers.learner import Fragment, Learner, build_batch  # noqa: E402
-from workers.model import build_policy  # noqa: E402
-from workers.trajectory import EnvTrajectory, StepRecord  # noqa: E402
-from gpu_models import device_or_exit  # noqa: E402  (bench/, the script's folder, is first on sys.path)
+ROOT = Path(__file__).resolve().parents[2]
 
 RELEASE = {"pi0": ("pi0_3b.yaml", False), "openvla_oft": ("openvla_oft_7b.yaml", True)}
 """family -> (its release model config under configs/models, LoRA on)."""

@@ -1,39 +1,34 @@
 """Peers with no logic of their own, for measuring the broker against its floors (child processes
-of ``bench/latency.py`` and ``bench/broker_capacity.py``):
+of ``bench/broker/latency.py`` and ``bench/broker/capacity.py``):
 
-    python bench/_echo.py generator ENDPOINT [--credits 4] [--keys DIR]
+    python -m rlvla3.harness.echo generator ENDPOINT [--credits 4] [--keys DIR]
         a generator-role peer on the real protocol: READY, heartbeats, and for every BATCH a
         RESULT of zero actions (no forward pass, nothing read from the observations);
-    python bench/_echo.py relay
+    python -m rlvla3.harness.echo relay
         a ROUTER that forwards every simulator message to one echo DEALER and every echo reply
         back to the simulator it names: the broker's topology with pyzmq and nothing else;
-    python bench/_echo.py relay-echo ENDPOINT
+    python -m rlvla3.harness.echo relay-echo ENDPOINT
         that echo: a DEALER that returns whatever it is sent.
 
 Each prints one line on stdout once it is up (its endpoint, or "ready"), as
-``_common.start_child`` expects, and ends with its launcher (``follow_launcher``). Every loop
+``rlvla3.harness.bench.start_child`` expects, and ends with its launcher (``follow_launcher``). Every loop
 drains what is ready before it polls again.
 """
 
 from __future__ import annotations
 
 import argparse
-import os
-import sys
-import time
-from pathlib import Path
 from typing import Any
 
 import numpy as np
 import zmq
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+from rlvla3 import protocol as P
+from rlvla3.harness.peer import Peer
+from rlvla3.lifetime import follow_launcher
 
-from rlvla3 import auth  # noqa: E402
-from rlvla3 import protocol as P  # noqa: E402
-from rlvla3.lifetime import follow_launcher  # noqa: E402
-from rlvla3.shm import host_id  # noqa: E402
-
+ECHO = ["-m", "rlvla3.harness.echo"]
+"""``start_child``'s arguments that run this module."""
 ACTION_SHAPE = (1, 7)
 """Per env: a chunk of one 7-dof action, what a small policy returns."""
 HELLO = b"echo"
@@ -42,9 +37,8 @@ HELLO = b"echo"
 
 def _socket(ctx: zmq.Context, kind: int) -> zmq.Socket:
     sock = ctx.socket(kind)
-    sock.setsockopt(zmq.LINGER, 0)
-    sock.setsockopt(zmq.SNDHWM, P.SOCKET_HWM)
-    sock.setsockopt(zmq.RCVHWM, P.SOCKET_HWM)
+    for opt, value in ((zmq.LINGER, 0), (zmq.SNDHWM, P.SOCKET_HWM), (zmq.RCVHWM, P.SOCKET_HWM)):
+        sock.setsockopt(opt, value)
     return sock
 
 
@@ -60,32 +54,22 @@ def echo_result(batch: P.Message, zeros: dict[int, np.ndarray]) -> list[Any]:
 
 def echo_generator(endpoint: str, credits: int, keys_dir: str | None) -> None:
     """Join ``endpoint`` as a generator and answer every BATCH with zero actions."""
-    ctx = zmq.Context()
-    sock = _socket(ctx, zmq.DEALER)
-    auth.configure_client(sock, keys_dir, "generator")
-    sock.connect(endpoint)
-    beat = P.encode(P.HEARTBEAT, {"credits": credits, "version": 0})
-    sock.send_multipart(P.encode(P.READY, {"role": "generator", "host": host_id(), "pid": os.getpid(),
-                                           "name": "echo-generator", "credits": credits}))
+    gen = Peer(zmq.Context(), endpoint, "generator", "echo-generator", keys_dir, credits=credits)
     zeros: dict[int, np.ndarray] = {}  # envs in a batch -> its zero actions
     announced = False
-    last_beat = time.monotonic()
     while True:
-        now = time.monotonic()
-        if now - last_beat >= 0.5:
-            sock.send_multipart(beat)
-            last_beat = now
-        if not sock.poll(200):
+        gen.keepalive(drain=False, credits=credits, version=0)
+        if not gen.sock.poll(200):
             continue
-        while sock.getsockopt(zmq.EVENTS) & zmq.POLLIN:
-            msg = P.decode(sock.recv_multipart(copy=False))
+        while gen.sock.getsockopt(zmq.EVENTS) & zmq.POLLIN:
+            msg = P.decode(gen.sock.recv_multipart(copy=False))
             if msg.type == P.READY and not announced:
                 announced = True
                 print("ready", flush=True)
             elif msg.type == P.DISCONNECT:
                 return
             elif msg.type == P.BATCH:
-                sock.send_multipart(echo_result(msg, zeros), copy=False)
+                gen.sock.send_multipart(echo_result(msg, zeros), copy=False)
 
 
 def relay() -> None:

@@ -13,7 +13,7 @@ every process that lived past warm-up: growth over its life after warm-up at mos
 loses at most one update's worth of steps: an update takes whole fragments until it holds
 ``algo.batch_steps``, so its batch is at most ``batch_steps + env.fragment_len - 1`` steps.
 
-    python bench/soak.py --minutes 3      # --smoke: ~12 s, no value as a soak
+    python bench/faults/soak.py --minutes 3      # --smoke: ~12 s, no value as a soak
 Prints one JSON object last and writes soak.json and soak_rss.png under --out.
 """
 
@@ -24,18 +24,18 @@ import json
 import random
 import signal
 import subprocess
-import sys
 import tempfile
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from bench._common import OUT_DIR  # noqa: E402
-from rlvla3.config import load  # noqa: E402
-from rlvla3.app.launch import request_status, spawn, stop_processes  # noqa: E402
+from rlvla3.app.launch import spawn, stop_processes
+from rlvla3.config import load
+from rlvla3.harness.bench import OUT_DIR, save_figure, subplots
+from rlvla3.harness.jobs import Job, rss_mb
+from rlvla3.status_client import DeadlinePassed, wait_until
 
 RSS_SLACK_MB = 32.0
 FATES = ("evaluation", "trained", "stale", "discarded", "unreadable", "lost_with_trainer", "held_by_trainers")
@@ -57,16 +57,6 @@ class Proc:
     rss: list[tuple[float, float]] = field(default_factory=list)
 
 
-def rss_mb(pid: int) -> float | None:
-    try:
-        for line in Path(f"/proc/{pid}/status").read_text().splitlines():
-            if line.startswith("VmRSS:"):
-                return int(line.split()[1]) / 1024.0
-    except OSError:
-        return None
-    return None
-
-
 def flatness(p: Proc, warm_s: float) -> dict[str, Any] | None:
     """RSS at the end of warm-up against the most seen afterwards (None: did not outlive warm-up)."""
     after = [(t, r) for t, r in p.rss if t - p.started >= warm_s]
@@ -79,29 +69,22 @@ def flatness(p: Proc, warm_s: float) -> dict[str, Any] | None:
 
 
 class Soak:
-    def __init__(self, folder: Path, cfg_path: Path, t0: float) -> None:
-        self.folder, self.cfg_path, self.t0 = folder, cfg_path, t0
+    """The job's processes, each incarnation tracked, started by hand as a supervisor would."""
+
+    def __init__(self, job: Job, t0: float) -> None:
+        self.job, self.t0 = job, t0
         self.procs: list[Proc] = []
-        self.url = ""
         self.incarnation: dict[str, int] = {}
 
     def start_broker(self) -> Proc:
-        info = self.folder / "broker.json"
-        p = spawn(["broker", "--config", str(self.cfg_path), "--bind", "tcp://127.0.0.1:0", "--pub", "tcp://127.0.0.1:0",
-                   "--info-file", str(info)], self.folder / "broker.log")
-        deadline = time.monotonic() + 120
-        while not info.exists():
-            if p.poll() is not None or time.monotonic() > deadline:
-                raise RuntimeError(f"the broker did not start:\n{(self.folder / 'broker.log').read_text()[-2000:]}")
-            time.sleep(0.1)  # polling for the broker's info file, with a deadline
-        self.url = json.loads(info.read_text())["bind"]
-        return self._track("broker", "broker", p)
+        self.job.start_broker("tcp://127.0.0.1:0", "tcp://127.0.0.1:0")
+        return self._track("broker", "broker", self.job.broker_proc)
 
     def start_worker(self, role: str, name: str) -> Proc:
-        args = ["worker", "--role", role, "--broker", self.url, "--name", name]
+        args = ["worker", "--role", role, "--broker", self.job.endpoint, "--name", name]
         if role == "trainer":  # a restarted trainer resumes from the run folder's latest checkpoint
-            args += ["--run-dir", str(self.folder / "run")]
-        return self._track(name, role, spawn(args, self.folder / f"{name}.log"))
+            args += ["--run-dir", str(self.job.run_dir / "run")]
+        return self._track(name, role, spawn(args, self.job.run_dir / f"{name}.log"))
 
     def _track(self, name: str, role: str, p: subprocess.Popen) -> Proc:
         self.incarnation[name] = self.incarnation.get(name, 0) + 1
@@ -122,7 +105,7 @@ class Soak:
 
     def status(self) -> dict[str, Any] | None:
         try:
-            return request_status(self.url, 5.0)
+            return self.job.status()
         except TimeoutError:
             return None
 
@@ -149,7 +132,7 @@ def main() -> None:
     cfg_path = folder / "config.yaml"
     cfg_path.write_text(cfg.to_yaml())
     t0 = time.monotonic()
-    soak = Soak(folder, cfg_path, t0)
+    soak = Soak(Job(cfg, folder, cfg_path), t0)
     kills: list[dict[str, Any]] = []
     timeline: list[dict[str, Any]] = []
     restart_trainer_after: float | None = None
@@ -159,12 +142,8 @@ def main() -> None:
         for role, name in (("trainer", "trainer"), ("generator", "gen0"), ("simulator", "sim0"), ("simulator", "sim1")):
             soak.start_worker(role, name)
         # ---- warm: the job runs end to end before the first kill -------------------------------
-        deadline = time.monotonic() + 180
-        while not ((f := soak.status()) and f["trainer_version"] >= 1):
-            if time.monotonic() > deadline:
-                raise RuntimeError("the job did not make its first update within 180 s")
-            soak.sample_rss()
-            time.sleep(0.5)  # polling STATUS with a deadline
+        wait_until(lambda: soak.sample_rss() or ((f := soak.status()) and f["trainer_version"] >= 1), 180,
+                   "the job's first update", interval=0.5)
         t_run = time.monotonic()
         end = t_run + minutes * 60
         next_kill = t_run + rng.uniform(0.5, 1.5) * kill_every
@@ -213,13 +192,11 @@ def main() -> None:
             p.popen.send_signal(signal.SIGTERM)
         for p in sims:
             p.popen.wait(30)
-        settle = time.monotonic() + 10
-        while time.monotonic() < settle:
-            f = soak.status()
-            if f and f["trajs_pending"] == 0 and f["trajs_inflight"] == 0 and f["workers"]["trainer"] >= 1:
-                last = f
-                break
-            time.sleep(0.25)  # polling STATUS with a deadline
+        try:
+            wait_until(lambda: (f := soak.status()) and f["trajs_pending"] == 0 and f["trajs_inflight"] == 0
+                       and f["workers"]["trainer"] >= 1, 10, "what is in flight to settle", interval=0.25)
+        except DeadlinePassed:
+            pass  # the figures as they are then
         last = soak.status() or last
     finally:
         stop_processes([p.popen for p in soak.procs if p.popen.poll() is None], timeout_s=20)
@@ -269,12 +246,8 @@ def report(soak: Soak, last: dict[str, Any], kills: list[dict[str, Any]], timeli
 
 
 def plot_rss(soak: Soak, path: Path) -> None:
-    import matplotlib
 
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    fig, ax = plt.subplots(figsize=(9, 4.5))
+    fig, ax = subplots(figsize=(9, 4.5))
     for p in soak.procs:
         if p.rss:
             ax.plot([t - soak.t0 for t, _ in p.rss], [r for _, r in p.rss], label=p.name, lw=1)
@@ -282,9 +255,7 @@ def plot_rss(soak: Soak, path: Path) -> None:
     ax.set_ylabel("RSS (MiB)")
     ax.set_title("RSS of every process (a new line per restart)")
     ax.legend(fontsize=6, ncol=4)
-    fig.tight_layout()
-    fig.savefig(path, dpi=100)
-    plt.close(fig)
+    save_figure(fig, path, 100)
 
 
 if __name__ == "__main__":

@@ -6,7 +6,7 @@ replay it (``--save-profile FILE`` -> ``latency: {replay: FILE}``). Writes a per
 line is one JSON object ``{case: {p50_ms, p99_ms, steps_per_s, ...}}``, cases not installed carry
 ``{"skipped": why}``.
 
-    python bench/sim_latency.py [--quick] [--out /tmp/simlat] [--num-envs 4] [--save-profile p.json]
+    python bench/stages/sim_latency.py [--quick] [--out /tmp/simlat] [--num-envs 4] [--save-profile p.json]
 """
 
 from __future__ import annotations
@@ -15,17 +15,15 @@ import argparse
 import importlib.util
 import json
 import os
-import sys
 import time
 from pathlib import Path
 from typing import Any
 
 os.environ.setdefault("MUJOCO_GL", "egl")
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-import numpy as np  # noqa: E402
+import numpy as np
 
-from _common import OUT_DIR  # noqa: E402  (bench/, the script's folder, is first on sys.path)
+from rlvla3.harness.bench import parse_bench_args, save_figure, subplots
 
 # case -> (adapter, python package it needs, adapter options)
 CASES: dict[str, tuple[str, str, dict[str, Any]]] = {
@@ -99,12 +97,8 @@ def measure(adapter: str, options: dict[str, Any], num_envs: int, steps: int, ch
 
 def plot(samples: dict[str, np.ndarray], path: Path) -> None:
     """Latency vs percentile, log axes (the tail is what matters)."""
-    import matplotlib
 
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    fig, ax = plt.subplots(figsize=(8, 5))
+    fig, ax = subplots(figsize=(8, 5))
     pct = np.array([0, 50, 75, 90, 95, 99, 99.5, 99.9])
     for name, arr in samples.items():
         ax.plot(1 / (1 - pct / 100.0), np.percentile(arr * 1e3, pct), marker="o", label=name)
@@ -117,17 +111,11 @@ def plot(samples: dict[str, np.ndarray], path: Path) -> None:
     ax.set_title("Simulator step latency (CPU)")
     ax.grid(True, which="both", alpha=0.3)
     ax.legend(fontsize=8)
-    fig.tight_layout()
-    fig.savefig(path, dpi=120)
-    plt.close(fig)
+    save_figure(fig, path, 120)
 
 
-def main(argv: list[str] | None = None) -> int:
+def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--out", type=Path, default=Path(OUT_DIR),
-                    help="folder for the PNG, JSON and histograms (default: ./bench/out)")
-    ap.add_argument("--quick", action="store_true", help="few steps, 1 env, state + Meta-World rgb; < 60 s")
-    ap.add_argument("--smoke", action="store_true", help="tiny run for CI (no timing value): one case, a dozen steps")
     ap.add_argument("--num-envs", type=int, default=4, help="N for the N-envs-per-worker run")
     ap.add_argument("--steps", type=int, default=300, help="step calls per case (time-capped)")
     ap.add_argument("--chunk", type=int, default=8, help="action chunk length for per-chunk latency")
@@ -135,7 +123,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--cases", default="", help="comma list of cases (default: all)")
     ap.add_argument("--save-profile", type=Path, default=None, help="write per-step latencies for the synthetic env")
     ap.add_argument("--profile-case", default="", help="case saved by --save-profile (default: first measured rgb)")
-    args = ap.parse_args(argv)
+    args = parse_bench_args(ap, "few steps, 1 env, state + Meta-World rgb; < 60 s",
+                            smoke_help="tiny run for CI (no timing value): one case, a dozen steps")
+    args.out = Path(args.out)
 
     from workers.envs.latency_profile import save_latency_profile
 

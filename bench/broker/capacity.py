@@ -1,46 +1,29 @@
 """How many requests per second one broker routes: fake simulator slots and an echo generator,
 the offered rate ramped until the broker saturates.
 
-    python bench/broker_capacity.py [--sims 2] [--slots 256] [--envs 1] [--max-batch 32] [--max-wait-ms 2]
-                                    [--duration 4] [--curve] [--no-bundles] [--out bench/out] [--quick | --smoke]
+    python bench/broker/capacity.py --quick     # --sims 2 --slots 256 --envs 1 --max-batch 32 --curve ...
 
-What runs: a real broker (``LocalJob``, bound on ipc://), the echo generator of
-``bench/_echo.py`` (a generator-role peer that answers each BATCH with zero actions, no forward
-pass) and ``--sims`` simulator processes (children of this script), each one simulator peer
-with ``--slots`` slots. A request is one OBS of one env whose observation (a 16x16 image and a
-state vector) lies in the simulator's shared memory; it is counted at the simulator when its
-ACT comes back. ``--envs N`` makes each OBS carry N envs (a slot stepping N envs, as
-``env.num_envs / env.slots`` does): still one request each, and ``env_obs_per_broker_core``
-says how many env observations a broker core routes that way (``docs/scaling.md``, "Past one
-broker", step 1). ``max_batch`` counts envs, as the broker does. Each simulator sends what is
-due at once as one BUNDLE and reads the broker's BUNDLEs of ACTs, as a simulator worker does;
-``--no-bundles``: one message per request each way. Every simulator is open-loop:
-request ``i`` is due at ``t0 + i/rate`` and goes out on a free slot; latency counts from when it
-was due (HdrHistogram, microseconds).
+What runs: a real broker (bound on ipc://), the echo generator (``rlvla3/harness/echo.py``: a
+generator-role peer that answers each BATCH with zeros) and ``--sims`` simulator processes with
+``--slots`` slots each. A request is one OBS whose observation (a 16x16 image and a state) lies
+in the simulator's shared memory, counted when its ACT comes back; ``--envs N`` makes each OBS
+carry N envs (``env_obs_per_broker_core``: env observations a broker core routes that way,
+``docs/scaling.md``). A simulator sends what is due at once as one BUNDLE and reads BUNDLEs of
+ACTs, as a simulator worker does (``--no-bundles``: one message per request). Open-loop: request
+``i`` is due at ``t0 + i/rate``; latency counts from then (HdrHistogram, us).
 
 The ramp: steps of ``--duration`` s, the offered rate growing by ``--factor`` from
-``--start-rate`` until the broker saturates (the achieved rate falls under 85% of the offered
-one, or the broker's process uses 90% of a core) or ``--steps`` is reached. ``max_rps`` is the
-best achieved rate; then one more step offers 80% of it for ``p99_us_at_80pct``.
+``--start-rate`` until the broker saturates (achieved < 85% of offered, or 90% of a core used)
+or ``--steps``; ``max_rps`` is the best achieved rate, then one step at 80% of it gives
+``p99_us_at_80pct``. The load generators share the cores with the broker, so
+``rps_per_broker_core`` divides the rate by the broker process's own CPU over the same window
+(user + system from /proc, zmq's I/O thread included; ``broker_threads_cpu_pct`` splits it).
+Target: >= 20,000 requests/s per broker core. ``reference_obs_decode_us`` (one OBS decode's CPU
+time here, before and after) is the yardstick between runs under different loads. ``errors``:
+an overloaded step leaves requests outstanding that the broker may refuse as ``over_limit``.
 
-The load generators share the machine's cores with the broker, so the broker may never get a
-whole core: ``rps_per_broker_core`` divides the rate by the broker process's own CPU use over
-the same window (its user + system time from /proc, zmq's I/O thread included), at the step
-that gave ``max_rps``. Target: >= 20,000 requests/s per fully used broker core.
-
-A shared machine's load inflates CPU time as well as wall time: ``reference_obs_decode_us``
-(the CPU time of one OBS decode in this process, before and after the ramp) is the yardstick
-to compare figures taken under different loads.
-
-Last line of stdout: one JSON object (``max_rps``, ``rps_per_broker_core``, ``p99_us_at_80pct``,
-``broker_cpu_pct``, ``broker_threads_cpu_pct`` (its Python loop's thread against libzmq's
-I/O thread), ``envs_per_request``, ``env_obs_per_broker_core``, ``broker_cpu_us_per_request``,
-``curve``, ``bundles``, ``errors`` and ``error_codes`` (an overloaded step leaves requests
-outstanding that the next reuses, which the broker may refuse as ``over_limit``),
-``reference_obs_decode_us``, ``ramp`` ...). Writes
-``broker_capacity.png`` (achieved against offered rate, and broker CPU) and
-``broker_capacity.json`` under ``--out``; with ``--profile``, the broker runs under cProfile
-timed by its own thread's CPU clock, and its top functions go to ``broker_capacity.prof.txt``.
+Writes ``broker_capacity.png`` and ``broker_capacity.json`` under ``--out``; ``--profile`` runs
+the broker under cProfile (its thread's CPU clock): ``broker_capacity.prof.txt``.
 """
 
 from __future__ import annotations
@@ -59,21 +42,20 @@ import msgpack
 import zmq
 from hdrh.histogram import HdrHistogram
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-from _common import (  # noqa: E402
-    bench_run_dir, cpu_seconds, emit, keep_logs_unless, local_job, new_hist, note, parse_bench_args, read_line, record_us, save_figure, start_child,
-    stop_child, summary, thread_cpu_seconds, wait_readable,
+from rlvla3 import bundle, names
+from rlvla3 import protocol as P
+from rlvla3.config import load
+from rlvla3.harness.bench import (
+    bench_run_dir, cpu_seconds, emit_to, keep_logs_unless, new_hist, note, parse_bench_args, read_line, record_us,
+    save_figure, start_child, stop_child, subplots, summary, thread_cpu_seconds, wait_readable,
 )
+from rlvla3.harness.echo import ECHO
+from rlvla3.harness.jobs import Job, generator_serving, start_job
+from rlvla3.harness.peer import Peer
+from rlvla3.lifetime import follow_launcher
+from rlvla3.observation import IMAGES, STATE
+from rlvla3.shm import ShmPool, host_id
 
-from rlvla3 import auth, bundle, names  # noqa: E402
-from rlvla3 import protocol as P  # noqa: E402
-from rlvla3.config import load  # noqa: E402
-from rlvla3.app.launch import LocalJob  # noqa: E402
-from rlvla3.lifetime import follow_launcher  # noqa: E402
-from rlvla3.observation import IMAGES, STATE  # noqa: E402
-from rlvla3.shm import ShmPool, host_id  # noqa: E402
-
-ECHO = str(Path(__file__).resolve().parent / "_echo.py")
 IMAGE = 16
 STATE_DIM = 4
 REQ_ID_MARK = 2**53
@@ -85,28 +67,16 @@ SATURATED_CPU = 90.0
 """A step where the broker's process used this much of one core (%) has saturated."""
 
 
-# =============================================================================================
-# A simulator process: open-loop requests on many slots, driven by commands on stdin
-# =============================================================================================
-
-
 class FakeSimulator:
     """One simulator peer: ``slots`` slots, each with its observation in this process's shared
     memory (written once: the broker reads only the reference)."""
 
     def __init__(self, endpoint: str, slots: int, envs: int, keys: str | None, bundles: bool) -> None:
         self.ctx = zmq.Context()
-        self.sock = self.ctx.socket(zmq.DEALER)
-        for opt, value in ((zmq.LINGER, 0), (zmq.SNDHWM, P.SOCKET_HWM), (zmq.RCVHWM, P.SOCKET_HWM)):
-            self.sock.setsockopt(opt, value)
-        auth.configure_client(self.sock, keys, "simulator")
-        self.sock.connect(endpoint)
-        self.slots = slots
-        self.sock.send_multipart(P.encode(P.READY, {"role": "simulator", "host": host_id(), "pid": os.getpid(),
-                                                    "name": f"capacity-{os.getpid()}", "slots": slots,
-                                                    "num_envs": slots * envs, "bundles": bundles}))
-        self.bundles = bundles
-        welcome = self._await(P.READY, 30.0)
+        self.peer = Peer(self.ctx, endpoint, "simulator", f"capacity-{os.getpid()}", keys, slots=slots,
+                         num_envs=slots * envs, bundles=bundles)
+        self.sock, self.slots, self.bundles = self.peer.sock, slots, bundles
+        welcome = self.peer.expect(P.READY, 30.0)
         self.pool = ShmPool(str(welcome.get("run_id", "bench")), slots * (envs * (IMAGE * IMAGE * 3 + STATE_DIM * 4) + 256) + 4096)
         # Per slot, encoded once with a fixed-width req_id patched per request (``request``): the
         # broker serves each (slot, req_id) once, and the load generator spends its CPU on
@@ -133,7 +103,6 @@ class FakeSimulator:
                     raise RuntimeError(f"slot {slot}'s pre-encoded OBS reads as slot {msg['slot']}, req_id {msg['req_id']}")
         self.defined: set[int] = set()  # slots whose block's descriptors the broker has
         self.next_req = 0
-        self.last_beat = time.monotonic()
 
     def _patched(self, slot: int, version: int, req_id: int) -> list[Any]:
         frames, at = self.frames[slot][version], self.at[slot][version]
@@ -147,24 +116,6 @@ class FakeSimulator:
         self.defined.add(slot)
         return frames, self.next_req
 
-    def _await(self, msg_type: str, timeout_s: float) -> dict[str, Any]:
-        deadline = time.monotonic() + timeout_s
-        while time.monotonic() < deadline:
-            if self.sock.poll(100):
-                msg = P.decode(self.sock.recv_multipart())
-                if msg.type == msg_type:
-                    return dict(msg.header)
-        raise TimeoutError(f"no {msg_type} from the broker within {timeout_s} s")
-
-    def keepalive(self) -> None:
-        """The broker expires a silent worker after 3 x 1 s; drain what it sent meanwhile."""
-        now = time.monotonic()
-        if now - self.last_beat >= 0.5:
-            self.sock.send_multipart(P.encode(P.HEARTBEAT), zmq.DONTWAIT)
-            self.last_beat = now
-        while self.sock.getsockopt(zmq.EVENTS) & zmq.POLLIN:
-            self.sock.recv_multipart()
-
     def phase(self, start_at: float, rate: float, duration_s: float) -> dict[str, Any]:
         """Requests due at ``start_at + i/rate`` (wall clock) for ``duration_s``; ACTs counted in
         that window. Then what is still out is drained (not counted) and the rest dropped."""
@@ -175,7 +126,7 @@ class FakeSimulator:
         backlog: deque[int] = deque()
         inflight: dict[int, tuple[int, int]] = {}  # slot -> (due_ns, req_id)
         while time.time() < start_at - 0.001:
-            self.keepalive()
+            self.peer.keepalive()
             time.sleep(min(0.05, max(0.0, start_at - time.time() - 0.001)))  # the step starts at a shared wall time
         t0 = time.perf_counter_ns() + int((start_at - time.time()) * 1e9)
         end = t0 + int(duration_s * 1e9)
@@ -218,17 +169,11 @@ class FakeSimulator:
                             done += 1
                             record_us(hist, t - entry[0])
             now = time.perf_counter_ns()
-            if time.monotonic() - self.last_beat > 0.5:
-                self.sock.send_multipart(P.encode(P.HEARTBEAT), zmq.DONTWAIT)
-                self.last_beat = time.monotonic()
+            self.peer.keepalive(drain=False)
         return {"sent": sent, "done": done, "errors": errors, "unanswered": len(inflight), "hist": hist.encode().decode()}
 
     def close(self) -> None:
-        try:
-            self.sock.send_multipart(P.encode(P.DISCONNECT), zmq.DONTWAIT)
-        except zmq.ZMQError:
-            pass
-        self.sock.close(0)
+        self.peer.close()
         self.pool.close()
         self.ctx.term()
 
@@ -252,7 +197,7 @@ def simulator_child(args: argparse.Namespace) -> None:
     buf = b""
     try:
         while True:
-            sim.keepalive()
+            sim.peer.keepalive()
             r, _, _ = select.select([fd], [], [], 0.2)
             if not r:
                 continue
@@ -290,11 +235,6 @@ def profiled_broker(config: str, run_dir: str, prof_out: str) -> None:
     text = io.StringIO()
     pstats.Stats(prof, stream=text).sort_stats("tottime").print_stats(40)
     Path(prof_out).write_text(text.getvalue())
-
-
-# =============================================================================================
-# The controller
-# =============================================================================================
 
 
 def answer(proc: Any, timeout_s: float) -> str:
@@ -353,12 +293,8 @@ def reference_us(frames: list[Any], reps: int = 2000) -> float:
 
 
 def plot(ramp: list[dict[str, Any]], path: Path, title: str) -> Path:
-    import matplotlib
 
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    fig, ax = plt.subplots(figsize=(7, 4.2))
+    fig, ax = subplots(figsize=(7, 4.2))
     xs = [r["offered_rps"] for r in ramp]
     ax.plot(xs, [r["achieved_rps"] for r in ramp], "o-", label="achieved requests/s")
     ax.plot(xs, xs, ":", color="grey", label="offered")
@@ -425,17 +361,16 @@ def main() -> None:
         cfg = load("synthetic.yaml", overrides)
         if args.profile:  # the broker is this script's child, under cProfile
             (run_dir / "config.yaml").write_text(cfg.to_yaml())
-            job = LocalJob(cfg, run_dir, run_dir / "config.yaml")
+            job = Job(cfg, run_dir, run_dir / "config.yaml")
             prof_path = (out / "broker_capacity.prof.txt").resolve()
             job.broker_proc, job.endpoint = start_child([__file__, "--profiled-broker", str(run_dir / "config.yaml"),
                                                          str(run_dir), str(prof_path)])
         else:
-            job = local_job(cfg, run_dir, f"ipc://{run_dir}/broker", f"ipc://{run_dir}/pub")
+            job = start_job(cfg, run_dir, False, f"ipc://{run_dir}/broker", f"ipc://{run_dir}/pub")
         key_args = ["--keys", keys] if keys else []
-        gen, _ = start_child([ECHO, "generator", job.endpoint, "--credits", str(args.credits), *key_args])
+        gen, _ = start_child([*ECHO, "generator", job.endpoint, "--credits", str(args.credits), *key_args])
         children.append(gen)
-        job.wait_status(lambda f: any(w["role"] == "generator" and (w.get("credits") or 0) > 0
-                                      for w in f.get("per_worker", [])), 60.0, "the echo generator")
+        job.wait(generator_serving, 60.0, "the echo generator")
         sims = []
         for _ in range(args.sims):
             proc, _ = start_child([__file__, "--child", "--endpoint", job.endpoint, "--slots", str(args.slots),
@@ -498,9 +433,8 @@ def main() -> None:
         result["png"] = str(plot(ramp, out / "broker_capacity.png",
                                  f"one broker, echo generator, {args.sims} x {args.slots} slots x {args.envs} envs, max_batch "
                                  f"{args.max_batch}, CURVE {'on' if keys else 'off'}"))
-        (out / "broker_capacity.json").write_text(json.dumps(result, indent=1))
         ok = True
-        emit(result)
+        emit_to(out, "broker_capacity.json", result)
     finally:
         for child in children:
             if child.stdin is not None:  # a simulator: end of stdin, it leaves and frees its memory

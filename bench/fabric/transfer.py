@@ -1,36 +1,25 @@
 """Camera images from the renderer's output in a simulator to a tensor ready in a generator:
 shared memory vs inline frames.
 
-    python bench/transfer.py [--images 32] [--size 224] [--requests 1] [--reps 30] [--device cpu|auto]
-                             [--out bench/out] [--quick | --smoke]
+    python bench/fabric/transfer.py --quick     # --images 32 --size 224 --requests 1 --reps 30 --device cpu|auto
 
-This process plays the simulator, a child process the generator, over tcp://127.0.0.1. The
-batch is ``--requests`` slots' observations (``--images`` uint8 images in all, plus their
-states), sent as the BATCH the broker forwards (the broker's own hop, the same either way, is
-``bench/latency.py``'s). One request (the default) is one slot's 32 images, as this benchmark
-always measured; with several, the generator's gather copies the batch once, both ways. Each repetition's time runs from the renderer's output to the
-generator's tensor; the renderer itself is not timed. Three ways, interleaved rep by rep:
+This process plays the simulator, a child process the generator, over tcp://127.0.0.1. The batch
+is ``--requests`` slots' observations (``--images`` uint8 images in all, with their states) sent
+as the BATCH the broker forwards (its own hop is ``bench/broker/latency.py``'s). Each repetition
+runs from the renderer's output to the generator's tensor; three ways, interleaved rep by rep:
 
-- ``shm``: the production path. The renderer wrote each slot's images straight into the slot's
-  shared-memory block (MuJoCo's pixels are read into it: ``workers/envs/metaworld.py``); the
-  BATCH names the blocks; the generator maps them and gathers the batch with the real
-  :func:`workers.generator.gather` (one copy for several requests, none for one), then
-  ``Observation.to_torch``.
+- ``shm``: the production path. The renderer wrote each slot's images into its shared-memory
+  block; the BATCH names the blocks; the generator maps them, gathers with the real
+  :func:`workers.generator.gather`, then ``Observation.to_torch``.
 - ``shm_copy``: as ``shm`` for a simulator that hands over a fresh array in GL row order
-  (robosuite, ManiSkill's tensors): one flipped copy into the block, timed.
-- ``inline``: the renderer wrote the same blocks, but the generator is on another host: the
-  BATCH carries the bytes as zero-copy frames; the generator wraps the received frames, gathers
-  and makes the tensor the same way.
+  (robosuite, ManiSkill): one flipped copy into the block, timed.
+- ``inline``: the generator is on another host: the BATCH carries the bytes as zero-copy frames.
 
-With ``--device auto`` and a CUDA device, the generator's gather goes into pinned memory and the
-tensor is on the GPU (synchronised before the clock stops).
+``--device auto`` with CUDA: the gather goes into pinned memory and the tensor to the GPU.
 
-Last line of stdout: one JSON object (``shm_mb_s``, ``inline_mb_s``, ``ratio`` = shm/inline from
-total time over the reps, ``ratio_median`` from median reps, ``shm_copy_mb_s``, ``ratio_copy``,
-``<way>_cpu_median_ms`` (CPU time of both processes, zmq's I/O threads and the kernel's socket
-copies included: what the way costs, robust to a loaded machine) and ``ratio_cpu`` from them,
-``parts_median_us`` per way and stage: ``write`` (into the block), ``encode``, ``wire`` (send,
-transport, ack), ``decode``, ``gather``, ``torch``; ``batch_bytes``, ``reps``, ...). Writes
+Last line of stdout: one JSON object (``shm_mb_s``, ``inline_mb_s``, ``ratio`` = shm/inline,
+``shm_copy_mb_s``, ``ratio_copy``, ``<way>_cpu_median_ms`` (CPU time of both processes: robust
+to a loaded machine), ``ratio_cpu``, ``parts_median_us`` per way and stage ...). Writes
 ``transfer.png`` and ``transfer.json`` under ``--out``. MB = 10^6 bytes.
 """
 
@@ -39,7 +28,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import sys
 import time
 from pathlib import Path
 from typing import Any
@@ -48,23 +36,16 @@ import msgpack
 import numpy as np
 import zmq
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-from _common import emit, note, parse_bench_args, save_figure, start_child, stop_child  # noqa: E402
-
-from rlvla3 import names  # noqa: E402
-from rlvla3 import protocol as P  # noqa: E402
-from rlvla3.lifetime import follow_launcher  # noqa: E402
-from rlvla3.observation import Observation  # noqa: E402
-from rlvla3.shm import ShmAttachments, ShmPool, locate, observation_block  # noqa: E402
+from rlvla3 import names
+from rlvla3 import protocol as P
+from rlvla3.harness.bench import emit, note, parse_bench_args, save_figure, start_child, stop_child, subplots
+from rlvla3.lifetime import follow_launcher
+from rlvla3.observation import Observation
+from rlvla3.shm import ShmAttachments, ShmPool, locate, observation_block
 
 MODES = ("shm", "shm_copy", "inline")
 STATE_DIM = 8
 STAGES = ("write_us", "encode_us", "wire_us", "decode_us", "gather_us", "torch_us")
-
-
-# =============================================================================================
-# Generator side (separate process)
-# =============================================================================================
 
 
 def receiver(device_opt: str) -> None:
@@ -108,11 +89,6 @@ def receiver(device_opt: str) -> None:
         ctx.term()
 
 
-# =============================================================================================
-# Simulator side
-# =============================================================================================
-
-
 def wait_ack(sock: zmq.Socket, timeout_s: float = 30.0) -> dict[str, Any]:
     if not sock.poll(int(timeout_s * 1000)):
         raise TimeoutError(f"no ack within {timeout_s} s")
@@ -126,12 +102,8 @@ def batch_fields(blocks: list[Observation], rep: int) -> dict[str, Any]:
 
 
 def bar_chart(res: dict[str, Any], path: Path) -> Path:
-    import matplotlib
 
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    fig, (ax, ax2) = plt.subplots(1, 2, figsize=(10, 4))
+    fig, (ax, ax2) = subplots(1, 2, figsize=(10, 4))
     vals = [res[f"{m}_mb_s"] for m in MODES]
     bars = ax.bar(MODES, vals, color=["tab:green", "tab:olive", "tab:blue"])
     for m, b in zip(MODES, bars):

@@ -2,11 +2,11 @@
 with figures as full as a long run's (64 workers, histograms of 100k values, 1000 evaluation
 versions). The figures are built and encoded at most every ``STATUS_REFRESH_S`` (percentiles at
 most once a second), so the figure that matters is the cost of an answer in between
-(``cached_us``) and of the refresh itself (``refresh_us``). ``bench/status_flood.py`` measures
+(``cached_us``) and of the refresh itself (``refresh_us``). ``bench/broker/status_flood.py`` measures
 the same on a live broker under a flood. On a
 busy machine the tails measure the scheduler; the medians measure the broker.
 
-    python bench/broker_status.py
+    python bench/broker/status.py
 """
 
 from __future__ import annotations

@@ -4,7 +4,7 @@ This is the curve ``max_batch`` is tuned against: where samples/s stops growing,
 only adds latency. Synthetic observations (two cameras, random pixels), ``act`` under
 ``torch.inference_mode`` as the generator worker calls it.
 
-    python bench/generator.py [--quick] [--out bench/out]
+    python bench/stages/generator.py [--quick] [--out bench/out]
 
 Prints one JSON object last: ``{family: {batch: samples_per_s}}``; writes ``generator.png`` and
 ``generator.json`` (latencies too) under ``--out`` (default ``bench/out``).
@@ -14,7 +14,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import sys
 import time
 from pathlib import Path
@@ -23,14 +22,11 @@ import numpy as np
 import torch
 import yaml
 
-ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT))
+from rlvla3.harness.bench import parse_bench_args, random_observation, save_figure, subplots
+from workers.envs.base import EnvSpec
+from workers.policies.base import make_policy
 
-from rlvla3.observation import Observation  # noqa: E402
-from workers.envs.base import EnvSpec  # noqa: E402
-from workers.policies.base import make_policy  # noqa: E402
-
-from _common import OUT_DIR  # noqa: E402  (bench/, the script's folder, is first on sys.path)
+ROOT = Path(__file__).resolve().parents[2]
 
 FAMILIES = ("openvla_oft", "pi0", "pi05", "gr00t_n15")
 
@@ -39,14 +35,6 @@ def build(family: str, spec: EnvSpec):
     model = yaml.safe_load((ROOT / "configs" / "models" / f"{family}_tiny.yaml").read_text())["model"]
     opts = {**model.get("options", {}), "chunk_size": model["chunk_size"], "device": "cpu", "dtype": "float32"}
     return make_policy(family, opts, spec)
-
-
-def synthetic_obs(spec: EnvSpec, batch: int, rng: np.random.Generator) -> Observation:
-    return Observation(
-        {c: rng.integers(0, 256, (batch, h, w, 3), dtype=np.uint8) for c, (h, w) in spec.cameras.items()},
-        rng.uniform(-1, 1, (batch, spec.state_dim)).astype(np.float32),
-        ["pick up the red cup and put it in the sink"] * batch,
-    )
 
 
 def time_act(policy, obs: dict, reps: int, warm_up: bool = True) -> float:
@@ -63,12 +51,8 @@ def time_act(policy, obs: dict, reps: int, warm_up: bool = True) -> float:
 
 
 def plot(results: dict, path: Path) -> None:
-    import matplotlib
 
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    fig, (ax1, ax2) = plt.subplots(1, 2, figsize=(11, 4))
+    fig, (ax1, ax2) = subplots(1, 2, figsize=(11, 4))
     for fam, rows in results.items():
         bs = sorted(int(b) for b in rows)
         ax1.plot(bs, [rows[str(b)]["samples_per_s"] for b in bs], marker="o", label=fam)
@@ -80,18 +64,15 @@ def plot(results: dict, path: Path) -> None:
         ax.grid(True, alpha=0.3)
         ax.legend()
     fig.suptitle("Generator act() on CPU, tiny configs")
-    fig.tight_layout()
-    fig.savefig(path, dpi=100)
+    save_figure(fig, path, dpi=100)
 
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--out", default=OUT_DIR, help="folder for the PNG and JSON (default: ./bench/out)")
-    ap.add_argument("--quick", action="store_true", help="small images, 2 reps: under 60 s on 2 cores")
-    ap.add_argument("--smoke", action="store_true", help="tiny run for CI (no timing value): tiny images, batches 1-2")
     ap.add_argument("--max-batch", type=int, default=64)
     ap.add_argument("--families", default=",".join(FAMILIES))
-    args = ap.parse_args()
+    args = parse_bench_args(ap, "small images, 2 reps: under 60 s on 2 cores",
+                            smoke_help="tiny run for CI (no timing value): tiny images, batches 1-2")
 
     size = 64 if args.quick else 224
     reps = 3 if args.quick else 5
@@ -108,11 +89,11 @@ def main() -> None:
         policy = build(fam, spec)
         results[fam] = {}
         for b in batches:
-            lat = time_act(policy, synthetic_obs(spec, b, rng), reps, warm_up=not args.smoke)
+            lat = time_act(policy, random_observation(spec, b, rng, "pick up the red cup and put it in the sink"), reps, warm_up=not args.smoke)
             results[fam][str(b)] = {"latency_ms": lat * 1e3, "samples_per_s": b / lat}
             print(f"{fam:12s} batch {b:3d}: {b / lat:9.1f} samples/s  {lat * 1e3:8.1f} ms", file=sys.stderr)
-    os.makedirs(args.out, exist_ok=True)
     out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
     (out / "generator.json").write_text(json.dumps({"images": size, "reps": reps, "results": results}, indent=2))
     plot(results, out / "generator.png")
     print(f"total {time.perf_counter() - t_start:.1f} s; wrote {out / 'generator.png'}", file=sys.stderr)

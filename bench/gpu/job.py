@@ -1,8 +1,8 @@
 """A real job on one GPU: Meta-World with one 224x224 camera x π0 at release size (3.3B, bf16),
 generator and trainer colocated on device 0, for a fixed time in one mode.
 
-    python bench/gpu_job.py --mode sync|async [--seconds 75] [--offload auto|always|never]
-    python bench/gpu_job.py --mode async --tiny --device cpu --until-version 1   # the same code on CPU
+    python bench/gpu/job.py --mode sync|async [--seconds 75] [--offload auto|always|never]
+    python bench/gpu/job.py --mode async --tiny --device cpu --until-version 1   # the same code on CPU
 
 The job is what ``rlvla3 run`` starts (``rlvla3.app.launch.LocalJob``: broker, 2 simulators, 1
 generator, 1 trainer, each its own process, JSON logs), with ``placement.mode: colocated`` and
@@ -40,12 +40,11 @@ from datetime import datetime
 from pathlib import Path
 from typing import Any
 
-ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT))
+from rlvla3.app.launch import LocalJob, stop_processes
+from rlvla3.config import from_dict, read_yaml
+from rlvla3.harness.bench import emit, note
 
-from bench._common import emit, note  # noqa: E402
-from rlvla3.config import from_dict, read_yaml  # noqa: E402
-from rlvla3.app.launch import LocalJob, stop_processes  # noqa: E402
+ROOT = Path(__file__).resolve().parents[2]
 
 
 def job_dict(args: argparse.Namespace) -> dict[str, Any]:
@@ -53,7 +52,7 @@ def job_dict(args: argparse.Namespace) -> dict[str, Any]:
     size = 64 if args.tiny else 224
     metaworld = importlib.util.find_spec("metaworld") is not None
     if not metaworld and not args.tiny:
-        raise SystemExit("gpu_job: Meta-World is not installed (bench/gpu_check.sh installs it from the carried wheels)")
+        raise SystemExit("gpu_job: Meta-World is not installed (bench/gpu/check.sh installs it from the carried wheels)")
     env = ({"name": "metaworld", "options": {"benchmark": "MT1", "task": "pick-place-v3", "goal_mode": "seeded",
                                              "cameras": ["corner"], "image_size": [size, size], "state": "proprio",
                                              "max_episode_steps": 300}}
@@ -126,7 +125,7 @@ def staleness(fig: dict[str, Any]) -> dict[str, Any]:
 
 
 class Stopped(Exception):
-    """SIGTERM (``bench/gpu_check.sh``'s stage timeout): stop the job, report what was measured."""
+    """SIGTERM (``bench/gpu/check.sh``'s stage timeout): stop the job, report what was measured."""
 
 
 def _stopped(signum: int, frame: Any) -> None:

@@ -1,27 +1,19 @@
 """The broker's Python cost per request, stage by stage, with no sockets: what
-``bench/broker_capacity.py`` is bounded by, and where to cut.
+``bench/broker/capacity.py`` is bounded by, and where to cut.
 
-    python bench/broker_hotpath.py [--max-batch 32] [--requests 20000] [--backlog 0] [--profile] [--out bench/out]
-                                   [--quick | --smoke]
+    python bench/broker/hotpath.py --quick     # --max-batch 32 --requests 20000 --backlog 0 --profile
 
-What runs, in this one process: a real ``BrokerState`` with one simulator (many slots, one env
-per request, observations as shared-memory references of this process, each slot's sent once
-and named by its block after, as a simulator worker sends them) and one generator
-joined through READY. Each request goes the way the broker's shell takes it, minus the
-sockets: ``protocol.decode`` of the OBS frames, ``state.handle``; once ``--max-batch`` requests
-are queued, ``state.tick`` forms the BATCH and ``Out.encode`` encodes it; the generator's
-RESULT (encoded outside the timed stages: that is the generator's cost) is decoded and
-handled, and every ACT encoded. Times are CPU time of this process (``time.process_time``,
-which a busy neighbour does not inflate the way it does wall time; stages by the thread's
-CPU clock) per request, in us.
+In this one process: a real ``BrokerState`` with one simulator (many slots, shared-memory
+observations sent as a simulator worker sends them) and one generator, joined through READY.
+Each request goes the way the broker's shell takes it, minus the sockets: ``protocol.decode``
+of the OBS, ``state.handle``; every ``--max-batch`` requests ``state.tick`` forms the BATCH and
+``Out.encode`` encodes it; the generator's RESULT (encoded untimed) is decoded and handled, and
+every ACT encoded. Times are this process's CPU time per request, in us. ``--profile``: the 30
+functions with the most own time, in ``broker_hotpath.prof.txt`` under ``--out``.
 
-``--profile`` runs the same loop under cProfile and writes the 30 functions with the most own
-time to ``broker_hotpath.prof.txt`` under ``--out``.
-
-Last line of stdout: one JSON object (``us_per_request``: the broker's stages summed,
-``requests_per_cpu_s``, ``stages_us`` per request: ``decode_obs``, ``handle_obs``,
-``tick_and_encode_batch``, ``decode_result``, ``handle_result``, ``encode_act``;
-``untimed_us_per_request``: the generator's side and the loop).
+Last line of stdout: one JSON object (``us_per_request``, ``requests_per_cpu_s``, ``stages_us``
+per request: ``decode_obs``, ``handle_obs``, ``tick_and_encode_batch``, ``decode_result``,
+``handle_result``, ``encode_act``; ``untimed_us_per_request``: the generator's side and the loop).
 """
 
 from __future__ import annotations
@@ -29,27 +21,23 @@ from __future__ import annotations
 import argparse
 import cProfile
 import io
-import json
 import os
 import pstats
-import sys
 import time
 from pathlib import Path
 from typing import Any
 
 import numpy as np
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-from _common import OUT_DIR, emit  # noqa: E402
-from _echo import echo_result  # noqa: E402
-
-from brokers.state import BrokerState  # noqa: E402
-from rlvla3 import names  # noqa: E402
-from rlvla3 import protocol as P  # noqa: E402
-from rlvla3.config import load  # noqa: E402
-from rlvla3.logging import configure  # noqa: E402
-from rlvla3.observation import IMAGES, STATE  # noqa: E402
-from rlvla3.shm import ShmPool, host_id  # noqa: E402
+from brokers.state import BrokerState
+from rlvla3 import names
+from rlvla3 import protocol as P
+from rlvla3.config import load
+from rlvla3.harness.bench import emit_to, parse_bench_args
+from rlvla3.harness.echo import echo_result
+from rlvla3.logging import configure
+from rlvla3.observation import IMAGES, STATE
+from rlvla3.shm import ShmPool, host_id
 
 SIM, GEN = b"\x00sim", b"\x00gen"
 STAGES = ("decode_obs", "handle_obs", "tick_and_encode_batch", "decode_result", "handle_result", "encode_act")
@@ -136,10 +124,7 @@ def main() -> None:
     ap.add_argument("--backlog", type=int, default=0,
                     help="requests kept queued beyond each batch, as at saturation (slots - max_batch at most)")
     ap.add_argument("--profile", action="store_true", help="also a cProfile of the loop (own time, top 30)")
-    ap.add_argument("--out", default=OUT_DIR, help="folder for the JSON (default: ./bench/out)")
-    ap.add_argument("--quick", action="store_true", help="fewer requests")
-    ap.add_argument("--smoke", action="store_true", help="tiny run for CI (no timing value)")
-    args = ap.parse_args()
+    args = parse_bench_args(ap, "fewer requests")
     if args.quick:
         args.requests = 10000
     if args.smoke:
@@ -176,8 +161,7 @@ def main() -> None:
             path = out / "broker_hotpath.prof.txt"
             path.write_text(text.getvalue())
             result["profile"] = str(path)
-        (out / "broker_hotpath.json").write_text(json.dumps(result, indent=1))
-        emit(result)
+        emit_to(out, "broker_hotpath.json", result)
     finally:
         hot.close()
 

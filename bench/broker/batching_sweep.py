@@ -10,15 +10,15 @@ and follows how fast the controller settles (``--change-reference`` P's own swee
 to P's best point it ends). Writes ``batching_sweep.png`` (the heat map) and
 ``batching_sweep.json`` under ``--out``.
 
-    python bench/batching_sweep.py --quick                    # 3x3 grid + adaptive, < 3 min
-    python bench/batching_sweep.py --profile replay:bench/out/profile.json
+    python bench/broker/batching_sweep.py --quick                    # 3x3 grid + adaptive, < 3 min
+    python bench/broker/batching_sweep.py --profile replay:bench/out/profile.json
 
 The generator's forward pass costs ``a + c*b`` ms for a batch of b envs (``--fwd-a``, ``--fwd-c``;
-``model.options.forward_delay_ms`` / ``forward_per_env_ms``): the shape ``bench/generator.py``
+``model.options.forward_delay_ms`` / ``forward_per_env_ms``): the shape ``bench/stages/generator.py``
 measures. Defaults: pi0's tiny config on this CPU measured ~126 ms + 22 ms/env for batches 2-8
 (before the 2 cores saturate); the sweep keeps that ratio at a tenth of the scale (12 + 2*b ms)
 so that a window holds hundreds of batches. Profiles: ``bimodal`` (configs/synthetic.yaml's),
-``constant``, ``lognormal``, or ``replay:FILE`` (``bench/sim_latency.py --save-profile FILE``).
+``constant``, ``lognormal``, or ``replay:FILE`` (``bench/stages/sim_latency.py --save-profile FILE``).
 """
 
 from __future__ import annotations
@@ -26,17 +26,14 @@ from __future__ import annotations
 import argparse
 import json
 import statistics
-import sys
 import tempfile
 import time
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-
-from rlvla3.config import load  # noqa: E402
-from rlvla3.app.launch import LocalJob, request_tune, stop_processes  # noqa: E402
-
-from _common import OUT_DIR, emit, local_job, note, save_figure  # noqa: E402  (bench/, the script's folder, is first on sys.path)
+from rlvla3.app.launch import request_tune, stop_processes
+from rlvla3.config import load
+from rlvla3.harness.bench import emit_to, note, parse_bench_args, save_figure, subplots
+from rlvla3.harness.jobs import Job, start_job
 
 PROFILES = {
     "bimodal": "{kind: bimodal, mean_ms: 2.0, slow_ms: 40.0, slow_prob: 0.05}",
@@ -49,7 +46,7 @@ def latency_option(profile: str) -> str:
     if profile.startswith("replay:"):
         path = Path(profile.split(":", 1)[1]).resolve()
         if not path.exists():
-            raise SystemExit(f"--profile {profile}: no such file (write one with bench/sim_latency.py --save-profile)")
+            raise SystemExit(f"--profile {profile}: no such file (write one with bench/stages/sim_latency.py --save-profile)")
         return f"{{kind: replay, replay: '{path}'}}"
     if profile not in PROFILES:
         raise SystemExit(f"--profile {profile!r}: one of {sorted(PROFILES)} or replay:FILE")
@@ -72,47 +69,39 @@ def job_overrides(args: argparse.Namespace) -> list[str]:
     ]
 
 
-def rate(job: LocalJob, seconds: float) -> float:
-    """Env steps/s over ``seconds`` (STATUS counters at both ends)."""
-    f0, t0 = job.status(), time.monotonic()
-    time.sleep(seconds)  # the measuring window itself
-    f1, t1 = job.status(), time.monotonic()
-    return (f1["env_steps"] - f0["env_steps"]) / (t1 - t0)
-
-
-def sweep(job: LocalJob, args: argparse.Namespace) -> dict[str, float]:
+def sweep(job: Job, args: argparse.Namespace) -> dict[str, float]:
     grid: dict[str, float] = {}
     for b in args.batches:
         for w in args.waits:
             request_tune(job.endpoint, max_batch=b, max_wait_ms=w, adaptive=False)
             time.sleep(args.settle)  # the queue drains into the new rule
-            grid[f"{b}x{w}"] = round(rate(job, args.window), 1)
+            grid[f"{b}x{w}"] = round(job.rate(args.window)["rate"], 1)
             note(f"grid max_batch={b:3d} max_wait_ms={w:5g}: {grid[f'{b}x{w}']:8.1f} env steps/s")
     return grid
 
 
-def follow(job: LocalJob, seconds: float) -> list[dict]:
+def follow(job: Job, seconds: float) -> list[dict]:
     """The 2 s served rate and the batching rule in force, for ``seconds``."""
     t0, curve = time.monotonic(), []
     while time.monotonic() - t0 < seconds:
-        sps = rate(job, 2.0)
-        fig = job.status()["batching"]
+        window = job.rate(2.0)
+        sps, fig = window["rate"], window["last"]["batching"]
         curve.append({"t_s": round(time.monotonic() - t0, 1), "sps": round(sps, 1),
                       "max_batch": fig["max_batch"], "max_wait_ms": fig["max_wait_ms"]})
     return curve
 
 
-def adaptive_run(job: LocalJob, args: argparse.Namespace, worst: tuple[int, float]) -> dict:
+def adaptive_run(job: Job, args: argparse.Namespace, worst: tuple[int, float]) -> dict:
     """From the worst grid point, controller on: the rate after ``--converge`` s, and the curve."""
     request_tune(job.endpoint, max_batch=worst[0], max_wait_ms=worst[1], adaptive=True)
     curve = follow(job, args.converge)
-    sps = rate(job, args.window)
-    fig = job.status()["batching"]
+    window = job.rate(args.window)
+    sps, fig = window["rate"], window["last"]["batching"]
     return {"sps": round(sps, 1), "final": {"max_batch": fig["max_batch"], "max_wait_ms": fig["max_wait_ms"]},
             "controller": fig.get("controller"), "curve": curve}
 
 
-def profile_change(job: LocalJob, args: argparse.Namespace) -> dict:
+def profile_change(job: Job, args: argparse.Namespace) -> dict:
     """Mid-run, the controller on: every simulator is replaced by one stepping on
     ``--change-profile`` (the job goes on, the broker keeps its state); follow the rate. ``settle_s``:
     when the 2 s rate first came within 5% of where it ends (the mean of the last three windows)."""
@@ -133,14 +122,10 @@ def profile_change(job: LocalJob, args: argparse.Namespace) -> dict:
 
 
 def plot(grid: dict[str, float], batches: list[int], waits: list[float], adaptive_sps: float | None, path: Path) -> None:
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
     import numpy as np
 
     z = np.array([[grid[f"{b}x{w}"] for w in waits] for b in batches])
-    fig, ax = plt.subplots(figsize=(1.3 * len(waits) + 3, 0.8 * len(batches) + 2))
+    fig, ax = subplots(figsize=(1.3 * len(waits) + 3, 0.8 * len(batches) + 2))
     im = ax.imshow(z, cmap="viridis", origin="lower", aspect="auto")
     for i in range(len(batches)):
         for j in range(len(waits)):
@@ -159,9 +144,6 @@ def plot(grid: dict[str, float], batches: list[int], waits: list[float], adaptiv
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--out", default=OUT_DIR, help="folder for the PNG and JSON (default: ./bench/out)")
-    ap.add_argument("--quick", action="store_true", help="3x3 grid, one adaptive run: under 3 minutes")
-    ap.add_argument("--smoke", action="store_true", help="tiny run for CI (no timing value): 2x1 grid, short windows")
     ap.add_argument("--profile", default="bimodal", help="bimodal | constant | lognormal | replay:FILE")
     ap.add_argument("--batches", default="2,4,8,16,32", help="max_batch grid")
     ap.add_argument("--waits", default="1,4,16,32", help="max_wait_ms grid")
@@ -178,7 +160,8 @@ def main() -> None:
     ap.add_argument("--change-profile", default="", help="after the adaptive runs, switch the simulators to this profile live")
     ap.add_argument("--change-follow", type=float, default=40.0, help="seconds followed after the switch")
     ap.add_argument("--change-reference", default="", help="batching_sweep.json of the new profile (its best point)")
-    args = ap.parse_args()
+    args = parse_bench_args(ap, "3x3 grid, one adaptive run: under 3 minutes",
+                            smoke_help="tiny run for CI (no timing value): 2x1 grid, short windows")
     if args.quick:
         args.batches, args.waits, args.window, args.adaptive_runs, args.converge = "2,8,32", "1,8,32", 4.0, 1, 24.0
     if args.smoke:
@@ -190,9 +173,8 @@ def main() -> None:
     t_start = time.monotonic()
     cfg = load("synthetic.yaml", job_overrides(args))
     with tempfile.TemporaryDirectory(prefix="batching_sweep_") as tmp:
-        job = local_job(cfg, Path(tmp))
+        job = start_job(cfg, Path(tmp))
         try:
-            job.start_all()
             warm_steps = 100 if args.smoke else 500
             job.wait_status(lambda f: f["env_steps"] > warm_steps, 120.0, f"the job's first {warm_steps} env steps")
             grid = sweep(job, args)
@@ -216,8 +198,7 @@ def main() -> None:
         "adaptive_sps": adaptive_sps, "adaptive_vs_best": round(adaptive_sps / max(grid[best_key], 1e-9), 3),
         "adaptive_runs": runs, "profile_change": change, "window_s": args.window, "elapsed_s": round(time.monotonic() - t_start, 1),
     }
-    (out / "batching_sweep.json").write_text(json.dumps(result, indent=2))
-    emit(result)
+    emit_to(out, "batching_sweep.json", result)
 
 
 if __name__ == "__main__":

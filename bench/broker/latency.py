@@ -2,38 +2,28 @@
 beside two floors measured in the same run: a raw pyzmq DEALER<->ROUTER echo, and a raw relay
 of the same topology (simulator -> relay -> echo -> relay -> simulator, pyzmq and no logic).
 
-    python bench/latency.py [--rate 150] [--duration 2] [--rounds 8] [--transport shm|inline]
-                            [--generator echo|policy] [--curve] [--out bench/out] [--quick | --smoke]
+    python bench/broker/latency.py --quick     # --rate 150 --transport shm|inline --generator echo|policy --curve
 
-What runs: a real broker (``LocalJob``: synthetic env spec with 16x16 images, ``max_batch`` 1,
-``max_wait_ms`` 0) with one generator: by default the echo generator of ``bench/_echo.py``, a
-generator-role peer on the real protocol that answers each BATCH with zero actions and no
-forward pass, so that the figure is the broker's own cost; ``--generator policy`` runs a real
-generator worker with a small mlp instead. This process acts as a simulator with many slots
-(default 64). Request ``i`` is due at ``t0 + i/rate``; it goes out on a free slot (a slot is
-busy until its reply is back; with none free it waits, and that wait is part of its latency).
-Latency counts from when the request was *due* (wrk2's cure for coordinated omission) and goes
-into an HdrHistogram in microseconds. Both floors run the very same client code and OBS frames:
-the echo is a ROUTER that returns every message (one hop each way), the relay has the broker's
-four hops and process wake-ups with nothing done on them. Rounds alternate raw, relay and broker
-so that a noisy neighbour hits all alike. Targets: broker p50 <= 1.5x the relay's, p99 <= 2x.
+What runs: a real broker (16x16 images, ``max_batch`` 1, ``max_wait_ms`` 0) with one generator:
+by default the echo peer (``rlvla3/harness/echo.py``: zeros for each BATCH, no forward pass, so
+the figure is the broker's own cost), with ``--generator policy`` a real generator worker with a
+small mlp. This process is a simulator with many slots. Request ``i`` is due at ``t0 + i/rate``
+and goes out on a free slot (waiting for one is part of its latency); latency counts from when
+it was *due* (wrk2's cure for coordinated omission), in an HdrHistogram in us. Both floors run the
+same client code and frames; rounds alternate raw, relay and broker so that a noisy neighbour
+hits all alike. Targets: broker p50 <= 1.5x the relay's, p99 <= 2x.
 
-Latency in parts (p50s, us): ``send_lag`` (due -> sent: pacing and waiting for a slot),
-``queue_wait`` (broker queue, from ACT.queue_us), ``forward`` (the generator's forward pass,
-ACT.forward_us), ``generate`` (broker: BATCH out -> RESULT in, from STATUS), ``batch_form``
-(STATUS), and what remains of the client's round trip: the hops and the Python on them.
-
-Last line of stdout: one JSON object (``p50_us``, ``p99_us``, ``p999_us``, ``raw_p50_us``,
-``raw_p99_us``, ``relay_p50_us``, ``relay_p99_us``, ``p50_over_relay``, ``p99_over_relay``,
-``achieved_rate``, ``target_rate``, ``ratio_p50`` (over the raw echo), ``curve``, ``parts``
-...). Writes ``latency.png`` (percentile plot) and ``latency.json`` under ``--out``.
+Latency in parts (``parts``, us): ``send_lag`` (due -> sent), ``queue_wait`` (ACT.queue_us),
+``forward`` (ACT.forward_us), the broker's ``generate`` and ``batch_form`` (STATUS), and what
+remains: the hops and the Python on them. Last line of stdout: one JSON object (``p50_us``,
+``p99_us``, ``raw_p50_us``, ``relay_p50_us``, ``p50_over_relay``, ``p99_over_relay``,
+``achieved_rate``, ``ratio_p50`` over the raw echo, ``parts`` ...); ``latency.png`` and
+``latency.json`` under ``--out``.
 """
 
 from __future__ import annotations
 
 import argparse
-import os
-import sys
 import time
 from collections import deque
 from pathlib import Path
@@ -42,27 +32,22 @@ from typing import Any, Callable
 import numpy as np
 import zmq
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-from _common import (  # noqa: E402
-    bench_run_dir, emit, keep_logs_unless, local_job, merged, new_hist, note, parse_bench_args, percentile_plot, record_us, start_child, stop_child,
-    summary, wait_readable,
+from rlvla3 import names
+from rlvla3 import protocol as P
+from rlvla3.config import load
+from rlvla3.harness.bench import (
+    bench_run_dir, emit_to, keep_logs_unless, merged, new_hist, note, parse_bench_args, percentile_plot, record_us,
+    start_child, stop_child, summary, wait_readable,
 )
-
-from rlvla3 import auth, names  # noqa: E402
-from rlvla3 import protocol as P  # noqa: E402
-from rlvla3.config import load  # noqa: E402
-from rlvla3.app.launch import LocalJob  # noqa: E402
-from rlvla3.lifetime import follow_launcher  # noqa: E402
-from rlvla3.observation import IMAGES, STATE, Observation  # noqa: E402
-from rlvla3.shm import ShmPool, host_id  # noqa: E402
+from rlvla3.harness.echo import ECHO
+from rlvla3.harness.jobs import Job, start_job
+from rlvla3.harness.peer import Peer
+from rlvla3.lifetime import follow_launcher
+from rlvla3.observation import IMAGES, STATE, Observation
+from rlvla3.shm import ShmPool, host_id
 
 IMAGE = 16
 STATE_DIM = 4
-
-
-# =============================================================================================
-# The raw floor: a ROUTER that echoes every message (separate process)
-# =============================================================================================
 
 
 def echo_server() -> None:
@@ -87,11 +72,6 @@ def echo_server() -> None:
             sock.send_multipart(frames, zmq.DONTWAIT, copy=False)
     sock.close()
     ctx.term()
-
-
-# =============================================================================================
-# The client: an open-loop simulator with many slots
-# =============================================================================================
 
 
 class Client:
@@ -222,16 +202,8 @@ def open_loop(sock: zmq.Socket, client: Client, rate: float, duration_s: float, 
     return req_id
 
 
-# =============================================================================================
-# The fabric: broker + one generator
-# =============================================================================================
-
-
-ECHO = str(Path(__file__).resolve().parent / "_echo.py")
-
-
-def start_fabric(args: argparse.Namespace, run_dir: Path, keys: str | None) -> tuple[LocalJob, Any]:
-    """The broker, and its generator: the echo peer (``bench/_echo.py``: the broker's own cost)
+def start_fabric(args: argparse.Namespace, run_dir: Path, keys: str | None) -> tuple[Job, Any]:
+    """The broker, and its generator: the echo peer (``rlvla3/harness/echo.py``: the broker's own cost)
     or a real generator worker with a small policy (``--generator policy``)."""
     overrides = [
         "env.name=synthetic", f"env.options.image_size={IMAGE}", "env.num_envs=1", "env.slots=1",
@@ -242,11 +214,11 @@ def start_fabric(args: argparse.Namespace, run_dir: Path, keys: str | None) -> t
         "workers.trainers=0", "run.mode=async", "workers.device=cpu", "workers.torch_threads=1",
         *([f"broker.keys_dir={keys}"] if keys else []),
     ]
-    job = local_job(load("synthetic.yaml", overrides), run_dir)
+    job = start_job(load("synthetic.yaml", overrides), run_dir, workers=False)
     if args.generator == "policy":
         return job, job.start_worker("generator", "generator0")
     try:
-        gen, _ = start_child([ECHO, "generator", job.endpoint, "--credits", str(args.credits),
+        gen, _ = start_child([*ECHO, "generator", job.endpoint, "--credits", str(args.credits),
                               *(["--keys", keys] if keys else [])])
     except BaseException:
         job.stop()
@@ -254,32 +226,8 @@ def start_fabric(args: argparse.Namespace, run_dir: Path, keys: str | None) -> t
     return job, gen
 
 
-def connect_simulator(ctx: zmq.Context, endpoint: str, slots: int, n: int, timeout_s: float = 20.0,
-                      keys: str | None = None) -> tuple[zmq.Socket, dict[str, Any]]:
-    sock = ctx.socket(zmq.DEALER)
-    sock.setsockopt(zmq.LINGER, 0)
-    sock.setsockopt(zmq.SNDHWM, P.SOCKET_HWM)
-    sock.setsockopt(zmq.RCVHWM, P.SOCKET_HWM)
-    auth.configure_client(sock, keys, "simulator")
-    sock.connect(endpoint)
-    sock.send_multipart(P.encode(P.READY, {"role": "simulator", "host": host_id(), "pid": os.getpid(),
-                                           "name": "bench-latency", "slots": slots, "num_envs": slots * n}))
-    deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline:
-        if sock.poll(int(max(1, (deadline - time.monotonic()) * 1000))):
-            msg = P.decode(sock.recv_multipart())
-            if msg.type == P.READY:
-                return sock, dict(msg.header)
-    raise TimeoutError(f"broker at {endpoint} did not answer READY within {timeout_s} s")
-
-
 def generator_serving(fig: dict[str, Any]) -> bool:
     return any(w["role"] == "generator" and (w.get("credits") or 0) > 0 for w in fig.get("per_worker", []))
-
-
-# =============================================================================================
-# Main
-# =============================================================================================
 
 
 def main() -> None:
@@ -317,7 +265,7 @@ def main() -> None:
     t_start = time.monotonic()
     run_dir, keys = bench_run_dir("latency", args.curve)
     ctx = zmq.Context()
-    job: LocalJob | None = None
+    job: Job | None = None
     children: list[Any] = []
     client: Client | None = None
     socks: list[zmq.Socket] = []
@@ -329,10 +277,11 @@ def main() -> None:
             children.append(gen)
         echo, echo_ep = start_child([__file__, "--child"])
         children.append(echo)
-        relay, relay_ep = start_child([ECHO, "relay"])
+        relay, relay_ep = start_child([*ECHO, "relay"])
         children.append(relay)
-        children.append(start_child([ECHO, "relay-echo", relay_ep])[0])
-        bsock, welcome = connect_simulator(ctx, job.endpoint, args.slots, args.n, keys=keys)
+        children.append(start_child([*ECHO, "relay-echo", relay_ep])[0])
+        sim = Peer(ctx, job.endpoint, "simulator", "bench-latency", keys, slots=args.slots, num_envs=args.slots * args.n)
+        welcome, bsock = sim.expect(P.READY, 20.0).header, sim.sock
         socks.append(bsock)
         esock, rsock = ctx.socket(zmq.DEALER), ctx.socket(zmq.DEALER)
         for sk, ep in ((esock, echo_ep), (rsock, relay_ep)):
@@ -345,23 +294,10 @@ def main() -> None:
             transport = "inline"
         client = Client(args.slots, args.n, transport, str(welcome.get("run_id", "bench")))
 
-        def keepalive() -> None:  # the broker expires a silent worker after 3 x 1 s
-            bsock.send_multipart(P.encode(P.HEARTBEAT), zmq.DONTWAIT)
-
         def drain_broker() -> None:
-            keepalive()
-            while bsock.getsockopt(zmq.EVENTS) & zmq.POLLIN:
-                bsock.recv_multipart()
+            sim.keepalive(every_s=0.0)  # the broker expires a silent worker after 3 x 1 s
 
-        deadline = time.monotonic() + 60
-        while not generator_serving(job.status()):
-            keepalive()
-            if time.monotonic() > deadline:
-                raise TimeoutError(f"the generator did not start serving within 60 s; logs in {run_dir}")
-            if gen.poll() is not None:
-                raise RuntimeError(f"the generator exited ({gen.returncode}); logs in {run_dir}")
-            bsock.poll(100)  # polling STATUS with a deadline
-            drain_broker()
+        job.wait(lambda f: drain_broker() or generator_serving(f), 60, "the generator to serve")
         note(f"fabric up in {time.monotonic() - t_start:.1f} s; generator={args.generator}, transport={transport}, "
              f"curve={bool(keys)}, rate={args.rate}/s, {args.rounds} x {args.duration} s per phase")
 
@@ -446,16 +382,13 @@ def main() -> None:
             f"max_wait {args.max_wait_ms} ms, CURVE {'on' if keys else 'off'} (latency from due time)",
         )
         result["png"] = str(png)
-        (out / "latency.json").write_text(__import__("json").dumps(result, indent=1))
         ok = True
-        emit(result)
+        emit_to(out, "latency.json", result)
     finally:
-        for sk in socks:
-            try:
-                sk.send_multipart(P.encode(P.DISCONNECT), zmq.DONTWAIT) if sk is socks[0] else None
-            except zmq.ZMQError:
-                pass
+        for sk in socks[1:]:
             sk.close(0)
+        if socks:
+            sim.close()
         if client is not None:
             client.close()
         for child in children:

@@ -1,4 +1,4 @@
-"""Helpers shared by the fabric benchmarks (latency, transfer): histograms, percentile plots,
+"""What the benchmarks share: histograms, percentile plots, CPU clocks of a process,
 sub-millisecond waits on a ZMQ socket, child processes that announce their endpoint, JSON out.
 
 Benchmarks follow the project's habits: open-loop (a request is due at ``t0 + i/rate``, latency
@@ -21,19 +21,12 @@ from typing import Any, Callable, Iterable
 import zmq
 from hdrh.histogram import HdrHistogram
 
-ROOT = Path(__file__).resolve().parents[1]
+from rlvla3.lifetime import launcher_env
+
 OUT_DIR = "bench/out"
 """Where every benchmark writes its PNGs and JSON unless ``--out`` says otherwise: relative to
 the current folder, so the README's commands (run from the repository root) write into the
 git-ignored ``bench/out/``."""
-if str(ROOT) not in sys.path:
-    sys.path.insert(0, str(ROOT))
-
-from rlvla3.lifetime import launcher_env  # noqa: E402
-
-# ---------------------------------------------------------------------------------------------
-# Histograms
-# ---------------------------------------------------------------------------------------------
 
 
 def new_hist() -> HdrHistogram:
@@ -65,21 +58,12 @@ def merged(hists: Iterable[HdrHistogram]) -> HdrHistogram:
     return out
 
 
-# ---------------------------------------------------------------------------------------------
-# Plots (matplotlib imported lazily: the smoke test need not pay for it twice)
-# ---------------------------------------------------------------------------------------------
-
-
 def percentile_plot(curves: dict[str, HdrHistogram], path: Path, title: str) -> Path:
     """HdrHistogram-style plot: x = percentile on a log scale of 1/(1-p), 50 .. 99.99; y = us."""
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
     import numpy as np
 
     xs = np.linspace(np.log10(2), 4, 200)  # 1/(1-p) from 2 (p50) to 10^4 (p99.99)
-    fig, ax = plt.subplots(figsize=(7, 4.2))
+    fig, ax = subplots(figsize=(7, 4.2))
     for label, h in curves.items():
         if not h.get_total_count():
             continue
@@ -96,6 +80,16 @@ def percentile_plot(curves: dict[str, HdrHistogram], path: Path, title: str) -> 
     ax.grid(True, which="both", alpha=0.3)
     ax.legend(fontsize=8)
     return save_figure(fig, path)
+
+
+def subplots(*args: Any, **kw: Any) -> tuple[Any, Any]:
+    """``plt.subplots`` on the Agg backend (files only, no display)."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    return plt.subplots(*args, **kw)
 
 
 def save_figure(fig: Any, path: Path, dpi: int = 110) -> Path:
@@ -134,11 +128,6 @@ def thread_cpu_seconds(pid: int) -> dict[str, float]:
     return out
 
 
-# ---------------------------------------------------------------------------------------------
-# Waiting on a socket with microsecond timeouts
-# ---------------------------------------------------------------------------------------------
-
-
 def wait_readable(sock: zmq.Socket, timeout_s: float, spin_s: float = 0.0) -> bool:
     """Wait until ``sock`` has a message, at most ``timeout_s`` (sub-millisecond resolution).
 
@@ -164,23 +153,18 @@ def wait_readable(sock: zmq.Socket, timeout_s: float, spin_s: float = 0.0) -> bo
     return bool(sock.getsockopt(zmq.EVENTS) & zmq.POLLIN)
 
 
-# ---------------------------------------------------------------------------------------------
-# Child processes
-# ---------------------------------------------------------------------------------------------
-
-
-def parse_bench_args(ap: argparse.ArgumentParser, quick_help: str,
-                     child: Callable[[argparse.Namespace], None]) -> argparse.Namespace | None:
-    """Add the options every fabric benchmark takes (``--out``, ``--quick``, ``--smoke``) and a
-    hidden ``--child``, and parse the command line. A process started with ``--child`` (by
-    :func:`start_child`) runs ``child(args)`` and gets None: it is the benchmark's helper, not
-    the benchmark."""
-    ap.add_argument("--out", default=OUT_DIR, help="folder for the PNG and JSON (default: ./bench/out)")
+def parse_bench_args(ap: argparse.ArgumentParser, quick_help: str, child: Callable[[argparse.Namespace], None] | None = None,
+                     smoke_help: str = "tiny run for CI (no timing value)", out: str = OUT_DIR) -> argparse.Namespace | None:
+    """Add the options every benchmark takes (``--out``, ``--quick``, ``--smoke``) and parse the
+    command line. With ``child``, a hidden ``--child`` too: a process started with it (by
+    :func:`start_child`) runs ``child(args)`` and gets None: it is the benchmark's helper."""
+    ap.add_argument("--out", default=out, help=f"folder for what it writes (default: ./{out})")
     ap.add_argument("--quick", action="store_true", help=quick_help)
-    ap.add_argument("--smoke", action="store_true", help="tiny run for CI (no timing value)")
-    ap.add_argument("--child", action="store_true", help=argparse.SUPPRESS)
+    ap.add_argument("--smoke", action="store_true", help=smoke_help)
+    if child is not None:
+        ap.add_argument("--child", action="store_true", help=argparse.SUPPRESS)
     args = ap.parse_args()
-    if not args.child:
+    if child is None or not args.child:
         return args
     child(args)
     return None
@@ -209,8 +193,7 @@ def start_child(args: list[str], timeout_s: float = 30.0, talk: bool = False) ->
     ``rlvla3.lifetime.follow_launcher()`` first so that it ends with this process. ``talk``: its
     stdin is a pipe (commands from this process; its later stdout lines are the answers)."""
     proc = subprocess.Popen([sys.executable, *args], stdout=subprocess.PIPE,
-                            stdin=subprocess.PIPE if talk else subprocess.DEVNULL,
-                            cwd=str(ROOT), env={**os.environ, "PYTHONPATH": str(ROOT), **launcher_env()})
+                            stdin=subprocess.PIPE if talk else subprocess.DEVNULL, env={**os.environ, **launcher_env()})
     line = read_line(proc, timeout_s)
     if line is not None:
         return proc, line.strip()
@@ -229,21 +212,6 @@ def stop_child(proc: subprocess.Popen, timeout_s: float = 5.0) -> None:
     for pipe in (proc.stdout, proc.stdin):
         if pipe is not None:
             pipe.close()
-
-
-# ---------------------------------------------------------------------------------------------
-# Output
-# ---------------------------------------------------------------------------------------------
-
-
-SMALL_ASYNC_JOB = (
-    "run.mode=async", "env.num_envs=4", "env.slots=2", "env.fragment_len=8",
-    "env.options.latency={kind: constant, mean_ms: 1.0}", "env.options.image_size=8",
-    "algo.batch_steps=64", "algo.minibatch_size=32", "algo.epochs=1",
-    "batching.max_batch=8", "batching.max_wait_ms=2", "model.options.hidden=32",
-    "workers.simulators=1", "workers.generators=1", "workers.trainers=1",
-)
-"""A small synthetic async job, 1 worker per role: what the hostile-traffic benches aim at."""
 
 
 def bench_run_dir(name: str, curve: bool) -> tuple[Path, str | None]:
@@ -270,22 +238,14 @@ def keep_logs_unless(ok: bool, run_dir: Path) -> None:
         note(f"logs kept in {run_dir}")
 
 
-def local_job(cfg: Any, run_dir: Path, bind: str = "tcp://127.0.0.1:0", pub: str = "tcp://127.0.0.1:0") -> Any:
-    """A job of ``cfg`` on this machine with its broker up on ``bind`` and ``pub`` (by default free
-    loopback ports; its config written to ``run_dir``); the caller starts the workers it wants
-    and stops the job."""
-    from rlvla3.app.launch import LocalJob
+def random_observation(spec: Any, n: int, rng: Any, instruction: str = "reach") -> Any:
+    """``n`` envs of random camera images and proprio state for an env spec: a policy's input."""
+    import numpy as np
 
-    run_dir.mkdir(parents=True, exist_ok=True)
-    cfg_path = run_dir / "config.yaml"
-    cfg_path.write_text(cfg.to_yaml())
-    job = LocalJob(cfg, run_dir, cfg_path)
-    try:
-        job.start_broker(bind, pub)
-    except BaseException:
-        job.stop()
-        raise
-    return job
+    from rlvla3.observation import Observation
+
+    return Observation({c: rng.integers(0, 256, (n, h, w, 3), dtype=np.uint8) for c, (h, w) in spec.cameras.items()},
+                       rng.uniform(-1, 1, (n, spec.state_dim)).astype(np.float32), [instruction] * n)
 
 
 def emit(result: dict[str, Any]) -> None:

@@ -10,26 +10,25 @@ measures env steps/s from the broker's STATUS over a window after a warm-up.
 On one small machine every host shares the same cores: the figures measure what the cross-host
 path costs (inline copies, TCP, CURVE), not how a job scales with machines; the JSON says so.
 
-    python bench/multihost.py --quick     # ~1.5 min; --smoke: a few seconds per stage
+    python bench/fabric/multihost.py --quick     # ~1.5 min; --smoke: a few seconds per stage
 Needs root and iproute2 (network namespaces); prints one JSON object last.
 """
 
 from __future__ import annotations
 
 import argparse
-import json
 import signal
-import sys
 import tempfile
 import time
 from pathlib import Path
 from typing import Any
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from bench._common import OUT_DIR  # noqa: E402
-from rlvla3.config import load  # noqa: E402
-from rlvla3.harness.netns import NetnsJob, per_worker, unavailable  # noqa: E402
+from rlvla3.config import load
+from rlvla3.harness.bench import emit_to, parse_bench_args
+from rlvla3.harness.jobs import per_worker
+from rlvla3.harness.netns import NetnsJob, unavailable
+from rlvla3.status_client import rate_over
 
 NOTE = ("all namespace hosts share one machine's CPU cores: the rates measure the fabric's cross-host overhead "
         "(inline frames over TCP with CURVE instead of shared memory), not scaling with hosts")
@@ -46,13 +45,12 @@ def measure(job: NetnsJob, warm_s: float, window_s: float, sims: list[str]) -> d
     job.wait(lambda f: all((per_worker(f, s).get("env_steps") or 0) > 0 for s in sims) and f["trainer_version"] > v0,
              300, f"{sims} to step and the trainer to update")
     time.sleep(warm_s)  # warm-up: let the new host's pipeline fill before the window opens
-    a, t0 = job.status(), time.monotonic()
-    time.sleep(window_s)  # the measurement window itself
-    b, t1 = job.status(), time.monotonic()
+    window = rate_over(job.status, window_s)
+    b = window["last"]
     return {
-        "env_steps_per_s": round((b["env_steps"] - a["env_steps"]) / (t1 - t0), 1),
-        "window_s": round(t1 - t0, 2),
-        "env_steps": b["env_steps"] - a["env_steps"],
+        "env_steps_per_s": round(window["rate"], 1),
+        "window_s": round(window["window_s"], 2),
+        "env_steps": window["count"],
         "frames": {s: per_worker(b, s).get("frames") for s in sims},
         "hosts": sorted({per_worker(b, s).get("host") for s in sims}),
     }
@@ -60,19 +58,15 @@ def measure(job: NetnsJob, warm_s: float, window_s: float, sims: list[str]) -> d
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--quick", action="store_true", help="shorter windows (about a minute and a half)")
-    ap.add_argument("--smoke", action="store_true", help="tiny windows, no timing value (the README test)")
-    ap.add_argument("--out", default=OUT_DIR, help="folder for multihost.json")
     ap.add_argument("--max-hosts", type=int, default=3, help="simulator hosts to add, one by one")
-    args = ap.parse_args()
+    args = parse_bench_args(ap, "shorter windows (about a minute and a half)", smoke_help="tiny windows, no timing value")
     warm_s, window_s = (0.2, 0.5) if args.smoke else (3.0, 10.0) if args.quick else (10.0, 30.0)
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     reason = unavailable()
     if reason is not None:
         result = {"skipped": reason, "note": NOTE}
-        (out / "multihost.json").write_text(json.dumps(result, indent=1))
-        print(json.dumps(result))
+        emit_to(out, "multihost.json", result)
         return
 
     folder = Path(tempfile.mkdtemp(prefix="rlvla3-multihost-"))
@@ -111,8 +105,7 @@ def main() -> None:
         "mode": "smoke" if args.smoke else "quick" if args.quick else "full",
         "note": NOTE,
     }
-    (out / "multihost.json").write_text(json.dumps(result, indent=1))
-    print(json.dumps(result))
+    emit_to(out, "multihost.json", result)
 
 
 if __name__ == "__main__":

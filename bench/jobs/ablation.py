@@ -8,9 +8,9 @@ per second: the simulator slots stepping random actions (resets included) with n
 generator's batched forward with no env; the trainer's update with no I/O. The slowest of them,
 ``bottleneck_sps``, is what a perfectly overlapped pipeline reaches.
 
-    python bench/ablation.py --quick                 # synthetic, < 60 s
-    python bench/ablation.py                         # synthetic, 20 s per mode
-    python bench/ablation.py --sim libero --window 60
+    python bench/jobs/ablation.py --quick                 # synthetic, < 60 s
+    python bench/jobs/ablation.py                         # synthetic, 20 s per mode
+    python bench/jobs/ablation.py --sim libero --window 60
 
 Simulators (``--sim``; each has its own default layout, flags override it):
 
@@ -33,9 +33,7 @@ update was padded with a sleep or its real compute was already longer (``train_c
 from __future__ import annotations
 
 import argparse
-import json
 import os
-import sys
 import tempfile
 import threading
 import time
@@ -45,13 +43,12 @@ from typing import Any
 
 import numpy as np
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 os.environ.setdefault("MUJOCO_GL", "egl")
 
-from rlvla3.config import JobConfig, load  # noqa: E402
-from rlvla3.observation import Observation  # noqa: E402
-
-from _common import OUT_DIR, emit, local_job, note  # noqa: E402  (bench/ is first on sys.path)
+from rlvla3.config import JobConfig, load
+from rlvla3.harness.bench import emit_to, note, parse_bench_args, save_figure, subplots
+from rlvla3.harness.jobs import start_job
+from rlvla3.observation import Observation
 
 MODES = ("sync", "async_rollout", "async")
 STAGES = ("simulators", "generator", "trainer")
@@ -109,32 +106,16 @@ def load_now() -> float:
     return round(os.getloadavg()[0], 2)
 
 
-# ---------------------------------------------------------------------------------------------
-# Each mode as a real job
-# ---------------------------------------------------------------------------------------------
-
-
-def start_mode(mode: str, args: argparse.Namespace, train_cost_s: float, root: Path) -> Any:
-    job = local_job(job_config(args, mode, train_cost_s), root / mode)
-    try:
-        job.start_all()
-    except BaseException:
-        job.stop()
-        raise
-    return job
-
-
 def measure_mode(mode: str, job: Any, args: argparse.Namespace) -> dict[str, Any]:
     """Wait until the trainer made its first update (every process up, the loop has turned
     once), then count env steps over ``args.window`` seconds."""
-    fig = job.wait_status(lambda f: f.get("trainer_version", 0) >= 1, args.warmup_s, f"{mode}: a first update")
-    t0, s0, v0, load0 = time.monotonic(), fig["env_steps"], fig["trainer_version"], load_now()
-    time.sleep(args.window)
-    fig = job.status()
-    t1, s1 = time.monotonic(), fig["env_steps"]
+    job.wait(lambda f: f.get("trainer_version", 0) >= 1, args.warmup_s, f"{mode}: a first update")
+    load0 = load_now()
+    window = job.rate(args.window)
+    fig = window["last"]
     trainer = fig.get("trainer") or {}
     return {
-        "sps": round((s1 - s0) / (t1 - t0), 2), "updates": fig["trainer_version"] - v0,
+        "sps": round(window["rate"], 2), "updates": fig["trainer_version"] - window["first"]["trainer_version"],
         "versions": fig["policy_version"], "batch_p50": fig["batch_size"].get("p50"),
         "queue_wait_p50_us": fig["queue_wait_us"].get("p50"), "generate_p50_us": fig["generate_us"].get("p50"),
         "update_s": trainer.get("update_s"), "compute_s": trainer.get("compute_s"),
@@ -153,10 +134,10 @@ def run_modes(args: argparse.Namespace, train_cost_s: float) -> dict[str, dict[s
         stopping: threading.Thread | None = None
         try:
             for mode in MODES if args.smoke else ():
-                jobs[mode] = start_mode(mode, args, train_cost_s, Path(tmp))
+                jobs[mode] = start_job(job_config(args, mode, train_cost_s), Path(tmp) / mode)
             for mode in MODES:
                 if mode not in jobs:
-                    jobs[mode] = start_mode(mode, args, train_cost_s, Path(tmp))
+                    jobs[mode] = start_job(job_config(args, mode, train_cost_s), Path(tmp) / mode)
                 if stopping is not None:
                     stopping.join()
                 out[mode] = measure_mode(mode, jobs[mode], args)
@@ -171,11 +152,6 @@ def run_modes(args: argparse.Namespace, train_cost_s: float) -> dict[str, dict[s
             for t in [*stops, *([stopping] if stopping is not None else [])]:
                 t.join()
     return out
-
-
-# ---------------------------------------------------------------------------------------------
-# Each stage alone (in this process, as the workers run it: one torch thread, the same adapters)
-# ---------------------------------------------------------------------------------------------
 
 
 def sim_stage_alone(cfg: JobConfig, seconds: float) -> float:
@@ -278,21 +254,12 @@ def trainer_stage_alone(cfg: JobConfig, seconds: float) -> tuple[float, float]:
     return done / (time.monotonic() - t0), float(np.median(compute))
 
 
-# ---------------------------------------------------------------------------------------------
-# Table 1 as a picture
-# ---------------------------------------------------------------------------------------------
-
-
 def plot(result: dict[str, Any], path: Path) -> None:
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
 
     rows = [("sync", result["sync_sps"], "#999999"), ("async rollout", result["async_rollout_sps"], "#6699cc"),
             ("async", result["async_sps"], "#3366aa")]
     rows += [(f"{s} alone", result["stages_sps"][s], "#cc6633") for s in STAGES]
-    fig, ax = plt.subplots(figsize=(7, 3.8))
+    fig, ax = subplots(figsize=(7, 3.8))
     ys = np.arange(len(rows))[::-1]
     ax.barh(ys, [r[1] for r in rows], color=[r[2] for r in rows])
     ax.set_yticks(ys, [r[0] for r in rows])
@@ -306,14 +273,7 @@ def plot(result: dict[str, Any], path: Path) -> None:
     ax.set_xlabel("samples / s (env steps)")
     ax.set_title(f"{result['sim']}: train cost {result['train_cost_s']:.3f} s ({result['train_cost_kind']}), "
                  f"load {result['load'][0]}-{result['load'][1]}", fontsize=9)
-    fig.tight_layout()
-    fig.savefig(path, dpi=120)
-    plt.close(fig)
-
-
-# ---------------------------------------------------------------------------------------------
-# Main
-# ---------------------------------------------------------------------------------------------
+    save_figure(fig, path, 120)
 
 
 def parse_args() -> argparse.Namespace:
@@ -322,9 +282,6 @@ def parse_args() -> argparse.Namespace:
     ap.add_argument("--train-cost", default="auto",
                     help="seconds every update lasts at least (train.min_update_s); 'auto': the generator's "
                          "time for one batch alone, measured first; 0: the real update only")
-    ap.add_argument("--quick", action="store_true", help="short windows: under 60 s in all (synthetic)")
-    ap.add_argument("--smoke", action="store_true", help="tiny run for CI (no timing value)")
-    ap.add_argument("--out", default=OUT_DIR, help="folder for ablation_<sim>.png/json (default: ./bench/out)")
     ap.add_argument("--window", type=float, help="seconds measured per mode (default: the simulator's)")
     ap.add_argument("--stage-s", type=float, help="seconds per stage alone (default: the simulator's)")
     ap.add_argument("--warmup-s", type=float, default=900.0, help="most seconds a job may take to its first update")
@@ -336,7 +293,7 @@ def parse_args() -> argparse.Namespace:
     ap.add_argument("--max-staleness", type=int, default=4)
     ap.add_argument("--episode-steps", type=int, help="env.options.max_episode_steps (default: the simulator's)")
     ap.add_argument("--forward-ms", type=float, default=20.0, help="generator forward time per batch")
-    args = ap.parse_args()
+    args = parse_bench_args(ap, "short windows: under 60 s in all (synthetic)")
     layout = LAYOUTS[args.sim]
     for key in ("window", "stage_s", "sims", "envs", "slots", "max_batch", "batch_steps"):
         if getattr(args, key) is None:
@@ -397,8 +354,7 @@ def main() -> None:
                         "forward_ms": args.forward_ms, "cameras": sorted(job_spec(cfg).cameras)}
     result["load"] = [load0, load_now()]
     plot(result, out / f"ablation_{args.sim}.png")
-    (out / f"ablation_{args.sim}.json").write_text(json.dumps(result, indent=1))
-    emit(result)
+    emit_to(out, f"ablation_{args.sim}.json", result)
 
 
 if __name__ == "__main__":
