@@ -18,10 +18,10 @@ gone also arms a timer: after :data:`ORPHAN_GRACE_S` it runs the registered exit
 simulator unlinks its shared memory) and ``os._exit`` s, so a worker stuck in a torch op or a
 gloo collective still ends in time.
 
-A launched process that stopped cleanly (:func:`stopped_cleanly`: its loop returned after its
-own cleanup, files closed and checkpoint written), and an orphan, skip the interpreter's
-teardown: an ``atexit`` hook that runs after every other one ``os._exit`` s. With torch imported
-the teardown takes seconds on a loaded machine, which every stop of a job waited for.
+A process that stopped cleanly (:func:`stopped_cleanly`: its loop returned after its own
+cleanup, files closed and checkpoint written), and an orphan, skip the interpreter's teardown:
+an ``atexit`` hook that runs after every other one ``os._exit`` s. With torch imported the
+teardown takes seconds on a loaded machine, which every stop of a job would wait for.
 """
 
 from __future__ import annotations
@@ -52,6 +52,7 @@ _cleanups: list[Callable[[], None]] = []
 _forced: threading.Timer | None = None
 _lock = threading.Lock()
 _clean_stop = False
+_teardown_skip_registered = False
 _wakeup: tuple[socket.socket, socket.socket] | None = None  # (read end, write end)
 
 
@@ -84,7 +85,7 @@ def follow_launcher() -> int | None:
     if not value.isdigit():
         return None
     _launcher = int(value)
-    atexit.register(_skip_teardown)  # registered first: runs after every other handler
+    skip_teardown_after_clean_stop()
     if not _set_parent_death_signal(signal.SIGTERM):
         threading.Thread(target=_watch_parent, args=(_launcher,), daemon=True, name="launcher-watchdog").start()
     if os.getppid() != _launcher:  # it died before the signal was armed
@@ -113,18 +114,30 @@ def _set_parent_death_signal(sig: int) -> bool:
         return False
 
 
+def skip_teardown_after_clean_stop() -> None:
+    """Register (once) the ``atexit`` hook that ends a cleanly stopped process, or an orphan,
+    without the interpreter's teardown. The program's entry calls it before anything else, so
+    the hook runs after every other one; a process that merely imports rlvla3 (pytest running a
+    command in-process) never registers it and exits as usual."""
+    global _teardown_skip_registered
+    if not _teardown_skip_registered:
+        atexit.register(_skip_teardown)
+        _teardown_skip_registered = True
+
+
 def stopped_cleanly() -> None:
     """Say that this process's work is done and saved (its loop returned after its own cleanup):
-    once the ``atexit`` handlers have run, a launched process then leaves with exit code 0
-    without the interpreter's teardown (:func:`_skip_teardown`)."""
+    once the ``atexit`` handlers have run, it then leaves with exit code 0 without the
+    interpreter's teardown (:func:`_skip_teardown`). Call it only on a path that exits with 0."""
     global _clean_stop
     _clean_stop = True
 
 
 def _skip_teardown() -> None:
-    """A launched process that stopped cleanly, or an orphan, leaves without the interpreter's
-    teardown: seconds on a loaded machine once torch is imported (for an orphan: seconds during
-    which the forced-exit timer cannot run). Every other ``atexit`` handler has run by now."""
+    """A process that stopped cleanly, or an orphan, leaves without the interpreter's teardown:
+    seconds on a loaded machine once torch or matplotlib is imported, tens of seconds while a
+    daemon thread still draws (for an orphan: seconds during which the forced-exit timer cannot
+    run). Every other ``atexit`` handler has run by now."""
     if _clean_stop or orphaned():
         sys.stdout.flush()
         sys.stderr.flush()

@@ -16,9 +16,14 @@ Layout::
             rng.json                python / numpy / torch (and CUDA) RNG states
             config.yaml             the job config, verbatim
 
-A checkpoint is assembled in a hidden temporary folder next to its final place and renamed into
-place; ``latest`` is then replaced atomically. A reader following ``latest`` therefore always
-finds a complete checkpoint.
+A checkpoint is assembled in a hidden temporary folder next to its final place, every file and
+the folder fsync'd, and renamed into place; ``latest`` is then replaced atomically. A kill at any
+point leaves the previous checkpoints whole, and :func:`latest_checkpoint` finds the newest
+complete one by its folders, not by the pointer alone: a kill between the rename and the
+pointer's update leaves the pointer one behind. Leftovers of a killed write (hidden temporary
+folders, a checkpoint moved aside to be replaced) are tidied by the next save, and the moved-aside
+one is put back when its replacement never arrived. ``latest`` names the newest checkpoint for
+people and scripts.
 
 Several trainer ranks: a ``full`` checkpoint of replicas (DDP) is rank 0's alone; one of an
 FSDP-sharded policy, and every ``sharded`` one, is a collective (every rank calls
@@ -31,6 +36,7 @@ import base64
 import json
 import os
 import random
+import re
 import shutil
 import time
 from pathlib import Path
@@ -49,6 +55,10 @@ LATEST = "latest"
 FORMAT_VERSION = 1
 FORMATS = ("full", "sharded")
 DCP = "dcp"
+
+
+NAME = re.compile(r"v\d{8}")
+"""A checkpoint folder's name: ``v`` and its version in eight digits, so names sort as versions."""
 
 
 def checkpoint_name(version: int) -> str:
@@ -135,6 +145,49 @@ def _fsync_dir(path: Path) -> None:
         os.close(fd)
 
 
+def _fsync_tree(folder: Path) -> None:
+    """Every file under ``folder``, then each folder: the bytes are on disk before the rename
+    publishes them (torch.save, safetensors and DCP write through the page cache)."""
+    for dirpath, _dirs, files in os.walk(folder, topdown=False):
+        for f in files:
+            fd = os.open(os.path.join(dirpath, f), os.O_RDONLY)
+            try:
+                os.fsync(fd)
+            finally:
+                os.close(fd)
+        _fsync_dir(Path(dirpath))
+
+
+def _complete(folder: Path) -> bool:
+    """A checkpoint folder renamed into place whole: its state reads and its weights are there."""
+    try:
+        json.loads((folder / "state.json").read_text(encoding="utf-8"))
+    except (OSError, ValueError):
+        return False
+    return (folder / "model.safetensors").is_file() or (folder / DCP / ".metadata").is_file()
+
+
+def _put_back_replaced(root: Path) -> None:
+    """A save of a version that already has a checkpoint moves the old one aside
+    (``.old-vN-...``) before renaming the new one in: killed in between, the old one goes back."""
+    for old in root.glob(".old-v*"):
+        name = old.name.split("-")[1]
+        if NAME.fullmatch(name) and not (root / name).exists() and _complete(old):
+            os.rename(old, root / name)
+
+
+def _tidy(root: Path, keep: Path) -> None:
+    """Remove what killed saves left (hidden temporary folders and pointer files, replaced
+    checkpoints), all but ``keep``: one saver at a time writes a run folder's checkpoints."""
+    _put_back_replaced(root)
+    for entry in root.glob(".*"):
+        if entry != keep and (entry.name.startswith((".tmp-", ".old-", f".{LATEST}.tmp-"))):
+            if entry.is_dir():
+                shutil.rmtree(entry, ignore_errors=True)
+            else:
+                entry.unlink(missing_ok=True)
+
+
 def save_checkpoint(
     run_dir: str | os.PathLike,
     policy: nn.Module,
@@ -164,6 +217,7 @@ def save_checkpoint(
     tmp = root / (f".tmp-{name}-group" if collective else f".tmp-{name}-{os.getpid()}-{time.monotonic_ns()}")
     if lead:
         root.mkdir(parents=True, exist_ok=True)
+        _tidy(root, keep=tmp)
         shutil.rmtree(tmp, ignore_errors=True)  # a collective save that died half-way
         tmp.mkdir()
     if collective and dist.is_initialized():
@@ -198,7 +252,7 @@ def save_checkpoint(
         _write_text(tmp / "state.json", json.dumps(state, indent=1, sort_keys=True))
         _write_text(tmp / "rng.json", json.dumps(rng_state()))
         _write_text(tmp / "config.yaml", config_yaml)
-        _fsync_dir(tmp)
+        _fsync_tree(tmp)
 
         # ---- Rename into place (replacing a checkpoint of the same version) -------------------
         old = None
@@ -220,9 +274,9 @@ def save_checkpoint(
     _fsync_dir(root)
 
     if keep_last is not None:
-        done = sorted(p for p in root.iterdir() if p.is_dir() and p.name.startswith("v"))
-        for stale in done[: max(0, len(done) - keep_last)]:
-            if stale.name != name:
+        done = sorted(p for p in root.iterdir() if p.is_dir() and NAME.fullmatch(p.name))
+        for stale in done[: max(0, len(done) - max(1, keep_last))]:
+            if stale.name != name:  # the one just written stays, and so does the newest (the last)
                 shutil.rmtree(stale, ignore_errors=True)
     return final
 
@@ -233,13 +287,14 @@ def save_checkpoint(
 
 
 def latest_checkpoint(run_dir: str | os.PathLike) -> Path | None:
-    """The folder ``latest`` points at, or None when the run has no checkpoint yet."""
+    """The run's newest complete checkpoint folder, or None when it has none yet. A replaced
+    checkpoint whose replacement a kill stopped is put back first (:func:`_put_back_replaced`)."""
     root = Path(run_dir) / CHECKPOINTS
-    pointer = root / LATEST
-    if not pointer.is_file():
+    if not root.is_dir():
         return None
-    path = root / pointer.read_text(encoding="utf-8").strip()
-    return path if path.is_dir() else None
+    _put_back_replaced(root)
+    done = [p for p in root.iterdir() if p.is_dir() and NAME.fullmatch(p.name) and _complete(p)]
+    return max(done, key=lambda p: p.name, default=None)
 
 
 def checkpoint_folder(path: str | os.PathLike) -> Path | None:

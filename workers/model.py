@@ -64,12 +64,14 @@ def build_policy(cfg: JobConfig, spec: EnvSpec | None = None, device: str | None
 
 def _is_rlvla3_checkpoint(path: str) -> bool:
     """Our own layout: a checkpoint folder (model.safetensors + state.json), a run folder with
-    checkpoints/latest, or a bare model.safetensors file."""
+    checkpoints, or a bare model.safetensors file."""
     from pathlib import Path
+
+    from workers.checkpoint import latest_checkpoint
 
     p = Path(path)
     return (p.is_file() and p.suffix == ".safetensors") or (p / "state.json").is_file() \
-        or (p / "checkpoints" / "latest").is_file() or ((p / "model.safetensors").is_file() and not (p / "config.json").is_file())
+        or latest_checkpoint(p) is not None or ((p / "model.safetensors").is_file() and not (p / "config.json").is_file())
 
 
 def load_checkpoint_weights(policy: Policy, path: str) -> None:
@@ -87,9 +89,8 @@ def load_checkpoint_weights(policy: Policy, path: str) -> None:
         load_checkpoint(folder, policy, restore_rng=False)
         return
     candidates = [p] if p.is_file() else [p / "model.safetensors"]
-    latest = p / "checkpoints" / "latest"
-    if latest.is_file():  # a pointer file naming the newest checkpoint folder
-        candidates.append(p / "checkpoints" / latest.read_text().strip() / "model.safetensors")
+    if folder is not None and folder != p:  # a run folder: its newest complete checkpoint
+        candidates.append(folder / "model.safetensors")
     for c in candidates:
         if c.is_file():
             policy.load_state_dict(load_file(str(c)))

@@ -261,6 +261,7 @@ def run(ctx: click.Context, config: str | None, steps: int | None, overrides: tu
         raise click.ClickException(str(exc)) from None
     if controller.run().startswith("process_exited"):
         raise click.ClickException(f"a process exited early; logs are in {controller.folder}")
+    stopped_cleanly()  # summary and checkpoint written: leave without the interpreter's teardown
 
 
 # ---------------------------------------------------------------------------------------------

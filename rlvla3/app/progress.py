@@ -6,8 +6,14 @@ from __future__ import annotations
 
 import json
 import math
+import threading
+import time
 from pathlib import Path
 from typing import Any
+
+import structlog
+
+log = structlog.get_logger()
 
 CURVES_EVERY_S = 30.0
 """How often ``rlvla3 run`` redraws ``curves.png`` (and once more at the end)."""
@@ -63,7 +69,8 @@ CURVES = (("success", ("success", "eval_success"), "success rate"), ("return", (
 
 def write_curves(metrics_path: Path, out_png: Path) -> bool:
     """Redraw ``out_png`` from the rows of ``metrics_path``; False when there is nothing to draw.
-    Written to a temporary file and renamed, so a viewer never sees half an image."""
+    Written to a hidden temporary file and renamed, so a viewer never sees half an image. Uses a
+    bare ``Figure`` (no pyplot state), so it may run on a thread of its own (:class:`CurvesPlotter`)."""
     rows = []
     if metrics_path.is_file():
         for line in metrics_path.read_text().splitlines():
@@ -73,14 +80,13 @@ def write_curves(metrics_path: Path, out_png: Path) -> bool:
                 continue  # a line being written right now
     if len(rows) < 1:
         return False
-    import matplotlib
+    from matplotlib.figure import Figure
 
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    fig, axes = plt.subplots(1, len(CURVES), figsize=(4 * len(CURVES), 3.2))
+    fig = Figure(figsize=(4 * len(CURVES), 3.2))
+    axes = fig.subplots(1, len(CURVES))
     x = [r.get("env_steps", 0) for r in rows]
     for ax, (title, keys, ylabel) in zip(axes, CURVES):
+        drawn = False
         for k in keys:
             pts = [(xi, r[k]) for xi, r in zip(x, rows) if isinstance(r.get(k), (int, float)) and math.isfinite(r[k])]
             if k == "eval_success":  # one point per evaluated version, not per progress line
@@ -90,17 +96,63 @@ def write_curves(metrics_path: Path, out_png: Path) -> bool:
                         seen.setdefault(r["eval_version"], (xi, r[k]))
                 pts = sorted(seen.values())
             if pts:
+                drawn = True
                 ax.plot(*zip(*pts), marker="o" if k == "eval_success" else None, ms=3,
                         label={"eval_success": "eval (deterministic)", "success": "training episodes"}.get(k, k))
         ax.set_title(title)
         ax.set_xlabel("env steps")
         ax.set_ylabel(ylabel)
         ax.grid(alpha=0.3)
-        if len(keys) > 1:
+        if len(keys) > 1 and drawn:
             ax.legend(fontsize=7)
     fig.tight_layout()
-    tmp = out_png.with_suffix(".tmp.png")
-    fig.savefig(tmp, dpi=80)
-    plt.close(fig)
+    tmp = out_png.with_name(f".{out_png.name}.tmp")
+    fig.savefig(tmp, dpi=80, format="png")
     tmp.replace(out_png)
     return True
+
+
+class CurvesPlotter:
+    """Redraws a run's ``curves.png`` on a thread of its own.
+
+    A draw costs one to two seconds of CPU, and many times that on a machine loaded by other
+    work; drawn inline, it held the ``rlvla3 run`` controller, so a stop signal waited behind the
+    plot. Here the controller only asks for a draw (:meth:`request`) and, at the end, waits for
+    the last one for as long as it can afford (:meth:`finish`)."""
+
+    def __init__(self, metrics_path: Path, out_png: Path) -> None:
+        self.metrics_path, self.out_png = metrics_path, out_png
+        self._thread: threading.Thread | None = None
+
+    def _draw(self) -> None:
+        try:
+            write_curves(self.metrics_path, self.out_png)
+        except Exception as exc:  # noqa: BLE001 - a plot must never end a run
+            log.warning("curves_failed", error=repr(exc), path=str(self.out_png))
+
+    def request(self) -> bool:
+        """Start a redraw unless one is still running (then this request is dropped: the next
+        one draws every row). True when a draw started."""
+        if self._thread is not None and self._thread.is_alive():
+            return False
+        self._thread = threading.Thread(target=self._draw, name="curves", daemon=True)
+        self._thread.start()
+        return True
+
+    def finish(self, timeout_s: float | None) -> bool:
+        """Draw the final curves, waiting at most ``timeout_s`` (None: as long as it takes) for
+        the running draw and the final one together. False, with a log line, when time ran out:
+        ``curves.png`` then shows the rows up to the previous draw, and ``metrics.jsonl`` has all."""
+        deadline = None if timeout_s is None else time.monotonic() + timeout_s
+        if not self._join(deadline):  # the draw in flight may have missed the last rows
+            return False
+        self.request()
+        return self._join(deadline)
+
+    def _join(self, deadline: float | None) -> bool:
+        if self._thread is not None:
+            self._thread.join(None if deadline is None else max(0.0, deadline - time.monotonic()))
+            if self._thread.is_alive():
+                log.warning("curves_not_redrawn", reason="stop_deadline", path=str(self.out_png))
+                return False
+        return True

@@ -19,7 +19,7 @@ from typing import Any, Callable
 import structlog
 
 from rlvla3.app.launch import JobInterrupted, LocalJob
-from rlvla3.app.progress import CURVES_EVERY_S, progress_line, progress_row, write_curves
+from rlvla3.app.progress import CURVES_EVERY_S, CurvesPlotter, progress_line, progress_row
 from rlvla3.auth import AuthError, check_bind
 from rlvla3.config import ConfigError, JobConfig, load
 from rlvla3.lifetime import on_stop_signals
@@ -31,6 +31,9 @@ log = structlog.get_logger()
 STEPS_CHECK_EVERY_S = 0.25
 """How often ``rlvla3 run`` asks the broker whether ``--steps`` is reached (it stops within this
 of the count, not within ``run.progress_every_s``)."""
+CURVES_STOP_WAIT_S = 3.0
+"""How long a run stopped by a signal waits for its final curves: a preemption's grace period is
+for the checkpoint, and on a loaded machine a plot can take tens of seconds."""
 
 
 class RunRefused(Exception):
@@ -86,6 +89,7 @@ class RunController:
         self.total = opts.steps or cfg.run.total_env_steps
         self.last: dict[str, Any] = {}
         """The newest STATUS figures (the summary's last progress row)."""
+        self.curves = CurvesPlotter(folder / "metrics.jsonl", folder / "curves.png")
 
     @classmethod
     def prepare(cls, opts: RunOptions, echo: Callable[[str], None] = print) -> "RunController":
@@ -190,15 +194,16 @@ class RunController:
                     self.echo(progress_line(row))
                     if now >= next_curves:
                         next_curves = now + CURVES_EVERY_S
-                        write_curves(self.folder / "metrics.jsonl", self.folder / "curves.png")
+                        self.curves.request()  # drawn on its own thread: a stop never waits behind a plot
                 if done:
                     return "steps_reached"
             time.sleep(0.1)  # the controller only polls STATUS; nothing waits on this
 
     def summarise(self, reason: str, run_id: str, t0: float) -> dict[str, Any]:
-        """Final curves, the recording (when asked) and ``summary.json``, echoed as one JSON line."""
+        """Final curves (bounded by ``CURVES_STOP_WAIT_S`` after a stop signal), the recording (when
+        asked) and ``summary.json``, echoed as one JSON line."""
         folder = self.folder
-        write_curves(folder / "metrics.jsonl", folder / "curves.png")
+        self.curves.finish(CURVES_STOP_WAIT_S if reason == "interrupted" else None)
         leftovers = segments_of_run(run_id) if run_id else []
         elapsed = time.monotonic() - t0
         summary = {"run_dir": str(folder), "reason": reason, "seconds": round(elapsed, 1),
