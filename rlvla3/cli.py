@@ -16,13 +16,10 @@ import structlog
 from rlvla3 import logging as rlog
 from rlvla3.config import ConfigError, load
 from rlvla3.lifetime import on_stop_signals, stopped_cleanly
-from rlvla3.progress import CURVES_EVERY_S, latest_eval, progress_line, progress_row, write_curves
+from rlvla3.progress import (CURVES_EVERY_S, STEPS_CHECK_EVERY_S, latest_eval, progress_line, progress_row,
+                             run_summary, write_curves)
 
 log = structlog.get_logger()
-
-STEPS_CHECK_EVERY_S = 0.25
-"""How often ``rlvla3 run`` asks the broker whether ``--steps`` is reached (it stops within this
-of the count, not within ``run.progress_every_s``)."""
 
 
 @click.group()
@@ -124,11 +121,12 @@ def worker(role: str, broker_url: str, gpus: str | None, count: int, num_envs: i
            index: int, name: str | None, run_dir: str | None, overrides: tuple[str, ...], resume: str | None,
            keys_dir: str | None, key_name: str | None) -> None:
     """Run simulator, generator or trainer workers that join a broker (at any time)."""
+    from rlvla3.devices import check_gpus
     from rlvla3.launch import spawn, stop_processes
     from rlvla3.scale_config import parse_gpus
 
     try:
-        devices = parse_gpus(gpus)
+        devices = check_gpus(parse_gpus(gpus))
     except ValueError as exc:
         raise click.ClickException(str(exc)) from None
     n = max(len(devices), 1) * count
@@ -272,7 +270,6 @@ def run(ctx: click.Context, config: str | None, steps: int | None, overrides: tu
     """Run broker and all workers on this machine from one config, with live progress."""
     from rlvla3.auth import AuthError, check_bind
     from rlvla3.launch import JobInterrupted, LocalJob
-    from rlvla3.shm import segments_of_run
     if resume:
         from workers.checkpoint import latest_checkpoint
 
@@ -361,9 +358,7 @@ def run(ctx: click.Context, config: str | None, steps: int | None, overrides: tu
         job.stop()
         metrics.close()
         write_curves(folder / "metrics.jsonl", folder / "curves.png")
-        leftovers = segments_of_run(run_id) if run_id else []
-        summary = {"run_dir": str(folder), "reason": reason, "seconds": round(time.monotonic() - t0, 1),
-                   "shm_leftovers": len(leftovers), **(progress_row(last, time.monotonic() - t0) if last else {})}
+        summary = run_summary(folder, reason, time.monotonic() - t0, last, run_id)
         if cfg.run.record_dir:
             summary["dataset"] = _write_recording(cfg)
         (folder / "summary.json").write_text(json.dumps(summary, indent=1))
@@ -433,8 +428,10 @@ def export(run_dir: str, fmt: str, out_dir: str) -> None:
 
 
 from rlvla3.eval_cmd import eval_command  # noqa: E402  (a command of its own module)
+from rlvla3.watch_cmd import watch_command  # noqa: E402
 
 main.add_command(eval_command)
+main.add_command(watch_command)
 
 if __name__ == "__main__":
     main()

@@ -11,6 +11,9 @@ from typing import Any
 
 CURVES_EVERY_S = 30.0
 """How often ``rlvla3 run`` redraws ``curves.png`` (and once more at the end)."""
+STEPS_CHECK_EVERY_S = 0.25
+"""How often ``rlvla3 run`` (and ``rlvla3 watch``) asks the broker whether the step target is
+reached (it stops within this of the count, not within ``run.progress_every_s``)."""
 
 
 def progress_row(fig: dict[str, Any], elapsed: float) -> dict[str, Any]:
@@ -33,6 +36,16 @@ def progress_row(fig: dict[str, Any], elapsed: float) -> dict[str, Any]:
         "batch_p50": (fig.get("batch_size") or {}).get("p50"),
         **latest_eval(fig.get("eval") or {}),
     }
+
+
+def run_summary(folder: Path, reason: str, seconds: float, last: dict[str, Any], run_id: str) -> dict[str, Any]:
+    """A finished run's ``summary.json``: why it ended, how long it took, the shared-memory
+    segments it left behind (after every process stopped) and its last progress row."""
+    from rlvla3.shm import segments_of_run
+
+    leftovers = segments_of_run(run_id) if run_id else []
+    return {"run_dir": str(folder), "reason": reason, "seconds": round(seconds, 1), "shm_leftovers": len(leftovers),
+            **(progress_row(last, seconds) if last else {})}
 
 
 def latest_eval(evals: dict[str, Any]) -> dict[str, Any]:
