@@ -109,7 +109,7 @@ def write_curves(metrics_path: Path, out_png: Path) -> bool:
         ax.set_xlabel("env steps")
         ax.set_ylabel(ylabel)
         ax.grid(alpha=0.3)
-        if len(keys) > 1:
+        if len(keys) > 1 and ax.get_legend_handles_labels()[0]:  # nothing drawn yet: no legend
             ax.legend(fontsize=7)
     fig.tight_layout()
     tmp = out_png.with_suffix(".tmp.png")
