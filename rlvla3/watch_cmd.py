@@ -27,6 +27,9 @@ from rlvla3.progress import CURVES_EVERY_S, STEPS_CHECK_EVERY_S, progress_line, 
 
 TARGET_SIGNAL = signal.SIGUSR1
 """What ``--notify PID`` receives when the step target is reached."""
+FAILED_SIGNAL = signal.SIGUSR2
+"""What the scheduler's script sends instead of SIGTERM when the job stopped because a process
+exited: the summary's reason is then ``process_exited``, as with ``rlvla3 run``."""
 
 
 @click.command("watch")
@@ -66,15 +69,17 @@ def watch_command(run_dir: str, broker_url: str, config: str | None, overrides: 
         tmp.write_text(cfg.to_yaml())
         tmp.replace(cfg_path)  # the broker is started with it once it exists whole
     total = steps or cfg.run.total_env_steps
-    stopping = {"flag": False}
+    stopping = {"flag": False, "failed": False}
     on_stop_signals(lambda: stopping.update(flag=True))
+    signal.signal(FAILED_SIGNAL, lambda signum, frame: stopping.update(flag=True, failed=True))
     click.echo(f"run folder {folder}  mode={cfg.run.mode}  env={cfg.env.name}  model={cfg.model.family}  steps={total}")
 
     t0 = time.monotonic()
     last: dict[str, Any] = {}
     run_id = ""
     reached = False
-    next_print = next_curves = time.monotonic()
+    next_print = time.monotonic()
+    next_curves = next_print + CURVES_EVERY_S  # nothing to draw yet; the start-up has better use for the CPU
     with open(folder / "metrics.jsonl", "a", buffering=1) as metrics:
         while not stopping["flag"]:
             try:
@@ -100,6 +105,7 @@ def watch_command(run_dir: str, broker_url: str, config: str | None, overrides: 
                 os.kill(notify, TARGET_SIGNAL)
             time.sleep(STEPS_CHECK_EVERY_S)  # polling STATUS, as `rlvla3 run` does
     write_curves(folder / "metrics.jsonl", folder / "curves.png")
-    summary = run_summary(folder, "steps_reached" if reached else "interrupted", time.monotonic() - t0, last, run_id)
+    reason = "process_exited" if stopping["failed"] else "steps_reached" if reached else "interrupted"
+    summary = run_summary(folder, reason, time.monotonic() - t0, last, run_id)
     (folder / "summary.json").write_text(json.dumps(summary, indent=1))
     click.echo(json.dumps(summary))

@@ -337,6 +337,21 @@ def test_workload_labels_volumes_and_command(role: str) -> None:
     assert "medium" in volumes["dshm"]["emptyDir"] and mounts["dshm"]["mountPath"] == "/dev/shm"
 
 
+def test_manifests_run_the_commands_the_slurm_recipe_runs(tmp_path: Path) -> None:
+    """The pods run what tests/test_slurm.py proved on a real Slurm: the same rlvla3 command per
+    role, with no option the Slurm steps do not use (but ``--name``, from the pod's name)."""
+    proc = render_sbatch(tmp_path, RLVLA3_NODES="n0 n1 n2", SLURM_GPUS_ON_NODE="1")
+    assert proc.returncode == 0, proc.stderr
+    slurm = {}
+    for _, argv in srun_steps(proc.stdout):
+        slurm["broker" if argv[0] == "broker" else check_cli(argv)["role"]] = (argv[0], {t for t in argv if t.startswith("--")})
+    for role in ("broker", *ROLES):
+        args = rendered_args(container(workload(role)))
+        command, options = slurm[role]
+        assert args[0] == command, (role, args)
+        assert {t for t in args if t.startswith("--")} - {"--name"} <= options, (role, args, options)
+
+
 def test_broker_service_ports_and_addresses_agree() -> None:
     svc = find("Service", "rlvla3-broker")
     broker = workload("broker")
