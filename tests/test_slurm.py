@@ -32,11 +32,16 @@ from rlvla3.shm import segments_of_run
 ROOT = Path(__file__).resolve().parents[1]
 NODE = "localhost"
 """The node's name: it is also the broker's host in the workers' address, so it must resolve."""
-DAEMONS = ("munged", "slurmctld", "slurmd", "sbatch", "squeue", "scancel")
+DAEMONS = ("munged", "slurmctld", "slurmd", "sbatch", "squeue", "scancel", "sinfo")
+
+
+def _which(name: str) -> str | None:
+    """Daemons live in /usr/sbin, which a user's PATH may lack."""
+    return shutil.which(name, path=f"{os.environ.get('PATH', '')}:/usr/sbin:/sbin")
 
 
 def _unavailable() -> str | None:
-    missing = [d for d in DAEMONS if shutil.which(d) is None and not Path("/usr/sbin", d).exists()]
+    missing = [d for d in DAEMONS if _which(d) is None]
     if missing:
         return f"no {', '.join(missing)}: install slurm-wlm and munge (apt, as scripts/bootstrap.sh does as root)"
     if os.geteuid() != 0:
@@ -80,7 +85,7 @@ class Cluster:
 
     def _start(self, argv: list[str], name: str) -> None:
         out = open(self.tmp / f"{name}.out", "wb")
-        self.procs.append(subprocess.Popen(argv, stdout=out, stderr=subprocess.STDOUT, env=self.env,
+        self.procs.append(subprocess.Popen([_which(argv[0]), *argv[1:]], stdout=out, stderr=subprocess.STDOUT, env=self.env,
                                            start_new_session=True))
         out.close()
 
