@@ -240,6 +240,11 @@ class WorkersConfig:
     ``model.options`` take none); ``--gpus`` overrides per worker."""
     torch_threads: int = 1
     """torch intra-op threads per worker process."""
+    broker_wait_s: float = 900.0
+    """How long a worker started before its broker keeps asking for it (back-off 1 s doubling to
+    32 s) before it exits with an error: a scheduler may start the broker's step or pod minutes
+    after the workers'. Read from the worker's own ``--set`` (it has no job config until a broker
+    answers): ``rlvla3 worker --set workers.broker_wait_s=60 ...``."""
 
 
 @dataclass

@@ -47,6 +47,8 @@ def validate_job(cfg: Any) -> None:
         raise ConfigError("model.chunk_size must be >= 1")
     if cfg.workers.device != "cpu" and not cfg.workers.device.startswith("cuda"):
         raise ConfigError(f"workers.device: {cfg.workers.device!r} is neither 'cpu' nor 'cuda[:N]'")
+    if cfg.workers.broker_wait_s <= 0:
+        raise ConfigError(f"workers.broker_wait_s: {cfg.workers.broker_wait_s} is not a positive number of seconds")
     if min(cfg.workers.simulators, cfg.workers.generators, cfg.workers.trainers) < 0:
         raise ConfigError("workers.simulators, workers.generators and workers.trainers must be >= 0")
     if cfg.model.dtype not in ("auto", "float32", "bfloat16"):

@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # Create (or reuse) the project's virtual environment and install everything into it:
 # torch (the CPU wheel the machine provides, or the registry's), rlvla3 with its dev extras,
-# and the simulators that install here (Meta-World, ManiSkill, LIBERO; system packages as root).
+# and the simulators that install here (Meta-World, ManiSkill, LIBERO; system packages as root);
+# as root also Slurm and munge (.ci/install_slurm.sh), for tests/test_slurm.py.
 #
 #   RLVLA3_VENV   where the venv lives (default: .venv in the repo)
 #   RLVLA3_SIMS   0 to skip the simulators (default: 1)
@@ -28,6 +29,9 @@ if [[ "${RLVLA3_SIMS:-1}" == "1" ]]; then
   else
     PY="$PY" SKIP_APT=1 bash "$HERE/.ci/install_sims.sh"
   fi
+fi
+if [[ "$(id -u)" == "0" ]]; then
+  bash "$HERE/.ci/install_slurm.sh"  # tests/test_slurm.py runs the Slurm recipe on a one-node Slurm
 fi
 if [[ "${RLVLA3_ROBOCASA:-0}" == "1" ]]; then
   RC="$HERE/.venv-robocasa"

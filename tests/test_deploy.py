@@ -1,13 +1,15 @@
-"""The cluster recipes under deploy/ hold together. They cannot be built or deployed here (no
-Slurm, no Kubernetes, no image builder), so each is parsed and rendered instead:
+"""The cluster recipes under deploy/ hold together. The Slurm recipe also runs on a real Slurm
+(tests/test_slurm.py); here every layout is rendered, and what has no engine here (Kubernetes,
+an image builder) is validated and parsed:
 
-- the sbatch script passes ``bash -n`` and, in its dry run, prints srun lines whose rlvla3
-  commands the real CLI accepts (option names from ``rlvla3 broker|worker --help``, values parsed
-  by its click commands), with a consistent layout (broker first on the first node, one trainer
-  group as large as the broker is told, no two workers sharing an index);
-- the Kubernetes manifests load with ``yaml.safe_load_all`` and agree on kinds, labels,
-  selectors, ports, volumes, Secrets and the trainer group's size; their container commands are
-  rendered (``$(VAR)`` from the pod's env) and parsed by the same CLI;
+- the sbatch script passes ``bash -n`` and, in its dry run, prints commands the real CLI accepts
+  (option names from ``rlvla3 broker|worker|watch --help``, values parsed by its click
+  commands), with a consistent layout (broker first on the first node, one trainer group as
+  large as the broker is told, no two workers sharing an index, GPUs only where there are some);
+- the Kubernetes manifests pass the Kubernetes API's own schema (kubernetes-validate, offline,
+  strict) and agree on kinds, labels, selectors, ports, volumes, Secrets and the trainer
+  group's size; their container commands are rendered (``$(VAR)`` from the pod's env) and
+  parsed by the same CLI;
 - each simulator family's Dockerfile uses valid instructions, shell that ``sh -n`` accepts,
   sources that exist, pip extras that pyproject.toml defines, and the torch pin of the set-up.
 """
@@ -23,6 +25,7 @@ from functools import cache
 from pathlib import Path
 from typing import Any
 
+import kubernetes_validate
 import pytest
 import yaml
 
@@ -68,7 +71,7 @@ def check_cli(argv: list[str]) -> dict[str, Any]:
     """``argv`` (after ``rlvla3``) names only real options, and the command parses them; returns
     the parsed parameters."""
     command, rest = argv[0], list(argv[1:])
-    assert command in ("broker", "worker"), argv
+    assert command in ("broker", "worker", "watch"), argv
     if KEYS_OPTION in rest and keys_option_pending():
         i = rest.index(KEYS_OPTION)
         del rest[i:i + 2]  # the one option allowed before it exists: see test_keys_option_is_the_clis
@@ -92,19 +95,27 @@ def test_keys_option_is_the_clis() -> None:
 # ---------------------------------------------------------------------------------------------
 
 
-SRUN_OPTIONS = {"overlap", "nodes", "ntasks", "nodelist", "gres", "output"}
-"""The srun(1) long options the script may use (no Slurm here to ask)."""
+SRUN_OPTIONS = {"overlap", "nodes", "ntasks", "nodelist", "gres", "output", "job-name", "cpus-per-task", "open-mode"}
+"""The srun(1) long options the script may use (tests/test_slurm.py runs them on a real Slurm)."""
 
 
 def render_sbatch(tmp: Path, **env: str) -> subprocess.CompletedProcess:
     return subprocess.run(["bash", str(SBATCH)], cwd=tmp, capture_output=True, text=True, timeout=60,
-                          env={"PATH": os.environ["PATH"], "HOME": str(tmp), "RLVLA3_DRY_RUN": "1", **env})
+                          env={"PATH": os.environ["PATH"], "HOME": str(tmp), "RLVLA3_DRY_RUN": "1", "VENV": "/venv",
+                               **env})
+
+
+def watch_line(stdout: str) -> list[str]:
+    """The ``rlvla3 watch`` argv the dry run prints first (it runs on the batch node, no srun)."""
+    tokens = shlex.split(stdout.splitlines()[0])
+    assert tokens[0] == "/venv/bin/rlvla3" and tokens[-2:] == ["--notify", "PID"], tokens
+    return tokens[1:-2]
 
 
 def srun_steps(stdout: str) -> list[tuple[dict[str, str], list[str]]]:
     """(srun options, rlvla3 argv) of each printed step."""
     steps = []
-    for line in stdout.splitlines():
+    for line in stdout.splitlines()[1:]:
         tokens = shlex.split(line)
         assert tokens[0] == "srun", line
         prog = next(i for i, t in enumerate(tokens) if t.endswith("/bin/rlvla3"))
@@ -137,6 +148,8 @@ def test_sbatch_renders_a_consistent_job(tmp_path: Path) -> None:
     b = check_cli(b_argv)
     assert b["bind"] == "tcp://*:6000" and b["pub"] == "tcp://*:6001"
     cfg = load(str(ROOT / b["config"]), b["overrides"])  # the config exists and every --set is a real key
+    w = check_cli(watch_line(proc.stdout))  # the watcher writes the run folder's config.yaml from the same
+    assert (w["config"], w["overrides"], w["broker_url"]) == (b["config"], b["overrides"], "tcp://n0:6000")
 
     # -- every worker: real options, the broker's address, its role's nodes ----------------------
     by_role: dict[str, list[tuple[str, dict[str, Any]]]] = {r: [] for r in ROLES}
@@ -163,15 +176,53 @@ def test_sbatch_renders_a_consistent_job(tmp_path: Path) -> None:
 
 
 def test_sbatch_passes_the_keys_dir_to_every_process(tmp_path: Path) -> None:
-    proc = render_sbatch(tmp_path, RLVLA3_NODES="a b c", KEYS_DIR="/shared/keys")
+    for env, keys in (({"KEYS_DIR": "/shared/keys"}, "/shared/keys"), ({"RUN_DIR": "/shared/run"}, "/shared/run/keys")):
+        proc = render_sbatch(tmp_path, RLVLA3_NODES="a b c", **env)
+        assert proc.returncode == 0, proc.stderr
+        steps = srun_steps(proc.stdout)
+        assert len(steps) == 4  # broker, generator, trainer, simulator
+        for argv in [watch_line(proc.stdout)] + [argv for _, argv in steps]:
+            assert option(argv, KEYS_OPTION) == [keys], argv  # made there when missing: the broker needs keys
+            check_cli(argv)
+
+
+def test_sbatch_runs_on_one_node_with_cpu_workers_when_it_has_no_gpus(tmp_path: Path) -> None:
+    proc = render_sbatch(tmp_path, RLVLA3_NODES="n0", SIMS_PER_NODE="2")  # no GPU asked: no GPUS_PER_NODE
     assert proc.returncode == 0, proc.stderr
     steps = srun_steps(proc.stdout)
-    assert len(steps) == 4  # broker, generator, trainer, simulator
-    for _, argv in steps:
-        assert option(argv, KEYS_OPTION) == ["/shared/keys"], argv
-        check_cli(argv)
-    proc = render_sbatch(tmp_path, RLVLA3_NODES="a b c")
-    assert KEYS_OPTION not in proc.stdout
+    assert [(o["nodelist"], a[0], check_cli(a).get("role")) for o, a in steps] == [
+        ("n0", "broker", None), ("n0", "worker", "trainer"), ("n0", "worker", "generator"), ("n0", "worker", "simulator")]
+    for opts, argv in steps:
+        assert "gres" not in opts and "--gpus" not in argv, (opts, argv)
+    assert option(steps[0][1], "--set") == ["workers.trainers=1"]
+
+
+@pytest.mark.parametrize(("nodes", "gpus", "gen", "train"), [
+    ("n0", "8", "0-3", "4-7"), ("n0", "1", "0", "0"), ("n0 n1", "2", "0", "1"), ("n0 n1 n2", "8", "0-7", "0-7")])
+def test_sbatch_gives_gpu_workers_their_devices(tmp_path: Path, nodes: str, gpus: str, gen: str, train: str) -> None:
+    """What ``sbatch --gpus-per-node=N`` sets (SLURM_GPUS_ON_NODE): one worker per GPU, and a node
+    that runs both roles splits its GPUs."""
+    proc = render_sbatch(tmp_path, RLVLA3_NODES=nodes, SLURM_GPUS_ON_NODE=gpus)
+    assert proc.returncode == 0, proc.stderr
+    steps = srun_steps(proc.stdout)
+    by_role = {check_cli(a)["role"]: (o, a) for o, a in steps if a[0] == "worker"}
+    assert option(by_role["generator"][1], "--gpus") == [gen] and option(by_role["trainer"][1], "--gpus") == [train]
+    assert by_role["generator"][0]["gres"] == by_role["trainer"][0]["gres"] == f"gpu:{gpus}"
+    assert "gres" not in by_role["simulator"][0]
+    assert option(steps[0][1], "--set") == [f"workers.trainers={len(parse_gpus(train))}"]
+
+
+def test_sbatch_resumes_a_run_folder(tmp_path: Path) -> None:
+    proc = render_sbatch(tmp_path, RLVLA3_NODES="n0", RESUME="/shared/runs/slurm-7")
+    assert proc.returncode == 0, proc.stderr
+    w = check_cli(watch_line(proc.stdout))
+    assert w["resume"] and w["run_dir"] == "/shared/runs/slurm-7" and w["config"] is None
+    steps = srun_steps(proc.stdout)
+    assert check_cli(steps[0][1])["config"] == "/shared/runs/slurm-7/config.yaml"
+    trainer = next(check_cli(a) for _, a in steps if a[0] == "worker" and check_cli(a)["role"] == "trainer")
+    assert trainer["resume"] == trainer["run_dir"] == "/shared/runs/slurm-7"
+    proc = render_sbatch(tmp_path, RLVLA3_NODES="n0", RESUME="/r", CONFIG="configs/synthetic.yaml")
+    assert proc.returncode == 2 and "unset CONFIG" in proc.stderr
 
 
 def test_sbatch_refuses_a_layout_larger_than_the_allocation(tmp_path: Path) -> None:
@@ -184,6 +235,9 @@ def test_sbatch_refuses_a_layout_larger_than_the_allocation(tmp_path: Path) -> N
 # ---------------------------------------------------------------------------------------------
 # Kubernetes
 # ---------------------------------------------------------------------------------------------
+
+K8S_VERSION = "1.30"
+"""The API version the manifests are validated against (the pod-index label needs >= 1.28)."""
 
 
 @cache
@@ -239,6 +293,17 @@ def test_manifests_parse_with_the_expected_objects() -> None:
     assert used == {i["name"] for i in kust["images"]}
 
 
+def test_manifests_pass_the_kubernetes_api_schema() -> None:
+    """Every object against the API's own OpenAPI schema (shipped with kubernetes-validate, so
+    offline), strictly: an unknown or misplaced field fails as it would in ``kubectl apply``."""
+    for d in manifests():
+        kubernetes_validate.validate(d, K8S_VERSION, strict=True)
+    broken = yaml.safe_load(yaml.safe_dump(workload("trainer")))
+    container(broken)["volumeMount"] = container(broken).pop("volumeMounts")  # a typo the schema must catch
+    with pytest.raises(kubernetes_validate.ValidationError):
+        kubernetes_validate.validate(broken, K8S_VERSION, strict=True)
+
+
 @pytest.mark.parametrize("role", ["broker", *ROLES])
 def test_workload_labels_volumes_and_command(role: str) -> None:
     doc = workload(role)
@@ -270,6 +335,21 @@ def test_workload_labels_volumes_and_command(role: str) -> None:
         assert doc["spec"]["serviceName"] == "rlvla3-simulator"
         assert find("Service", "rlvla3-simulator")["spec"]["clusterIP"] == "None"
     assert "medium" in volumes["dshm"]["emptyDir"] and mounts["dshm"]["mountPath"] == "/dev/shm"
+
+
+def test_manifests_run_the_commands_the_slurm_recipe_runs(tmp_path: Path) -> None:
+    """The pods run what tests/test_slurm.py proved on a real Slurm: the same rlvla3 command per
+    role, with no option the Slurm steps do not use (but ``--name``, from the pod's name)."""
+    proc = render_sbatch(tmp_path, RLVLA3_NODES="n0 n1 n2", SLURM_GPUS_ON_NODE="1")
+    assert proc.returncode == 0, proc.stderr
+    slurm = {}
+    for _, argv in srun_steps(proc.stdout):
+        slurm["broker" if argv[0] == "broker" else check_cli(argv)["role"]] = (argv[0], {t for t in argv if t.startswith("--")})
+    for role in ("broker", *ROLES):
+        args = rendered_args(container(workload(role)))
+        command, options = slurm[role]
+        assert args[0] == command, (role, args)
+        assert {t for t in args if t.startswith("--")} - {"--name"} <= options, (role, args, options)
 
 
 def test_broker_service_ports_and_addresses_agree() -> None:

@@ -70,6 +70,16 @@ class JobRunner:
             wake.close()
 
 
+def broker_wait_s(role: str, overrides: tuple[str, ...]) -> float:
+    """``workers.broker_wait_s`` as this worker's own ``--set`` gives it: the job's config arrives
+    only once a broker answers, so this one setting is read before it."""
+    mine = [o for o in overrides if o.split("=", 1)[0].strip() == "workers.broker_wait_s"]
+    try:
+        return from_dict(apply_overrides({}, mine)).workers.broker_wait_s
+    except ConfigError as exc:
+        raise SystemExit(f"{role}: {exc}") from None
+
+
 class WorkerBase:
     """Connect / READY / heartbeat / reconnect, and a poll loop subclasses plug into."""
 
@@ -104,6 +114,7 @@ class WorkerBase:
         self._backoff = P.RECONNECT_MIN_S
         self._connects = 0
         self._held: list[tuple[str, list[Any]]] | None = None  # sends held for one BUNDLE (``_drain_runners``)
+        self.broker_wait_s = broker_wait_s(self.role, self.overrides)
 
     # -- what subclasses provide --------------------------------------------------------------
 
@@ -159,8 +170,12 @@ class WorkerBase:
         self.sock.connect(self.broker_url)
         self.poller.register(self.sock, zmq.POLLIN)
 
-    def connect(self, timeout_s: float = 60.0) -> None:
-        """READY until the broker answers with the job config (back-off 1 s doubling to 32 s)."""
+    def connect(self, timeout_s: float | None = None) -> None:
+        """READY until the broker answers with the job config (back-off 1 s doubling to 32 s). A
+        worker started before its broker (a scheduler starts them in any order) waits
+        ``workers.broker_wait_s`` by default, then exits with one error line; a stop signal ends
+        the wait at once."""
+        timeout_s = self.broker_wait_s if timeout_s is None else timeout_s
         deadline = time.monotonic() + timeout_s
         backoff = P.RECONNECT_MIN_S
         while not self._stop:
@@ -168,17 +183,29 @@ class WorkerBase:
             # Sent at once, even inside a turn whose sends are held: its answer is awaited here.
             self._send_frames(P.READY, P.encode(P.READY, {"role": self.role, "host": self.host, "pid": os.getpid(),
                                                           "name": self.name, "bundles": True, **self.ready_fields()}))
-            wait_until = time.monotonic() + backoff
-            while time.monotonic() < wait_until:
-                if self.sock.poll(int(max(1, (wait_until - time.monotonic()) * 1000)), zmq.POLLIN):
-                    for msg in self._recv():
-                        if msg.type == P.READY:
-                            self._welcome(msg)
-                            return
-                        if msg.type == P.ERROR and msg.get("ref_type") == P.READY:
-                            raise SystemExit(f"{self.role}: the broker refused to let us join: {msg['reason']}")
-            if time.monotonic() > deadline:
-                raise TimeoutError(f"{self.role}: no broker answered at {self.broker_url} within {timeout_s:.0f} s")
+            waiting = zmq.Poller()
+            waiting.register(self.sock, zmq.POLLIN)
+            if self._signal_fd is not None:
+                waiting.register(self._signal_fd, zmq.POLLIN)
+            wait_until = min(time.monotonic() + backoff, max(deadline, time.monotonic() + P.RECONNECT_MIN_S))
+            while time.monotonic() < wait_until and not self._stop:
+                events = dict(waiting.poll(int(max(1, (wait_until - time.monotonic()) * 1000))))
+                if self._signal_fd in events:
+                    drain_wakeup()  # a stop signal: the flag is set
+                if self.sock not in events:
+                    continue
+                for msg in self._recv():
+                    if msg.type == P.READY:
+                        self._welcome(msg)
+                        return
+                    if msg.type == P.ERROR and msg.get("ref_type") == P.READY:
+                        raise SystemExit(f"{self.role}: the broker refused to let us join: {msg['reason']}")
+            if self._stop:
+                return
+            if time.monotonic() >= deadline:
+                raise SystemExit(f"{self.role} {self.name}: no broker answered at {self.broker_url} within "
+                                 f"{timeout_s:.0f} s (workers.broker_wait_s); is it running, and are the address "
+                                 "and keys right?")
             log.info("broker_unreachable_retrying", broker=self.broker_url, backoff_s=backoff)
             backoff = min(backoff * 2, P.RECONNECT_MAX_S)
 

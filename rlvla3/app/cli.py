@@ -16,7 +16,9 @@ from rlvla3.app.eval_cmd import eval_command
 from rlvla3.app.launch import request_status, spawn, stop_processes
 from rlvla3.app.progress import latest_eval
 from rlvla3.app.run import RunController, RunOptions, RunRefused, load_config, require_simulator
+from rlvla3.app.watch import watch_command
 from rlvla3.config import ConfigError, JobConfig
+from rlvla3.devices import check_gpus
 from rlvla3.lifetime import on_stop_signals, stopped_cleanly
 
 
@@ -110,7 +112,7 @@ def worker(role: str, broker_url: str, gpus: str | None, count: int, num_envs: i
     from rlvla3.scale_config import parse_gpus
 
     try:
-        devices = parse_gpus(gpus)
+        devices = check_gpus(parse_gpus(gpus))
     except ValueError as exc:
         raise click.ClickException(str(exc)) from None
     n = max(len(devices), 1) * count
@@ -313,6 +315,7 @@ def export(run_dir: str, fmt: str, out_dir: str) -> None:
 
 
 main.add_command(eval_command)
+main.add_command(watch_command)
 
 if __name__ == "__main__":
     main()

@@ -1,6 +1,8 @@
-"""What a run shows while it goes: the live progress line, the metrics row behind it, and the
-run folder's PNG curves (success, return, env steps/s, staleness against env steps), redrawn from
-``metrics.jsonl`` every ``CURVES_EVERY_S`` seconds by the ``rlvla3 run`` launcher."""
+"""What a run shows while it goes and leaves behind: the live progress line, the metrics row
+behind it, the run folder's PNG curves (success, return, env steps/s, staleness against env
+steps), redrawn from ``metrics.jsonl`` every ``CURVES_EVERY_S`` seconds, and ``summary.json``.
+:class:`RunRecord` keeps them for ``rlvla3 run`` and for ``rlvla3 watch`` (a job a scheduler
+started) alike, so both leave the same run folder."""
 
 from __future__ import annotations
 
@@ -9,14 +11,22 @@ import math
 import threading
 import time
 from pathlib import Path
-from typing import Any
+from typing import Any, Callable
 
 import structlog
+
+from rlvla3.shm import segments_of_run
 
 log = structlog.get_logger()
 
 CURVES_EVERY_S = 30.0
-"""How often ``rlvla3 run`` redraws ``curves.png`` (and once more at the end)."""
+"""How often ``curves.png`` is redrawn while a run goes (and once more at the end)."""
+STEPS_CHECK_EVERY_S = 0.25
+"""How often ``rlvla3 run`` and ``rlvla3 watch`` ask the broker whether the step target is
+reached (they stop within this of the count, not within ``run.progress_every_s``)."""
+CURVES_STOP_WAIT_S = 3.0
+"""How long a run stopped by a signal waits for its final curves: a preemption's grace period is
+for the checkpoint, and on a loaded machine a plot can take tens of seconds."""
 
 
 def progress_row(fig: dict[str, Any], elapsed: float) -> dict[str, Any]:
@@ -156,3 +166,47 @@ class CurvesPlotter:
                 log.warning("curves_not_redrawn", reason="stop_deadline", path=str(self.out_png))
                 return False
         return True
+
+
+class RunRecord:
+    """The run folder's record of a job it follows: a ``metrics.jsonl`` row and a progress line
+    every ``progress_every_s`` (and at the step target), ``curves.png`` every ``CURVES_EVERY_S``
+    on a thread of its own, and at the end ``summary.json``."""
+
+    def __init__(self, folder: Path, progress_every_s: float, echo: Callable[[str], None]) -> None:
+        self.folder, self.every_s, self.echo = folder, progress_every_s, echo
+        self.metrics = open(folder / "metrics.jsonl", "a", buffering=1)
+        self.curves = CurvesPlotter(folder / "metrics.jsonl", folder / "curves.png")
+        self.t0 = time.monotonic()
+        self.next_print = self.t0
+        self.next_curves = self.t0 + CURVES_EVERY_S  # nothing to draw yet: the start-up has better use for the CPU
+        self.last: dict[str, Any] = {}
+        """The newest STATUS figures (the summary's last progress row)."""
+
+    def observe(self, fig: dict[str, Any], force: bool = False) -> None:
+        """Take the broker's figures; write a row and a line when one is due (or ``force``)."""
+        self.last = fig
+        now = time.monotonic()
+        if force or now >= self.next_print:
+            self.next_print = now + self.every_s
+            row = progress_row(fig, now - self.t0)
+            self.metrics.write(json.dumps(row) + "\n")
+            self.echo(progress_line(row))
+            if now >= self.next_curves:
+                self.next_curves = now + CURVES_EVERY_S
+                self.curves.request()  # drawn on its own thread: a stop never waits behind a plot
+
+    def close(self, reason: str, run_id: str) -> dict[str, Any]:
+        """Close the metrics, draw the final curves (at most ``CURVES_STOP_WAIT_S`` after a stop
+        signal) and return the summary: why it ended, how long it took, the shared-memory
+        segments left behind (call it after every process stopped) and the last progress row."""
+        self.metrics.close()
+        self.curves.finish(CURVES_STOP_WAIT_S if reason == "interrupted" else None)
+        leftovers = segments_of_run(run_id) if run_id else []
+        elapsed = time.monotonic() - self.t0
+        return {"run_dir": str(self.folder), "reason": reason, "seconds": round(elapsed, 1),
+                "shm_leftovers": len(leftovers), **(progress_row(self.last, elapsed) if self.last else {})}
+
+    def write_summary(self, summary: dict[str, Any]) -> None:
+        (self.folder / "summary.json").write_text(json.dumps(summary, indent=1))
+        self.echo(json.dumps(summary))

@@ -19,21 +19,14 @@ from typing import Any, Callable
 import structlog
 
 from rlvla3.app.launch import JobInterrupted, LocalJob
-from rlvla3.app.progress import CURVES_EVERY_S, CurvesPlotter, progress_line, progress_row
+from rlvla3.app.progress import STEPS_CHECK_EVERY_S, RunRecord
 from rlvla3.auth import AuthError, check_bind
 from rlvla3.config import ConfigError, JobConfig, load
 from rlvla3.lifetime import on_stop_signals
 from rlvla3.scale_config import gpu_overrides
-from rlvla3.shm import segments_of_run
 
 log = structlog.get_logger()
 
-STEPS_CHECK_EVERY_S = 0.25
-"""How often ``rlvla3 run`` asks the broker whether ``--steps`` is reached (it stops within this
-of the count, not within ``run.progress_every_s``)."""
-CURVES_STOP_WAIT_S = 3.0
-"""How long a run stopped by a signal waits for its final curves: a preemption's grace period is
-for the checkpoint, and on a loaded machine a plot can take tens of seconds."""
 
 
 class RunRefused(Exception):
@@ -87,9 +80,6 @@ class RunController:
         self.opts = opts
         self.echo = echo
         self.total = opts.steps or cfg.run.total_env_steps
-        self.last: dict[str, Any] = {}
-        """The newest STATUS figures (the summary's last progress row)."""
-        self.curves = CurvesPlotter(folder / "metrics.jsonl", folder / "curves.png")
 
     @classmethod
     def prepare(cls, opts: RunOptions, echo: Callable[[str], None] = print) -> "RunController":
@@ -150,69 +140,45 @@ class RunController:
         job = LocalJob(cfg, folder, cfg_path, log_json=self.opts.log_json, resume=str(folder) if self.opts.resume else None)
         on_stop_signals(job.request_stop)  # Ctrl-C, preemption (SIGTERM), a closed terminal (SIGHUP)
         self.echo(f"run folder {folder}  mode={cfg.run.mode}  env={cfg.env.name}  model={cfg.model.family}  steps={self.total}")
-        t0 = time.monotonic()
+        record = RunRecord(folder, cfg.run.progress_every_s, self.echo)
         reason = "steps_reached"
         run_id = ""
-        metrics = open(folder / "metrics.jsonl", "a", buffering=1)
         try:
             job.start_broker(self.opts.bind, self.opts.pub)
             run_id = json.loads((folder / "broker.json").read_text())["run_id"]
             job.start_all()
-            reason = self.follow(job, metrics, t0)
+            reason = self.follow(job, record)
         except JobInterrupted:
             reason = "interrupted"
         finally:
             job.stop()
-            metrics.close()
-            self.summarise(reason, run_id, t0)
+            summary = record.close(reason, run_id)
+            if cfg.run.record_dir:
+                summary["dataset"] = self.write_recording()
+            record.write_summary(summary)
         return reason
 
-    def follow(self, job: LocalJob, metrics: Any, t0: float) -> str:
-        """Poll STATUS until the step count is reached, a stop is asked or a process dies; write a
-        metrics row and a progress line every ``run.progress_every_s``, the curves every
-        ``CURVES_EVERY_S``."""
-        next_print = next_curves = next_check = time.monotonic()
+    def follow(self, job: LocalJob, record: RunRecord) -> str:
+        """Poll STATUS until the step count is reached, a stop is asked or a process dies, each
+        answer into the run's ``record``."""
+        next_check = time.monotonic()
         while True:
             if job.stop_requested:
                 return "interrupted"
             dead = [p for p in [job.broker_proc, *job.workers] if p.poll() is not None]
             if dead:
                 return f"process_exited(code={dead[0].returncode})"
-            now = time.monotonic()
-            if now >= next_check:  # the step count, often; progress every progress_every_s
-                next_check = now + STEPS_CHECK_EVERY_S
+            if time.monotonic() >= next_check:  # the step count, often; progress every progress_every_s
+                next_check = time.monotonic() + STEPS_CHECK_EVERY_S
                 try:
                     fig = job.status()
                 except TimeoutError:
                     continue
-                self.last = fig
                 done = fig["env_steps"] >= self.total
-                if done or now >= next_print:
-                    next_print = now + self.cfg.run.progress_every_s
-                    row = progress_row(fig, now - t0)
-                    metrics.write(json.dumps(row) + "\n")
-                    self.echo(progress_line(row))
-                    if now >= next_curves:
-                        next_curves = now + CURVES_EVERY_S
-                        self.curves.request()  # drawn on its own thread: a stop never waits behind a plot
+                record.observe(fig, force=done)
                 if done:
                     return "steps_reached"
             time.sleep(0.1)  # the controller only polls STATUS; nothing waits on this
-
-    def summarise(self, reason: str, run_id: str, t0: float) -> dict[str, Any]:
-        """Final curves (bounded by ``CURVES_STOP_WAIT_S`` after a stop signal), the recording (when
-        asked) and ``summary.json``, echoed as one JSON line."""
-        folder = self.folder
-        self.curves.finish(CURVES_STOP_WAIT_S if reason == "interrupted" else None)
-        leftovers = segments_of_run(run_id) if run_id else []
-        elapsed = time.monotonic() - t0
-        summary = {"run_dir": str(folder), "reason": reason, "seconds": round(elapsed, 1),
-                   "shm_leftovers": len(leftovers), **(progress_row(self.last, elapsed) if self.last else {})}
-        if self.cfg.run.record_dir:
-            summary["dataset"] = self.write_recording()
-        (folder / "summary.json").write_text(json.dumps(summary, indent=1))
-        self.echo(json.dumps(summary))
-        return summary
 
     def write_recording(self) -> dict[str, Any]:
         """The run's staged episodes as a LeRobot dataset (a failure is reported, not raised: the
