@@ -302,7 +302,7 @@ def run(ctx: click.Context, config: str | None, steps: int | None, overrides: tu
             check_bind([bind, pub], cfg.broker.keys_dir, False, False)
         except AuthError as exc:
             raise click.ClickException(str(exc)) from None
-    total = steps or cfg.run.total_env_steps
+    total = cfg.run.total_env_steps = steps or cfg.run.total_env_steps  # the trainer anneals over it
     folder.mkdir(parents=True, exist_ok=True)
     if not resume and cfg.run.sft_episodes > 0 and not cfg.model.checkpoint:
         from workers.sft import run_sft

@@ -46,6 +46,9 @@ class EnvSpec:
     """Lower bound of every action component."""
     action_high: float = 1.0
     """Upper bound of every action component."""
+    action_choices: int = 0
+    """A discrete action space: the number of actions (an action is one float holding the
+    index, ``action_dim == 1``); 0: continuous."""
 
 
 @dataclass
@@ -173,7 +176,7 @@ def _import_builtin_adapters() -> None:
     # so these imports succeed whether or not a simulator is installed.
     import importlib
 
-    for mod in ("synthetic", "metaworld", "libero", "maniskill", "robocasa"):
+    for mod in ("synthetic", "metaworld", "libero", "maniskill", "robocasa", "gymnasium"):
         importlib.import_module(f"workers.envs.{mod}")
 
 
