@@ -39,6 +39,7 @@ class GymnasiumEnv(SimEnv):
         self.high = np.asarray(self.spaces.high, np.float32)
         self.rng = np.random.default_rng(seed)
         self.obs = np.zeros((num_envs, self.spaces.obs_dim), np.float32)
+        self.task_names = [self.opts.id] * num_envs  # what evaluation tables call the task
         self.nonfinite_episodes = 0
 
     @staticmethod
