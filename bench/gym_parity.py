@@ -191,7 +191,7 @@ def main() -> None:
     args = ap.parse_args()
     if args.quick or args.smoke:
         args.envs, args.seeds = ["hopper"], [0]
-        args.steps = 2048 if args.smoke else 10_240
+        args.steps = 4096 if args.smoke else 10_240
     out = Path(args.out).resolve()
     out.mkdir(parents=True, exist_ok=True)
 
