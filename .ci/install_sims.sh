@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# Install the real simulators (Meta-World, ManiSkill, LIBERO + assets) into one venv.
+# Install the real simulators (Meta-World, ManiSkill, LIBERO + assets, Gymnasium MuJoCo) into one venv.
 #
 # Run as root. Idempotent: re-running only re-checks. Give the venv as $PY (its python) or
 # $PIP (its pip); default: the python on PATH. Set SKIP_APT=1 to skip the system packages.
@@ -80,7 +80,7 @@ cd "$HERE" && MUJOCO_GL="${MUJOCO_GL:-egl}" "$PY" - <<'PYEOF'
 import importlib
 from workers.envs.libero import prepare_offline
 prepare_offline()  # LIBERO config pre-seeded, so its import does not prompt
-for mod in ("torch", "transformers", "mujoco", "metaworld", "mani_skill", "robosuite", "libero.libero"):
+for mod in ("torch", "transformers", "mujoco", "metaworld", "mani_skill", "robosuite", "libero.libero", "gymnasium.envs.mujoco.hopper_v4"):
     importlib.import_module(mod)
 import importlib.util
 assert importlib.util.find_spec("torchvision") is None, "torchvision is back: transformers would break"

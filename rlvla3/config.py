@@ -215,6 +215,12 @@ class AlgoConfig:
     reward_scale: float = 1.0
     """PPO: rewards are multiplied by this before GAE (Meta-World's dense rewards sum to ~1e3 per
     episode; with an absolute value clip the critic cannot follow returns that large)."""
+    reward_norm: bool = False
+    """PPO: divide each reward by a running std of its env's discounted return (Gymnasium's NormalizeReward)."""
+    reward_clip: float = 0.0
+    """PPO: clip the (scaled) rewards to +-this before GAE (0: no clip)."""
+    anneal_lr: bool = False
+    """Lower the learning rate linearly from ``lr`` to 0 over ``run.total_env_steps`` consumed."""
     critic_warmup_updates: int = 0
     """PPO: the first this many updates train the value head only (advantages zeroed), so a
     warm-started policy is not pushed around by a critic that has not learnt anything yet."""

@@ -63,6 +63,10 @@ def validate_job(cfg: Any) -> None:
         raise ConfigError(f"weights.bucket_mb: {cfg.weights.bucket_mb} not in 1..256")
     if not cfg.weights.shm and not cfg.weights.stream_bind:
         raise ConfigError("weights.stream_bind: empty with weights.shm off leaves generators no way to fetch weights")
+    if cfg.env.name == "gymnasium":
+        from rlvla3.gym_config import check_gymnasium
+
+        check_gymnasium(cfg.env.options)
     validate_algo(cfg)
 
 
@@ -82,8 +86,8 @@ def validate_algo(cfg: Any) -> None:
     if a.behav_weight_cap != 0 and a.behav_weight_cap < 1.0:
         # Below 1 it would down-weight even fresh samples, and PPO would no longer be PPO.
         raise ConfigError(f"algo.behav_weight_cap must be >= 1 (or 0: uncapped), got {a.behav_weight_cap}")
-    if a.value_clip_eps < 0 or a.max_grad_norm <= 0:
-        raise ConfigError("algo.value_clip_eps must be >= 0 and algo.max_grad_norm > 0")
+    if a.value_clip_eps < 0 or a.max_grad_norm <= 0 or a.reward_clip < 0:
+        raise ConfigError("algo.value_clip_eps and algo.reward_clip must be >= 0 and algo.max_grad_norm > 0")
     if a.max_staleness < 0:
         raise ConfigError(f"algo.max_staleness must be >= 0, got {a.max_staleness}")
     if a.grpo_reward not in ("success", "return"):

@@ -199,11 +199,22 @@ def check_broker_hotpath(r: dict[str, Any], out: Path) -> None:
     assert json.loads((out / "broker_hotpath.json").read_text())["requests"] == r["requests"]
 
 
+def check_gym_parity(r: dict[str, Any], out: Path) -> None:
+    for key in ("final_return", "steps_per_s", "runs", "seeds"):
+        assert key in r, key
+    assert set(r["final_return"]["Hopper-v4"]) == {"sync", "async"}
+    assert all(run["rc"] == 0 and run["episodes"] > 0 for run in r["runs"]), r["runs"]
+    assert all(r["steps_per_s"]["Hopper-v4"][m] > 0 for m in ("sync", "async"))
+    assert (out / "gym_parity" / "hopper.png").stat().st_size > 0
+    assert "| Hopper-v4 | async |" in (out / "gym_parity" / "parity.md").read_text()
+
+
 CHECKS: dict[str, Callable[[dict[str, Any], Path], None]] = {
     "latency": check_latency, "transfer": check_transfer, "ablation": check_ablation,
     "sim_latency": check_sim_latency, "generator": check_generator, "learning": check_learning, "weights": check_weights,
     "fuzz": check_fuzz, "status_flood": check_status_flood, "multihost": check_multihost, "soak": check_soak,
     "batching_sweep": check_batching_sweep, "capacity": check_broker_capacity, "hotpath": check_broker_hotpath,
+    "gym_parity": check_gym_parity,
 }
 
 

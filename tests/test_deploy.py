@@ -42,7 +42,8 @@ ROOT = Path(__file__).resolve().parents[1]
 DEPLOY = ROOT / "deploy"
 SBATCH = DEPLOY / "slurm" / "rlvla3.sbatch"
 K8S = DEPLOY / "k8s"
-FAMILIES = {"metaworld": "metaworld", "libero": "libero", "maniskill": "maniskill", "robocasa": None}
+FAMILIES = {"metaworld": "metaworld", "libero": "libero", "maniskill": "maniskill", "robocasa": None,
+            "gymnasium": "gymnasium-mujoco"}
 """Simulator family -> the pyproject extra its image installs (RoboCasa has none: not on the index)."""
 ROLES = ("simulator", "generator", "trainer")
 KEYS_OPTION = "--keys"

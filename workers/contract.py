@@ -28,6 +28,9 @@ class EnvSpec:
     """Lower bound of every action component."""
     action_high: float = 1.0
     """Upper bound of every action component."""
+    action_choices: int = 0
+    """A discrete action space: the number of actions (an action is one float holding the
+    index, ``action_dim == 1``); 0: continuous."""
 
 
 def parse_options(cls: type | None, options: dict[str, Any] | None, where: str) -> Any:

@@ -34,6 +34,7 @@ from rlvla3 import names
 from rlvla3.config import JobConfig
 from rlvla3.observation import Observation
 from workers.algorithms.grpo import broadcast_episode_advantages, grpo_advantages
+from workers.algorithms.rewards import ReturnNormalizer, training_rewards
 from workers.algorithms.staleness import filter_stale
 from workers.algorithms.update import TrainBatch
 from workers.metrics import Counters
@@ -53,6 +54,7 @@ class Fragment:
         self.arrays = arrays
         self.steps = int(arrays["reward"].shape[0])
         self.advantages: np.ndarray | None = None  # GRPO: filled when the group completes
+        self.train_rewards: np.ndarray | None = None  # PPO: filled on arrival (workers.algorithms.rewards)
 
     @property
     def episode_key(self) -> tuple[Any, Any]:
@@ -94,6 +96,7 @@ class Learner:
         self.group_size = cfg.env.group_size
         self.counters = Counters()
         """Totals since the trainer started (or resumed: checkpoints carry them)."""
+        self.reward_norm = ReturnNormalizer(cfg.algo.gamma) if cfg.algo.reward_norm else None
         self.ready: deque[Unit] = deque()
         self.ready_steps = 0
         self.received_steps = 0
@@ -116,7 +119,10 @@ class Learner:
         if self.grpo:
             self._add_to_group(frag)
         else:
-            self._ready(Unit([frag], frag.steps, int(bool(frag.header.get("done")))))
+            done = bool(frag.header.get("done"))
+            frag.train_rewards = training_rewards(self.algo, self.reward_norm, frag.header.get("env"),
+                                                  frag.arrays["reward"], done)
+            self._ready(Unit([frag], frag.steps, int(done)))
 
     def _ready(self, unit: Unit) -> None:
         self.ready.append(unit)
@@ -300,7 +306,7 @@ def build_batch(units: list[Unit], version: int, cfg: JobConfig) -> TrainBatch:
         samples=samples,
         keep=keep.numpy(),
         staleness=(version - versions).numpy(),
-        rewards=torch.as_tensor(np.concatenate([f.arrays["reward"] for f in frags])),
+        rewards=torch.as_tensor(np.concatenate([f.arrays["reward"] if grpo else f.train_rewards for f in frags])),
         terminated=torch.as_tensor(np.concatenate([f.arrays["terminated"] for f in frags])),
         lengths=[f.steps for f in frags],
         bootstrap=bootstrap,

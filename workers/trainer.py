@@ -219,7 +219,9 @@ class TrainerWorker(WorkerBase):
         warmup = algo.name == "ppo" and counters.updates < algo.critic_warmup_updates
         if self.offload is not None:  # colocated: trainer state back on the device for the update
             self.offload.onload()
-        result = update(self.state, batch, algo, critic_warmup=warmup, pad_to=pad_to, min_s=self.cfg.train.min_update_s)
+        progress = counters.env_steps_consumed / max(1, self.cfg.run.total_env_steps)
+        result = update(self.state, batch, algo, critic_warmup=warmup, pad_to=pad_to, min_s=self.cfg.train.min_update_s,
+                        progress=progress)
         announcement = None
         if result.trained and self.publishing.due(counters.updates):
             # Here, on the update thread, no optimizer step runs while the store copies the

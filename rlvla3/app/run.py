@@ -79,7 +79,7 @@ class RunController:
         self.folder = folder
         self.opts = opts
         self.echo = echo
-        self.total = opts.steps or cfg.run.total_env_steps
+        self.total = cfg.run.total_env_steps = opts.steps or cfg.run.total_env_steps  # the trainer anneals over it
 
     @classmethod
     def prepare(cls, opts: RunOptions, echo: Callable[[str], None] = print) -> "RunController":

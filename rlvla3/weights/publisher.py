@@ -38,11 +38,14 @@ log = structlog.get_logger()
 
 
 def module_tensors(module: torch.nn.Module) -> Iterator[tuple[str, torch.Tensor, bool]]:
-    """(name, tensor, trainable) for every parameter (tied ones once) and buffer."""
+    """(name, tensor, trainable) for every parameter (tied ones once) and buffer. A buffer the
+    module lists in ``live_buffers`` (statistics the trainer updates) travels with every version,
+    as a trainable parameter does."""
+    live = set(getattr(module, "live_buffers", ()))
     for name, p in module.named_parameters():
         yield name, p, p.requires_grad
     for name, b in module.named_buffers():
-        yield name, b, False
+        yield name, b, name in live
 
 
 class WeightPublisher:

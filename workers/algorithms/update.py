@@ -47,6 +47,7 @@ class TrainBatch:
     staleness: np.ndarray
     """[N] trainer version minus behaviour version."""
     rewards: torch.Tensor
+    """PPO: the rewards GAE sees (``workers.algorithms.rewards``: scaled, clipped)."""
     terminated: torch.Tensor
     lengths: list[int]
     bootstrap: dict[str, Any] | None
@@ -136,11 +137,12 @@ class UpdateResult:
 
 
 def update(state: TrainState, batch: TrainBatch, algo: AlgoConfig, critic_warmup: bool = False,
-           pad_to: int | None = None, min_s: float = 0.0) -> UpdateResult:
+           pad_to: int | None = None, min_s: float = 0.0, progress: float = 0.0) -> UpdateResult:
     """One update on ``batch``. ``pad_to`` (several ranks) is the longest batch of any rank;
     ``critic_warmup`` (PPO) steps the value head only; an update that trained lasts at least
     ``min_s`` seconds (``train.min_update_s``: the rest is slept, a benchmark's stand-in for a
-    large model's update)."""
+    large model's update); ``progress`` is the share of the run's env steps consumed before this
+    update (``algo.anneal_lr`` lowers the learning rate by it)."""
     t0 = time.perf_counter()
     done = batch.finished
     result = UpdateResult(
@@ -172,14 +174,23 @@ def update(state: TrainState, batch: TrainBatch, algo: AlgoConfig, critic_warmup
     result.batch_len = len(samples["mask"])
 
     # ---- 3. PPO (or GRPO through PPO, no critic), proximal log-probs recomputed -------------
+    if algo.anneal_lr:
+        lr = algo.lr * max(0.0, 1.0 - progress)
+        for opt in {id(o): o for o in (state.optimizer, state.critic_optimizer)}.values():
+            for group in opt.param_groups:
+                group["lr"] = lr
+        result.diagnostics["lr"] = lr
     if algo.name == "ppo" and critic_warmup:
         # Critic warm-up: advantages zeroed and only the value head stepped, so a shared trunk
         # cannot drag a warm-started policy around while the critic learns the returns.
         samples["advantages"] = torch.zeros_like(samples["advantages"])
-        result.diagnostics = ppo_update(state.model, state.critic_optimizer, samples, algo)
+        result.diagnostics.update(ppo_update(state.model, state.critic_optimizer, samples, algo))
         result.critic_warmup = True
     else:
-        result.diagnostics = ppo_update(state.model, state.optimizer, samples, algo)
+        result.diagnostics.update(ppo_update(state.model, state.optimizer, samples, algo))
+    # The statistics the policy keeps (observation normalisation) move only after the update,
+    # so the update itself scores actions with the statistics the behaviour policy used.
+    state.policy.update_statistics(batch.samples["obs"].select(np.flatnonzero(batch.keep)))
     if samples.get("returns") is not None:
         m = samples["mask"]
         result.diagnostics["explained_variance"] = explained_variance(samples["values"][m], samples["returns"][m])
@@ -217,7 +228,7 @@ def _gae(state: TrainState, batch: TrainBatch, algo: AlgoConfig) -> tuple[torch.
     boot = out.value.float().cpu().tolist()
     lengths = list(batch.lengths)
     terminated = torch.split(batch.terminated, lengths)
-    adv, ret = compute_gae_batch(torch.split(batch.rewards * algo.reward_scale, lengths),
+    adv, ret = compute_gae_batch(torch.split(batch.rewards, lengths),
                                  torch.split(batch.samples["values"], lengths), terminated,
                                  [0.0 if bool(t[-1]) else bv for t, bv in zip(terminated, boot)], algo.gamma, algo.lam)
     return adv.float(), ret.float()

@@ -155,7 +155,7 @@ def _import_builtin_adapters() -> None:
     # so these imports succeed whether or not a simulator is installed.
     import importlib
 
-    for mod in ("synthetic", "metaworld", "libero", "maniskill", "robocasa"):
+    for mod in ("synthetic", "metaworld", "libero", "maniskill", "robocasa", "gymnasium"):
         importlib.import_module(f"workers.envs.{mod}")
 
 

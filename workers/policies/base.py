@@ -61,6 +61,9 @@ class Policy(nn.Module, ABC):
 
     family: ClassVar[str] = ""
     logprob_level: ClassVar[str] = "chunk"
+    live_buffers: tuple[str, ...] = ()
+    """Buffers that change during training (observation statistics): published with every
+    weight version like trainable parameters, not once like frozen tensors."""
 
     def __init__(self, spec: EnvSpec, chunk_size: int) -> None:
         super().__init__()
@@ -79,6 +82,10 @@ class Policy(nn.Module, ABC):
     @abstractmethod
     def evaluate(self, obs: Observation, actions: torch.Tensor, replay: dict[str, torch.Tensor]) -> EvalOutput:
         """Differentiable log-probs, entropy and values of given actions."""
+
+    def update_statistics(self, obs: Observation) -> None:
+        """Fold the raw observations of a trained batch into statistics the policy keeps (the
+        trainer calls it after each update; families without statistics keep nothing)."""
 
 
 # ---------------------------------------------------------------------------------------------

@@ -1,0 +1,226 @@
+"""PPO parity with a reference PPO: rlvla3 on Gymnasium MuJoCo, sync and async, seeds declared.
+
+Each (env, mode, seed) is a real ``rlvla3 run`` job of ``configs/gym_<env>_ppo.yaml`` (CleanRL's
+ppo_continuous_action.py settings), differing only in ``run.mode`` and ``run.seed``. Its
+trainer writes one line per update (``trainer_metrics.jsonl``): the env steps consumed, the
+wall-clock second and the raw, unscaled returns of the episodes that ended in that batch. That is
+the curve: raw episode return against env steps and against seconds (from the first update).
+
+    python bench/jobs/gym_parity.py --quick                          # Hopper-v4, 1 seed, 10k steps per mode
+    python bench/jobs/gym_parity.py --out /tmp/parity                # Hopper + HalfCheetah, seeds 0 1 2, 1M steps
+    python bench/jobs/gym_parity.py --envs hopper --modes sync --seeds 0 --out /tmp/parity   # one run
+
+Every declared run is reported: a run that has not finished shows as missing in the table.
+Runs are resumable per seed: a finished run leaves ``result.json`` in its folder and is not run
+again (``--fresh`` reruns). Runs go one after the other, never at the same time.
+
+Output: ``parity.md`` (the table, the reference figures beside it, the commands), one PNG per env
+(curves per mode and seed, against env steps and against seconds), ``results.json``, and one JSON
+object last: ``final_return[env][mode]`` = ``{"per_seed": {seed: mean of the last 10% of
+episodes}, "mean": ...}`` and ``steps_per_s[env][mode]`` (mean over seeds of the run's env steps
+per second, from the first env step).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import shlex
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from rlvla3.harness.bench import OUT_DIR
+from rlvla3.lifetime import launcher_env
+
+ROOT = Path(__file__).resolve().parents[2]
+
+ENVS = {"hopper": "Hopper-v4", "halfcheetah": "HalfCheetah-v4", "cartpole": "CartPole-v1"}
+MODES = ("sync", "async")
+REFERENCE = {  # CleanRL's benchmark table, ppo_continuous_action.py, 1M steps, 3 seeds: mean, std
+    "hopper": (2382.86, 271.74),
+    "halfcheetah": (1442.64, 46.03),
+}
+LAST_SHARE = 0.10
+"""``final_return`` is the mean return of this share of a run's episodes, the last ones."""
+
+
+def run_one(env: str, mode: str, seed: int, steps: int, folder: Path, timeout_s: float, fresh: bool) -> dict[str, Any]:
+    """One job, or the result a previous invocation left (resumable per seed)."""
+    result_path = folder / "result.json"
+    if result_path.is_file() and not fresh:
+        done = json.loads(result_path.read_text())
+        if done.get("steps") == steps:
+            return done
+    job = folder / "job"
+    args = [sys.executable, "-m", "rlvla3", "run", f"configs/gym_{env}_ppo.yaml", "--steps", str(steps),
+            "--run-dir", str(job), "--set", f"run.mode={mode}", "--set", f"run.seed={seed}"]
+    folder.mkdir(parents=True, exist_ok=True)
+    if job.exists():
+        import shutil
+
+        shutil.rmtree(job)  # an unfinished attempt's metrics must not count
+    t0 = time.monotonic()
+    with open(folder / "run.log", "w") as log:
+        proc = subprocess.Popen(args, cwd=ROOT, stdout=log, stderr=subprocess.STDOUT,
+                                env={**os.environ, **launcher_env()})
+        try:
+            rc = proc.wait(timeout_s)
+        except subprocess.TimeoutExpired:
+            proc.terminate()  # a clean stop: the run writes its summary
+            rc = proc.wait(120)
+    out = summarise(job, steps)
+    out.update(env=env, mode=mode, seed=seed, steps=steps, rc=rc, wall_s=round(time.monotonic() - t0, 1),
+               command=shlex.join(["python", "-m", "rlvla3", *args[3:]]))
+    if rc == 0 and out["episodes"] > 0:
+        result_path.write_text(json.dumps(out))
+    return out
+
+
+def summarise(job: Path, steps: int) -> dict[str, Any]:
+    """Curve points and figures from the trainer's per-update lines."""
+    rows = []
+    path = job / "trainer_metrics.jsonl"
+    for line in (path.read_text().splitlines() if path.is_file() else []):
+        try:
+            rows.append(json.loads(line))
+        except json.JSONDecodeError:
+            pass
+    rows = [r for r in rows if r.get("episodes", 0) > 0 and np.isfinite(r.get("return_mean_batch", np.nan))]
+    t0 = rows[0]["elapsed_s"] if rows else 0.0
+    curve = {"steps": [int(r["env_steps_consumed"]) for r in rows],
+             "seconds": [round(r["elapsed_s"] - t0, 2) for r in rows],
+             "returns": [round(float(r["return_mean_batch"]), 2) for r in rows],
+             "episodes": [int(r["episodes"]) for r in rows]}
+    summary = json.loads((job / "summary.json").read_text()) if (job / "summary.json").is_file() else {}
+    return {"final_return": final_return(curve), "episodes": int(sum(curve["episodes"])), "curve": curve,
+            "env_steps": summary.get("env_steps"), "steps_per_s": summary.get("env_steps_per_s")}
+
+
+def final_return(curve: dict[str, list]) -> float | None:
+    """Mean raw return of the last ``LAST_SHARE`` of the episodes (whole batches from the end,
+    each weighted by its episodes, until they hold that many)."""
+    eps = np.asarray(curve["episodes"], float)
+    if not len(eps):
+        return None
+    want = max(1.0, LAST_SHARE * eps.sum())
+    rets = np.asarray(curve["returns"], float)
+    take = int(np.searchsorted(np.cumsum(eps[::-1]), want)) + 1
+    e, r = eps[::-1][:take], rets[::-1][:take]
+    return round(float((e * r).sum() / e.sum()), 2)
+
+
+def mean_or_none(xs: list[float | None]) -> float | None:
+    vals = [x for x in xs if x is not None]
+    return round(float(np.mean(vals)), 2) if vals else None
+
+
+def plot(env: str, results: list[dict[str, Any]], path: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, axes = plt.subplots(1, 2, figsize=(11, 4))
+    colours = {"sync": "tab:blue", "async": "tab:orange"}
+    for r in results:
+        c = r["curve"]
+        if not c["steps"]:
+            continue
+        kw = dict(color=colours.get(r["mode"], "grey"), alpha=0.8, lw=1,
+                  label=f"{r['mode']} seed {r['seed']}")
+        axes[0].plot(c["steps"], smooth(c["returns"]), **kw)
+        axes[1].plot(c["seconds"], smooth(c["returns"]), **kw)
+    if env in REFERENCE:
+        m, s = REFERENCE[env]
+        for ax in axes:
+            ax.axhspan(m - s, m + s, color="grey", alpha=0.15, label="CleanRL 1M (mean ± std)")
+    axes[0].set_xlabel("env steps")
+    axes[1].set_xlabel("seconds from the first update")
+    for ax in axes:
+        ax.set_ylabel("raw episode return")
+        ax.grid(alpha=0.3)
+    axes[0].legend(fontsize=7)
+    fig.suptitle(f"{ENVS[env]}: rlvla3 PPO, sync vs async")
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+
+
+def smooth(ys: list[float], k: int = 5) -> np.ndarray:
+    y = np.asarray(ys, float)
+    if len(y) < k:
+        return y
+    return np.convolve(np.pad(y, (k - 1, 0), mode="edge"), np.ones(k) / k, mode="valid")
+
+
+def table(results: list[dict[str, Any]], envs: list[str], modes: list[str], seeds: list[int]) -> str:
+    lines = ["| env | mode | seeds | final return per seed | mean | CleanRL (published) | env steps/s |",
+             "|---|---|---|---|---|---|---|"]
+    for env in envs:
+        for mode in modes:
+            rs = {r["seed"]: r for r in results if r["env"] == env and r["mode"] == mode}
+            per = ", ".join(f"{s}: {rs[s]['final_return']}" if s in rs and rs[s]["final_return"] is not None
+                            else f"{s}: missing" for s in seeds)
+            ref = "{:,.2f} ± {:,.2f}".format(*REFERENCE[env]) if env in REFERENCE else "-"
+            sps = mean_or_none([rs[s].get("steps_per_s") for s in seeds if s in rs])
+            lines.append(f"| {ENVS[env]} | {mode} | {len(rs)}/{len(seeds)} | {per} | "
+                         f"{mean_or_none([rs[s]['final_return'] for s in seeds if s in rs])} | {ref} | {sps} |")
+    lines += ["", "Commands:", ""] + [f"    {r['command']}" for r in results]
+    return "\n".join(lines) + "\n"
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--envs", nargs="+", default=["hopper", "halfcheetah"], choices=sorted(ENVS))
+    ap.add_argument("--modes", nargs="+", default=list(MODES), choices=MODES)
+    ap.add_argument("--seeds", nargs="+", type=int, default=[0, 1, 2], help="declared up front; every one is reported")
+    ap.add_argument("--steps", type=int, default=1_000_000, help="env steps per run")
+    ap.add_argument("--timeout", type=float, default=7200.0, help="seconds per run before it is stopped")
+    ap.add_argument("--fresh", action="store_true", help="rerun runs that already left a result")
+    ap.add_argument("--quick", action="store_true", help="Hopper-v4, seed 0, 10k steps per mode")
+    ap.add_argument("--smoke", action="store_true", help="tiny run for CI (no learning value)")
+    ap.add_argument("--out", default=f"{OUT_DIR}/gym_parity")
+    args = ap.parse_args()
+    if args.quick or args.smoke:
+        args.envs, args.seeds = ["hopper"], [0]
+        args.steps = 4096 if args.smoke else 10_240
+    out = Path(args.out).resolve()
+    out.mkdir(parents=True, exist_ok=True)
+
+    results = []
+    for env in args.envs:
+        for seed in args.seeds:
+            for mode in args.modes:  # alternating modes, one run at a time
+                r = run_one(env, mode, seed, args.steps, out / env / mode / f"seed{seed}", args.timeout, args.fresh)
+                print(f"{ENVS[env]} {mode} seed={seed}: final_return={r['final_return']} episodes={r['episodes']} "
+                      f"steps/s={r['steps_per_s']} rc={r['rc']}", file=sys.stderr)
+                results.append(r)
+    pngs = []
+    for env in args.envs:
+        png = out / f"{env}.png"
+        plot(env, [r for r in results if r["env"] == env], png)
+        pngs.append(str(png))
+    (out / "parity.md").write_text(table(results, args.envs, args.modes, args.seeds))
+    final: dict[str, Any] = {}
+    speed: dict[str, Any] = {}
+    for env in args.envs:
+        for mode in args.modes:
+            rs = [r for r in results if r["env"] == env and r["mode"] == mode]
+            per = {str(r["seed"]): r["final_return"] for r in rs}
+            final.setdefault(ENVS[env], {})[mode] = {"per_seed": per, "mean": mean_or_none(list(per.values()))}
+            speed.setdefault(ENVS[env], {})[mode] = mean_or_none([r["steps_per_s"] for r in rs])
+    report = {"final_return": final, "steps_per_s": speed, "steps": args.steps, "seeds": args.seeds,
+              "runs": [{k: v for k, v in r.items() if k != "curve"} for r in results],
+              "png": pngs, "table": str(out / "parity.md"), "out": str(out)}
+    (out / "results.json").write_text(json.dumps(report, indent=1))
+    print(json.dumps(report))
+
+
+if __name__ == "__main__":
+    main()

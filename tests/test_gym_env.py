@@ -1,0 +1,220 @@
+"""The ``gymnasium`` env family: any registered id, Box and Discrete actions, truncation kept apart
+from termination (and bootstrapped), bad input refused at config load, non-finite envs ending an
+episode, and the observation statistics travelling with weight versions and checkpoints.
+
+The unsupported-space, missing-extra and NaN envs are real Gymnasium envs registered here: the
+family must judge whatever a user registers, so the test registers what a user might."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+
+gym = pytest.importorskip("gymnasium")
+
+from rlvla3.config import ConfigError, load  # noqa: E402
+from rlvla3.lifetime import launcher_env  # noqa: E402
+from workers.envs.base import make_env  # noqa: E402
+
+ROOT = Path(__file__).resolve().parents[1]
+CARTPOLE = ROOT / "configs" / "gym_cartpole_ppo.yaml"
+HOPPER = ROOT / "configs" / "gym_hopper_ppo.yaml"
+HAVE_MUJOCO = __import__("importlib.util").util.find_spec("mujoco") is not None
+
+
+class DictObs(gym.Env):
+    observation_space = gym.spaces.Dict({"a": gym.spaces.Box(-1, 1, (2,))})
+    action_space = gym.spaces.Discrete(2)
+
+
+class MultiBinaryAct(gym.Env):
+    observation_space = gym.spaces.Box(-1, 1, (2,))
+    action_space = gym.spaces.MultiBinary(3)
+
+
+class NeedsExtra(gym.Env):
+    def __init__(self) -> None:
+        raise gym.error.DependencyNotInstalled("frobnicator is not installed")
+
+
+class GoesNaN(gym.Env):
+    """Returns a NaN observation on its 3rd step of every episode."""
+
+    observation_space = gym.spaces.Box(-10, 10, (3,))
+    action_space = gym.spaces.Box(-1, 1, (1,))
+
+    def reset(self, *, seed=None, options=None):
+        super().reset(seed=seed)
+        self.t = 0
+        return np.zeros(3, np.float32), {}
+
+    def step(self, action):
+        self.t += 1
+        obs = np.full(3, np.nan if self.t == 3 else 0.5, np.float32)
+        return obs, 1.0, False, False, {}
+
+
+for _cls in (DictObs, MultiBinaryAct, NeedsExtra, GoesNaN):
+    gym.register(f"rlvla3test/{_cls.__name__}-v0", entry_point=_cls, max_episode_steps=50)
+
+
+def gym_cfg(env_id: str, *extra: str):
+    return load(CARTPOLE, [f"env.options.id={env_id}", *extra])
+
+
+@pytest.mark.parametrize("env_id, words", [
+    ("NoSuchEnv-v9", "not a registered Gymnasium id"),
+    ("rlvla3test/DictObs-v0", "observation space Dict is not supported"),
+    ("rlvla3test/MultiBinaryAct-v0", "action space MultiBinary(3) is not supported"),
+    ("rlvla3test/NeedsExtra-v0", "needs an extra that is not installed"),
+])
+def test_bad_envs_are_refused_at_config_load_naming_why(env_id: str, words: str) -> None:
+    with pytest.raises(ConfigError, match=words.replace("(", r"\(").replace(")", r"\)")):
+        gym_cfg(env_id)
+    with pytest.raises(ConfigError, match="unknown key"):
+        gym_cfg("CartPole-v1", "env.options.ids=CartPole-v1")
+
+
+def test_rlvla3_run_refuses_an_unknown_id_before_starting_anything(tmp_path: Path) -> None:
+    r = subprocess.run([sys.executable, "-m", "rlvla3", "run", str(CARTPOLE), "--run-dir", str(tmp_path / "run"),
+                        "--set", "env.options.id=NoSuchEnv-v9"], cwd=ROOT, capture_output=True, text=True,
+                       timeout=120, env={**__import__("os").environ, **launcher_env()})
+    assert r.returncode != 0 and "not a registered Gymnasium id" in r.stderr, r.stderr[-2000:]
+    assert not (tmp_path / "run").exists()  # no folder, no broker, no worker
+
+
+def test_time_limit_is_a_truncation_and_nan_ends_the_episode_counted() -> None:
+    env = make_env("gymnasium", 2, seed=0, options={"id": "CartPole-v1", "max_episode_steps": 5})
+    assert env.spec.action_choices == 2 and env.spec.action_dim == 1 and env.spec.state_dim == 4
+    env.reset([0, 1], [1, 2])
+    for t in range(5):  # pole balanced for 5 steps by alternating pushes: only the limit ends it
+        res = env.step([0, 1], np.full((2, 1), t % 2, np.float32))
+    assert res.truncated.all() and not res.terminated.any()
+    env.close()
+
+    bad = make_env("gymnasium", 1, seed=0, options={"id": "rlvla3test/GoesNaN-v0"})
+    bad.reset([0])
+    ends = [bad.step([0], np.zeros((1, 1), np.float32)) for _ in range(3)]
+    assert [bool(r.terminated[0]) for r in ends] == [False, False, True]
+    assert np.isfinite(ends[-1].obs.state).all() and ends[-1].reward[0] == 0.0
+    assert bad.nonfinite_episodes == 1
+    bad.reset([0])  # the next episode runs on
+    assert not bad.step([0], np.zeros((1, 1), np.float32)).terminated[0]
+    bad.close()
+
+
+def test_truncated_fragment_bootstraps_from_the_value_of_its_last_observation() -> None:
+    """Adapter -> trajectory fragment -> learner -> GAE: a time-limit end is bootstrapped with
+    V(final observation), a termination is not."""
+    from rlvla3.observation import Observation
+    from workers.algorithms.update import TrainState, _gae
+    from workers.learner import Fragment, Learner, build_batch
+    from workers.model import build_policy
+    from workers.trajectory import EnvTrajectory, StepRecord
+
+    cfg = gym_cfg("CartPole-v1", "env.options.max_episode_steps=3", "algo.lam=1.0")
+    policy = build_policy(cfg)
+    env = make_env("gymnasium", 1, seed=0, options=cfg.env.options)
+    obs = env.reset([0], [7])
+    learner = Learner(cfg)
+    for ending in ("truncated", "terminated"):
+        tr = EnvTrajectory(env=0)
+        tr.begin_episode("", 7)
+        for t in range(3):
+            with torch.no_grad():
+                out = policy.act(obs)
+            res = env.step([0], out.actions[:, 0].numpy())
+            term = bool(res.terminated[0]) or (ending == "terminated" and t == 2)
+            tr.add(StepRecord(obs=obs, actions=out.actions[0].numpy(), logprob=out.logprob[0].numpy(),
+                              value=float(out.value[0]), replay={}, version=0, reward=float(res.reward[0]),
+                              step_reward=res.reward.copy(), steps=1, terminated=term,
+                              truncated=bool(res.truncated[0]) and not term))
+            obs = res.obs
+        assert tr.records[-1].truncated == (ending == "truncated")
+        header, tensors = tr.fragment(obs, False)
+        learner.add(Fragment(header, tensors))
+        obs = env.reset([0], [7])
+    batch = build_batch(learner.take(6), 0, cfg)
+    _adv, ret = _gae(TrainState.build(policy, cfg.algo), batch, cfg.algo)
+    with torch.no_grad():
+        v_last = float(policy.evaluate(Observation.concat([batch.bootstrap["obs"].select([0])]),
+                                       batch.bootstrap["actions"][:1], {}).value[0])
+    assert ret[2].item() == pytest.approx(1.0 + cfg.algo.gamma * v_last, abs=1e-4)  # truncated: bootstrapped
+    assert ret[5].item() == pytest.approx(1.0, abs=1e-5)  # terminated: nothing after it
+    env.close()
+
+
+def test_observation_statistics_travel_with_versions_and_checkpoints(tmp_path: Path) -> None:
+    from rlvla3.shm import host_id
+    from rlvla3.weights.publisher import WeightPublisher, module_tensors
+    from rlvla3.weights.receiver import WeightReceiver
+    from workers.checkpoint import save_checkpoint
+    from workers.model import build_policy
+
+    cfg = gym_cfg("CartPole-v1", "model.options.norm_obs=true")
+    trainer, generator = build_policy(cfg), build_policy(cfg)
+    assert {n for n, _, live in module_tensors(trainer) if live and n.startswith("obs_norm.")} == \
+        {"obs_norm.mean", "obs_norm.var", "obs_norm.count"}
+    env = make_env("gymnasium", 4, seed=0, options=cfg.env.options)
+    obs = env.reset(range(4))
+    pub = WeightPublisher(trainer, "wt" + __import__("uuid").uuid4().hex[:8], stream_bind="")
+    rx = WeightReceiver(generator, host_id(), copy_threads=1)
+    try:
+        for version in (0, 1):
+            if version:
+                trainer.update_statistics(obs)  # the trainer folds a batch in after an update
+            ann = pub.publish(version)
+            assert rx.offer(ann)
+            a = rx.next_fetch(0.0)
+            rx.fetched(a, rx.fetch(a), None, 0.0)
+            assert rx.swap() is not None
+        assert torch.equal(generator.obs_norm.mean, trainer.obs_norm.mean) and trainer.obs_norm.count > 1
+        assert torch.equal(generator.act(obs, deterministic=True).actions, trainer.act(obs, deterministic=True).actions)
+    finally:
+        rx.close()
+        pub.close()
+    save_checkpoint(tmp_path, trainer, None, 1, {}, cfg.to_yaml())
+    cfg.model.checkpoint = str(tmp_path)
+    loaded = build_policy(cfg)  # what eval and export build
+    for name in ("mean", "var", "count"):
+        assert torch.equal(getattr(loaded.obs_norm, name), getattr(trainer.obs_norm, name)), name
+    env.close()
+
+
+def run_job(config: Path, tmp_path: Path, mode: str, steps: int, *sets: str) -> dict:
+    run = tmp_path / mode
+    args = [sys.executable, "-m", "rlvla3", "run", str(config), "--steps", str(steps), "--run-dir", str(run),
+            "--set", f"run.mode={mode}", *[a for s in sets for a in ("--set", s)]]
+    r = subprocess.run(args, cwd=ROOT, capture_output=True, text=True, timeout=240,
+                       env={**__import__("os").environ, **launcher_env()})
+    assert r.returncode == 0, r.stdout[-2000:] + r.stderr[-3000:]
+    summary = json.loads((run / "summary.json").read_text())
+    rows = [json.loads(line) for line in (run / "trainer_metrics.jsonl").read_text().splitlines()]
+    return {"summary": summary, "rows": rows, "run": run}
+
+
+@pytest.mark.slow
+def test_cartpole_trains_through_the_fabric_in_async(tmp_path: Path) -> None:
+    job = run_job(CARTPOLE, tmp_path, "async", 3000, "algo.batch_steps=256", "env.fragment_len=32")
+    s, rows = job["summary"], job["rows"]
+    assert s["env_steps"] >= 3000 and s["episodes"] > 0 and s["policy_version"] >= 3
+    assert rows[-1]["lr"] < rows[0]["lr"]  # annealed over run.total_env_steps (--steps)
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(not HAVE_MUJOCO, reason="gymnasium[mujoco] not installed (pip install -e .[gymnasium-mujoco])")
+def test_hopper_trains_through_the_fabric_in_sync_with_its_statistics_in_the_checkpoint(tmp_path: Path) -> None:
+    from safetensors.torch import load_file
+
+    from workers.checkpoint import latest_checkpoint
+
+    job = run_job(HOPPER, tmp_path, "sync", 1500, "algo.batch_steps=512", "algo.epochs=2", "env.fragment_len=32")
+    assert job["summary"]["env_steps"] >= 1500 and job["summary"]["policy_version"] >= 2
+    weights = load_file(str(latest_checkpoint(job["run"]) / "model.safetensors"))
+    assert weights["obs_norm.count"].item() > 1000 and weights["obs_norm.mean"].abs().sum() > 0
