@@ -217,11 +217,15 @@ class FlowPolicy(Policy):
     def _velocity_fn(self, ctx: dict[str, Any]) -> VelocityFn:
         """The velocity ``v(x_t, t)`` (pi0's time convention) given the context."""
 
-    def act(self, obs: Observation, deterministic: bool = False) -> ActOutput:
+    def act(self, obs: Observation, deterministic: bool = False, noise: torch.Tensor | None = None) -> ActOutput:
+        """``noise`` (``[B, T, model_action_dim]``) replaces the initial draw, e.g. to compare with a reference."""
         with torch.no_grad():
             ctx = self._context(self.norm.state_in(obs))
             shape = (ctx["value"].shape[0], self.chunk_size, self.model_action_dim)
-            x0 = torch.zeros(shape, device=self.device) if deterministic else torch.randn(shape, device=self.device)
+            if noise is not None:
+                x0 = noise.to(self.device, torch.float32)
+            else:
+                x0 = torch.zeros(shape, device=self.device) if deterministic else torch.randn(shape, device=self.device)
             res = self.sampler.sample(self._velocity_fn(ctx), x0, deterministic)
         actions = self.norm.action_out(res.actions[..., : self.action_dim])
         return ActOutput(actions=actions.contiguous(), logprob=res.logprob,
