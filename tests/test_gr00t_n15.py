@@ -1,14 +1,18 @@
-"""GR00T N1.5 as released: the release-size tensor list equals the upstream class's, tensor for
-tensor (test vector made with LeRobot 0.4.4's GR00TN15 on the meta device; see
-tests/vectors/gr00t_n15/README.md)."""
+"""GR00T N1.5 as released, against LeRobot 0.4.4's GR00TN15 (test vectors made with it in its own
+environment; see tests/vectors/gr00t_n15/README.md): the release-size tensor list, a folder the
+upstream class wrote with its own ``save_pretrained`` and the actions it computed."""
 
 from __future__ import annotations
 
+import dataclasses
 import json
 from pathlib import Path
 
+import numpy as np
+import pytest
 import torch
 
+from rlvla3.observation import Observation
 from workers.contract import EnvSpec
 from workers.policies.gr00t import Gr00tOptions, Gr00tPolicy
 from workers.release.common import RL_HEADS, NORM, inverted, rename
@@ -16,6 +20,7 @@ from workers.release.gr00t_n15 import RELEASE_RULES
 
 VECTORS = Path(__file__).parent / "vectors" / "gr00t_n15"
 SPEC = EnvSpec(cameras={"front": (48, 64)}, state_dim=8, action_dim=7, max_episode_steps=50)
+TINY_SPEC = EnvSpec(cameras={"front": (32, 32)}, state_dim=8, action_dim=7, max_episode_steps=50)
 
 
 def test_release_size_tensors_equal_upstream():
@@ -28,3 +33,54 @@ def test_release_size_tensors_equal_upstream():
     assert ours == want["tensors"]
     params = {id(p): p.numel() for n, p in policy.named_parameters() if not n.startswith(RL_HEADS)}
     assert sum(params.values()) == want["num_parameters"] == 2_413_522_880
+
+
+def tiny_reference(tmp_path):
+    """The upstream-written tiny folder (as published: no tokenizer) and the reference run."""
+    import shutil
+
+    from workers.policies.vla_common import char_tokenizer
+
+    ref = json.loads((VECTORS / "tiny_parity.json").read_text())
+    folder = tmp_path / "upstream"
+    shutil.copytree(VECTORS / "tiny_folder", folder)
+    tok = tmp_path / "tokenizer"
+    char_tokenizer().save_pretrained(tok)
+    obs = Observation({"front": np.asarray(ref["image"], np.uint8)}, np.asarray(ref["state"], np.float32), [ref["instruction"]])
+    return ref, folder, tok, obs
+
+
+def test_upstream_saved_folder_matches_reference_actions(tmp_path):
+    from workers.release.layouts import load_release, save_release
+
+    ref, folder, tok, obs = tiny_reference(tmp_path)
+    with pytest.raises(FileNotFoundError, match="model.tokenizer"):
+        load_release(str(folder), "gr00t_n15", TINY_SPEC, dict(size="tiny", device="cpu"))
+    policy = load_release(str(folder), "gr00t_n15", TINY_SPEC, dict(size="tiny", device="cpu", dtype="float32"), str(tok))
+    ids, _ = policy.prompt_ids([ref["instruction"]], 16)
+    assert ids[0].tolist() == ref["input_ids"]
+    noise = torch.tensor(ref["noise"])
+    with torch.inference_mode():
+        got = policy.act(obs, deterministic=True, noise=noise).actions
+    want = torch.tensor(ref["env_actions"])
+    assert (got - want).abs().max().item() < 1e-4, (got - want).abs().max().item()
+
+    save_release(policy, str(tmp_path / "export"))
+    again = load_release(str(tmp_path / "export"), "gr00t_n15", TINY_SPEC, dict(device="cpu", dtype="float32"))
+    with torch.inference_mode():
+        assert torch.equal(again.act(obs, deterministic=True, noise=noise).actions, got)
+
+
+def test_bad_embodiment_and_widths_are_refused(tmp_path):
+    from workers.release.layouts import load_release
+
+    _, folder, tok, _ = tiny_reference(tmp_path)
+    load = lambda spec, **o: load_release(str(folder), "gr00t_n15", spec, dict(size="tiny", device="cpu", **o), str(tok))  # noqa: E731
+    with pytest.raises(ValueError, match=r"embodiment 'gr1' has no statistics.*\['new_embodiment'\]"):
+        load(TINY_SPEC, embodiment="gr1")
+    with pytest.raises(ValueError, match="unknown embodiment 'robot9'"):
+        load(TINY_SPEC, embodiment="robot9")
+    with pytest.raises(ValueError, match="cover 8 dims; the env's state has 9"):
+        load(dataclasses.replace(TINY_SPEC, state_dim=9))
+    with pytest.raises(ValueError, match="widths 65/7 exceed the embodiment encoders' 64/32"):
+        load(dataclasses.replace(TINY_SPEC, state_dim=65))
