@@ -84,3 +84,29 @@ def test_bad_embodiment_and_widths_are_refused(tmp_path):
         load(dataclasses.replace(TINY_SPEC, state_dim=9))
     with pytest.raises(ValueError, match="widths 65/7 exceed the embodiment encoders' 64/32"):
         load(dataclasses.replace(TINY_SPEC, state_dim=65))
+
+
+def test_flow_sde_logprob_equals_rlinf(tmp_path):
+    """RLinf's N1.5 flow-SDE (noise at one random denoising step, the step replayed by the
+    trainer): the log-prob of a chain RLinf's function sampled, per chosen step, and act's own
+    log-prob re-scored by evaluate (the PPO ratio at version 0)."""
+    from workers.release.layouts import load_release
+
+    ref, folder, tok, obs = tiny_reference(tmp_path)
+    rl = ref["rlinf_flow_sde"]
+    opts = dict(size="tiny", device="cpu", dtype="float32", sampler="sde", noise_level=rl["noise_level"], num_steps=rl["num_steps"])
+    policy = load_release(str(folder), "gr00t_n15", TINY_SPEC, opts, str(tok))
+    for step, want in rl["by_step"].items():
+        chain = torch.tensor(want["chain"])
+        mask = torch.zeros(1, rl["num_steps"], dtype=torch.bool)
+        mask[0, int(step)] = True
+        with torch.no_grad():
+            got = policy.evaluate(obs, chain[:, -1, :, :7], {"chain": chain, "stochastic": mask}).logprob
+        assert (got - torch.tensor([want["logprob"]])).abs().max().item() < 1e-4, (step, got, want["logprob"])
+
+    with torch.inference_mode():
+        out = policy.act(obs)
+    assert out.replay["stochastic"].sum().item() == 1  # one random step per chunk, stored with the trajectory
+    with torch.no_grad():
+        again = policy.evaluate(obs, out.actions, out.replay).logprob
+    assert (again - out.logprob).abs().max().item() < 1e-5

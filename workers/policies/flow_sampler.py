@@ -87,6 +87,12 @@ class FlowSampler(nn.Module):
         k = self.cfg.num_steps
         return 1.0 - torch.arange(k, device=device, dtype=torch.float32) / k
 
+    def sde_sigma(self, t: float) -> float:
+        """Flow-SDE's ``sigma_t`` (``t`` capped at ``1 - 1/K`` so the first step is finite)."""
+        dt = -1.0 / self.cfg.num_steps
+        tc = min(t, 1.0 + dt) if self.cfg.num_steps > 1 else 0.5
+        return self.cfg.noise_level * math.sqrt(tc / (1.0 - tc))
+
     def transition(
         self, x: torch.Tensor, v: torch.Tensor, feat: torch.Tensor | None, t: float
     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -95,8 +101,7 @@ class FlowSampler(nn.Module):
         v = v.float()
         ode = x + dt * v
         if self.cfg.mode == "sde":
-            tc = min(t, 1.0 + dt) if self.cfg.num_steps > 1 else 0.5
-            sigma = self.cfg.noise_level * math.sqrt(tc / (1.0 - tc))
+            sigma = self.sde_sigma(t)
             mean = x + dt * (v + sigma**2 / (2 * t) * (x + (1.0 - t) * v))
             std = torch.full_like(x, sigma * math.sqrt(-dt))
         elif self.cfg.mode == "noise":

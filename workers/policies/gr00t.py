@@ -83,9 +83,24 @@ IMAGE_MEAN = (0.5, 0.5, 0.5)
 IMAGE_STD = (0.5, 0.5, 0.5)
 
 
+class RLinfFlowSampler(FlowSampler):
+    """Flow-SDE as RLinf takes it for N1.5: ``sigma = a * sqrt((1 - tau) / tau)`` on tau = k/K,
+    with tau = 0 replaced by 1/K in the denominator only (so the first step's sigma is
+    ``a * sqrt(K)``). Mean and std are the shared sampler's (the same algebra as RLinf's
+    ``x0_pred * x0_weight + x1_pred * x1_weight``, ``sqrt(dt) * sigma``)."""
+
+    def sde_sigma(self, t: float) -> float:
+        k = self.cfg.num_steps
+        return self.cfg.noise_level * (t / max(1.0 - t, 1.0 / k)) ** 0.5
+
+
 @dataclass
 class Gr00tOptions(VLAOptions, FlowOptions):
     """Options of the GR00T N1.5 family."""
+
+    stochastic_steps: str = "one"
+    """Flow-SDE noise in ``one`` random denoising step per chunk (RLinf's N1.5 recipe; the step is
+    stored with the trajectory and replayed) or in ``all`` steps."""
 
     embodiment: str = "new_embodiment"
     """Embodiment tag: picks the per-embodiment state/action projectors and, in a release folder,
@@ -145,7 +160,7 @@ class Gr00tPolicy(FlowPolicy):
             self.backbone = Backbone(preset)
             self.action_head = FlowMatchingActionHead(shape)
             self.value_head = ValueHead(shape.backbone_dim + shape.embed_dim)
-            self.sampler = FlowSampler(opts.sampler_config(), shape.hidden, shape.action_dim, spec.action_dim)
+            self.sampler = RLinfFlowSampler(opts.sampler_config(), shape.hidden, shape.action_dim, spec.action_dim)
         self.backbone.eagle_model.language_model.tie_weights()
         self.tokenizer = tokenizer or char_tokenizer()
         if self.tokenizer.convert_tokens_to_ids(IMAGE_TOKEN) in (None, self.tokenizer.unk_token_id):
