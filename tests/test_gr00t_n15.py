@@ -110,3 +110,23 @@ def test_flow_sde_logprob_equals_rlinf(tmp_path):
     with torch.no_grad():
         again = policy.evaluate(obs, out.actions, out.replay).logprob
     assert (again - out.logprob).abs().max().item() < 1e-5
+
+
+def test_flow_matching_loss_equals_reference(tmp_path):
+    """N1.5's SFT loss on fixed actions, noise and time, against the upstream head's forward."""
+    from workers.release.layouts import load_release
+
+    ref, folder, tok, obs = tiny_reference(tmp_path)
+    policy = load_release(str(folder), "gr00t_n15", TINY_SPEC, dict(size="tiny", device="cpu", dtype="float32"), str(tok))
+    sft = ref["sft"]
+    target = torch.tensor(sft["actions"])
+    with torch.no_grad():
+        ctx = policy._context(policy.norm.state_in(obs))
+        loss = policy.action_head.loss(ctx["vl"], ctx["pad"], ctx["state"], target, torch.tensor(sft["noise"]),
+                                       torch.tensor(sft["tau"]), ctx["cat"], torch.ones_like(target))
+    assert abs(loss.item() - sft["loss"]) < 1e-4, (loss.item(), sft["loss"])
+    a = torch.tensor(ref["env_actions"])
+    policy.train()
+    policy.sft_loss(obs, a).backward()  # the objective rlvla3 sft trains this family on
+    assert policy.action_head.model.proj_out_2.weight.grad is not None
+    assert policy.backbone.eagle_model.language_model.model.embed_tokens.weight.grad is None  # frozen by default

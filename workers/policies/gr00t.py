@@ -20,6 +20,7 @@ from dataclasses import dataclass
 from typing import Any
 
 import torch
+import torch.nn.functional as F
 from torch import nn
 
 from rlvla3.observation import Observation
@@ -219,6 +220,18 @@ class Gr00tPolicy(FlowPolicy):
         state = self.action_head.encode_state(state_tensor(obs.state, self.model_state_dim).to(dt), cat)
         value = self.value_head(torch.cat([masked_mean(vl, mask), state[:, 0]], dim=-1))
         return {"vl": vl, "pad": pad, "state": state, "cat": cat, "value": value}
+
+    def sft_loss(self, obs: Observation, actions: torch.Tensor) -> torch.Tensor:
+        """N1.5's flow-matching loss on env action chunks ``[B, T, A]``: normalised by the release
+        statistics, zero-padded to the action width and masked to the env's dims, at Beta(1.5, 1)
+        times (``rlvla3 sft``'s objective for this family)."""
+        a = (actions.to(self.device).float() - self.norm.action_shift) / self.norm.action_scale
+        target = F.pad(a, (0, self.model_action_dim - a.shape[-1])).to(self._dtype)
+        mask = torch.zeros_like(target)
+        mask[..., : a.shape[-1]] = 1
+        tau = self.action_head.sample_tau(target.shape[0]).to(self.device)
+        ctx = self._context(self.norm.state_in(obs))
+        return self.action_head.loss(ctx["vl"], ctx["pad"], ctx["state"], target, torch.randn_like(target), tau, ctx["cat"], mask)
 
     def _velocity_fn(self, ctx: dict[str, Any]):
         buckets = self.action_head.shape.buckets
