@@ -130,3 +130,20 @@ def test_flow_matching_loss_equals_reference(tmp_path):
     policy.sft_loss(obs, a).backward()  # the objective rlvla3 sft trains this family on
     assert policy.action_head.model.proj_out_2.weight.grad is not None
     assert policy.backbone.eagle_model.language_model.model.embed_tokens.weight.grad is None  # frozen by default
+
+
+def test_image_preprocessing_equals_eagle_processor():
+    """Eagle 2.5's image processor as N1.5 calls it (one tile, no thumbnail), down- and upscaling."""
+    from workers.policies.gr00t import eagle_pixels
+
+    ref = json.loads((VECTORS / "eagle_image.json").read_text())
+    rng = np.random.default_rng(3)
+    for case in ref["cases"]:
+        img = rng.integers(0, 256, (*case["hw"], 3), dtype=np.uint8)
+        got = eagle_pixels({"c": img[None]}, ["c"], case["tile"], torch.device("cpu"), torch.float32)[0, 0]
+        level = lambda v: (torch.as_tensor(v, dtype=torch.float32) / 255 - 0.5) / 0.5  # noqa: E731
+        if "levels" in case:
+            assert (got - level(case["levels"])).abs().max().item() < 1e-6, case["hw"]
+        else:
+            assert (got.flatten()[::97] - level(case["every_97th"])).abs().max().item() < 1e-6, case["hw"]
+            assert abs(got.double().sum().item() - case["sum"]) < 1e-2

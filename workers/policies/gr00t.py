@@ -40,7 +40,6 @@ from workers.policies.vla_common import (
     masked_mean,
     pick_cameras,
     place,
-    preprocess_images,
     seeded_init,
     size_preset,
     state_tensor,
@@ -80,8 +79,20 @@ SIZES: dict[str, dict[str, Any]] = {
     },
 }
 
-IMAGE_MEAN = (0.5, 0.5, 0.5)
-IMAGE_STD = (0.5, 0.5, 0.5)
+
+
+def eagle_pixels(images: dict[str, Any], cameras: list[str], size: int, device: torch.device, dtype: torch.dtype) -> torch.Tensor:
+    """uint8 ``[B, H, W, 3]`` per camera -> ``[B, C, 3, size, size]`` as Eagle 2.5's image processor
+    makes one tile (no thumbnail), N1.5's setting: bicubic antialiased resize of the uint8 image
+    (uint8 out, as torchvision resizes uint8), then ``(x / 255 - 0.5) / 0.5``. The resize runs on
+    the CPU, where torch resizes uint8 directly."""
+    out = []
+    for cam in cameras:
+        img = torch.as_tensor(images[cam]).cpu().permute(0, 3, 1, 2).contiguous(memory_format=torch.channels_last)
+        if img.shape[-2:] != (size, size):
+            img = F.interpolate(img, size=(size, size), mode="bicubic", align_corners=False, antialias=True)
+        out.append(img.to(device).float().div(255.0).sub(0.5).div(0.5))
+    return torch.stack(out, dim=1).to(dtype)
 
 
 class RLinfFlowSampler(FlowSampler):
@@ -208,8 +219,8 @@ class Gr00tPolicy(FlowPolicy):
 
     def _context(self, obs: Observation) -> dict[str, Any]:
         dev, dt = self.device, self._dtype
-        obs = obs.to_torch(dev, self.cameras)
-        pixels = preprocess_images(obs.images, self.cameras, self.image_size, IMAGE_MEAN, IMAGE_STD, dev, dt)
+        pixels = eagle_pixels(obs.images, self.cameras, self.image_size, dev, dt)
+        obs = obs.to_torch(dev, [])  # the state; the images went through eagle_pixels
         b, ncam = pixels.shape[:2]
         patches = (self.image_size // self.backbone.eagle_model.vision_model.config.patch_size) ** 2
         ids, mask = self.prompt_ids(list(obs.instruction), ncam * patches)
