@@ -157,6 +157,9 @@ class ModelConfig:
     checkpoint: str = ""
     """Local directory of a released checkpoint (LeRobot pi0/pi0.5, transformers pi0, GR00T N1.5 or
     OpenVLA-OFT folder; see docs/checkpoints.md), or a run folder to warm-start from."""
+    tokenizer: str = ""
+    """Folder holding the tokenizer of a released checkpoint that ships none (GR00T N1.5: Eagle
+    2.5's); empty: the checkpoint folder's own."""
     options: dict = field(default_factory=dict)
     """The family's own options (validated by the family's config dataclass)."""
     lora: LoraConfig = field(default_factory=LoraConfig)

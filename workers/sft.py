@@ -19,8 +19,9 @@ Demonstration file (``.npz``), N decisions, chunk T, action dim A::
 
 (the observation's arrays are named as on the wire: ``Observation.to_tensors``).
 
-Families whose ``evaluate`` needs sampler replay (flow-matching pi0 / pi0.5 / GR00T) cannot be
-cloned through log-probs of given actions without it; they are refused with a clear message.
+A family with its own supervised objective (``sft_loss``: GR00T N1.5's flow-matching loss) trains
+on that. Other families whose ``evaluate`` needs sampler replay (flow-matching pi0 / pi0.5) cannot
+be cloned through log-probs of given actions without it; they are refused with a clear message.
 """
 
 from __future__ import annotations
@@ -43,7 +44,7 @@ log = structlog.get_logger()
 ExpertFn = Callable[[EnvAdapter, list[int], Observation], np.ndarray]
 """(env, ids, obs of those ids) -> expert actions [n, A] for one env step."""
 
-CLONABLE_FAMILIES = ("mlp", "openvla_oft")
+CLONABLE_FAMILIES = ("mlp", "openvla_oft", "gr00t_n15")
 
 
 # ---------------------------------------------------------------------------------------------
@@ -220,8 +221,10 @@ def behaviour_clone(policy: torch.nn.Module, demos: dict[str, np.ndarray], epoch
         total, count = 0.0, 0
         for s in range(0, n, minibatch_size):
             idx = perm[s:s + minibatch_size]
-            out = policy.evaluate(obs_all.select(idx), actions_all[idx].to(policy.device), {})
-            loss = -out.logprob.float().sum(-1).mean()
+            if hasattr(policy, "sft_loss"):  # the family's own objective (GR00T N1.5: flow matching)
+                loss = policy.sft_loss(obs_all.select(idx), actions_all[idx])
+            else:
+                loss = -policy.evaluate(obs_all.select(idx), actions_all[idx].to(policy.device), {}).logprob.float().sum(-1).mean()
             opt.zero_grad(set_to_none=True)
             loss.backward()
             torch.nn.utils.clip_grad_norm_(params, 1.0)

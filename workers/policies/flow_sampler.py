@@ -87,6 +87,12 @@ class FlowSampler(nn.Module):
         k = self.cfg.num_steps
         return 1.0 - torch.arange(k, device=device, dtype=torch.float32) / k
 
+    def sde_sigma(self, t: float) -> float:
+        """Flow-SDE's ``sigma_t`` (``t`` capped at ``1 - 1/K`` so the first step is finite)."""
+        dt = -1.0 / self.cfg.num_steps
+        tc = min(t, 1.0 + dt) if self.cfg.num_steps > 1 else 0.5
+        return self.cfg.noise_level * math.sqrt(tc / (1.0 - tc))
+
     def transition(
         self, x: torch.Tensor, v: torch.Tensor, feat: torch.Tensor | None, t: float
     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -95,8 +101,7 @@ class FlowSampler(nn.Module):
         v = v.float()
         ode = x + dt * v
         if self.cfg.mode == "sde":
-            tc = min(t, 1.0 + dt) if self.cfg.num_steps > 1 else 0.5
-            sigma = self.cfg.noise_level * math.sqrt(tc / (1.0 - tc))
+            sigma = self.sde_sigma(t)
             mean = x + dt * (v + sigma**2 / (2 * t) * (x + (1.0 - t) * v))
             std = torch.full_like(x, sigma * math.sqrt(-dt))
         elif self.cfg.mode == "noise":
@@ -217,11 +222,15 @@ class FlowPolicy(Policy):
     def _velocity_fn(self, ctx: dict[str, Any]) -> VelocityFn:
         """The velocity ``v(x_t, t)`` (pi0's time convention) given the context."""
 
-    def act(self, obs: Observation, deterministic: bool = False) -> ActOutput:
+    def act(self, obs: Observation, deterministic: bool = False, noise: torch.Tensor | None = None) -> ActOutput:
+        """``noise`` (``[B, T, model_action_dim]``) replaces the initial draw, e.g. to compare with a reference."""
         with torch.no_grad():
             ctx = self._context(self.norm.state_in(obs))
             shape = (ctx["value"].shape[0], self.chunk_size, self.model_action_dim)
-            x0 = torch.zeros(shape, device=self.device) if deterministic else torch.randn(shape, device=self.device)
+            if noise is not None:
+                x0 = noise.to(self.device, torch.float32)
+            else:
+                x0 = torch.zeros(shape, device=self.device) if deterministic else torch.randn(shape, device=self.device)
             res = self.sampler.sample(self._velocity_fn(ctx), x0, deterministic)
         actions = self.norm.action_out(res.actions[..., : self.action_dim])
         return ActOutput(actions=actions.contiguous(), logprob=res.logprob,

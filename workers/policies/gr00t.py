@@ -1,14 +1,17 @@
-"""GR00T N1.5 composed from transformers parts plus a small diffusion-transformer action head.
+"""GR00T N1.5: the Eagle 2.5 backbone from transformers' SigLIP and Qwen3, and N1.5's action head.
 
-Backbone (stand-in for Eagle 2.5): SigLIP patches -> 2x2 pixel-unshuffle -> MLP projector ->
-a Qwen3 LM truncated to ``llm_layers`` layers (N1.5 reads the LLM's 12th layer), then a LayerNorm.
-Action head (N1.5's flow-matching DiT): a state encoder, an action encoder mixing the noisy
-action with the sinusoidal time, learned "future" tokens, and DiT blocks with adaptive LayerNorm
-on the time embedding that alternate cross-attention to the VL tokens and self-attention.
+Module tree and tensor names are the release's (``backbone.eagle_model.{vision_model,
+language_model,mlp1}``, ``action_head.*``), so a released folder loads name for name.
 
-GR00T's own flow runs tau: 0 (noise) -> 1 (action) with velocity ``action - noise``; the shared
-sampler runs t = 1 - tau with velocity ``noise - action``, so the head's output is negated.
-The critic reads the mean of the VL tokens.
+Backbone (Eagle 2.5 as N1.5 builds it): a SigLIP vision tower (its last hidden state, post-LN;
+no pixel shuffle) -> ``mlp1`` (one Linear to the LM width) written over the ``<IMG_CONTEXT>``
+token embeddings; a Qwen3 LM cut to ``select_layer`` layers whose final-norm output is the
+vision-language sequence. ``eagle_linear`` is the identity in the release (``project_to_dim``
+null), so it holds no tensor. The LM head stays tied to the token table, as released.
+
+GR00T's flow runs tau: 0 (noise) -> 1 (action) with velocity ``action - noise``; the shared
+sampler runs t = 1 - tau with velocity ``noise - action``, so the head's output is negated and
+the Euler steps coincide. The critic reads the mean VL token beside the state token.
 """
 
 from __future__ import annotations
@@ -24,216 +27,229 @@ from rlvla3.observation import Observation
 from workers.contract import EnvSpec
 from workers.policies.base import Policy, register_policy
 from workers.policies.flow_sampler import FlowOptions, FlowPolicy, FlowSampler
+from workers.policies.gr00t_head import FlowMatchingActionHead, HeadShape, sampler_buckets
 from workers.policies.stats_norm import StatsNorm
 from workers.policies.vla_common import (
     SIGLIP_BASE,
     SIGLIP_SO400M,
-    TINY_VIT,
     VLAOptions,
     ValueHead,
     char_tokenizer,
     encode_text,
+    freeze,
     masked_mean,
     pick_cameras,
     place,
-    preprocess_images,
     seeded_init,
-    sinusoid,
     size_preset,
     state_tensor,
 )
 
+IMAGE_TOKEN = "<IMG_CONTEXT>"
+"""Eagle's image placeholder token; the backbone writes projected patches over its embeddings."""
+
+EMBODIMENT_IDS = {"new_embodiment": 31, "oxe_droid": 17, "agibot_genie1": 26, "gr1": 24,
+                  "libero_franka": 31, "maniskill_widowx": 30, "isaaclab_franka": 31}
+"""Embodiment tag -> projector index: N1.5's table plus the tags RLinf's recipes add."""
+
 SIZES: dict[str, dict[str, Any]] = {
+    # >= 3 layers in every stack so a wrong block cannot hide; same code as the release size.
     "tiny": {
-        "image_size": 32,
-        "patch_size": 8,
-        "vision": TINY_VIT,
-        "llm": dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+        "image_size": 32, "patch_size": 8,
+        "vision": dict(hidden_size=32, intermediate_size=64, num_hidden_layers=3, num_attention_heads=2),
+        "llm": dict(hidden_size=64, intermediate_size=128, num_hidden_layers=3, num_attention_heads=4,
                     num_key_value_heads=2, head_dim=16, vocab_size=128),
-        "dit": dict(hidden=64, heads=4, layers=4, future_tokens=4),
-        "pad_dims": False,
+        "head": dict(embed_dim=32, hidden=48, dit_heads=4, dit_layers=4, vl_heads=4, vl_layers=3,
+                     future_tokens=4, max_seq_len=16),
     },
-    # ~0.5B: SigLIP-B tower, a 16-layer 1024-wide Qwen3, 10-layer 1024-wide DiT.
+    # ~0.5B: SigLIP-B tower, a 12-layer 1024-wide Qwen3, a 1024-wide 8-layer DiT.
     "medium": {
-        "image_size": 224,
-        "patch_size": 14,
-        "vision": SIGLIP_BASE,
-        "llm": dict(hidden_size=1024, intermediate_size=3072, num_hidden_layers=16, num_attention_heads=16,
+        "image_size": 224, "patch_size": 14, "vision": SIGLIP_BASE,
+        "llm": dict(hidden_size=1024, intermediate_size=3072, num_hidden_layers=12, num_attention_heads=16,
                     num_key_value_heads=8, head_dim=64, vocab_size=32000),
-        "dit": dict(hidden=1024, heads=16, layers=10, future_tokens=32),
-        "pad_dims": True,
+        "head": dict(embed_dim=1024, hidden=768, dit_heads=16, dit_layers=8, vl_heads=16, vl_layers=2),
     },
-    # Release-like (~1.9B built here): SigLIP So400m/14 at 224, Qwen3-1.7B truncated to 12 layers
-    # as N1.5 reads layer 12, 16-layer 1536-wide DiT.
+    # The release (nvidia/GR00T-N1.5-3B): SigLIP So400m/14 at 224, Qwen3-1.7B cut at select_layer
+    # 12, 16-layer DiT 32 x 48 with 2048-wide cross-attention, 4-layer 32 x 64 VL self-attention.
     "3b": {
-        "image_size": 224,
-        "patch_size": 14,
-        "vision": SIGLIP_SO400M,
+        "image_size": 224, "patch_size": 14, "vision": SIGLIP_SO400M,
         "llm": dict(hidden_size=2048, intermediate_size=6144, num_hidden_layers=12, num_attention_heads=16,
-                    num_key_value_heads=8, head_dim=128, vocab_size=151936),
-        "dit": dict(hidden=1536, heads=32, layers=16, future_tokens=32),
-        "pad_dims": True,
+                    num_key_value_heads=8, head_dim=128, vocab_size=151680, max_position_embeddings=40960),
+        "head": dict(embed_dim=1536, hidden=1024, dit_heads=32, dit_layers=16, vl_heads=32, vl_layers=4),
     },
 }
 
-IMAGE_MEAN = (0.5, 0.5, 0.5)
-IMAGE_STD = (0.5, 0.5, 0.5)
+
+
+def eagle_pixels(images: dict[str, Any], cameras: list[str], size: int, device: torch.device, dtype: torch.dtype) -> torch.Tensor:
+    """uint8 ``[B, H, W, 3]`` per camera -> ``[B, C, 3, size, size]`` as Eagle 2.5's image processor
+    makes one tile (no thumbnail), N1.5's setting: bicubic antialiased resize of the uint8 image
+    (uint8 out, as torchvision resizes uint8), then ``(x / 255 - 0.5) / 0.5``. The resize runs on
+    the CPU, where torch resizes uint8 directly."""
+    out = []
+    for cam in cameras:
+        img = torch.as_tensor(images[cam]).cpu().permute(0, 3, 1, 2).contiguous(memory_format=torch.channels_last)
+        if img.shape[-2:] != (size, size):
+            img = F.interpolate(img, size=(size, size), mode="bicubic", align_corners=False, antialias=True)
+        out.append(img.to(device).float().div(255.0).sub(0.5).div(0.5))
+    return torch.stack(out, dim=1).to(dtype)
+
+
+class RLinfFlowSampler(FlowSampler):
+    """Flow-SDE as RLinf takes it for N1.5: ``sigma = a * sqrt((1 - tau) / tau)`` on tau = k/K,
+    with tau = 0 replaced by 1/K in the denominator only (so the first step's sigma is
+    ``a * sqrt(K)``). Mean and std are the shared sampler's (the same algebra as RLinf's
+    ``x0_pred * x0_weight + x1_pred * x1_weight``, ``sqrt(dt) * sigma``)."""
+
+    def sde_sigma(self, t: float) -> float:
+        k = self.cfg.num_steps
+        return self.cfg.noise_level * (t / max(1.0 - t, 1.0 / k)) ** 0.5
 
 
 @dataclass
 class Gr00tOptions(VLAOptions, FlowOptions):
     """Options of the GR00T N1.5 family."""
 
+    stochastic_steps: str = "one"
+    """Flow-SDE noise in ``one`` random denoising step per chunk (RLinf's N1.5 recipe; the step is
+    stored with the trajectory and replayed) or in ``all`` steps."""
 
-class AdaLayerNorm(nn.Module):
-    """LayerNorm whose scale and shift come from the time embedding (diffusers' AdaLayerNorm)."""
+    embodiment: str = "new_embodiment"
+    """Embodiment tag: picks the per-embodiment state/action projectors and, in a release folder,
+    the statistics in ``experiment_cfg/metadata.json``."""
+    tune_llm: bool = False
+    """Train the Qwen3 LM (frozen by default, as N1.5 fine-tunes)."""
+    tune_visual: bool = False
+    """Train the vision tower and ``mlp1`` (frozen by default for RL)."""
 
-    def __init__(self, dim: int) -> None:
+
+def head_shape(preset: dict[str, Any]) -> HeadShape:
+    return HeadShape(backbone_dim=preset["llm"]["hidden_size"], **preset["head"])
+
+
+class EagleModel(nn.Module):
+    """Eagle 2.5's parts N1.5 keeps: ``vision_model``, ``language_model`` (cut), ``mlp1``."""
+
+    def __init__(self, preset: dict[str, Any]) -> None:
+        from transformers import Qwen3Config, Qwen3ForCausalLM, SiglipVisionConfig, SiglipVisionModel
+
         super().__init__()
-        self.norm = nn.LayerNorm(dim, elementwise_affine=False)
-        self.mod = nn.Linear(dim, 2 * dim)
+        vcfg = SiglipVisionConfig(image_size=preset["image_size"], patch_size=preset["patch_size"], **preset["vision"])
+        self.vision_model = SiglipVisionModel(vcfg)
+        lcfg = Qwen3Config(tie_word_embeddings=True, rms_norm_eps=1e-6, rope_theta=1e6, **preset["llm"])
+        lcfg._attn_implementation = "sdpa"
+        self.language_model = Qwen3ForCausalLM(lcfg)
+        self.mlp1 = nn.Sequential(nn.Linear(vcfg.hidden_size, lcfg.hidden_size))
 
-    def forward(self, x: torch.Tensor, temb: torch.Tensor) -> torch.Tensor:
-        scale, shift = self.mod(F.silu(temb)).chunk(2, dim=-1)
-        return self.norm(x) * (1 + scale[:, None]) + shift[:, None]
 
-
-class Attention(nn.Module):
-    """Multi-head attention on SDPA: one code path in act and evaluate (torch's MHA fast path
-    differs slightly under inference mode, which would break exact log-prob replay)."""
-
-    def __init__(self, dim: int, heads: int) -> None:
+class Backbone(nn.Module):
+    def __init__(self, preset: dict[str, Any]) -> None:
         super().__init__()
-        self.heads = heads
-        self.q, self.k, self.v, self.o = (nn.Linear(dim, dim) for _ in range(4))
-
-    def forward(self, x: torch.Tensor, ctx: torch.Tensor, ctx_pad: torch.Tensor | None = None) -> torch.Tensor:
-        b, n, d = x.shape
-        split = lambda t: t.view(b, -1, self.heads, d // self.heads).transpose(1, 2)  # noqa: E731
-        mask = None if ctx_pad is None else (~ctx_pad)[:, None, None, :]
-        out = F.scaled_dot_product_attention(split(self.q(x)), split(self.k(ctx)), split(self.v(ctx)), attn_mask=mask)
-        return self.o(out.transpose(1, 2).reshape(b, n, d))
-
-
-class DiTBlock(nn.Module):
-    """AdaLN -> attention (cross to VL tokens, or self) -> residual; LN -> GELU FF -> residual."""
-
-    def __init__(self, dim: int, heads: int, cross: bool) -> None:
-        super().__init__()
-        self.cross = cross
-        self.norm1 = AdaLayerNorm(dim)
-        self.attn = Attention(dim, heads)
-        self.norm2 = nn.LayerNorm(dim)
-        self.ff = nn.Sequential(nn.Linear(dim, 4 * dim), nn.GELU(approximate="tanh"), nn.Linear(4 * dim, dim))
-
-    def forward(self, x: torch.Tensor, temb: torch.Tensor, ctx: torch.Tensor, ctx_pad: torch.Tensor) -> torch.Tensor:
-        h = self.norm1(x, temb)
-        if self.cross:
-            h = self.attn(h, ctx, ctx_pad)
-        else:
-            h = self.attn(h, h)
-        x = x + h
-        return x + self.ff(self.norm2(x))
-
-
-class FlowMatchingHead(nn.Module):
-    """N1.5's action head: encoders, DiT over [state, future tokens, actions], action decoder."""
-
-    def __init__(self, dim: int, heads: int, layers: int, future: int, vl_dim: int, state_dim: int,
-                 action_dim: int, chunk: int) -> None:
-        super().__init__()
-        self.dim = dim
-        self.vlln = nn.LayerNorm(vl_dim)
-        self.vl_proj = nn.Linear(vl_dim, dim)
-        self.state_encoder = nn.Sequential(nn.Linear(state_dim, dim), nn.ReLU(), nn.Linear(dim, dim))
-        self.action_w1 = nn.Linear(action_dim, dim)
-        self.action_w2 = nn.Linear(2 * dim, dim)
-        self.action_w3 = nn.Linear(dim, dim)
-        self.time_mlp = nn.Sequential(nn.Linear(dim, dim), nn.SiLU(), nn.Linear(dim, dim))
-        self.future_tokens = nn.Parameter(torch.randn(future, dim) * 0.02)
-        self.position = nn.Parameter(torch.randn(chunk, dim) * 0.02)
-        self.blocks = nn.ModuleList(DiTBlock(dim, heads, cross=(i % 2 == 0)) for i in range(layers))
-        self.norm_out = AdaLayerNorm(dim)
-        self.action_decoder = nn.Sequential(nn.Linear(dim, dim), nn.ReLU(), nn.Linear(dim, action_dim))
-
-    def forward(self, vl: torch.Tensor, vl_pad: torch.Tensor, state: torch.Tensor, x: torch.Tensor,
-                tau: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """Velocity (GR00T's sign) ``[B, T, A]`` and the action tokens' features."""
-        temb_raw = sinusoid(tau, self.dim).to(x.dtype)
-        temb = self.time_mlp(temb_raw)
-        a = self.action_w1(x)
-        a = self.action_w3(F.silu(self.action_w2(torch.cat([a, temb_raw[:, None].expand_as(a)], dim=-1))))
-        a = a + self.position[None, : a.shape[1]]
-        b = x.shape[0]
-        seq = torch.cat([self.state_encoder(state)[:, None], self.future_tokens[None].expand(b, -1, -1), a], dim=1)
-        for blk in self.blocks:
-            seq = blk(seq, temb, vl, vl_pad)
-        h = self.norm_out(seq, temb)[:, -x.shape[1] :]
-        return self.action_decoder(h), h
+        self.eagle_model = EagleModel(preset)
 
 
 class Gr00tPolicy(FlowPolicy):
     family = "gr00t_n15"
     OPTIONS = Gr00tOptions
 
-    def __init__(self, opts: Gr00tOptions, spec: EnvSpec, tokenizer: Any = None) -> None:
-        from transformers import Qwen3Config, Qwen3Model, SiglipVisionConfig, SiglipVisionModel
-
+    def __init__(self, opts: Gr00tOptions, spec: EnvSpec, tokenizer: Any = None, shape: HeadShape | None = None) -> None:
         super().__init__(spec, opts.chunk_size)
-        a = size_preset(self.family, SIZES, opts.size)
+        preset = size_preset(self.family, SIZES, opts.size)
+        shape = shape or head_shape(preset)
+        if opts.embodiment not in EMBODIMENT_IDS:
+            raise ValueError(f"{self.family}: unknown embodiment {opts.embodiment!r}; known: {sorted(EMBODIMENT_IDS)}")
+        if spec.state_dim > shape.max_state_dim or spec.action_dim > shape.action_dim:
+            raise ValueError(f"{self.family}: env state/action widths {spec.state_dim}/{spec.action_dim} exceed the "
+                             f"embodiment encoders' {shape.max_state_dim}/{shape.action_dim}")
+        if opts.chunk_size > shape.max_seq_len:
+            raise ValueError(f"{self.family}: chunk_size {opts.chunk_size} > the {shape.max_seq_len} action positions")
         self.opts = opts
         self.cameras = pick_cameras(spec, opts.cameras, opts.max_cameras)
-        self.image_size = a["image_size"]
-        self.model_state_dim = 64 if a["pad_dims"] else spec.state_dim
-        self.model_action_dim = 32 if a["pad_dims"] else spec.action_dim
-        lm_dim, vis_dim, d = a["llm"]["hidden_size"], a["vision"]["hidden_size"], a["dit"]
+        self.image_size = preset["image_size"]
+        self.model_state_dim, self.model_action_dim = shape.max_state_dim, shape.action_dim
         self.norm = StatsNorm(spec.state_dim, spec.action_dim)
         with seeded_init(opts):
-            self.vision = SiglipVisionModel(SiglipVisionConfig(image_size=a["image_size"], patch_size=a["patch_size"],
-                                                               vision_use_head=False, **a["vision"]))
-            self.projector = nn.Sequential(nn.LayerNorm(4 * vis_dim), nn.Linear(4 * vis_dim, lm_dim), nn.GELU(),
-                                           nn.Linear(lm_dim, lm_dim))
-            self.llm = Qwen3Model(Qwen3Config(**a["llm"]))
-            self.head = FlowMatchingHead(d["hidden"], d["heads"], d["layers"], d["future_tokens"], lm_dim,
-                                         self.model_state_dim, self.model_action_dim, opts.chunk_size)
-            self.value_head = ValueHead(lm_dim)
-            self.sampler = FlowSampler(opts.sampler_config(), d["hidden"], self.model_action_dim, spec.action_dim)
+            self.backbone = Backbone(preset)
+            self.action_head = FlowMatchingActionHead(shape)
+            self.value_head = ValueHead(shape.backbone_dim + shape.embed_dim)
+            self.sampler = RLinfFlowSampler(opts.sampler_config(), shape.hidden, shape.action_dim, spec.action_dim)
+        self.backbone.eagle_model.language_model.tie_weights()
         self.tokenizer = tokenizer or char_tokenizer()
+        if self.tokenizer.convert_tokens_to_ids(IMAGE_TOKEN) in (None, self.tokenizer.unk_token_id):
+            self.tokenizer.add_special_tokens({"additional_special_tokens": [IMAGE_TOKEN]})
+        self.image_token_id = self.tokenizer.convert_tokens_to_ids(IMAGE_TOKEN)
+        vocab = self.backbone.eagle_model.language_model.config.vocab_size
+        if self.image_token_id >= vocab:
+            raise ValueError(f"{self.family}: the tokenizer's {IMAGE_TOKEN} id {self.image_token_id} is outside the LM's vocabulary ({vocab})")
+        self.set_trainable(opts.tune_llm, opts.tune_visual)
         place(self, opts)
         self.eval()
 
+    def set_trainable(self, tune_llm: bool, tune_visual: bool) -> None:
+        """N1.5's split: the LM and the vision side (tower + ``mlp1``) freeze separately."""
+        eagle = self.backbone.eagle_model
+        if not tune_llm:
+            freeze(eagle.language_model.parameters())
+        if not tune_visual:
+            freeze(eagle.vision_model.parameters())
+            freeze(eagle.mlp1.parameters())
+
     @property
     def _dtype(self) -> torch.dtype:
-        return self.head.action_w1.weight.dtype
+        return self.action_head.vlln.weight.dtype
 
-    def _image_tokens(self, pixels: torch.Tensor) -> torch.Tensor:
-        """SigLIP patches, 2x2 pixel-unshuffled (4x fewer tokens, as Eagle does), projected."""
-        b, ncam = pixels.shape[:2]
-        p = self.vision(pixel_values=pixels.flatten(0, 1)).last_hidden_state
-        side = int(round(p.shape[1] ** 0.5))
-        c = p.shape[-1]
-        p = p.view(-1, side // 2, 2, side // 2, 2, c).permute(0, 1, 3, 2, 4, 5).reshape(-1, (side // 2) ** 2, 4 * c)
-        return self.projector(p).reshape(b, ncam * p.shape[1], -1)
+    @property
+    def embodiment_id(self) -> int:
+        return EMBODIMENT_IDS[self.opts.embodiment]
+
+    def prompt_ids(self, instructions: list[str], image_tokens: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """``[<IMG_CONTEXT> x image_tokens, instruction]`` right-padded, and the attention mask."""
+        ids, mask = encode_text(self.tokenizer, instructions, self.opts.max_text_len)
+        img = torch.full((ids.shape[0], image_tokens), self.image_token_id, dtype=torch.long)
+        return torch.cat([img, ids], dim=1), torch.cat([torch.ones_like(img), mask], dim=1)
+
+    def backbone_features(self, pixels: torch.Tensor, ids: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+        """Eagle's forward as N1.5 reads it: the LM's ``select_layer`` output (final norm applied)."""
+        eagle = self.backbone.eagle_model
+        vit = eagle.mlp1(eagle.vision_model(pixel_values=pixels).last_hidden_state)
+        emb = eagle.language_model.get_input_embeddings()(ids)
+        slot = (ids == self.image_token_id).unsqueeze(-1)
+        emb = emb.masked_scatter(slot, vit.reshape(-1, vit.shape[-1]).to(emb.dtype))
+        return eagle.language_model.model(inputs_embeds=emb, attention_mask=mask).last_hidden_state
 
     def _context(self, obs: Observation) -> dict[str, Any]:
         dev, dt = self.device, self._dtype
-        obs = obs.to_torch(dev, self.cameras)
-        pixels = preprocess_images(obs.images, self.cameras, self.image_size, IMAGE_MEAN, IMAGE_STD, dev, dt)
-        img = self._image_tokens(pixels)
-        b = img.shape[0]
-        ids, tmask = encode_text(self.tokenizer, list(obs.instruction), self.opts.max_text_len)
-        ids, tmask = ids.to(dev), tmask.to(dev)
-        embeds = torch.cat([img, self.llm.get_input_embeddings()(ids)], dim=1)
-        mask = torch.cat([torch.ones(b, img.shape[1], dtype=torch.long, device=dev), tmask], dim=1)
-        vl = self.llm(inputs_embeds=embeds, attention_mask=mask, position_ids=mask.cumsum(-1) - 1).last_hidden_state
-        vl = self.head.vlln(vl)
-        state = state_tensor(obs.state, self.model_state_dim).to(dt)
-        return {"vl": self.head.vl_proj(vl), "pad": mask == 0, "state": state,
-                "value": self.value_head(masked_mean(vl, mask))}
+        pixels = eagle_pixels(obs.images, self.cameras, self.image_size, dev, dt)
+        obs = obs.to_torch(dev, [])  # the state; the images went through eagle_pixels
+        b, ncam = pixels.shape[:2]
+        patches = (self.image_size // self.backbone.eagle_model.vision_model.config.patch_size) ** 2
+        ids, mask = self.prompt_ids(list(obs.instruction), ncam * patches)
+        ids, mask = ids.to(dev), mask.to(dev)
+        pad = None if bool(mask.all()) else mask == 0
+        vl = self.action_head.encode_vl(self.backbone_features(pixels.flatten(0, 1), ids, mask), pad)
+        cat = torch.full((b,), self.embodiment_id, dtype=torch.long, device=dev)
+        state = self.action_head.encode_state(state_tensor(obs.state, self.model_state_dim).to(dt), cat)
+        value = self.value_head(torch.cat([masked_mean(vl, mask), state[:, 0]], dim=-1))
+        return {"vl": vl, "pad": pad, "state": state, "cat": cat, "value": value}
+
+    def sft_loss(self, obs: Observation, actions: torch.Tensor) -> torch.Tensor:
+        """N1.5's flow-matching loss on env action chunks ``[B, T, A]``: normalised by the release
+        statistics, zero-padded to the action width and masked to the env's dims, at Beta(1.5, 1)
+        times (``rlvla3 sft``'s objective for this family)."""
+        a = (actions.to(self.device).float() - self.norm.action_shift) / self.norm.action_scale
+        target = F.pad(a, (0, self.model_action_dim - a.shape[-1])).to(self._dtype)
+        mask = torch.zeros_like(target)
+        mask[..., : a.shape[-1]] = 1
+        tau = self.action_head.sample_tau(target.shape[0]).to(self.device)
+        ctx = self._context(self.norm.state_in(obs))
+        return self.action_head.loss(ctx["vl"], ctx["pad"], ctx["state"], target, torch.randn_like(target), tau, ctx["cat"], mask)
 
     def _velocity_fn(self, ctx: dict[str, Any]):
+        buckets = self.action_head.shape.buckets
+
         def velocity(x: torch.Tensor, t: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-            v, h = self.head(ctx["vl"], ctx["pad"], ctx["state"], x.to(self._dtype), 1.0 - t)
+            steps = sampler_buckets(1.0 - t, buckets)
+            v, h = self.action_head.velocity(ctx["vl"], ctx["pad"], ctx["state"], x.to(self._dtype), steps, ctx["cat"])
             return -v.float(), h
 
         return velocity

@@ -28,18 +28,22 @@ def detect(local_dir: str, family: str) -> str:
                      f"transformers pi0 (model_type: pi0) config; {family} loads {FORMATS.get(family)}")
 
 
-def load_release(local_dir: str, family: str, spec: Any, overrides: dict[str, Any] | None = None) -> Any:
+def load_release(local_dir: str, family: str, spec: Any, overrides: dict[str, Any] | None = None,
+                 tokenizer: str = "") -> Any:
     """The family's policy from a released (or exported) checkpoint folder; ``overrides`` are
-    options that win over the folder's own."""
+    options that win over the folder's own; ``tokenizer`` is ``model.tokenizer`` (for releases
+    that ship none: GR00T N1.5)."""
     overrides = dict(overrides or {})
     if family not in FORMATS:
         raise NotImplementedError(f"{family}: no checkpoint loader")
     has = lambda name: os.path.isfile(os.path.join(local_dir, name))  # noqa: E731
-    missing = [n for n in ("config.json", "tokenizer.json") if not has(n)]
+    needs = ("config.json",) if family == "gr00t_n15" and tokenizer else ("config.json", "tokenizer.json")
+    missing = [n for n in needs if not has(n)]
     if not has("model.safetensors") and not (os.path.isdir(local_dir) and any(n.endswith(".safetensors.index.json") for n in os.listdir(local_dir))):
         missing.append("model.safetensors (or an index with its shards)")
     if "config.json" in missing or len(missing) > 1:
-        raise FileNotFoundError(f"{family}: checkpoint dir {local_dir!r} is missing: {', '.join(missing)}")
+        hint = " (GR00T N1.5 folders ship no tokenizer: set model.tokenizer: DIR)" if family == "gr00t_n15" and "tokenizer.json" in missing else ""
+        raise FileNotFoundError(f"{family}: checkpoint dir {local_dir!r} is missing: {', '.join(missing)}{hint}")
     layout = detect(local_dir, family)
     if layout == "lerobot":
         from workers.release import lerobot_pi
@@ -49,6 +53,10 @@ def load_release(local_dir: str, family: str, spec: Any, overrides: dict[str, An
         from workers.release import transformers_pi0
 
         return transformers_pi0.load(local_dir, spec, overrides)
+    if family == "gr00t_n15":
+        from workers.release import gr00t_n15
+
+        return gr00t_n15.load(local_dir, spec, overrides, tokenizer)
     return _release_module(family).load(local_dir, spec, overrides)
 
 

@@ -1,0 +1,149 @@
+"""GR00T N1.5 as released, against LeRobot 0.4.4's GR00TN15 (test vectors made with it in its own
+environment; see tests/vectors/gr00t_n15/README.md): the release-size tensor list, a folder the
+upstream class wrote with its own ``save_pretrained`` and the actions it computed."""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+
+from rlvla3.observation import Observation
+from workers.contract import EnvSpec
+from workers.policies.gr00t import Gr00tOptions, Gr00tPolicy
+from workers.release.common import RL_HEADS, NORM, inverted, rename
+from workers.release.gr00t_n15 import RELEASE_RULES
+
+VECTORS = Path(__file__).parent / "vectors" / "gr00t_n15"
+SPEC = EnvSpec(cameras={"front": (48, 64)}, state_dim=8, action_dim=7, max_episode_steps=50)
+TINY_SPEC = EnvSpec(cameras={"front": (32, 32)}, state_dim=8, action_dim=7, max_episode_steps=50)
+
+
+def test_release_size_tensors_equal_upstream():
+    want = json.loads((VECTORS / "release_tensors.json").read_text())
+    with torch.device("meta"):
+        policy = Gr00tPolicy(Gr00tOptions(size="3b", chunk_size=16, device="meta", dtype="float32"), SPEC)
+    sd = {k: v for k, v in policy.state_dict().items() if not k.startswith(RL_HEADS + (NORM,))}
+    names = rename(sd, inverted(RELEASE_RULES))
+    ours = {names[k]: list(v.shape) for k, v in sd.items()}
+    assert ours == want["tensors"]
+    params = {id(p): p.numel() for n, p in policy.named_parameters() if not n.startswith(RL_HEADS)}
+    assert sum(params.values()) == want["num_parameters"] == 2_413_522_880
+
+
+def tiny_reference(tmp_path):
+    """The upstream-written tiny folder (as published: no tokenizer) and the reference run."""
+    import shutil
+
+    from workers.policies.vla_common import char_tokenizer
+
+    ref = json.loads((VECTORS / "tiny_parity.json").read_text())
+    folder = tmp_path / "upstream"
+    shutil.copytree(VECTORS / "tiny_folder", folder)
+    tok = tmp_path / "tokenizer"
+    char_tokenizer().save_pretrained(tok)
+    obs = Observation({"front": np.asarray(ref["image"], np.uint8)}, np.asarray(ref["state"], np.float32), [ref["instruction"]])
+    return ref, folder, tok, obs
+
+
+def test_upstream_saved_folder_matches_reference_actions(tmp_path):
+    from workers.release.layouts import load_release, save_release
+
+    ref, folder, tok, obs = tiny_reference(tmp_path)
+    with pytest.raises(FileNotFoundError, match="model.tokenizer"):
+        load_release(str(folder), "gr00t_n15", TINY_SPEC, dict(size="tiny", device="cpu"))
+    policy = load_release(str(folder), "gr00t_n15", TINY_SPEC, dict(size="tiny", device="cpu", dtype="float32"), str(tok))
+    ids, _ = policy.prompt_ids([ref["instruction"]], 16)
+    assert ids[0].tolist() == ref["input_ids"]
+    noise = torch.tensor(ref["noise"])
+    with torch.inference_mode():
+        got = policy.act(obs, deterministic=True, noise=noise).actions
+    want = torch.tensor(ref["env_actions"])
+    assert (got - want).abs().max().item() < 1e-4, (got - want).abs().max().item()
+
+    save_release(policy, str(tmp_path / "export"))
+    again = load_release(str(tmp_path / "export"), "gr00t_n15", TINY_SPEC, dict(device="cpu", dtype="float32"))
+    with torch.inference_mode():
+        assert torch.equal(again.act(obs, deterministic=True, noise=noise).actions, got)
+
+
+def test_bad_embodiment_and_widths_are_refused(tmp_path):
+    from workers.release.layouts import load_release
+
+    _, folder, tok, _ = tiny_reference(tmp_path)
+    load = lambda spec, **o: load_release(str(folder), "gr00t_n15", spec, dict(size="tiny", device="cpu", **o), str(tok))  # noqa: E731
+    with pytest.raises(ValueError, match=r"embodiment 'gr1' has no statistics.*\['new_embodiment'\]"):
+        load(TINY_SPEC, embodiment="gr1")
+    with pytest.raises(ValueError, match="unknown embodiment 'robot9'"):
+        load(TINY_SPEC, embodiment="robot9")
+    with pytest.raises(ValueError, match="cover 8 dims; the env's state has 9"):
+        load(dataclasses.replace(TINY_SPEC, state_dim=9))
+    with pytest.raises(ValueError, match="widths 65/7 exceed the embodiment encoders' 64/32"):
+        load(dataclasses.replace(TINY_SPEC, state_dim=65))
+
+
+def test_flow_sde_logprob_equals_rlinf(tmp_path):
+    """RLinf's N1.5 flow-SDE (noise at one random denoising step, the step replayed by the
+    trainer): the log-prob of a chain RLinf's function sampled, per chosen step, and act's own
+    log-prob re-scored by evaluate (the PPO ratio at version 0)."""
+    from workers.release.layouts import load_release
+
+    ref, folder, tok, obs = tiny_reference(tmp_path)
+    rl = ref["rlinf_flow_sde"]
+    opts = dict(size="tiny", device="cpu", dtype="float32", sampler="sde", noise_level=rl["noise_level"], num_steps=rl["num_steps"])
+    policy = load_release(str(folder), "gr00t_n15", TINY_SPEC, opts, str(tok))
+    for step, want in rl["by_step"].items():
+        chain = torch.tensor(want["chain"])
+        mask = torch.zeros(1, rl["num_steps"], dtype=torch.bool)
+        mask[0, int(step)] = True
+        with torch.no_grad():
+            got = policy.evaluate(obs, chain[:, -1, :, :7], {"chain": chain, "stochastic": mask}).logprob
+        assert (got - torch.tensor([want["logprob"]])).abs().max().item() < 1e-4, (step, got, want["logprob"])
+
+    with torch.inference_mode():
+        out = policy.act(obs)
+    assert out.replay["stochastic"].sum().item() == 1  # one random step per chunk, stored with the trajectory
+    with torch.no_grad():
+        again = policy.evaluate(obs, out.actions, out.replay).logprob
+    assert (again - out.logprob).abs().max().item() < 1e-5
+
+
+def test_flow_matching_loss_equals_reference(tmp_path):
+    """N1.5's SFT loss on fixed actions, noise and time, against the upstream head's forward."""
+    from workers.release.layouts import load_release
+
+    ref, folder, tok, obs = tiny_reference(tmp_path)
+    policy = load_release(str(folder), "gr00t_n15", TINY_SPEC, dict(size="tiny", device="cpu", dtype="float32"), str(tok))
+    sft = ref["sft"]
+    target = torch.tensor(sft["actions"])
+    with torch.no_grad():
+        ctx = policy._context(policy.norm.state_in(obs))
+        loss = policy.action_head.loss(ctx["vl"], ctx["pad"], ctx["state"], target, torch.tensor(sft["noise"]),
+                                       torch.tensor(sft["tau"]), ctx["cat"], torch.ones_like(target))
+    assert abs(loss.item() - sft["loss"]) < 1e-4, (loss.item(), sft["loss"])
+    a = torch.tensor(ref["env_actions"])
+    policy.train()
+    policy.sft_loss(obs, a).backward()  # the objective rlvla3 sft trains this family on
+    assert policy.action_head.model.proj_out_2.weight.grad is not None
+    assert policy.backbone.eagle_model.language_model.model.embed_tokens.weight.grad is None  # frozen by default
+
+
+def test_image_preprocessing_equals_eagle_processor():
+    """Eagle 2.5's image processor as N1.5 calls it (one tile, no thumbnail), down- and upscaling."""
+    from workers.policies.gr00t import eagle_pixels
+
+    ref = json.loads((VECTORS / "eagle_image.json").read_text())
+    rng = np.random.default_rng(3)
+    for case in ref["cases"]:
+        img = rng.integers(0, 256, (*case["hw"], 3), dtype=np.uint8)
+        got = eagle_pixels({"c": img[None]}, ["c"], case["tile"], torch.device("cpu"), torch.float32)[0, 0]
+        level = lambda v: (torch.as_tensor(v, dtype=torch.float32) / 255 - 0.5) / 0.5  # noqa: E731
+        if "levels" in case:
+            assert (got - level(case["levels"])).abs().max().item() < 1e-6, case["hw"]
+        else:
+            assert (got.flatten()[::97] - level(case["every_97th"])).abs().max().item() < 1e-6, case["hw"]
+            assert abs(got.double().sum().item() - case["sum"]) < 1e-2
