@@ -150,16 +150,14 @@ class ModelConfig:
     family: str = "mlp"
     """Registered policy family (``mlp``, ``openvla_oft``, ``pi0``, ``pi05``, ``gr00t_n15``)."""
     chunk_size: int = 1
-    """Actions per decision (action chunk length); the family's builder gets it, so
-    ``model.options`` do not set it."""
+    """Actions per decision (action chunk length); the family's builder gets it, not ``options``."""
     dtype: str = "auto"
     """``auto`` (float32 on CPU, bfloat16 on CUDA), ``float32`` or ``bfloat16``."""
     checkpoint: str = ""
     """Local directory of a released checkpoint (LeRobot pi0/pi0.5, transformers pi0, GR00T N1.5 or
     OpenVLA-OFT folder; see docs/checkpoints.md), or a run folder to warm-start from."""
     tokenizer: str = ""
-    """Folder holding the tokenizer of a released checkpoint that ships none (GR00T N1.5: Eagle
-    2.5's); empty: the checkpoint folder's own."""
+    """Tokenizer folder for a release that ships none (GR00T N1.5: Eagle 2.5's); empty: its own."""
     options: dict = field(default_factory=dict)
     """The family's own options (validated by the family's config dataclass)."""
     lora: LoraConfig = field(default_factory=LoraConfig)
@@ -250,10 +248,9 @@ class WorkersConfig:
     torch_threads: int = 1
     """torch intra-op threads per worker process."""
     broker_wait_s: float = 900.0
-    """How long a worker started before its broker keeps asking for it (back-off 1 s doubling to
-    32 s) before it exits with an error: a scheduler may start the broker's step or pod minutes
-    after the workers'. Read from the worker's own ``--set`` (it has no job config until a broker
-    answers): ``rlvla3 worker --set workers.broker_wait_s=60 ...``."""
+    """How long a worker started before its broker keeps asking (back-off 1 s doubling to 32 s)
+    before it exits with an error: a scheduler may start the broker minutes after the workers.
+    Read from the worker's own ``--set workers.broker_wait_s=60`` (no job config before a broker)."""
 
 
 @dataclass
