@@ -33,6 +33,7 @@ FSDP-sharded policy, and every ``sharded`` one, is a collective (every rank call
 from __future__ import annotations
 
 import base64
+import errno
 import json
 import os
 import random
@@ -45,6 +46,7 @@ from typing import Any
 import numpy as np
 import torch
 import torch.distributed as dist
+from safetensors import SafetensorError
 from safetensors.torch import load_file, load_model, save_file, save_model
 from torch import nn
 from torch.distributed.checkpoint.state_dict import (StateDictOptions, get_optimizer_state_dict, get_state_dict,
@@ -158,6 +160,16 @@ def _fsync_tree(folder: Path) -> None:
         _fsync_dir(Path(dirpath))
 
 
+def _safetensors(write: Any, *args: Any, **kw: Any) -> None:
+    """A safetensors write whose I/O failure is an ``OSError`` with its errno, like every other
+    write here (safetensors raises its own error type, errno only in the message)."""
+    try:
+        write(*args, **kw)
+    except SafetensorError as exc:
+        code = re.search(r"os error (\d+)", str(exc))
+        raise OSError(int(code.group(1)) if code else errno.EIO, f"{args[1]}: {exc}") from exc
+
+
 def _complete(folder: Path) -> bool:
     """A checkpoint folder renamed into place whole: its state reads and its weights are there."""
     try:
@@ -239,10 +251,10 @@ def save_checkpoint(
             if lead:
                 persistent = set(model.state_dict())  # no gathering: the keys only
                 msd.update((n, b.detach().cpu()) for n, b in model.named_buffers() if n in persistent)
-                save_file({n: t.contiguous() for n, t in msd.items()}, str(tmp / "model.safetensors"),
-                          metadata={"version": str(int(version))})
+                _safetensors(save_file, {n: t.contiguous() for n, t in msd.items()}, str(tmp / "model.safetensors"),
+                             metadata={"version": str(int(version))})
         else:
-            save_model(model, str(tmp / "model.safetensors"), metadata={"version": str(int(version))})
+            _safetensors(save_model, model, str(tmp / "model.safetensors"), metadata={"version": str(int(version))})
             osd = get_optimizer_state_dict(model, optimizer, options=_options(False)) if optimizer is not None else None
         if not lead:
             return final

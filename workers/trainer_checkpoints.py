@@ -8,6 +8,7 @@ run folder's latest checkpoint.
 
 from __future__ import annotations
 
+import shutil
 from pathlib import Path
 from typing import Any
 
@@ -71,14 +72,23 @@ class Checkpoints:
         return max(version, saved["version"]), str(saved["path"])
 
     def save(self, state: Any, version: int, counters: Counters) -> None:
-        """Write ``version`` (weights, optimizer, counters, config) into the run folder."""
+        """Write ``version`` (weights, optimizer, counters, config) into the run folder. A write
+        the disk refuses (full, read-only) is one ``checkpoint_failed`` line, not the end of the
+        job: the previous checkpoints are untouched, and the next due version tries again."""
         if self.run_dir is None:
             return
-        from workers.checkpoint import save_checkpoint
+        from workers.checkpoint import CHECKPOINTS, save_checkpoint
 
         keep = self.cfg.algo.keep_checkpoints or None
         fmt = self.cfg.train.checkpoint_format
-        path = save_checkpoint(self.run_dir, state.policy, state.optimizer, version,
-                               counters.as_dict(), self.cfg.to_yaml(), keep_last=keep, fmt=fmt)
+        try:
+            path = save_checkpoint(self.run_dir, state.policy, state.optimizer, version,
+                                   counters.as_dict(), self.cfg.to_yaml(), keep_last=keep, fmt=fmt)
+        except OSError as exc:  # a full or failing disk: the older checkpoints stay whole, training goes on
+            where = next((d for d in (self.run_dir / CHECKPOINTS, self.run_dir) if d.exists()), None)
+            free = shutil.disk_usage(where).free if where is not None else None
+            log.error("checkpoint_failed", version=version, path=str(self.run_dir), error=exc.strerror or repr(exc),
+                      errno=exc.errno, free_mb=None if free is None else round(free / 2**20, 1))
+            return
         if self.rank == 0:
             log.info("checkpoint_saved", version=version, path=str(path), format=fmt)

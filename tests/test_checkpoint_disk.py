@@ -1,0 +1,72 @@
+"""A full disk under a running job: each refused checkpoint is one error line, training goes on,
+the older checkpoints stay whole, and checkpoints resume once there is room again.
+
+The run folder's ``checkpoints/`` is a small tmpfs of its own (root), so the logs and metrics
+beside it still have room: the test is about the checkpoint writes."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+from pathlib import Path
+
+import pytest
+from safetensors.torch import load_file
+
+from rlvla3.harness.jobs import Job
+from workers.checkpoint import latest_checkpoint
+
+pytestmark = pytest.mark.slow
+
+
+def _fill(folder: Path) -> Path:
+    """Write a file into ``folder`` until the disk refuses; returns it."""
+    filler = folder / ".filler"
+    chunk = b"\0" * 65536
+    with open(filler, "wb") as f:
+        try:
+            while True:
+                f.write(chunk)
+                f.flush()
+        except OSError:
+            pass
+    return filler
+
+
+def _lines(job: Job, event: str) -> list[str]:
+    return [line for line in (job.run_dir / "trainer0.log").read_text().splitlines() if event in line]
+
+
+def test_a_full_disk_fails_checkpoints_loudly_and_training_goes_on(job_factory):
+    if os.geteuid() != 0:
+        if os.environ.get("CI") == "true":
+            pytest.fail("CI runs as root: mounting a small tmpfs must work there")
+        pytest.skip("needs root to mount a small tmpfs")
+    job = job_factory("algo.checkpoint_every=1", "algo.keep_checkpoints=2", start=False)
+    ckpts = job.run_dir / "checkpoints"
+    ckpts.mkdir()
+    subprocess.run(["mount", "-t", "tmpfs", "-o", "size=4m", "tmpfs", str(ckpts)], check=True)
+    try:
+        job.start_all()
+        job.wait(lambda f: latest_checkpoint(job.run_dir) is not None and f["trainer_version"] >= 2, 180, "a first checkpoint")
+        filler = _fill(ckpts)
+        kept = latest_checkpoint(job.run_dir)
+        full_at = job.status()["trainer_version"]
+        job.wait(lambda f: f["trainer_version"] >= full_at + 3 and len(_lines(job, "checkpoint_failed")) >= 2, 180,
+                 "training on past two refused checkpoints")
+        failed = _lines(job, "checkpoint_failed")
+        assert all("No space left on device" in line and "errno=28" in line for line in failed), failed
+        log = (job.run_dir / "trainer0.log").read_text()
+        assert "Traceback" not in log and "update_failed" not in log
+        # The checkpoint from before the disk filled is still the newest complete one, and whole.
+        assert latest_checkpoint(job.run_dir) == kept
+        assert load_file(str(kept / "model.safetensors"))
+        filler.unlink()
+        saved = len(_lines(job, "checkpoint_saved"))
+        job.wait(lambda f: len(_lines(job, "checkpoint_saved")) > saved, 120, "a checkpoint once there is room")
+        newest = latest_checkpoint(job.run_dir)
+        assert newest is not None and newest.name > kept.name
+        assert not [p.name for p in ckpts.iterdir() if p.name.startswith(".tmp-")]
+    finally:
+        job.stop()
+        subprocess.run(["umount", "-l", str(ckpts)], check=False)
