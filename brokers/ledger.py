@@ -33,6 +33,7 @@ class AckLedger:
         self.reported = dict.fromkeys(FATES, 0)
         self.lost_with_trainer = 0
         self.trainers_lost = 0
+        self.over_reported = 0
         self._held: dict[bytes, int] = {}  # trainer -> acknowledged training steps without a reported fate
 
     def on_acked(self, trainer: bytes, steps: int, evaluation: bool) -> None:
@@ -44,11 +45,18 @@ class AckLedger:
 
     def on_report(self, trainer: bytes, ack: dict[str, Any]) -> dict[str, int]:
         """A trainer's TRAJ_ACK fields: steps that met each fate since its previous report.
-        Returns them by fate."""
-        fates = {fate: int(ack.get(field, 0)) for fate, field in FIELD_OF.items()}
-        for fate, n in fates.items():
+        Returns them by fate, capped at what that trainer holds: a trainer that reports more than
+        it was given (a bug, or a hostile peer) cannot move other trainers' steps or push the
+        ledger off its sum; the excess is counted in ``over_reported``."""
+        held = self._held.get(trainer, 0)
+        fates = {}
+        for fate, field in FIELD_OF.items():
+            asked = int(ack.get(field, 0))
+            fates[fate] = n = max(0, min(asked, held))
+            self.over_reported += asked - n
             self.reported[fate] += n
-            self._held[trainer] = self._held.get(trainer, 0) - n
+            held -= n
+        self._held[trainer] = held
         return fates
 
     def held(self, trainer: bytes) -> int:
@@ -64,4 +72,4 @@ class AckLedger:
     def figures(self) -> dict[str, Any]:
         return {"acked": self.acked, "evaluation": self.evaluation, **self.reported,
                 "lost_with_trainer": self.lost_with_trainer, "held_by_trainers": sum(self._held.values()),
-                "trainers_lost": self.trainers_lost}
+                "trainers_lost": self.trainers_lost, "over_reported": self.over_reported}
