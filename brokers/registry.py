@@ -57,6 +57,10 @@ class Registry:
         self.env_steps: dict[tuple[str, str, int], int] = {}
         self._next_id = 0
 
+    def current(self, same: tuple[str, str, str, int, str | None]) -> Worker | None:
+        """The live registration of the worker ``same`` names (``Worker.same``), on whatever socket."""
+        return next((x for x in self.workers.values() if x.same == same), None)
+
     def find_same(self, w: Worker) -> Worker | None:
         """A registration of the same worker under another identity (it reopened its socket)."""
         return next((x for x in self.workers.values() if x.same == w.same and x.identity != w.identity), None)

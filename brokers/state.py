@@ -199,6 +199,9 @@ class BrokerState:
         return tensors
 
     def _on_traj(self, w: Worker, msg: P.Message, now: float) -> list[Out]:
+        again = self.trajs.resent(w, msg["traj_id"])  # a reconnected simulator's copy: never routed twice
+        if again is not None:
+            return again
         nbytes = inline_bytes(msg.tensors)
         self.holdings.admit_traj(w.identity, len(w.blocks), nbytes)
         self.stats.traj_received += 1

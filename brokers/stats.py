@@ -93,6 +93,7 @@ class BrokerStats:
     traj_acked: int = 0
     traj_requeued: int = 0
     traj_dropped: int = 0
+    traj_duplicates: int = 0  # re-sent TRAJ of a fragment already taken (not routed again)
     episodes: int = 0
     successes: int = 0
     env_restarts: int = 0
@@ -201,6 +202,7 @@ class BrokerStats:
             "traj": {
                 "received": self.traj_received, "delivered": self.traj_delivered,
                 "acked": self.traj_acked, "requeued": self.traj_requeued, "dropped": self.traj_dropped,
+                "duplicates": self.traj_duplicates,
             },
             "episodes": self.episodes,
             "env_restarts": self.env_restarts,

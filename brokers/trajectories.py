@@ -1,7 +1,11 @@
 """Trajectory routing: TRAJ fragments from simulators to trainers with free credits, and their
 acks back to the simulators (which then free the fragments' shared memory).
 
-A fragment out at a trainer that leaves goes back to the front of the queue. With PPO a trainer
+A fragment out at a trainer that leaves goes back to the front of the queue. A simulator that
+reconnects (a partition, a broker that went silent) sends again every fragment it has no ack
+for: each fragment is known by its simulator (``Worker.same``, whatever socket it uses) and
+``traj_id``, so a copy is never routed twice; one already acknowledged is acknowledged again, and
+acks reach the simulator on its current socket. With PPO a trainer
 holds at most about one update's worth of training steps without a reported fate
 (``hold_steps``: it gets more once it holds fewer), so a trainer killed mid-run loses at most
 that (``brokers/ledger.py``). With GRPO and
@@ -11,7 +15,7 @@ consecutive episodes of one env and must complete on one rank.
 
 from __future__ import annotations
 
-from collections import deque
+from collections import OrderedDict, deque
 from dataclasses import dataclass
 from typing import Any
 
@@ -27,6 +31,10 @@ from rlvla3 import protocol as P
 
 log = structlog.get_logger()
 
+SEEN_PER_SIMULATOR = 65536
+"""Fragment ids remembered per simulator for telling a re-send from a new fragment: far more than
+a simulator holds unacknowledged."""
+
 
 @dataclass
 class Trajectory:
@@ -37,6 +45,7 @@ class Trajectory:
     tensors: dict[str, Any]
     steps: int
     nbytes: int = 0  # bytes its inline tensors hold here (``holdings.inline_bytes``; none with shared memory)
+    writer: tuple = ()  # the simulator's ``Worker.same``: it survives a reconnect, ``sim`` does not
 
 
 class TrajectoryRouter:
@@ -56,6 +65,7 @@ class TrajectoryRouter:
         # Groups complete only with more fragments: GRPO trainers are not held back.
         self.hold_steps = None if grpo else hold_steps
         self._out_steps: dict[bytes, int] = {}  # trainer -> training steps delivered, not acked
+        self._seen: dict[tuple, OrderedDict[int, bool]] = {}  # simulator -> traj_id -> acked yet
         self.holdings = holdings or PeerHoldings()  # each simulator's fragments in pending, and their bytes
 
     def _enqueue(self, traj: Trajectory, front: bool = False) -> None:
@@ -66,11 +76,24 @@ class TrajectoryRouter:
         """A fragment left the queue for good (sent or dropped)."""
         self.holdings.fragment(traj.sim, -1, traj.nbytes)
 
+    def resent(self, w: Worker, traj_id: int) -> list[Out] | None:
+        """None for a fragment new from this simulator; for a copy of one already taken, what to
+        send back: its ack again once a trainer took it, nothing while it is queued or out."""
+        acked = self._seen.get(w.same, {}).get(traj_id)
+        if acked is None:
+            return None
+        self.stats.traj_duplicates += 1
+        return [Out(w.identity, P.TRAJ_ACK, {"traj_ids": [traj_id]})] if acked else []
+
     def on_traj(self, w: Worker, msg: P.Message, nbytes: int) -> None:
         self._next_gid += 1
         w.count_frames(msg.tensors)
+        seen = self._seen.setdefault(w.same, OrderedDict())
+        seen[msg["traj_id"]] = False
+        while len(seen) > SEEN_PER_SIMULATOR:  # a simulator re-sends only what it holds unacked
+            seen.popitem(last=False)
         self._enqueue(Trajectory(self._next_gid, w.identity, msg["traj_id"], msg.header, msg.tensors, msg["steps"],
-                                 nbytes))
+                                 nbytes, w.same))
 
     def deliver(self) -> list[Out]:
         """Hand pending fragments to trainers with free credits, least loaded first."""
@@ -95,14 +118,14 @@ class TrajectoryRouter:
                 if not free:  # every trainer holds an update's worth: it reports fates first
                     kept.append(traj)
                     continue
-            if traj.sim not in self.registry and any(isinstance(v, P.ShmRef) for v in traj.tensors.values()):
+            if self.registry.current(traj.writer) is None and any(isinstance(v, P.ShmRef) for v in traj.tensors.values()):
                 self._left(traj)
                 self._drop(traj)  # its writer died before a trainer took it
                 log.warning("traj_dropped_writer_gone", traj_id=traj.traj_id)
                 continue
             t = min(free, key=lambda w: len(w.trajs_inflight) - w.credits)
             if sticky:
-                key = (traj.sim, traj.header.get("env"))
+                key = (traj.writer, traj.header.get("env"))
                 owner = trainers.get(self.owner.get(key, b""))
                 if owner is None:
                     self.owner[key] = t.identity
@@ -142,8 +165,10 @@ class TrajectoryRouter:
             self._out_steps[trainer] -= traj.steps
 
     def _drop(self, traj: Trajectory) -> None:
-        """A fragment that will never reach a trainer: its steps free their admission capacity."""
+        """A fragment that will never reach a trainer: its steps free their admission capacity,
+        and a copy sent again is a new fragment."""
         self.stats.traj_dropped += 1
+        self._seen.get(traj.writer, {}).pop(traj.traj_id, None)
         if self.admission is not None and not traj.header.get("eval"):
             self.admission.on_discarded(traj.steps)
 
@@ -164,7 +189,7 @@ class TrajectoryRouter:
         would free a simulator's buffers and credit the ledger for steps nobody holds) and reports
         the fates of steps it held. Returns the acks for the simulators and the fates, as the
         ledger counted them."""
-        per_sim: dict[bytes, list[int]] = {}
+        per_sim: dict[tuple, list[int]] = {}  # by simulator (``Worker.same``): acks go to its socket now
         for gid in msg["traj_ids"]:  # checked before anything changes
             if not isinstance(gid, int):
                 raise P.ProtocolError(P.E_FIELD, "TRAJ_ACK.traj_ids must be integers")
@@ -178,9 +203,14 @@ class TrajectoryRouter:
             self.stats.traj_acked += 1
             self._settled(entry[0], entry[1])
             self.ledger.on_acked(w.identity, entry[1].steps, bool(entry[1].header.get("eval")))
-            per_sim.setdefault(entry[1].sim, []).append(entry[1].traj_id)
+            seen = self._seen.get(entry[1].writer)
+            if seen is not None and entry[1].traj_id in seen:
+                seen[entry[1].traj_id] = True
+            per_sim.setdefault(entry[1].writer, []).append(entry[1].traj_id)
         fates = self.ledger.on_report(w.identity, msg.header)
-        return [Out(sim, P.TRAJ_ACK, {"traj_ids": ids}) for sim, ids in per_sim.items() if sim in self.registry], fates
+        sims = {writer: self.registry.current(writer) for writer in per_sim}
+        return [Out(sims[writer].identity, P.TRAJ_ACK, {"traj_ids": ids}) for writer, ids in per_sim.items()
+                if sims[writer] is not None], fates
 
     def trainer_gone(self, w: Worker) -> int:
         """A trainer left: its fragments in flight go back to the queue. Returns the training

@@ -6,11 +6,17 @@ for real: TCP between namespaces (veth pairs on one bridge), inline frames betwe
 shared memory within one. ``bench/fabric/multihost.py`` and the ``multihost`` test run jobs on them.
 
     hosts = NetnsHosts()                  # needs root and iproute2; see ``unavailable()``
-    broker = hosts.add("broker")          # the first host holds the bridge: 10.213.0.1
+    broker = hosts.add("broker")          # 10.213.0.1
     sim = hosts.add("sim1")               # 10.213.0.2, ...
     proc = hosts.spawn(sim, ["worker", "--role", "simulator", ...], log_path)
+    hosts.cut(sim); hosts.heal(sim)       # its cable out of the switch, and back in
     hosts.kill_host(sim)                  # SIGKILL every process in its namespace, by pid
     hosts.close()                         # kill what is left, delete the namespaces
+
+Every host hangs off one switch (a bridge in a namespace of its own, with no process and no
+address), by a veth pair whose switch end :meth:`NetnsHosts.cut` takes down: a network partition
+of that host from all the others, as a pulled cable or a failed top-of-rack port (this kernel
+has no netem). The host's own end stays up, so its processes see no link change, only silence.
 
 ``NetnsJob`` runs a job over them with CURVE keys (broker on the first host, STATUS from there).
 
@@ -81,26 +87,25 @@ class NetnsHosts:
 
     def __init__(self) -> None:
         self.tag = f"rlv{os.getpid()}"
+        self.switch = f"{self.tag}-sw"
         self.hosts: dict[str, Host] = {}
 
     def add(self, name: str) -> Host:
         """A new host, reachable from every other at ``host.addr``."""
         i = len(self.hosts)
+        if i == 0:
+            _ip("netns", "add", self.switch)
+            _ip("-n", self.switch, "link", "add", "br0", "type", "bridge")
+            _ip("-n", self.switch, "link", "set", "br0", "up")
         netns = f"{self.tag}-{i}"
         _ip("netns", "add", netns)
         addr = f"{SUBNET}.{i + 1}"
         try:
             _ip("-n", netns, "link", "set", "lo", "up")
-            if i == 0:
-                _ip("-n", netns, "link", "add", "br0", "type", "bridge")
-                _ip("-n", netns, "addr", "add", f"{addr}/24", "dev", "br0")
-                _ip("-n", netns, "link", "set", "br0", "up")
-            else:
-                hub = next(iter(self.hosts.values())).netns
-                _ip("-n", hub, "link", "add", f"veth{i}", "type", "veth", "peer", "name", "eth0", "netns", netns)
-                _ip("-n", hub, "link", "set", f"veth{i}", "master", "br0", "up")
-                _ip("-n", netns, "addr", "add", f"{addr}/24", "dev", "eth0")
-                _ip("-n", netns, "link", "set", "eth0", "up")
+            _ip("-n", self.switch, "link", "add", f"port{i}", "type", "veth", "peer", "name", "eth0", "netns", netns)
+            _ip("-n", self.switch, "link", "set", f"port{i}", "master", "br0", "up")
+            _ip("-n", netns, "addr", "add", f"{addr}/24", "dev", "eth0")
+            _ip("-n", netns, "link", "set", "eth0", "up")
             holder = subprocess.Popen(
                 ["ip", "netns", "exec", netns, "unshare", "--mount", "--uts", "--propagation", "private", "sh", "-c",
                  f"mount -t tmpfs -o size={SHM_SIZE},mode=1777 tmpfs /dev/shm && hostname {name} && exec sleep infinity"],
@@ -160,6 +165,20 @@ class NetnsHosts:
             raise box["error"]
         return box.get("value")
 
+    def _port(self, host: Host) -> str:
+        return f"port{list(self.hosts).index(host.name)}"
+
+    def cut(self, host: Host) -> None:
+        """Partition ``host`` from every other: its switch port goes down (packets in flight and
+        all that follow are dropped; TCP sees nothing until it retransmits in vain)."""
+        _ip("-n", self.switch, "link", "set", self._port(host), "down")
+        log.info("netns_host_cut", host=host.name)
+
+    def heal(self, host: Host) -> None:
+        """Plug ``host`` back in."""
+        _ip("-n", self.switch, "link", "set", self._port(host), "up")
+        log.info("netns_host_healed", host=host.name)
+
     def pids(self, host: Host) -> list[int]:
         """Every process in the host's network namespace (its holder included)."""
         r = subprocess.run(["ip", "netns", "pids", host.netns], capture_output=True, text=True)
@@ -191,6 +210,8 @@ class NetnsHosts:
                 self.kill_host(host)
             finally:
                 subprocess.run(["ip", "netns", "del", host.netns], capture_output=True)
+        if self.hosts:
+            subprocess.run(["ip", "netns", "del", self.switch], capture_output=True)
         self.hosts = {}
 
 
