@@ -8,7 +8,8 @@ made stochastic:
 * ``ode`` - no noise; log-prob 0. Deterministic evaluation.
 * ``sde`` - Flow-SDE: the ODE is turned into the SDE with the same marginals,
   ``mean = x + dt * (v + sigma_t^2 / (2t) * (x + (1 - t) v))``, ``std = sigma_t * sqrt(-dt)``,
-  ``sigma_t = a * sqrt(t / (1 - t))`` (``t`` capped at ``1 - 1/K`` so the first step is finite).
+  ``sigma_t = a * sqrt(t / (1 - t))``, whose first step (``t = 1``) takes ``1 - t`` at the next
+  time, ``1/K`` (RLinf's pi0 / pi0.5 ``flow_sde``: ``sigma_1 = a * sqrt(K)``).
   Noise goes into ``all`` steps or ``one`` random step per sample.
 * ``noise`` - Flow-Noise: ODE mean plus a learned, bounded std from a noise head that reads the
   action expert's features.
@@ -95,8 +96,8 @@ class FlowSampler(nn.Module):
         v = v.float()
         ode = x + dt * v
         if self.cfg.mode == "sde":
-            tc = min(t, 1.0 + dt) if self.cfg.num_steps > 1 else 0.5
-            sigma = self.cfg.noise_level * math.sqrt(tc / (1.0 - tc))
+            denom = -dt if t >= 1.0 else 1.0 - t
+            sigma = self.cfg.noise_level * math.sqrt(t / denom)
             mean = x + dt * (v + sigma**2 / (2 * t) * (x + (1.0 - t) * v))
             std = torch.full_like(x, sigma * math.sqrt(-dt))
         elif self.cfg.mode == "noise":
@@ -217,11 +218,18 @@ class FlowPolicy(Policy):
     def _velocity_fn(self, ctx: dict[str, Any]) -> VelocityFn:
         """The velocity ``v(x_t, t)`` (pi0's time convention) given the context."""
 
-    def act(self, obs: Observation, deterministic: bool = False) -> ActOutput:
+    def act(self, obs: Observation, deterministic: bool = False, noise: torch.Tensor | None = None) -> ActOutput:
+        """``noise`` ``[B, T, model_action_dim]`` is the chain's start (reproducible evaluation and
+        parity); by default Gaussian when sampling and zeros when ``deterministic``."""
         with torch.no_grad():
             ctx = self._context(self.norm.state_in(obs))
             shape = (ctx["value"].shape[0], self.chunk_size, self.model_action_dim)
-            x0 = torch.zeros(shape, device=self.device) if deterministic else torch.randn(shape, device=self.device)
+            if noise is not None:
+                if tuple(noise.shape) != shape:
+                    raise ValueError(f"{self.family}: initial noise of shape {tuple(noise.shape)}; expected {shape}")
+                x0 = noise.to(self.device, torch.float32)
+            else:
+                x0 = torch.zeros(shape, device=self.device) if deterministic else torch.randn(shape, device=self.device)
             res = self.sampler.sample(self._velocity_fn(ctx), x0, deterministic)
         actions = self.norm.action_out(res.actions[..., : self.action_dim])
         return ActOutput(actions=actions.contiguous(), logprob=res.logprob,

@@ -83,8 +83,25 @@ PI05_RULES = _paligemma_rules("vlm.") + [
 ]
 RULES = {"pi0": PI0_RULES, "pi05": PI05_RULES}
 UNMAPPED = {"pi05": (_EXPERT + "lm_head.",)}
-"""Release tensors with no counterpart here: pi0.5's expert output table (our expert reads
-embeddings only and keeps an 8-row stub token table, which is not exported either)."""
+"""Release tensors with no counterpart here: pi0.5's expert output table, which LeRobot never
+reads (our expert reads embeddings only and keeps an 8-row stub token table, not exported)."""
+_VLM_HEAD, _VLM_TABLE = _VLM + "lm_head.weight", _VLM + "model.language_model.embed_tokens.weight"
+
+
+def _unread(sd: dict[str, torch.Tensor], family: str) -> tuple[str, ...]:
+    """Release tensors LeRobot never reads: the family's ``UNMAPPED`` and, where the folder also
+    holds PaliGemma's token table (LeRobot >= 0.5 writes both, untied), PaliGemma's ``lm_head``;
+    without the table the head is the table (LeRobot copies it there)."""
+    return UNMAPPED.get(family, ()) + ((_VLM_HEAD,) if _VLM_HEAD in sd and _VLM_TABLE in sd else ())
+
+
+def _check_shapes(policy: Any, sd: dict[str, torch.Tensor], names: dict[str, str], family: str, local_dir: str) -> None:
+    """Every release tensor's shape against ours, the mismatches named in the release's spelling."""
+    own = policy.state_dict()
+    bad = [f"{k} {tuple(sd[k].shape)} vs {tuple(own[n].shape)}" for k, n in names.items() if n in own and own[n].shape != sd[k].shape]
+    if bad:
+        raise ValueError(f"{family}: {local_dir!r} read as LeRobot's {family} layout (lerobot/{'pi0' if family == 'pi0' else 'pi05_base'}): "
+                         f"{len(bad)} tensor(s) do not match the model built from its config.json: {'; '.join(bad[:10])}")
 OURS_NOT_EXPORTED = {"pi05": ("expert.embed_tokens.",)}
 
 
@@ -261,6 +278,8 @@ def load(local_dir: str, family: str, spec: Any, overrides: dict[str, Any]) -> A
     arch = infer_arch(config, sd)
     saved_opts, heads = read_rlvla3_files(local_dir, family)
     release = {"chunk_size": int(config.get("chunk_size", 50)), "num_steps": int(config.get("num_inference_steps", 10))}
+    if "tokenizer_max_length" in config:
+        release["max_text_len"] = int(config["tokenizer_max_length"])
     tokenizer = load_tokenizer(local_dir, family, TOKENIZER_NAME)
     if family == "pi0":
         from workers.policies.pi0 import Pi0Options, Pi0Policy, build_pi0_config
@@ -272,8 +291,9 @@ def load(local_dir: str, family: str, spec: Any, overrides: dict[str, Any]) -> A
 
         opts = options_for(Pi05Options, release, saved_opts, overrides)
         policy = Pi05Policy(opts, spec, tokenizer=tokenizer, arch=arch)
-    skip = UNMAPPED.get(family, ())
+    skip = _unread(sd, family)
     names = rename([k for k in sd if not k.startswith(skip)], RULES[family])
+    _check_shapes(policy, sd, names, family, local_dir)
     mapped = {names[k]: sd[k].to(policy.device) for k in names}
     mapped.update(heads)
     fresh = ("value_head.", "sampler.noise_head.", "norm.") + OURS_NOT_EXPORTED.get(family, ())
