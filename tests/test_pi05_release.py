@@ -161,3 +161,11 @@ def test_bad_folders_say_what_is_wrong(vector, tmp_path):
         load_release(str(d), "pi05", SPEC, {"device": "cpu"})
     with pytest.raises(ValueError, match="'QUANTILE5'"):
         affine_from_stats("QUANTILE5", {}, 3, 1e-8, False)
+
+
+def test_flow_matching_loss_is_lerobots(policy, vector):
+    """``sft_loss`` on fixed actions, noise and times equals ``PI05Pytorch.forward``'s loss."""
+    v = vector["loss"]
+    with torch.no_grad():
+        loss = policy.sft_loss(observation(vector), torch.tensor(v["actions"]), noise=torch.tensor(v["noise"]), time=torch.tensor(v["time"]))
+    assert abs(float(loss) - v["loss"]) < 1e-4, (float(loss), v["loss"])

@@ -81,6 +81,11 @@ class Policy(nn.Module, ABC):
     def evaluate(self, obs: Observation, actions: torch.Tensor, replay: dict[str, torch.Tensor]) -> EvalOutput:
         """Differentiable log-probs, entropy and values of given actions."""
 
+    def sft_loss(self, obs: Observation, actions: torch.Tensor) -> torch.Tensor:
+        """The supervised warm start's loss on expert chunks ``[B, T, A]`` (env space): the negative
+        log-prob of the chunk; families with a training objective of their own override it."""
+        return -self.evaluate(obs, actions, {}).logprob.float().sum(-1).mean()
+
 
 # ---------------------------------------------------------------------------------------------
 # Registry

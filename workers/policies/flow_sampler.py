@@ -235,6 +235,26 @@ class FlowPolicy(Policy):
         return ActOutput(actions=actions.contiguous(), logprob=res.logprob,
                          value=ctx["value"], replay={"chain": res.chain, "stochastic": res.mask})
 
+    def sample_time(self, batch: int) -> torch.Tensor:
+        """Training times (1 = noise): openpi's and LeRobot's ``Beta(1.5, 1) * 0.999 + 0.001``."""
+        return torch.distributions.Beta(1.5, 1.0).sample((batch,)) * 0.999 + 0.001
+
+    def sft_loss(self, obs: Observation, actions: torch.Tensor, noise: torch.Tensor | None = None,
+                 time: torch.Tensor | None = None) -> torch.Tensor:
+        """Flow matching on expert chunks ``[B, T, A]`` (env space): the normalised, zero-padded
+        chunk noised to ``x_t = t * noise + (1 - t) * actions`` at times from :meth:`sample_time`,
+        the velocity regressed onto ``noise - actions`` (mean squared error over the env's action
+        dims, as LeRobot's loss). The critic and the noise head get no gradient."""
+        ctx = self._context(self.norm.state_in(obs))
+        target = self.norm.action_in(actions.to(self.device).float())
+        b, d = target.shape[0], self.action_dim
+        chunk = torch.zeros(b, self.chunk_size, self.model_action_dim, device=self.device)
+        chunk[..., :d] = target
+        noise = torch.randn_like(chunk) if noise is None else noise.to(chunk)
+        t = (self.sample_time(b) if time is None else time).to(chunk)[:, None, None]
+        v, _ = self._velocity_fn(ctx)(t * noise + (1 - t) * chunk, t[:, 0, 0])
+        return ((v.float() - (noise - chunk))[..., :d] ** 2).mean()
+
     def evaluate(self, obs: Observation, actions: torch.Tensor, replay: dict[str, torch.Tensor]) -> EvalOutput:
         ctx = self._context(self.norm.state_in(obs))
         chain = replay["chain"].to(self.device).clone()  # clone: may come from inference_mode

@@ -231,6 +231,11 @@ class Gr00tPolicy(FlowPolicy):
         return {"vl": self.head.vl_proj(vl), "pad": mask == 0, "state": state,
                 "value": self.value_head(masked_mean(vl, mask))}
 
+    def sample_time(self, batch: int) -> torch.Tensor:
+        """GR00T N1.5's training times, ``(0.999 - Beta(1.5, 1)) / 0.999`` in its own convention
+        (1 = data), read in pi0's (1 = noise)."""
+        return torch.distributions.Beta(1.5, 1.0).sample((batch,)) / 0.999
+
     def _velocity_fn(self, ctx: dict[str, Any]):
         def velocity(x: torch.Tensor, t: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
             v, h = self.head(ctx["vl"], ctx["pad"], ctx["state"], x.to(self._dtype), 1.0 - t)
