@@ -1,8 +1,9 @@
-"""pi0.5 against LeRobot 0.6.1 and RLinf, from the test vectors in ``tests/vectors/pi05`` (how they
-were made: that folder's README). The folder here is LeRobot's own ``save_pretrained`` output
-re-created tensor for tensor from the vector's seed; it loads with only the documented tensors
-unread, and from raw images, instruction and state acts as LeRobot's ``predict_action_chunk`` did
-with the same initial noise; the Flow-SDE log-prob of a chain equals RLinf's formula."""
+"""pi0.5 and pi0 against LeRobot 0.6.1 (and pi0.5's Flow-SDE against RLinf), from the test vectors
+in ``tests/vectors/pi05`` (how they were made: that folder's README). Each folder here is LeRobot's
+own ``save_pretrained`` output re-created tensor for tensor from the vector's seed; it loads with
+only the documented tensors unread, and from raw images, instruction and state acts as LeRobot's
+``predict_action_chunk`` did with the same initial noise; the flow-matching loss on fixed actions,
+noise and times is LeRobot's; the Flow-SDE log-prob of a chain equals RLinf's formula."""
 
 from __future__ import annotations
 
@@ -168,4 +169,24 @@ def test_flow_matching_loss_is_lerobots(policy, vector):
     v = vector["loss"]
     with torch.no_grad():
         loss = policy.sft_loss(observation(vector), torch.tensor(v["actions"]), noise=torch.tensor(v["noise"]), time=torch.tensor(v["time"]))
+    assert abs(float(loss) - v["loss"]) < 1e-4, (float(loss), v["loss"])
+
+
+@pytest.fixture(scope="module")
+def pi0(tmp_path_factory):
+    from workers.release.layouts import load_release
+
+    vec = json.loads((VECTORS / "pi0_lerobot_tiny.json").read_text())
+    d = write_folder(vec, tmp_path_factory.mktemp("pi0") / "lerobot")
+    return vec, load_release(str(d), "pi0", SPEC, {"dtype": "float32", "device": "cpu"})
+
+
+def test_pi0_lerobot_folder_acts_and_trains_as_lerobot(pi0):
+    vec, policy = pi0
+    out = policy.act(observation(vec), deterministic=True, noise=torch.tensor(vec["noise"]))
+    diff = (out.actions - torch.tensor(vec["actions"])).abs().max().item()
+    assert diff < 1e-4, f"actions differ from LeRobot's by {diff}"
+    v = vec["loss"]
+    with torch.no_grad():
+        loss = policy.sft_loss(observation(vec), torch.tensor(v["actions"]), noise=torch.tensor(v["noise"]), time=torch.tensor(v["time"]))
     assert abs(float(loss) - v["loss"]) < 1e-4, (float(loss), v["loss"])
