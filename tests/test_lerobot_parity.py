@@ -190,3 +190,21 @@ def test_pi0_lerobot_folder_acts_and_trains_as_lerobot(pi0):
     with torch.no_grad():
         loss = policy.sft_loss(observation(vec), torch.tensor(v["actions"]), noise=torch.tensor(v["noise"]), time=torch.tensor(v["time"]))
     assert abs(float(loss) - v["loss"]) < 1e-4, (float(loss), v["loss"])
+
+
+def test_export_is_lerobots_layout_and_reimports_identically(policy, vector, tmp_path):
+    """The LeRobot export holds LeRobot's tensor names and shapes (the token table once, as
+    ``lm_head``, which LeRobot copies into the table: its strict load passes), and re-imports
+    acting exactly as before."""
+    from safetensors.torch import load_file
+
+    from workers.release.layouts import load_release, save_release
+
+    save_release(policy, str(tmp_path / "out"), "lerobot")
+    written = {k: list(v.shape) for k, v in load_file(str(tmp_path / "out" / "model.safetensors")).items()}
+    table = "model.paligemma_with_expert.paligemma.model.language_model.embed_tokens.weight"
+    assert {**written, table: vector["shapes"][table]} == vector["shapes"]
+    again = load_release(str(tmp_path / "out"), "pi05", SPEC, {"device": "cpu"})
+    noise = torch.tensor(vector["noise"])
+    a, b = (p.act(observation(vector), deterministic=True, noise=noise).actions for p in (policy, again))
+    assert torch.equal(a, b)

@@ -316,7 +316,11 @@ def save(policy: Any, out_dir: str) -> None:
     ours = export_state(policy, skip=("value_head.", "sampler.noise_head.", "norm.") + OURS_NOT_EXPORTED.get(family, ()))
     back = inverted([r for r in RULES[family] if not r[0].startswith("time_mlp") or family == "pi05"])
     names = rename(ours, back)
-    save_file({"model." + names[k]: v for k, v in ours.items()}, os.path.join(out_dir, "model.safetensors"))
+    released = {"model." + names[k]: v for k, v in ours.items()}
+    if family == "pi05":  # LeRobot's strict load wants the expert's output table, which it never reads: zeros
+        table = ours["vlm.language_model.embed_tokens.weight"]
+        released["model." + _EXPERT + "lm_head.weight"] = table.new_zeros(table.shape[0], arch["expert"]["hidden_size"])
+    save_file(released, os.path.join(out_dir, "model.safetensors"))
     inputs, outputs = _features(policy)
     config = {
         "type": family, "n_obs_steps": 1, "input_features": inputs, "output_features": outputs, "device": "cpu",
