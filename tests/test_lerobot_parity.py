@@ -71,8 +71,6 @@ def policy(vector, tmp_path_factory):
 
 
 def test_lerobot_folder_acts_as_lerobot_from_raw_inputs(policy, vector):
-    from workers.policies.vla_common import encode_text
-
     assert policy.opts.num_steps == vector["config"]["num_inference_steps"] and policy.chunk_size == vector["config"]["chunk_size"]
     obs = observation(vector)
     out = policy.act(obs, deterministic=True, noise=torch.tensor(vector["noise"]))
