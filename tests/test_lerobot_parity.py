@@ -131,15 +131,16 @@ def test_pi05_base_tensor_list_is_lerobots():
     ours but the RL heads, the statistics and the expert's stub table comes from one."""
     from workers.policies.pi05 import Pi05Options, Pi05Policy
     from workers.release.common import rename
-    from workers.release.lerobot_pi import PI05_RULES, _unread
+    from workers.release.lerobot_pi import PI05_RULES, _unread, infer_arch
 
     rel = {k[len("model."):]: torch.Size(v) for k, v in json.loads((VECTORS / "pi05_base_tensors.json").read_text())["tensors"].items()}
+    arch = infer_arch({"type": "pi05"}, {k: torch.empty(v, device="meta") for k, v in rel.items()})  # as a load reads it
     skip = _unread(rel, "pi05")
     assert sorted(k for k in rel if k.startswith(skip)) == ["paligemma_with_expert.gemma_expert.lm_head.weight",
                                                              "paligemma_with_expert.paligemma.lm_head.weight"]
     names = rename([k for k in rel if not k.startswith(skip)], PI05_RULES)
     with torch.device("meta"):
-        ours = {k: v.shape for k, v in Pi05Policy(Pi05Options(size="3b", device="meta"), SPEC).state_dict().items()}
+        ours = {k: v.shape for k, v in Pi05Policy(Pi05Options(size="3b", device="meta"), SPEC, arch=arch).state_dict().items()}
     assert [f"{k} {tuple(rel[k])} vs {tuple(ours.get(n, ()))}" for k, n in names.items() if ours.get(n) != rel[k]] == []
     left = {k for k in ours if not k.startswith(("value_head.", "sampler.", "norm."))} - set(names.values())
     assert left == {"expert.embed_tokens.weight"} and len(set(names.values())) == len(names)
