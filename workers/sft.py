@@ -224,6 +224,7 @@ def behaviour_clone(policy: torch.nn.Module, demos: dict[str, np.ndarray], epoch
             total += float(loss.detach()) * len(idx)
             count += len(idx)
         losses.append(total / count)
+        log.info("sft_epoch", epoch=len(losses), loss=round(losses[-1], 5))
     return losses
 
 
