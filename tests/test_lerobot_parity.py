@@ -159,6 +159,10 @@ def test_bad_folders_say_what_is_wrong(vector, tmp_path):
     d = write_folder(bad, tmp_path / "shapes")
     with pytest.raises(ValueError, match=r"LeRobot's pi05 layout.*gemma_expert\.model\.layers\.0\.input_layernorm\.dense\.bias \(64,\) vs \(96,\)"):
         load_release(str(d), "pi05", SPEC, {"device": "cpu"})
+    relative = dict(vector, config=dict(vector["config"], use_relative_actions=True))
+    d = write_folder(relative, tmp_path / "relative")
+    with pytest.raises(ValueError, match="use_relative_actions"):
+        load_release(str(d), "pi05", SPEC, {"device": "cpu"})
     with pytest.raises(ValueError, match="'QUANTILE5'"):
         affine_from_stats("QUANTILE5", {}, 3, 1e-8, False)
 

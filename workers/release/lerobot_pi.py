@@ -274,6 +274,9 @@ def load(local_dir: str, family: str, spec: Any, overrides: dict[str, Any]) -> A
         config = json.load(f)
     if config.get("type") != family:
         raise ValueError(f"{family}: {local_dir}/config.json is a LeRobot {config.get('type')!r} config")
+    if config.get("use_relative_actions"):
+        raise ValueError(f"{family}: {local_dir}/config.json sets use_relative_actions (actions relative to the state), "
+                         "which rlvla3 does not apply; its actions would be wrong")
     sd = _strip_policy_prefix(read_safetensors(local_dir, family))
     arch = infer_arch(config, sd)
     saved_opts, heads = read_rlvla3_files(local_dir, family)
