@@ -6,9 +6,10 @@ Real VLA RL starts from a supervised checkpoint, not from scratch. ``rlvla3 sft 
      one per task; ManiSkill ships motion-planning solutions, see workers/envs/maniskill_expert.py;
      the synthetic reach task's is a straight line to the goal), one decision per
      ``model.chunk_size`` expert actions - or reads recorded ones (``--demos FILE.npz``);
-  2. trains the job's policy to maximise ``evaluate()``'s log-prob of the expert chunks (for the
-     Gaussian ``mlp`` policy: Gaussian NLL of the mean with the exploration std held fixed, so
-     RL still explores afterwards);
+  2. trains the job's policy on the expert chunks by its family's own loss (``Policy.sft_loss``):
+     the log-prob of the chunk for ``mlp`` (Gaussian NLL of the mean with the exploration std
+     held fixed, so RL still explores afterwards) and OpenVLA-OFT; flow matching for pi0, pi0.5
+     and GR00T (``FlowPolicy.sft_loss``);
   3. writes ``OUT/model.safetensors`` (+ ``config.yaml``, ``sft.json``), which ``rlvla3 run``
      starts from with ``model.checkpoint: OUT`` (``workers.model.load_checkpoint_weights``).
 
@@ -18,10 +19,6 @@ Demonstration file (``.npz``), N decisions, chunk T, action dim A::
     actions [N, T, A] float32     instruction [N] str     episode [N] int64
 
 (the observation's arrays are named as on the wire: ``Observation.to_tensors``).
-
-A family with its own supervised objective (``sft_loss``: GR00T N1.5's flow-matching loss) trains
-on that. Other families whose ``evaluate`` needs sampler replay (flow-matching pi0 / pi0.5) cannot
-be cloned through log-probs of given actions without it; they are refused with a clear message.
 """
 
 from __future__ import annotations
@@ -43,8 +40,6 @@ log = structlog.get_logger()
 
 ExpertFn = Callable[[EnvAdapter, list[int], Observation], np.ndarray]
 """(env, ids, obs of those ids) -> expert actions [n, A] for one env step."""
-
-CLONABLE_FAMILIES = ("mlp", "openvla_oft", "gr00t_n15")
 
 
 # ---------------------------------------------------------------------------------------------
@@ -203,7 +198,7 @@ def load_demos(path: str | Path) -> dict[str, np.ndarray]:
 
 def behaviour_clone(policy: torch.nn.Module, demos: dict[str, np.ndarray], epochs: int, lr: float = 1e-3,
                     minibatch_size: int = 128, seed: int = 0) -> list[float]:
-    """Maximise the policy's log-prob of the expert chunks; returns the loss per epoch.
+    """Minimise the policy's ``sft_loss`` on the expert chunks; returns the loss per epoch.
 
     Parameters named ``log_std`` are held fixed: NLL would shrink the exploration noise towards
     the (deterministic) expert's, and RL after the warm start needs it.
@@ -221,10 +216,7 @@ def behaviour_clone(policy: torch.nn.Module, demos: dict[str, np.ndarray], epoch
         total, count = 0.0, 0
         for s in range(0, n, minibatch_size):
             idx = perm[s:s + minibatch_size]
-            if hasattr(policy, "sft_loss"):  # the family's own objective (GR00T N1.5: flow matching)
-                loss = policy.sft_loss(obs_all.select(idx), actions_all[idx])
-            else:
-                loss = -policy.evaluate(obs_all.select(idx), actions_all[idx].to(policy.device), {}).logprob.float().sum(-1).mean()
+            loss = policy.sft_loss(obs_all.select(idx), actions_all[idx].to(policy.device))
             opt.zero_grad(set_to_none=True)
             loss.backward()
             torch.nn.utils.clip_grad_norm_(params, 1.0)
@@ -232,6 +224,7 @@ def behaviour_clone(policy: torch.nn.Module, demos: dict[str, np.ndarray], epoch
             total += float(loss.detach()) * len(idx)
             count += len(idx)
         losses.append(total / count)
+        log.info("sft_epoch", epoch=len(losses), loss=round(losses[-1], 5))
     return losses
 
 
@@ -263,9 +256,6 @@ def run_sft(cfg: JobConfig, out: str | Path, episodes: int = 128, epochs: int = 
 
     from workers.model import build_policy
 
-    if cfg.model.family not in CLONABLE_FAMILIES:
-        raise SystemExit(f"sft: model.family {cfg.model.family!r} cannot be cloned from actions alone "
-                         f"(supported: {CLONABLE_FAMILIES}); its evaluate() needs the sampler's replay")
     t0 = time.monotonic()
     torch.set_num_threads(max(1, cfg.workers.torch_threads))
     demos = load_demos(demos_path) if demos_path else collect_demos(cfg, episodes, seed=cfg.run.seed * 7919 + 12345)

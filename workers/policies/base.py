@@ -87,6 +87,11 @@ class Policy(nn.Module, ABC):
         """Fold the raw observations of a trained batch into statistics the policy keeps (the
         trainer calls it after each update; families without statistics keep nothing)."""
 
+    def sft_loss(self, obs: Observation, actions: torch.Tensor) -> torch.Tensor:
+        """The supervised warm start's loss on expert chunks ``[B, T, A]`` (env space): the negative
+        log-prob of the chunk; families with a training objective of their own override it."""
+        return -self.evaluate(obs, actions, {}).logprob.float().sum(-1).mean()
+
 
 # ---------------------------------------------------------------------------------------------
 # Registry

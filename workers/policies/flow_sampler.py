@@ -8,7 +8,8 @@ made stochastic:
 * ``ode`` - no noise; log-prob 0. Deterministic evaluation.
 * ``sde`` - Flow-SDE: the ODE is turned into the SDE with the same marginals,
   ``mean = x + dt * (v + sigma_t^2 / (2t) * (x + (1 - t) v))``, ``std = sigma_t * sqrt(-dt)``,
-  ``sigma_t = a * sqrt(t / (1 - t))`` (``t`` capped at ``1 - 1/K`` so the first step is finite).
+  ``sigma_t = a * sqrt(t / (1 - t))``, whose first step (``t = 1``) takes ``1 - t`` at the next
+  time, ``1/K`` (RLinf's pi0 / pi0.5 ``flow_sde``: ``sigma_1 = a * sqrt(K)``).
   Noise goes into ``all`` steps or ``one`` random step per sample.
 * ``noise`` - Flow-Noise: ODE mean plus a learned, bounded std from a noise head that reads the
   action expert's features.
@@ -88,10 +89,9 @@ class FlowSampler(nn.Module):
         return 1.0 - torch.arange(k, device=device, dtype=torch.float32) / k
 
     def sde_sigma(self, t: float) -> float:
-        """Flow-SDE's ``sigma_t`` (``t`` capped at ``1 - 1/K`` so the first step is finite)."""
-        dt = -1.0 / self.cfg.num_steps
-        tc = min(t, 1.0 + dt) if self.cfg.num_steps > 1 else 0.5
-        return self.cfg.noise_level * math.sqrt(tc / (1.0 - tc))
+        """Flow-SDE's ``sigma_t = a * sqrt(t / (1 - t))`` with ``1 - t`` floored at ``1/K``, so the
+        first step (``t = 1``) is finite: ``a * sqrt(K)`` there, as RLinf computes it."""
+        return self.cfg.noise_level * math.sqrt(t / max(1.0 - t, 1.0 / self.cfg.num_steps))
 
     def transition(
         self, x: torch.Tensor, v: torch.Tensor, feat: torch.Tensor | None, t: float
@@ -223,11 +223,14 @@ class FlowPolicy(Policy):
         """The velocity ``v(x_t, t)`` (pi0's time convention) given the context."""
 
     def act(self, obs: Observation, deterministic: bool = False, noise: torch.Tensor | None = None) -> ActOutput:
-        """``noise`` (``[B, T, model_action_dim]``) replaces the initial draw, e.g. to compare with a reference."""
+        """``noise`` ``[B, T, model_action_dim]`` is the chain's start (reproducible evaluation and
+        parity); by default Gaussian when sampling and zeros when ``deterministic``."""
         with torch.no_grad():
             ctx = self._context(self.norm.state_in(obs))
             shape = (ctx["value"].shape[0], self.chunk_size, self.model_action_dim)
             if noise is not None:
+                if tuple(noise.shape) != shape:
+                    raise ValueError(f"{self.family}: initial noise of shape {tuple(noise.shape)}; expected {shape}")
                 x0 = noise.to(self.device, torch.float32)
             else:
                 x0 = torch.zeros(shape, device=self.device) if deterministic else torch.randn(shape, device=self.device)
@@ -235,6 +238,26 @@ class FlowPolicy(Policy):
         actions = self.norm.action_out(res.actions[..., : self.action_dim])
         return ActOutput(actions=actions.contiguous(), logprob=res.logprob,
                          value=ctx["value"], replay={"chain": res.chain, "stochastic": res.mask})
+
+    def sample_time(self, batch: int) -> torch.Tensor:
+        """Training times (1 = noise): openpi's and LeRobot's ``Beta(1.5, 1) * 0.999 + 0.001``."""
+        return torch.distributions.Beta(1.5, 1.0).sample((batch,)) * 0.999 + 0.001
+
+    def sft_loss(self, obs: Observation, actions: torch.Tensor, noise: torch.Tensor | None = None,
+                 time: torch.Tensor | None = None) -> torch.Tensor:
+        """Flow matching on expert chunks ``[B, T, A]`` (env space): the normalised, zero-padded
+        chunk noised to ``x_t = t * noise + (1 - t) * actions`` at times from :meth:`sample_time`,
+        the velocity regressed onto ``noise - actions`` (mean squared error over the env's action
+        dims, as LeRobot's loss). The critic and the noise head get no gradient."""
+        ctx = self._context(self.norm.state_in(obs))
+        target = self.norm.action_in(actions.to(self.device).float())
+        b, d = target.shape[0], self.action_dim
+        chunk = torch.zeros(b, self.chunk_size, self.model_action_dim, device=self.device)
+        chunk[..., :d] = target
+        noise = torch.randn_like(chunk) if noise is None else noise.to(chunk)
+        t = (self.sample_time(b) if time is None else time).to(chunk)[:, None, None]
+        v, _ = self._velocity_fn(ctx)(t * noise + (1 - t) * chunk, t[:, 0, 0])
+        return ((v.float() - (noise - chunk))[..., :d] ** 2).mean()
 
     def evaluate(self, obs: Observation, actions: torch.Tensor, replay: dict[str, torch.Tensor]) -> EvalOutput:
         ctx = self._context(self.norm.state_in(obs))

@@ -95,16 +95,6 @@ def eagle_pixels(images: dict[str, Any], cameras: list[str], size: int, device: 
     return torch.stack(out, dim=1).to(dtype)
 
 
-class RLinfFlowSampler(FlowSampler):
-    """Flow-SDE as RLinf takes it for N1.5: ``sigma = a * sqrt((1 - tau) / tau)`` on tau = k/K,
-    with tau = 0 replaced by 1/K in the denominator only (so the first step's sigma is
-    ``a * sqrt(K)``). Mean and std are the shared sampler's (the same algebra as RLinf's
-    ``x0_pred * x0_weight + x1_pred * x1_weight``, ``sqrt(dt) * sigma``)."""
-
-    def sde_sigma(self, t: float) -> float:
-        k = self.cfg.num_steps
-        return self.cfg.noise_level * (t / max(1.0 - t, 1.0 / k)) ** 0.5
-
 
 @dataclass
 class Gr00tOptions(VLAOptions, FlowOptions):
@@ -172,7 +162,7 @@ class Gr00tPolicy(FlowPolicy):
             self.backbone = Backbone(preset)
             self.action_head = FlowMatchingActionHead(shape)
             self.value_head = ValueHead(shape.backbone_dim + shape.embed_dim)
-            self.sampler = RLinfFlowSampler(opts.sampler_config(), shape.hidden, shape.action_dim, spec.action_dim)
+            self.sampler = FlowSampler(opts.sampler_config(), shape.hidden, shape.action_dim, spec.action_dim)
         self.backbone.eagle_model.language_model.tie_weights()
         self.tokenizer = tokenizer or char_tokenizer()
         if self.tokenizer.convert_tokens_to_ids(IMAGE_TOKEN) in (None, self.tokenizer.unk_token_id):
@@ -232,17 +222,25 @@ class Gr00tPolicy(FlowPolicy):
         value = self.value_head(torch.cat([masked_mean(vl, mask), state[:, 0]], dim=-1))
         return {"vl": vl, "pad": pad, "state": state, "cat": cat, "value": value}
 
-    def sft_loss(self, obs: Observation, actions: torch.Tensor) -> torch.Tensor:
+    def sft_loss(self, obs: Observation, actions: torch.Tensor, noise: torch.Tensor | None = None,
+                 time: torch.Tensor | None = None) -> torch.Tensor:
         """N1.5's flow-matching loss on env action chunks ``[B, T, A]``: normalised by the release
-        statistics, zero-padded to the action width and masked to the env's dims, at Beta(1.5, 1)
-        times (``rlvla3 sft``'s objective for this family)."""
+        statistics, zero-padded to the action width and masked to the env's dims, at times from
+        :meth:`sample_time` (``rlvla3 sft``'s objective for this family). ``noise`` and ``time``
+        (pi0's convention, 1 = noise) fix the draws, as :meth:`FlowPolicy.sft_loss` takes them."""
         a = (actions.to(self.device).float() - self.norm.action_shift) / self.norm.action_scale
         target = F.pad(a, (0, self.model_action_dim - a.shape[-1])).to(self._dtype)
         mask = torch.zeros_like(target)
         mask[..., : a.shape[-1]] = 1
-        tau = self.action_head.sample_tau(target.shape[0]).to(self.device)
+        tau = (1.0 - (self.sample_time(target.shape[0]) if time is None else time)).to(self.device)  # N1.5's: 1 = data
         ctx = self._context(self.norm.state_in(obs))
-        return self.action_head.loss(ctx["vl"], ctx["pad"], ctx["state"], target, torch.randn_like(target), tau, ctx["cat"], mask)
+        return self.action_head.loss(ctx["vl"], ctx["pad"], ctx["state"], target,
+                                     torch.randn_like(target) if noise is None else noise.to(target), tau, ctx["cat"], mask)
+
+    def sample_time(self, batch: int) -> torch.Tensor:
+        """GR00T N1.5's training times, ``(0.999 - Beta(1.5, 1)) / 0.999`` in its own convention
+        (1 = data), read in pi0's (1 = noise)."""
+        return torch.distributions.Beta(1.5, 1.0).sample((batch,)) / 0.999
 
     def _velocity_fn(self, ctx: dict[str, Any]):
         buckets = self.action_head.shape.buckets

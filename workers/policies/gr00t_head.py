@@ -261,7 +261,3 @@ class FlowMatchingActionHead(nn.Module):
         pred, _ = self.velocity(vl, vl_pad, state_tok, (1 - t) * noise + t * actions, steps, cat)
         err = F.mse_loss(pred, actions - noise, reduction="none") * mask
         return err.sum() / mask.sum()
-
-    def sample_tau(self, n: int, noise_s: float = 0.999, alpha: float = 1.5, beta: float = 1.0) -> torch.Tensor:
-        """Training times: ``(s - Beta(1.5, 1)) / s``, so most weight sits near the noise end."""
-        return (noise_s - torch.distributions.Beta(alpha, beta).sample((n,))) / noise_s

@@ -129,7 +129,7 @@ class Pi0Policy(FlowPolicy):
         ``PI0ForConditionalGeneration.sample_actions`` takes, so exports can be checked against it."""
         dev, dt = self.device, self.pi0.dtype
         obs = obs.to_torch(dev, self.cameras)
-        pixels = preprocess_images(obs.images, self.cameras, self.image_size, IMAGE_MEAN, IMAGE_STD, dev, dt)
+        pixels = preprocess_images(obs.images, self.cameras, self.image_size, IMAGE_MEAN, IMAGE_STD, dev, dt, pad=True)
         b, ncam = pixels.shape[:2]
         ids, mask = encode_text(self.tokenizer, [f"{s}\n" for s in obs.instruction], self.opts.max_text_len)
         n_img = ncam * self.tokens_per_image

@@ -2,8 +2,9 @@
 
 * the proprio state enters the prefix as text (each dimension discretised into 256 bins), so the
   action expert sees only noisy actions - no state token;
-* time conditions the action expert through adaptive RMSNorm (every norm's scale and shift come
-  from a time MLP) instead of being concatenated into the action tokens;
+* time conditions the action expert through adaptive RMSNorm: every expert norm reads a scale, a
+  shift and a gate off the time MLP's output, and the gates scale both residual branches of
+  every expert layer (openpi's ``Gemma`` with ``adarms``), instead of time joining the action tokens;
 * the critic reads the VLM output (masked mean over the prefix), as in piRL for pi0.5.
 
 Each expert layer attends to its VLM layer's cached keys/values (joint attention, pi0's layout):
@@ -65,23 +66,56 @@ class _Cond:
 
 
 class AdaRMSNorm(nn.Module):
-    """RMSNorm whose scale and shift come from the time embedding (zero-mean start: 1 + scale)."""
+    """RMSNorm whose scale, shift and gate come from the time conditioning (``dense``: cond -> 3 x width).
+
+    ``modulate`` returns the normalised input and the gate its residual branch is scaled by;
+    ``forward`` (the expert's final norm, whose gate nothing reads) returns the input only.
+    """
 
     def __init__(self, hidden: int, cond_dim: int, cond: _Cond, eps: float = 1e-6) -> None:
         super().__init__()
         self.eps = eps
         self.cond = cond
-        self.dense = nn.Linear(cond_dim, 2 * hidden)
+        self.dense = nn.Linear(cond_dim, 3 * hidden)
         nn.init.normal_(self.dense.weight, std=0.02)
         nn.init.zeros_(self.dense.bias)
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
+    def modulate(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         c = self.cond.value
         assert c is not None, "AdaRMSNorm used outside a conditioned expert pass"
-        xf = x.float()
-        normed = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)
-        scale, shift = self.dense(c.to(self.dense.weight.dtype)).float().chunk(2, dim=-1)
-        return (normed * (1 + scale[:, None]) + shift[:, None]).to(x.dtype)
+        normed = x * torch.rsqrt(x.float().pow(2).mean(-1, keepdim=True) + self.eps)
+        scale, shift, gate = self.dense(c.to(self.dense.weight.dtype))[:, None].chunk(3, dim=-1)
+        return (normed * (1 + scale.float()) + shift.float()).to(x.dtype), gate.to(x.dtype)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.modulate(x)[0]
+
+
+class GatedExpertLayer(nn.Module):
+    """A Gemma decoder layer whose two residual branches are scaled by their adaptive norm's gate
+    (``x + gate * f(norm(x))``); attention and MLP are the transformers layer's own modules."""
+
+    def __init__(self, layer: nn.Module, width: int, cond: _Cond, eps: float) -> None:
+        super().__init__()
+        self.self_attn = layer.self_attn
+        self.mlp = layer.mlp
+        self.input_layernorm = AdaRMSNorm(width, width, cond, eps)
+        self.post_attention_layernorm = AdaRMSNorm(width, width, cond, eps)
+
+    def forward(self, hidden_states: torch.Tensor, attention_mask: Any = None, position_ids: Any = None,
+                cache: Any = None, use_cache: bool | None = False, position_embeddings: Any = None, **kwargs: Any) -> torch.Tensor:
+        h, gate = self.input_layernorm.modulate(hidden_states)
+        h, _ = self.self_attn(hidden_states=h, attention_mask=attention_mask, position_ids=position_ids, cache=cache,
+                              use_cache=use_cache, position_embeddings=position_embeddings, **kwargs)
+        x = hidden_states + h * gate
+        h, gate = self.post_attention_layernorm.modulate(x)
+        return x + self.mlp(h) * gate
+
+
+def clean_task(text: str) -> str:
+    """The instruction as LeRobot's pi0.5 processor writes it into the prompt: stripped, ``_`` and
+    newlines turned into spaces, case kept."""
+    return text.strip().replace("_", " ").replace("\n", " ")
 
 
 def _configs(a: dict[str, Any]) -> tuple[Any, Any]:
@@ -124,10 +158,9 @@ class Pi05Policy(FlowPolicy):
         with seeded_init(opts):
             self.vlm = AutoModel.from_config(vcfg)
             self.expert = AutoModel.from_config(ecfg)
-            for layer in self.expert.layers:
-                layer.input_layernorm = AdaRMSNorm(width, width, self._cond)
-                layer.post_attention_layernorm = AdaRMSNorm(width, width, self._cond)
-            self.expert.norm = AdaRMSNorm(width, width, self._cond)
+            eps = ecfg.rms_norm_eps
+            self.expert.layers = nn.ModuleList(GatedExpertLayer(layer, width, self._cond, eps) for layer in self.expert.layers)
+            self.expert.norm = AdaRMSNorm(width, width, self._cond, eps)
             self.action_in_proj = nn.Linear(self.model_action_dim, width)
             self.time_mlp_in = nn.Linear(width, width)
             self.time_mlp_out = nn.Linear(width, width)
@@ -151,12 +184,12 @@ class Pi05Policy(FlowPolicy):
         """VLM pass over [images, "Task: ..., State: ...;\\nAction: "]; keeps cache and value."""
         dev, dt = self.device, self._dtype
         obs = obs.to_torch(dev, self.cameras)
-        pixels = preprocess_images(obs.images, self.cameras, self.image_size, IMAGE_MEAN, IMAGE_STD, dev, dt)
+        pixels = preprocess_images(obs.images, self.cameras, self.image_size, IMAGE_MEAN, IMAGE_STD, dev, dt, pad=True)
         b, ncam = pixels.shape[:2]
         img = self.vlm.get_image_features(pixel_values=pixels.flatten(0, 1)).pooler_output
         img = img.reshape(b, ncam * img.shape[1], -1)
         state_txt = discretize_state(state_tensor(obs.state, self.state_dim), self.opts.state_bins)
-        prompts = [f"Task: {s.strip().lower()}, State: {st};\nAction: " for s, st in zip(obs.instruction, state_txt)]
+        prompts = [f"Task: {clean_task(s)}, State: {st};\nAction: " for s, st in zip(obs.instruction, state_txt)]
         ids, tmask = encode_text(self.tokenizer, prompts, self.opts.max_text_len)
         ids, tmask = ids.to(dev), tmask.to(dev)
         embeds = torch.cat([img, self.vlm.get_input_embeddings()(ids).to(img.dtype)], dim=1)

@@ -60,6 +60,10 @@ class StatsNorm(nn.Module):
         """Model-space actions ``[..., A]`` -> env actions."""
         return actions * self.action_scale.float() + self.action_shift.float()
 
+    def action_in(self, actions: torch.Tensor) -> torch.Tensor:
+        """Env actions ``[..., A]`` -> model space (the inverse of :meth:`action_out`; training targets)."""
+        return (actions - self.action_shift.float()) / self.action_scale.float()
+
     def affines(self) -> tuple[Affine, Affine]:
         """``((state_shift, state_scale), (action_shift, action_scale))`` as float32 CPU tensors."""
         f = lambda b: b.detach().float().cpu().clone()  # noqa: E731

@@ -103,15 +103,19 @@ def preprocess_images(
     std: Sequence[float],
     device: torch.device,
     dtype: torch.dtype,
+    pad: bool = False,
 ) -> torch.Tensor:
-    """uint8 ``[B, H, W, 3]`` per camera (any size; numpy or torch) -> normalised ``[B, C, 3, size, size]``."""
+    """uint8 ``[B, H, W, 3]`` per camera (any size; numpy or torch) -> normalised ``[B, C, 3, size, size]``;
+    ``pad`` keeps the aspect ratio as openpi does (:func:`resize_with_pad`), else the image is stretched."""
     out = []
     m = torch.tensor(mean, device=device, dtype=torch.float32).view(1, 3, 1, 1)
     s = torch.tensor(std, device=device, dtype=torch.float32).view(1, 3, 1, 1)
     for cam in cameras:
         img = torch.as_tensor(images[cam], device=device)
         x = img.permute(0, 3, 1, 2).float().div_(255.0)
-        if x.shape[-2:] != (size, size):
+        if pad:
+            x = resize_with_pad(x, size)
+        elif x.shape[-2:] != (size, size):
             x = F.interpolate(x, size=(size, size), mode="bilinear", align_corners=False, antialias=True)
         out.append((x - m) / s)
     return torch.stack(out, dim=1).to(dtype)
@@ -126,10 +130,28 @@ def state_tensor(state: torch.Tensor, dim: int) -> torch.Tensor:
     return st[:, :dim]
 
 
-def discretize_state(state: torch.Tensor, bins: int = 256) -> list[str]:
-    """pi0.5-style state text: each component clipped to [-1, 1] and written as its bin index."""
-    idx = ((state.float().clamp(-1, 1) + 1) / 2 * (bins - 1)).round().long().cpu().tolist()
-    return [" ".join(str(v) for v in row) for row in idx]
+def discretize_state(state: Any, bins: int = 256) -> list[str]:
+    """pi0.5's state text (openpi's tokenizer, LeRobot's processor): ``np.digitize`` of the
+    normalised state into ``bins`` equal bins over [-1, 1), minus one - unclipped, so a value
+    below -1 reads ``-1`` and one at or above 1 reads ``bins - 1``, as in the release."""
+    import numpy as np
+
+    s = np.asarray(state.detach().cpu().numpy() if isinstance(state, torch.Tensor) else state, dtype=np.float32)
+    idx = np.digitize(s, bins=np.linspace(-1, 1, bins + 1)[:-1]) - 1
+    return [" ".join(str(int(v)) for v in row) for row in idx]
+
+
+def resize_with_pad(x: torch.Tensor, size: int) -> torch.Tensor:
+    """openpi's resize: float ``[B, 3, H, W]`` in [0, 1] scaled to fit ``size`` x ``size`` keeping
+    its aspect (bilinear, no antialiasing), clamped, then centred on black padding."""
+    h, w = x.shape[-2:]
+    if (h, w) == (size, size):
+        return x
+    ratio = max(w / size, h / size)
+    rh, rw = int(h / ratio), int(w / ratio)
+    x = F.interpolate(x, size=(rh, rw), mode="bilinear", align_corners=False).clamp(0.0, 1.0)
+    top, left = (size - rh) // 2, (size - rw) // 2
+    return F.pad(x, (left, size - rw - left, top, size - rh - top), value=0.0)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -156,11 +178,13 @@ def masked_mean(h: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
 
 
 def sinusoid(t: torch.Tensor, dim: int, min_period: float = 4e-3, max_period: float = 4.0) -> torch.Tensor:
-    """Sine-cosine embedding of a time in [0, 1] (pi0's periods), float32 ``[B, dim]``."""
-    frac = torch.linspace(0.0, 1.0, dim // 2, device=t.device, dtype=torch.float32)
+    """Sine-cosine embedding of a time in [0, 1] (pi0's periods), float32 ``[B, dim]``; the angles
+    are computed in float64 as openpi does (they reach ~1.6e3 rad, where float32 loses ~1e-4)."""
+    wide = torch.float64 if t.device.type != "mps" else torch.float32
+    frac = torch.linspace(0.0, 1.0, dim // 2, device=t.device, dtype=wide)
     period = min_period * (max_period / min_period) ** frac
-    ang = t.float()[:, None] * (2 * torch.pi / period)[None]
-    return torch.cat([ang.sin(), ang.cos()], dim=-1)
+    ang = (1.0 / period * 2 * torch.pi)[None] * t.to(wide)[:, None]
+    return torch.cat([ang.sin(), ang.cos()], dim=-1).float()
 
 
 def freeze(params: Iterable[nn.Parameter]) -> None:

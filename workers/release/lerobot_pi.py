@@ -83,8 +83,25 @@ PI05_RULES = _paligemma_rules("vlm.") + [
 ]
 RULES = {"pi0": PI0_RULES, "pi05": PI05_RULES}
 UNMAPPED = {"pi05": (_EXPERT + "lm_head.",)}
-"""Release tensors with no counterpart here: pi0.5's expert output table (our expert reads
-embeddings only and keeps an 8-row stub token table, which is not exported either)."""
+"""Release tensors with no counterpart here: pi0.5's expert output table, which LeRobot never
+reads (our expert reads embeddings only and keeps an 8-row stub token table, not exported)."""
+_VLM_HEAD, _VLM_TABLE = _VLM + "lm_head.weight", _VLM + "model.language_model.embed_tokens.weight"
+
+
+def _unread(sd: dict[str, torch.Tensor], family: str) -> tuple[str, ...]:
+    """Release tensors LeRobot never reads: the family's ``UNMAPPED`` and, where the folder also
+    holds PaliGemma's token table (LeRobot >= 0.5 writes both, untied), PaliGemma's ``lm_head``;
+    without the table the head is the table (LeRobot copies it there)."""
+    return UNMAPPED.get(family, ()) + ((_VLM_HEAD,) if _VLM_HEAD in sd and _VLM_TABLE in sd else ())
+
+
+def _check_shapes(policy: Any, sd: dict[str, torch.Tensor], names: dict[str, str], family: str, local_dir: str) -> None:
+    """Every release tensor's shape against ours, the mismatches named in the release's spelling."""
+    own = policy.state_dict()
+    bad = [f"{k} {tuple(sd[k].shape)} vs {tuple(own[n].shape)}" for k, n in names.items() if n in own and own[n].shape != sd[k].shape]
+    if bad:
+        raise ValueError(f"{family}: {local_dir!r} read as LeRobot's {family} layout (lerobot/{'pi0' if family == 'pi0' else 'pi05_base'}): "
+                         f"{len(bad)} tensor(s) do not match the model built from its config.json: {'; '.join(bad[:10])}")
 OURS_NOT_EXPORTED = {"pi05": ("expert.embed_tokens.",)}
 
 
@@ -257,10 +274,15 @@ def load(local_dir: str, family: str, spec: Any, overrides: dict[str, Any]) -> A
         config = json.load(f)
     if config.get("type") != family:
         raise ValueError(f"{family}: {local_dir}/config.json is a LeRobot {config.get('type')!r} config")
+    if config.get("use_relative_actions"):
+        raise ValueError(f"{family}: {local_dir}/config.json sets use_relative_actions (actions relative to the state), "
+                         "which rlvla3 does not apply; its actions would be wrong")
     sd = _strip_policy_prefix(read_safetensors(local_dir, family))
     arch = infer_arch(config, sd)
     saved_opts, heads = read_rlvla3_files(local_dir, family)
     release = {"chunk_size": int(config.get("chunk_size", 50)), "num_steps": int(config.get("num_inference_steps", 10))}
+    if "tokenizer_max_length" in config:
+        release["max_text_len"] = int(config["tokenizer_max_length"])
     tokenizer = load_tokenizer(local_dir, family, TOKENIZER_NAME)
     if family == "pi0":
         from workers.policies.pi0 import Pi0Options, Pi0Policy, build_pi0_config
@@ -272,8 +294,9 @@ def load(local_dir: str, family: str, spec: Any, overrides: dict[str, Any]) -> A
 
         opts = options_for(Pi05Options, release, saved_opts, overrides)
         policy = Pi05Policy(opts, spec, tokenizer=tokenizer, arch=arch)
-    skip = UNMAPPED.get(family, ())
+    skip = _unread(sd, family)
     names = rename([k for k in sd if not k.startswith(skip)], RULES[family])
+    _check_shapes(policy, sd, names, family, local_dir)
     mapped = {names[k]: sd[k].to(policy.device) for k in names}
     mapped.update(heads)
     fresh = ("value_head.", "sampler.noise_head.", "norm.") + OURS_NOT_EXPORTED.get(family, ())
@@ -296,7 +319,11 @@ def save(policy: Any, out_dir: str) -> None:
     ours = export_state(policy, skip=("value_head.", "sampler.noise_head.", "norm.") + OURS_NOT_EXPORTED.get(family, ()))
     back = inverted([r for r in RULES[family] if not r[0].startswith("time_mlp") or family == "pi05"])
     names = rename(ours, back)
-    save_file({"model." + names[k]: v for k, v in ours.items()}, os.path.join(out_dir, "model.safetensors"))
+    released = {"model." + names[k]: v for k, v in ours.items()}
+    if family == "pi05":  # LeRobot's strict load wants the expert's output table, which it never reads: zeros
+        table = ours["vlm.language_model.embed_tokens.weight"]
+        released["model." + _EXPERT + "lm_head.weight"] = table.new_zeros(table.shape[0], arch["expert"]["hidden_size"])
+    save_file(released, os.path.join(out_dir, "model.safetensors"))
     inputs, outputs = _features(policy)
     config = {
         "type": family, "n_obs_steps": 1, "input_features": inputs, "output_features": outputs, "device": "cpu",
