@@ -71,9 +71,10 @@ def _component(local_dir: str, pattern: str) -> str | None:
 
 
 def _norm_stats(local_dir: str, config: dict[str, Any], key: str | None) -> tuple[str, dict[str, Any]]:
-    """(dataset, statistics): config.json's ``norm_stats``, else ``dataset_statistics.json``."""
+    """(dataset, statistics): ``dataset_statistics.json`` when present (OFT's ``_load_dataset_stats``
+    puts it over the config's), else config.json's ``norm_stats``."""
     stats = config.get("norm_stats")
-    if not stats and os.path.isfile(os.path.join(local_dir, STATS)):
+    if os.path.isfile(os.path.join(local_dir, STATS)):
         with open(os.path.join(local_dir, STATS)) as f:
             stats = json.load(f)
     if not stats:
