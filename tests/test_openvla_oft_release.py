@@ -25,7 +25,8 @@ from workers.release import prismatic_names as names  # noqa: E402
 from workers.release.layouts import load_release, save_release  # noqa: E402
 
 TOL = 1e-4
-LIBERO = EnvSpec(cameras={"image": (224, 224), "wrist_image": (224, 224)}, state_dim=8, action_dim=7, max_episode_steps=100)
+CAMERAS = EnvSpec(cameras={"image": (224, 224), "wrist_image": (224, 224)}, state_dim=8, action_dim=7, max_episode_steps=100)
+"""LIBERO's two cameras; the cases' raw images differ in size, and the policy resizes whatever it gets."""
 
 
 def test_release_size_tensors_map_one_to_one_on_the_meta_device():
@@ -38,7 +39,7 @@ def test_release_size_tensors_map_one_to_one_on_the_meta_device():
     assert sum(t.numel() for t in release.values()) == RELEASE_7B["parameters"] == 7_541_237_184
     arch = infer_arch(RELEASE_7B["config"], release)
     opts = OpenVLAOFTOptions(size="7b", chunk_size=8, device="meta", dtype="bfloat16", action_head="l1")
-    policy = OpenVLAOFTPolicy(opts, LIBERO, arch=arch)
+    policy = OpenVLAOFTPolicy(opts, CAMERAS, arch=arch)
     ours = {k: v for k, v in policy.state_dict().items()}
     converted, unmapped = names.to_ours(release)
     assert unmapped == []
@@ -60,23 +61,28 @@ def upstream(tmp_path_factory):
     return folder
 
 
-def _case(case: dict) -> tuple[EnvSpec, Observation]:
+@pytest.fixture(scope="module")
+def token_policy(upstream):
+    return load_release(str(upstream), "openvla_oft", CAMERAS, dict(device="cpu", dtype="float32", action_head="tokens",
+                                                                      temperature=REFERENCE["temperature"]))
+
+
+def _obs(case: dict) -> Observation:
     (s1, h1, w1), (s2, h2, w2) = case["images"]
-    spec = EnvSpec(cameras={"image": (h1, w1), "wrist_image": (h2, w2)}, state_dim=8, action_dim=7, max_episode_steps=100)
-    obs = Observation(images={"image": raw_image(s1, h1, w1)[None], "wrist_image": raw_image(s2, h2, w2)[None]},
-                      state=np.asarray([case["state"]], np.float32), instruction=[case["instruction"]])
-    return spec, obs
+    return Observation(images={"image": raw_image(s1, h1, w1)[None], "wrist_image": raw_image(s2, h2, w2)[None]},
+                       state=np.asarray([case["state"]], np.float32), instruction=[case["instruction"]])
 
 
-def test_upstream_save_pretrained_folder_acts_as_the_reference(upstream):
+def test_upstream_save_pretrained_folder_acts_as_the_reference(upstream, token_policy):
     """Raw images, instruction and state in; action token ids equal, actions, token log-probs and
     entropy within 1e-4 of the upstream predict_action's (two cameras, proprio, chunk 8 from LIBERO's
     statistics); the L1 head, the default when the folder has one, within 1e-4 too."""
+    policy = token_policy
+    assert policy.chunk_size == 8 and policy.proprio_proj is not None
+    l1 = load_release(str(upstream), "openvla_oft", CAMERAS, dict(device="cpu", dtype="float32"))
+    assert l1.opts.action_head == "l1"
     for case in REFERENCE["cases"]:
-        spec, obs = _case(case)
-        policy = load_release(str(upstream), "openvla_oft", spec, dict(device="cpu", dtype="float32", action_head="tokens",
-                                                                         temperature=REFERENCE["temperature"]))
-        assert policy.chunk_size == 8 and policy.proprio_proj is not None
+        obs = _obs(case)
         ids = [policy.tokenizer.bos_token_id] + policy._prompt_ids([case["instruction"]])[0]
         assert ids == case["input_ids"] + [29871]
         out = policy.act(obs, deterministic=True)
@@ -87,19 +93,15 @@ def test_upstream_save_pretrained_folder_acts_as_the_reference(upstream):
         ev = policy.evaluate(obs, out.actions, out.replay)
         assert np.abs(ev.entropy[0].detach().numpy() - np.asarray(case["entropy"])).max() < TOL
         assert torch.allclose(ev.logprob, out.logprob, atol=1e-6)
-        l1 = load_release(str(upstream), "openvla_oft", spec, dict(device="cpu", dtype="float32"))
-        assert l1.opts.action_head == "l1"
         assert np.abs(l1.act(obs, deterministic=True).actions[0].numpy() - np.asarray(case["l1_actions"])).max() < TOL
 
 
-def test_export_reloads_with_identical_actions(upstream, tmp_path):
-    case = REFERENCE["cases"][0]
-    spec, obs = _case(case)
-    policy = load_release(str(upstream), "openvla_oft", spec, dict(device="cpu", dtype="float32", action_head="tokens"))
-    save_release(policy, str(tmp_path / "out"))
-    again = load_release(str(tmp_path / "out"), "openvla_oft", spec, dict(device="cpu", dtype="float32"))
+def test_export_reloads_with_identical_actions(token_policy, tmp_path):
+    obs = _obs(REFERENCE["cases"][0])
+    save_release(token_policy, str(tmp_path / "out"))
+    again = load_release(str(tmp_path / "out"), "openvla_oft", CAMERAS, dict(device="cpu", dtype="float32"))
     assert again.opts.action_head == "tokens" and again.chunk_size == 8
-    a, b = policy.act(obs, deterministic=True), again.act(obs, deterministic=True)
+    a, b = token_policy.act(obs, deterministic=True), again.act(obs, deterministic=True)
     assert torch.equal(a.replay["action_bins"], b.replay["action_bins"]) and torch.equal(a.actions, b.actions)
     assert torch.equal(a.value, b.value)
 
@@ -109,8 +111,7 @@ def test_bad_folders_name_what_is_wrong(upstream, tmp_path):
 
     from safetensors.torch import load_file, save_file
 
-    spec, _ = _case(REFERENCE["cases"][0])
-    opts = dict(device="cpu", dtype="float32")
+    spec, opts = CAMERAS, dict(device="cpu", dtype="float32")
 
     def copy(name):
         d = tmp_path / name

@@ -70,6 +70,9 @@ ACTION_HEADS = ("tokens", "l1")
 class OpenVLAOFTOptions(VLAOptions):
     """Options of the OpenVLA-OFT family."""
 
+    max_text_len: int = 2048
+    """Prompt tokens kept: the whole OpenVLA prompt (it wraps the instruction in ~40 characters of
+    template), up to the release's ``llm_max_length``."""
     n_bins: int = 256
     """Action bins per dimension (OpenVLA's 256): the last ``n_bins`` ids of the unpadded vocabulary."""
     temperature: float = 1.0

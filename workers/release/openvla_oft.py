@@ -139,6 +139,9 @@ def load(local_dir: str, spec: Any, overrides: dict[str, Any]) -> Any:
     release = read_safetensors(local_dir, FAMILY)
     arch = infer_arch(config, release)
     sd, unmapped = names.to_ours(release)
+    if unmapped:
+        raise ValueError(f"{FAMILY}: {local_dir!r} read as a prismatic OpenVLA release: {len(unmapped)} tensors have no "
+                         f"counterpart, first: {', '.join(unmapped[:10])}")
     derived: dict[str, Any] = {"n_bins": int(config.get("n_action_bins", 256)), "max_text_len": int(config.get("llm_max_length", 2048))}
     proprio, head = _component(local_dir, "proprio_projector"), _component(local_dir, "action_head")
     derived["proprio"] = proprio is not None
@@ -160,9 +163,6 @@ def load(local_dir: str, spec: Any, overrides: dict[str, Any]) -> Any:
         raise FileNotFoundError(f"{FAMILY}: {local_dir!r} has no {TOKENIZER_FILE}; the release keeps it beside config.json "
                                 "(with tokenizer_config.json and special_tokens_map.json)")
     policy = OpenVLAOFTPolicy(opts, spec, tokenizer=load_tokenizer(local_dir, FAMILY), arch=arch, preprocess=_preprocess(local_dir))
-    if unmapped:
-        raise ValueError(f"{FAMILY}: {local_dir!r} read as a prismatic OpenVLA release: {len(unmapped)} tensors have no "
-                         f"counterpart, first: {', '.join(unmapped[:10])}")
     sd.update(heads)
     strict_load(policy, {k: v.to(policy.device) for k, v in sd.items()}, f"{FAMILY} (prismatic OpenVLA release at {local_dir})",
                 RL_HEADS + (NORM,) + names.OURS_ONLY)
