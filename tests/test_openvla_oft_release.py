@@ -164,3 +164,34 @@ def test_bad_folders_name_what_is_wrong(upstream, tmp_path):
 
 class _NotATensor:
     """Anything a pickle could carry besides tensors."""
+
+
+def test_peft_lora_adapters_on_the_upstream_model_load_merged(upstream, tmp_path):
+    """Adapters peft wrote on the upstream class (all-linear, as OFT fine-tunes: towers, projector,
+    Llama, lm_head with its base layer) merge into the release and act as the adapted model did."""
+    import hashlib
+    import shutil
+
+    from safetensors.torch import save_file
+
+    from oft_reference import VECTORS, draw
+
+    lora = json.loads((VECTORS / "openvla_oft_tiny_lora_reference.json").read_text())
+    d = tmp_path / "lora"
+    shutil.copytree(upstream, d)
+    base = {k: draw(k, tuple(s)) for k, s in REFERENCE["tensor_shapes"].items()}
+    tensors = {k: (base[k[len("base_model.model."):].replace(".base_layer.", ".")] if ".base_layer." in k else draw(k, tuple(s)) * 0.1)
+               for k, s in lora["adapter_shapes"].items()}
+    assert all(hashlib.sha256(t.numpy().tobytes()).hexdigest() == lora["adapter_sha256"][k] for k, t in tensors.items())
+    save_file(tensors, str(d / "adapter_model.safetensors"), metadata={"format": "pt"})
+    (d / "adapter_config.json").write_text(json.dumps(lora["adapter_config"]))
+    policy = load_release(str(d), "openvla_oft", CAMERAS, dict(device="cpu", dtype="float32", action_head="tokens",
+                                                                 temperature=REFERENCE["temperature"]))
+    for case, want in zip(REFERENCE["cases"], lora["cases"]):
+        obs = _obs(case)
+        out = policy.act(obs, deterministic=True)
+        assert (out.replay["action_bins"][0] + policy.base_vocab - policy.opts.n_bins).tolist() == want["action_token_ids"]
+        assert np.abs(out.actions[0].numpy() - np.asarray(want["actions"])).max() < TOL
+        assert np.abs(out.logprob[0].numpy() - np.asarray(want["token_logprobs"])).max() < TOL
+        ev = policy.evaluate(obs, out.actions, out.replay)
+        assert np.abs(ev.entropy[0].detach().numpy() - np.asarray(want["entropy"])).max() < TOL

@@ -27,6 +27,7 @@ import structlog
 import torch
 
 from workers.release import prismatic_names as names
+from workers.release.peft_lora import merge_peft_lora
 from workers.release.common import (NORM, RL_HEADS, TOKENIZER_FILE, export_state, load_tokenizer, options_for, read_rlvla3_files, read_safetensors,
                                     strict_load, write_rlvla3_files)
 
@@ -137,6 +138,7 @@ def load(local_dir: str, spec: Any, overrides: dict[str, Any]) -> Any:
         config = json.load(f)
     own_opts, heads = read_rlvla3_files(local_dir, FAMILY)
     release = read_safetensors(local_dir, FAMILY)
+    merged = merge_peft_lora(local_dir, release, FAMILY)
     arch = infer_arch(config, release)
     sd, unmapped = names.to_ours(release)
     if unmapped:
@@ -169,7 +171,8 @@ def load(local_dir: str, spec: Any, overrides: dict[str, Any]) -> Any:
     action = _affine(stats["action"], True)
     state = _affine(stats["proprio"], False) if "proprio" in stats else None
     policy.norm.set(state=state, action=action)
-    log.info("release_loaded", family=FAMILY, dataset=key, chunk=opts.chunk_size, action_head=opts.action_head, proprio=opts.proprio)
+    log.info("release_loaded", family=FAMILY, dataset=key, chunk=opts.chunk_size, action_head=opts.action_head, proprio=opts.proprio,
+             lora_merged=merged)
     return policy
 
 
