@@ -33,7 +33,7 @@ class LoraConfig:
     targets: list[str] = field(default_factory=lambda: ["q_proj", "k_proj", "v_proj", "o_proj",
                                                          "gate_proj", "up_proj", "down_proj"])
     """Linear layers that get an adapter, by the last part of their module name."""
-    train_also: list[str] = field(default_factory=lambda: ["value_head", "action_queries", "proprio_proj"])
+    train_also: list[str] = field(default_factory=lambda: ["value_head", "proprio_proj"])
     """Top-level parts trained in full next to the adapters (the fresh RL heads; small)."""
 
 

@@ -16,7 +16,7 @@ from rlvla3.weights.publisher import WeightPublisher
 from workers.algorithms.ppo import make_optimizer
 from workers.model import build_policy, job_spec
 
-HEADS = ("value_head.", "action_queries", "proprio_proj.")
+HEADS = ("value_head.", "proprio_proj.")
 
 
 def _cfg(*sets: str):

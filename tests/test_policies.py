@@ -91,7 +91,10 @@ def test_evaluate_reproduces_act_logprobs(case):
     assert torch.isfinite(ev.entropy).all()
     if policy.family == "openvla_oft":  # behaviour cloning scores given actions with no replay
         bare = policy.evaluate(obs, out.actions, {})
-        torch.testing.assert_close(bare.logprob.detach(), out.logprob, atol=1e-5, rtol=0)
+        # OpenVLA decodes its two highest bins to one centre; the action tokenizer encodes it as the
+        # second, so a sampled first bin is the one token an action cannot name.
+        named = out.replay["action_bins"] != 0
+        torch.testing.assert_close(bare.logprob.detach()[named], out.logprob[named], atol=1e-5, rtol=0)
 
 
 def test_gradients_reach_every_trainable_parameter(case):
@@ -161,7 +164,7 @@ def test_from_pretrained_names_missing_parameters(case, tmp_path):
     ck = tmp_path / "ck"
     save_release(policy, str(ck))
     sd = load_file(ck / "model.safetensors")
-    victim = sorted(k for k in sd if "value_head" not in k and "noise_head" not in k and "action_queries" not in k)[0]
+    victim = sorted(k for k in sd if "value_head" not in k and "noise_head" not in k)[0]
     del sd[victim]
     save_file(sd, ck / "model.safetensors")
     with pytest.raises(ValueError, match="missing parameters"):

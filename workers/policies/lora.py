@@ -27,8 +27,9 @@ def add_lora(policy: nn.Module, cfg: LoraConfig, seed: int = 0) -> int:
     returns the number of adapted layers. Adapters are created on each layer's device and dtype,
     seeded, so every process that builds the policy gets the same version-0 adapters."""
     targets = set(cfg.targets)
+    # Frozen layers are ones the policy never runs (OpenVLA's last tower blocks): no adapter there.
     layers = [(n, m) for n, m in policy.named_modules()
-              if isinstance(m, nn.Linear) and n.rsplit(".", 1)[-1] in targets]
+              if isinstance(m, nn.Linear) and n.rsplit(".", 1)[-1] in targets and m.weight.requires_grad]
     if not layers:
         raise ValueError(f"model.lora: no nn.Linear named {sorted(targets)} in {type(policy).__name__}")
     keep = tuple(cfg.train_also)
