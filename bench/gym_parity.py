@@ -79,7 +79,7 @@ def run_one(env: str, mode: str, seed: int, steps: int, folder: Path, timeout_s:
     out = summarise(job, steps)
     out.update(env=env, mode=mode, seed=seed, steps=steps, rc=rc, wall_s=round(time.monotonic() - t0, 1),
                command=shlex.join(["python", "-m", "rlvla3", *args[3:]]))
-    if rc == 0 and out["episodes"] > 0:
+    if rc == 0 and out["episodes"] > 0 and (out["env_steps"] or 0) >= steps:  # a run stopped early reruns
         result_path.write_text(json.dumps(out))
     return out
 
