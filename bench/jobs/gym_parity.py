@@ -53,11 +53,11 @@ LAST_SHARE = 0.10
 def run_one(env: str, mode: str, seed: int, steps: int, folder: Path, timeout_s: float, fresh: bool) -> dict[str, Any]:
     """One job, or the result a previous invocation left (resumable per seed)."""
     result_path = folder / "result.json"
+    job = folder / "job"
     if result_path.is_file() and not fresh:
         done = json.loads(result_path.read_text())
         if done.get("steps") == steps:
-            return done
-    job = folder / "job"
+            return {**done, **summarise(job, steps)}  # figures read again from the run's own files
     args = [sys.executable, "-m", "rlvla3", "run", f"configs/gym_{env}_ppo.yaml", "--steps", str(steps),
             "--run-dir", str(job), "--set", f"run.mode={mode}", "--set", f"run.seed={seed}"]
     folder.mkdir(parents=True, exist_ok=True)
@@ -77,7 +77,7 @@ def run_one(env: str, mode: str, seed: int, steps: int, folder: Path, timeout_s:
     out = summarise(job, steps)
     out.update(env=env, mode=mode, seed=seed, steps=steps, rc=rc, wall_s=round(time.monotonic() - t0, 1),
                command=shlex.join(["python", "-m", "rlvla3", *args[3:]]))
-    if rc == 0 and out["episodes"] > 0:
+    if rc == 0 and out["episodes"] > 0 and (out["env_steps"] or 0) >= steps:  # a run stopped early reruns
         result_path.write_text(json.dumps(out))
     return out
 
@@ -97,9 +97,25 @@ def summarise(job: Path, steps: int) -> dict[str, Any]:
              "seconds": [round(r["elapsed_s"] - t0, 2) for r in rows],
              "returns": [round(float(r["return_mean_batch"]), 2) for r in rows],
              "episodes": [int(r["episodes"]) for r in rows]}
-    summary = json.loads((job / "summary.json").read_text()) if (job / "summary.json").is_file() else {}
     return {"final_return": final_return(curve), "episodes": int(sum(curve["episodes"])), "curve": curve,
-            "env_steps": summary.get("env_steps"), "steps_per_s": summary.get("env_steps_per_s")}
+            **throughput(job / "metrics.jsonl")}
+
+
+def throughput(path: Path) -> dict[str, Any]:
+    """Env steps and env steps per second over the whole run, from its first env step (the
+    launcher's progress lines; process start-up is not charged)."""
+    rows = []
+    for line in (path.read_text().splitlines() if path.is_file() else []):
+        try:
+            rows.append(json.loads(line))
+        except json.JSONDecodeError:
+            pass
+    stepped = [r for r in rows if r.get("env_steps", 0) > 0]
+    if len(stepped) < 2:
+        return {"env_steps": stepped[-1]["env_steps"] if stepped else 0, "steps_per_s": None}
+    a, b = stepped[0], stepped[-1]
+    rate = (b["env_steps"] - a["env_steps"]) / max(1e-9, b["elapsed_s"] - a["elapsed_s"])
+    return {"env_steps": b["env_steps"], "steps_per_s": round(rate, 1)}
 
 
 def final_return(curve: dict[str, list]) -> float | None:
