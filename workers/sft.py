@@ -224,7 +224,8 @@ def behaviour_clone(policy: torch.nn.Module, demos: dict[str, np.ndarray], epoch
             total += float(loss.detach()) * len(idx)
             count += len(idx)
         losses.append(total / count)
-        log.info("sft_epoch", epoch=len(losses), loss=round(losses[-1], 5))
+        if len(losses) % max(1, epochs // 10) == 0 or len(losses) == epochs:  # ten lines a warm start, not one per epoch
+            log.info("sft_epoch", epoch=len(losses), epochs=epochs, loss=round(losses[-1], 5))
     return losses
 
 
