@@ -79,7 +79,9 @@ class RunController:
         self.folder = folder
         self.opts = opts
         self.echo = echo
-        self.total = cfg.run.total_env_steps = opts.steps or cfg.run.total_env_steps  # the trainer anneals over it
+        self.total = opts.steps or cfg.run.total_env_steps
+        if not opts.resume:  # the trainer anneals over it; a resumed run keeps its config as it was
+            cfg.run.total_env_steps = self.total
 
     @classmethod
     def prepare(cls, opts: RunOptions, echo: Callable[[str], None] = print) -> "RunController":
