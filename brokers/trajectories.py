@@ -31,9 +31,12 @@ from rlvla3 import protocol as P
 
 log = structlog.get_logger()
 
-SEEN_PER_SIMULATOR = 65536
+SEEN_PER_SIMULATOR = 8192
 """Fragment ids remembered per simulator for telling a re-send from a new fragment: far more than
 a simulator holds unacknowledged."""
+SEEN_GONE_SIMULATORS = 64
+"""Simulators no longer registered whose ids are still remembered (the newest first): one cut off
+by a partition comes back within its back-off, while every killed one would otherwise stay."""
 
 
 @dataclass
@@ -65,7 +68,7 @@ class TrajectoryRouter:
         # Groups complete only with more fragments: GRPO trainers are not held back.
         self.hold_steps = None if grpo else hold_steps
         self._out_steps: dict[bytes, int] = {}  # trainer -> training steps delivered, not acked
-        self._seen: dict[tuple, OrderedDict[int, bool]] = {}  # simulator -> traj_id -> acked yet
+        self._seen: OrderedDict[tuple, OrderedDict[int, bool]] = OrderedDict()  # simulator -> traj_id -> acked yet
         self.holdings = holdings or PeerHoldings()  # each simulator's fragments in pending, and their bytes
 
     def _enqueue(self, traj: Trajectory, front: bool = False) -> None:
@@ -88,7 +91,11 @@ class TrajectoryRouter:
     def on_traj(self, w: Worker, msg: P.Message, nbytes: int) -> None:
         self._next_gid += 1
         w.count_frames(msg.tensors)
-        seen = self._seen.setdefault(w.same, OrderedDict())
+        seen = self._seen.get(w.same)
+        if seen is None:
+            seen = self._seen[w.same] = OrderedDict()
+            self._forget_gone()
+        self._seen.move_to_end(w.same)
         seen[msg["traj_id"]] = False
         while len(seen) > SEEN_PER_SIMULATOR:  # a simulator re-sends only what it holds unacked
             seen.popitem(last=False)
@@ -163,6 +170,13 @@ class TrajectoryRouter:
         """A delivered fragment was acked or came back: it is no longer on the way."""
         if not traj.header.get("eval") and trainer in self._out_steps:
             self._out_steps[trainer] -= traj.steps
+
+    def _forget_gone(self) -> None:
+        """Keep the ids of at most ``SEEN_GONE_SIMULATORS`` simulators that are not registered,
+        those seen last: the broker's memory stays bounded however many simulators come and go."""
+        gone = [k for k in self._seen if self.registry.current(k) is None]  # oldest activity first
+        for k in gone[: max(0, len(gone) - SEEN_GONE_SIMULATORS)]:
+            del self._seen[k]
 
     def _drop(self, traj: Trajectory) -> None:
         """A fragment that will never reach a trainer: its steps free their admission capacity,
