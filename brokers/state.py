@@ -209,7 +209,7 @@ class BrokerState:
         if evaluating:
             if msg.get("done"):
                 self.stats.add_eval(int(msg.get("eval_version", -1)), bool(msg.get("episode_success")),
-                                    float(msg.get("episode_return", 0.0)))
+                                    float(msg.get("episode_return", 0.0)), w.identity, int(msg.get("eval_round", 0)))
         else:
             self.stats.add_episodes(list(msg.get("episode_returns", [])), list(msg.get("episode_successes", [])))
         self.trajs.on_traj(w, msg, nbytes)

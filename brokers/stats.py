@@ -12,6 +12,8 @@ from hdrh.histogram import HdrHistogram
 
 STALL_WINDOW_S = 10
 """``loop_stall_ms_recent`` in STATUS: the longest loop turn of the last this many seconds."""
+EVAL_VERSIONS_KEPT = 64
+"""Evaluated versions whose figures the broker keeps (STATUS shows the newest 20)."""
 
 
 def _hist() -> HdrHistogram:
@@ -110,6 +112,7 @@ class BrokerStats:
     _stalls: deque = field(default_factory=lambda: deque(maxlen=STALL_WINDOW_S))  # [second, longest turn ms, its cpu ms]
     trainer: dict[str, Any] = field(default_factory=dict)
     evals: dict[int, list[float]] = field(default_factory=dict)  # version -> [episodes, successes, return sum]
+    eval_rounds: dict[int, dict[bytes, int]] = field(default_factory=dict)  # version -> simulator -> its round's episodes
     _slow: dict[str, Any] = field(default_factory=dict)  # percentiles and means, refreshed once a second
     _slow_at: float = float("-inf")
     _slow_shape: tuple = ()
@@ -130,11 +133,18 @@ class BrokerStats:
                 record_many(getattr(self, name), pending)
                 pending.clear()
 
-    def add_eval(self, version: int, success: bool, ret: float) -> None:
+    def add_eval(self, version: int, success: bool, ret: float, simulator: bytes, round_episodes: int) -> None:
+        """One finished evaluation episode. A version's round is whole once it holds the episodes
+        of every simulator that evaluates it: episodes that succeed end first, so a part of a
+        round overstates its success."""
         e = self.evals.setdefault(version, [0, 0, 0.0])
         e[0] += 1
         e[1] += int(success)
         e[2] += ret
+        self.eval_rounds.setdefault(version, {})[simulator] = round_episodes
+        for old in sorted(self.evals)[:-EVAL_VERSIONS_KEPT]:
+            del self.evals[old]
+            self.eval_rounds.pop(old, None)
 
     def add_episodes(self, returns: list[float], successes: list[bool]) -> None:
         self.episodes += len(returns)
@@ -184,7 +194,8 @@ class BrokerStats:
                 "success_rate_recent": round(sum(rs) / len(rs), 4) if rs else None,
                 "return_recent": round(sum(rr) / len(rr), 4) if rr else None,
                 **{name: _pcts(h) for name, h in hists.items()},
-                "eval": {str(v): {"episodes": e[0], "success": round(e[1] / e[0], 4), "return": round(e[2] / e[0], 4)}
+                "eval": {str(v): {"episodes": e[0], "round": sum(self.eval_rounds.get(v, {}).values()),
+                                  "success": round(e[1] / e[0], 4), "return": round(e[2] / e[0], 4)}
                          for v, e in sorted(self.evals.items())[-20:]},
             }
         fresh = {name: {**self._slow[name], "count": c} for name, c in counts.items()}

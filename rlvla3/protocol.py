@@ -173,7 +173,7 @@ SCHEMA: dict[str, tuple[dict[str, Any], dict[str, Any]]] = {  # type -> (require
         {"instruction": _TEXT, "env": _ID, "episode": _ID, "seed": F.Int(0, 2**63), "done": F.Bool(),
          "episode_return": F.Num(), "episode_success": F.Bool(), "episode_length": _STEPS,
          "episode_returns": F.List(F.Num()), "episode_successes": F.List(F.Bool()), "eval": F.Bool(),
-         "eval_version": _VERSION, "gid": _ID},
+         "eval_version": _VERSION, "eval_round": _COUNT, "gid": _ID},
     ),
     TRAJ_ACK: ({"traj_ids": F.List(_ID)}, {"dropped_stale": _STEPS, "discarded": _STEPS, "trained": _STEPS,
                                            "unreadable": _STEPS}),

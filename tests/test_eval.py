@@ -26,11 +26,11 @@ def test_eval_rounds_run_in_dedicated_slots_without_pausing_training(job_factory
     assert versions[0] == 0 and versions[1] >= versions[0] + 2  # the start, then every 2 versions at most
     for v in versions[:2]:
         e = fig["eval"][str(v)]
-        assert e["episodes"] == 4 and 0.0 <= e["success"] <= 1.0
+        assert e["episodes"] == 4 and e["round"] == 4 and 0.0 <= e["success"] <= 1.0  # a whole round
     # training went on meanwhile: its episodes are counted apart from the evaluation ones
     assert fig["episodes"] > 8 and fig["policy_version"] >= versions[1]
     assert fig["trainer"].get("version", 0) >= versions[1]
-    # `rlvla3 status` shows the newest evaluated version
+    # `rlvla3 status` shows the newest version whose round is whole
     r = subprocess.run([sys.executable, "-m", "rlvla3", "status", "--broker", job.endpoint], capture_output=True,
                        text=True, timeout=60, env={**os.environ, **launcher_env()})
     assert r.returncode == 0, r.stderr[-2000:]

@@ -52,6 +52,7 @@ class SimulatorWorker(WorkerBase):
         self.eval_seeds: list[int] = []  # held-out starts left in the current evaluation round
         self.next_eval_version = 0
         self.eval_round_version = -1
+        self.eval_round_size = 0  # episodes in the current evaluation round (the broker knows a round is whole)
         self.recorder: EpisodeRecorder | None = None  # run.record_dir: stages chosen slots' episodes
         self.blocks_sent: set[int] = set()  # slot blocks whose descriptors went to the broker on this connection
 
@@ -129,6 +130,7 @@ class SimulatorWorker(WorkerBase):
         self.next_eval_version = (version // every + 1) * every
         self.eval_seeds = self._eval_seed_list()
         self.eval_round_version = version
+        self.eval_round_size = len(self.eval_seeds)
         log.info("eval_round_started", version=version, episodes=len(self.eval_seeds))
         for slot in self.slots:
             if slot.eval:
@@ -284,7 +286,7 @@ class SimulatorWorker(WorkerBase):
                 header, tensors = tr.fragment(last, bool(outcome.success[i]))
                 tr.records = []
                 if slot.eval:
-                    header.update({"eval": True, "eval_version": slot.eval_version})
+                    header.update({"eval": True, "eval_version": slot.eval_version, "eval_round": self.eval_round_size})
                 self._ship(slot, header, tensors)
             if done and not slot.eval:
                 tr.begin_episode(outcome.next_obs.instruction[i], self._seed_for(tr.env, tr.episode + 1))

@@ -52,10 +52,12 @@ def progress_row(fig: dict[str, Any], elapsed: float) -> dict[str, Any]:
 
 
 def latest_eval(evals: dict[str, Any]) -> dict[str, Any]:
-    """The newest evaluated policy version's deterministic success (env.eval_slots), if any."""
-    if not evals:
+    """The newest policy version whose evaluation round is whole (env.eval_slots), if any: the
+    episodes that succeed end first, so part of a round would overstate its success."""
+    whole = [v for v, e in evals.items() if e.get("episodes", 0) >= e.get("round", 0) > 0]
+    if not whole:
         return {"eval_version": None, "eval_success": None, "eval_episodes": 0}
-    v = max(evals, key=int)
+    v = max(whole, key=int)
     return {"eval_version": int(v), "eval_success": evals[v].get("success"), "eval_episodes": evals[v].get("episodes", 0)}
 
 
