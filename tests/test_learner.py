@@ -56,7 +56,9 @@ def test_grpo_groups_assemble_score_and_drop_whole_when_stale():
     unit = learner.ready[0]
     assert unit.episodes == 2
     adv = np.concatenate([f.advantages for f in unit.frags])
-    assert np.allclose(adv[:5], adv[0]) and np.allclose(adv[5:], -adv[0]) and adv[0] > 0  # success vs failure
+    assert np.allclose(adv[:5], adv[0]) and np.allclose(adv[5:], adv[5]) and adv[0] > 0 > adv[5]  # success vs failure
+    # each episode weighs the same whatever its length (5 steps vs 4): its advantage spread over its steps
+    assert np.isclose(adv[:5].sum(), -adv[5:].sum()) and np.isclose(adv[:5].sum() / 4.5, 1 / np.sqrt(2), atol=1e-5)
 
     # a zero-variance group is discarded and reported, never trained on
     learner.add(_fragment(policy, 2, 0, env=2, seed=2, success=True))

@@ -162,7 +162,12 @@ class Learner:
         frags = [f for ep in episodes for f in ep]
         episode_of_step = torch.cat([torch.full((f.steps,), e, dtype=torch.long)
                                      for e, ep in enumerate(episodes) for f in ep])
-        steps_adv = broadcast_episode_advantages(adv.float(), episode_of_step).numpy()
+        # Each episode weighs the same in the loss, whatever its length (the loss is a mean over
+        # steps): an episode that succeeds ends early, so by steps the failures would outweigh it,
+        # and pushing down the likelihood of sampled actions widens the policy instead of aiming it.
+        lengths = torch.tensor([float(sum(f.steps for f in ep)) for ep in episodes])
+        adv = adv.float() * lengths.mean() / lengths
+        steps_adv = broadcast_episode_advantages(adv, episode_of_step).numpy()
         start = 0
         for f in frags:
             f.advantages = steps_adv[start:start + f.steps]
