@@ -5,6 +5,7 @@ starting anything, naming how to install it; with it, a tiny default run complet
 from __future__ import annotations
 
 import importlib.util
+import json
 import os
 from pathlib import Path
 
@@ -70,6 +71,10 @@ def test_default_run_tiny(tmp_path):
     assert summary["shm_leftovers"] == 0
     assert (run_dir / "sft" / "model.safetensors").is_file()
     assert load(str(run_dir / "config.yaml")).model.checkpoint == str((run_dir / "sft").resolve())
+    # GRPO groups that teach nothing (all succeed or all fail) are named on the line, not silent
+    rows = [json.loads(x) for x in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    assert all("no_variance" in row for row in rows)
+    assert any(row["no_variance"] for row in rows) == ("groups without variance" in r.stdout)
 
 
 @pytest.mark.sim

@@ -29,7 +29,9 @@ CURVES_STOP_WAIT_S = 3.0
 for the checkpoint, and on a loaded machine a plot can take tens of seconds."""
 
 
-def progress_row(fig: dict[str, Any], elapsed: float) -> dict[str, Any]:
+def progress_row(fig: dict[str, Any], elapsed: float, before: dict[str, Any] | None = None) -> dict[str, Any]:
+    """The figures a progress line shows; ``before``: the STATUS of the previous line, for what
+    happened in between."""
     tr = fig.get("trainer") or {}
     st = fig.get("staleness") or {}
     return {
@@ -47,8 +49,19 @@ def progress_row(fig: dict[str, Any], elapsed: float) -> dict[str, Any]:
         "approx_kl": tr.get("approx_kl"),
         "workers": fig.get("workers"),
         "batch_p50": (fig.get("batch_size") or {}).get("p50"),
+        "no_variance": no_variance_share(fig, before or {}),
         **latest_eval(fig.get("eval") or {}),
     }
+
+
+def no_variance_share(fig: dict[str, Any], before: dict[str, Any]) -> float | None:
+    """The share of the steps trainers acknowledged since ``before`` that they discarded: in
+    GRPO, groups whose episodes all succeeded or all failed, which teach nothing. When it is 1
+    the version stands still, and the line says why."""
+    now, then = fig.get("acked_steps") or {}, before.get("acked_steps") or {}
+    delta = {k: now.get(k, 0) - then.get(k, 0) for k in ("trained", "stale", "discarded")}
+    total = sum(delta.values())
+    return round(delta["discarded"] / total, 3) if total > 0 and now.get("discarded") is not None else None
 
 
 def latest_eval(evals: dict[str, Any]) -> dict[str, Any]:
@@ -71,7 +84,8 @@ def progress_line(r: dict[str, Any]) -> str:
     return (f"[{r['elapsed_s']:7.1f}s] steps={r['env_steps']:>8} sps={_fmt(r['env_steps_per_s']):>8} "
             f"return={_fmt(r['return']):>7} success={_fmt(r['success']):>6} version={r['policy_version']:>4} "
             f"staleness p50={_fmt(r['staleness_p50'])} max={_fmt(r['staleness_max'])} batch={_fmt(r['batch_p50'])}"
-            + (f" eval(v{r['eval_version']})={_fmt(r['eval_success'])}" if r.get("eval_version") is not None else ""))
+            + (f" eval(v{r['eval_version']})={_fmt(r['eval_success'])}" if r.get("eval_version") is not None else "")
+            + (f" groups without variance: {r['no_variance']:.0%} of steps" if r.get("no_variance") else ""))
 
 
 CURVES = (("success", ("success", "eval_success"), "success rate"), ("return", ("return",), "episode return"),
@@ -184,6 +198,8 @@ class RunRecord:
         self.next_curves = self.t0 + CURVES_EVERY_S  # nothing to draw yet: the start-up has better use for the CPU
         self.last: dict[str, Any] = {}
         """The newest STATUS figures (the summary's last progress row)."""
+        self.printed: dict[str, Any] = {}
+        """The STATUS figures of the last progress line."""
 
     def observe(self, fig: dict[str, Any], force: bool = False) -> None:
         """Take the broker's figures; write a row and a line when one is due (or ``force``)."""
@@ -191,7 +207,8 @@ class RunRecord:
         now = time.monotonic()
         if force or now >= self.next_print:
             self.next_print = now + self.every_s
-            row = progress_row(fig, now - self.t0)
+            row = progress_row(fig, now - self.t0, self.printed)
+            self.printed = fig
             self.metrics.write(json.dumps(row) + "\n")
             self.echo(progress_line(row))
             if now >= self.next_curves:
