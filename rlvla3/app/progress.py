@@ -24,6 +24,10 @@ CURVES_EVERY_S = 30.0
 STEPS_CHECK_EVERY_S = 0.25
 """How often ``rlvla3 run`` and ``rlvla3 watch`` ask the broker whether the step target is
 reached (they stop within this of the count, not within ``run.progress_every_s``)."""
+SUCCESS_AFTER_EPISODES = 100
+"""The progress line shows the sampled success once this many episodes have ended: episodes that
+succeed end first, so the first few to end overstate it (by at most the envs still running, a
+share that shrinks as episodes accumulate)."""
 CURVES_STOP_WAIT_S = 3.0
 """How long a run stopped by a signal waits for its final curves: a preemption's grace period is
 for the checkpoint, and on a loaded machine a plot can take tens of seconds."""
@@ -40,7 +44,7 @@ def progress_row(fig: dict[str, Any], elapsed: float, before: dict[str, Any] | N
         "env_steps_per_s": fig.get("env_steps_per_s", 0.0),
         "episodes": fig.get("episodes", 0),
         "return": fig.get("return_recent"),
-        "success": fig.get("success_rate_recent"),
+        "success": fig.get("success_rate_recent") if fig.get("episodes", 0) >= SUCCESS_AFTER_EPISODES else None,
         "policy_version": fig.get("policy_version", -1),
         "staleness_p50": (st.get("p50", 1) - 1) if st.get("count") else None,
         "staleness_max": (st.get("max", 1) - 1) if st.get("count") else None,
