@@ -25,6 +25,7 @@ from brokers.dispatch import Dispatcher
 from brokers.holdings import PeerHoldings, inline_bytes
 from brokers.outgoing import E_INTERNAL, Out, ShmBridge, error
 from brokers.pacing import Alternation
+from brokers.peer_rate import PeerRates
 from brokers.registry import Registry, Worker
 from brokers.stats import BrokerStats
 from brokers.status import StatusCache, job_figures
@@ -58,6 +59,7 @@ class BrokerState:
         self.curve = bool(cfg.broker.keys_dir)  # roles bound to key names (brokers.access)
         self.model_spec: tuple | None = None  # the tensors of the first accepted manifest
         self.reject_log = access.RejectLog(cfg.broker.reject_log_per_s)
+        self.peer_rates = PeerRates(cfg.broker.max_peer_msgs_per_s)  # taken by the shell, per message read
         # Pacing: the alternating modes pause rollouts while a batch waits or a trainer updates.
         self.trainer_version = 0
         self.pacing = Alternation(cfg.algo.batch_steps, enabled=self.mode != "async")

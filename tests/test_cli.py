@@ -12,7 +12,8 @@ from pathlib import Path
 
 import pytest
 
-from rlvla3.config import RENAMED, ConfigError, load
+from rlvla3.config import ConfigError, load
+from rlvla3.config_rules import RENAMED
 from rlvla3.harness.jobs import last_json, run_cli
 from rlvla3.lifetime import launcher_env
 from rlvla3.scale_config import parse_gpus
