@@ -35,12 +35,13 @@ log = structlog.get_logger()
 
 DRAIN = 256  # messages read per turn before the timers run again ...
 DRAIN_S = 0.001  # ... or fewer, once a turn has read for this long: a flood never holds the timers back
-PEER_TURN_S = 0.0005
-"""A peer's messages are handled for about this long per loop turn at most (checked after each
-message, a BUNDLE's parts included); the rest wait for the next turn, ahead of anything newer
-from that peer. One peer's traffic then takes under 1 ms of the loop's CPU per turn at p99
-(``peer_turn_us`` in STATUS), whatever it sends: a 256-part bundle takes a few turns. The share
-is measured in wall time, which a crowded machine stretches: then a turn does less, never more."""
+PEER_TURN_S = 0.0003
+"""The loop thread's CPU time a peer's messages get per loop turn (checked after each message, a
+BUNDLE's parts included); the rest wait for the next turn, ahead of anything newer from that
+peer. One peer's traffic then takes under 1 ms of a turn at p99 (``peer_turn_us`` in STATUS),
+whatever it sends: a 256-part bundle is handled over many turns. CPU time, not wall time: a
+crowded machine that preempts the broker must not split what a peer sent in one go (its
+answers would no longer go out together)."""
 # pyzmq's constants are enum flags: every `&` or `|` on them builds an enum member, a few us each
 # in a loop that runs per message. Plain ints here.
 _EVENTS, _POLLIN = int(zmq.EVENTS), int(zmq.POLLIN)
@@ -77,7 +78,6 @@ class Broker:
         # Per peer, the messages read but not handled yet (``_work``): [CURVE key, messages, how many left].
         self._deferred: dict[bytes, deque[list[Any]]] = {}
         self._deferred_parts: dict[bytes, int] = {}
-        self._turn_cpu: dict[bytes, float] = {}  # per peer, the loop thread's CPU time on it in this turn
         log.info("broker_started", bind=self.bound, pub=self.pub_bound, run_id=self.run_id, mode=cfg.run.mode,
                  curve=bool(keys))
 
@@ -86,7 +86,7 @@ class Broker:
         fd = router.getsockopt(zmq.FD)
         signal_fd = stop_wakeup_fd()  # a stop signal wakes the wait at once (rlvla3/lifetime.py)
         fds = [fd] if signal_fd is None else [fd, signal_fd]
-        deferred, perf = self._deferred, time.perf_counter
+        deferred = self._deferred
         while not self._stop and (until is None or time.monotonic() < until):
             # Sleep until a message or the next timer, to the microsecond: zmq_poll counts whole
             # milliseconds, and a deadline under 1 ms away became poll(0), a spin. ZMQ_FD is
@@ -96,14 +96,14 @@ class Broker:
                 ready, _, _ = select.select(fds, [], [], wait)
                 if signal_fd is not None and signal_fd in ready:
                     drain_wakeup()
-            turn, turn_cpu = perf(), time.thread_time()
-            spent: dict[bytes, float] = {}  # each peer's handling time in this turn (wall clock: cheap to read)
+            turn, turn_cpu = time.perf_counter(), time.thread_time()
+            spent: dict[bytes, float] = {}  # each peer's CPU time in this turn
             for peer in list(deferred):  # what waits from earlier turns goes first, in order
                 self._work(peer, spent)
             # Drain what is ready (ZMQ_EVENTS, not a zmq.Again raised per turn), replies sent as we go.
             # The identity comes as bytes; the header and tensors as frames, whose ``more`` says
             # whether a part follows (a getsockopt(RCVMORE) per part cost more than the rest).
-            reading = perf()
+            reading = time.perf_counter()
             for _ in range(DRAIN):
                 if not router.getsockopt(_EVENTS) & _POLLIN:
                     break
@@ -114,7 +114,7 @@ class Broker:
                 while frames[-1].more:  # the rest of a multipart message is there already
                     frames.append(recv(_DONTWAIT, copy=False))
                 self._take(frames, spent)
-                if perf() - reading > DRAIN_S:
+                if time.perf_counter() - reading > DRAIN_S:
                     break
             t0 = time.perf_counter_ns()
             outs = state.tick(time.monotonic())
@@ -124,9 +124,8 @@ class Broker:
                 if batches:  # forming and sending, per batch of this pass
                     stats.record("batch_form_us", [(time.perf_counter_ns() - t0) // 1000 // batches] * batches)
             if spent:
-                stats.record("peer_turn_us", [int(s * 1e6) for s in self._turn_cpu.values()])
-                self._turn_cpu.clear()
-            stats.loop_turn(perf() - turn, time.thread_time() - turn_cpu, time.monotonic())
+                stats.record("peer_turn_us", [int(s * 1e6) for s in spent.values()])
+            stats.loop_turn(time.perf_counter() - turn, time.thread_time() - turn_cpu, time.monotonic())
         self.close()
 
     def _take(self, frames: list[Any], spent: dict[bytes, float]) -> None:
@@ -167,9 +166,8 @@ class Broker:
         (``PEER_TURN_S``) is spent; the answers go out together. What is left waits for the next
         turn. What a STATUS answer costs the loop (CPU, handling and sending) goes to
         ``status_cpu_us``; the CPU time of all of them, to ``peer_turn_us``."""
-        state, perf = self.state, time.perf_counter
-        start = perf()
-        cpu0 = time.thread_time()
+        state, cpu = self.state, time.thread_time
+        start = cpu()
         until = start + PEER_TURN_S - spent.get(peer, 0.0)
         waiting = self._deferred[peer]
         outs: list[Out] = []
@@ -189,14 +187,14 @@ class Broker:
                     state.stats.status_cpu_us.record_value(max(1, (time.thread_time_ns() - t0) // 1000))
                 entry[2] -= 1
                 handled += 1
-                if entry[2] <= 0 or perf() >= until:
+                if entry[2] <= 0 or cpu() >= until:
                     break
             else:  # its messages ran out
                 handled += entry[2]
                 entry[2] = 0
             if entry[2] <= 0:
                 waiting.popleft()
-            if perf() >= until:
+            if cpu() >= until:
                 break
         if outs:
             self._send_all(outs)
@@ -205,8 +203,7 @@ class Broker:
             state.stats.peer_turns_cut += 1
         else:
             del self._deferred[peer], self._deferred_parts[peer]
-        spent[peer] = spent.get(peer, 0.0) + perf() - start
-        self._turn_cpu[peer] = self._turn_cpu.get(peer, 0.0) + time.thread_time() - cpu0
+        spent[peer] = spent.get(peer, 0.0) + cpu() - start
 
     def _send_all(self, outs: list[Out]) -> None:
         """Send without blocking; what a peer that reads BUNDLEs gets in one call goes as one

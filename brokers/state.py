@@ -41,6 +41,7 @@ class BrokerState:
     def __init__(self, cfg: JobConfig, now: float, run_id: str, host: str, pid: int = 0, pub: str = "",
                  bridge: ShmBridge | None = None) -> None:
         self.cfg = cfg
+        self._cfg_dict = cfg.to_dict()  # every READY reply carries it; the broker never changes its config
         self.mode = cfg.run.mode
         self.run_id, self.host, self.pid, self.pub = run_id, host, pid, pub
         self.hb_s = cfg.broker.heartbeat_s
@@ -134,7 +135,7 @@ class BrokerState:
             out += self._worker_gone(old.identity, "re_ready")
         reply: dict[str, Any] = {
             "role": "broker", "host": self.host, "pid": self.pid,
-            "worker_id": w.worker_id, "run_id": self.run_id, "config": self.cfg.to_dict(),
+            "worker_id": w.worker_id, "run_id": self.run_id, "config": self._cfg_dict,
             "broker_host": self.host, "pub": self.pub, "heartbeat_s": self.hb_s,
             "liveness": self.cfg.broker.liveness, "version": self.weights.version,
         }
