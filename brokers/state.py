@@ -25,6 +25,7 @@ from brokers.dispatch import Dispatcher
 from brokers.holdings import PeerHoldings, inline_bytes
 from brokers.outgoing import E_INTERNAL, Out, ShmBridge, error
 from brokers.pacing import Alternation
+from brokers.peer_rate import PeerRates
 from brokers.registry import Registry, Worker
 from brokers.stats import BrokerStats
 from brokers.status import StatusCache, job_figures
@@ -40,6 +41,7 @@ class BrokerState:
     def __init__(self, cfg: JobConfig, now: float, run_id: str, host: str, pid: int = 0, pub: str = "",
                  bridge: ShmBridge | None = None) -> None:
         self.cfg = cfg
+        self._cfg_dict = cfg.to_dict()  # every READY reply carries it; the broker never changes its config
         self.mode = cfg.run.mode
         self.run_id, self.host, self.pid, self.pub = run_id, host, pid, pub
         self.hb_s = cfg.broker.heartbeat_s
@@ -58,6 +60,7 @@ class BrokerState:
         self.curve = bool(cfg.broker.keys_dir)  # roles bound to key names (brokers.access)
         self.model_spec: tuple | None = None  # the tensors of the first accepted manifest
         self.reject_log = access.RejectLog(cfg.broker.reject_log_per_s)
+        self.peer_rates = PeerRates(cfg.broker.max_peer_msgs_per_s)  # taken by the shell, per message read
         # Pacing: the alternating modes pause rollouts while a batch waits or a trainer updates.
         self.trainer_version = 0
         self.pacing = Alternation(cfg.algo.batch_steps, enabled=self.mode != "async")
@@ -132,7 +135,7 @@ class BrokerState:
             out += self._worker_gone(old.identity, "re_ready")
         reply: dict[str, Any] = {
             "role": "broker", "host": self.host, "pid": self.pid,
-            "worker_id": w.worker_id, "run_id": self.run_id, "config": self.cfg.to_dict(),
+            "worker_id": w.worker_id, "run_id": self.run_id, "config": self._cfg_dict,
             "broker_host": self.host, "pub": self.pub, "heartbeat_s": self.hb_s,
             "liveness": self.cfg.broker.liveness, "version": self.weights.version,
         }

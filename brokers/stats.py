@@ -108,6 +108,10 @@ class BrokerStats:
     _recent_success: deque = field(default_factory=lambda: deque(maxlen=200))
     _rate_window: deque = field(default_factory=lambda: deque(maxlen=64))
     status_cpu_us: HdrHistogram = field(default_factory=_hist)  # the loop's CPU time to answer one STATUS
+    peer_turn_us: HdrHistogram = field(default_factory=_hist)
+    """Per loop turn and peer with messages in it: the loop thread's CPU time handling that peer's
+    messages and sending the answers."""
+    peer_turns_cut: int = 0  # turns that left a peer's messages for the next (brokers.broker.PEER_TURN_S)
     max_loop_stall_ms: float = 0.0  # the longest the broker's loop went without polling
     _stalls: deque = field(default_factory=lambda: deque(maxlen=STALL_WINDOW_S))  # [second, longest turn ms, its cpu ms]
     trainer: dict[str, Any] = field(default_factory=dict)
@@ -183,7 +187,7 @@ class BrokerStats:
         self._flush()
         hists = {"batch_size": self.batch_size, "queue_wait_us": self.queue_wait_us,
                  "batch_form_us": self.batch_form_us, "generate_us": self.generate_us, "staleness": self.staleness,
-                 "status_cpu_us": self.status_cpu_us}
+                 "status_cpu_us": self.status_cpu_us, "peer_turn_us": self.peer_turn_us}
         counts = {name: h.get_total_count() for name, h in hists.items()}
         shape = (tuple(c > 0 for c in counts.values()), bool(self._recent_returns), len(self.evals))
         if now - self._slow_at >= 1.0 or shape != self._slow_shape:
@@ -210,6 +214,7 @@ class BrokerStats:
             "duplicates": self.duplicates,
             "requests_unreadable": self.requests_unreadable,
             "bundles": dict(self.bundles),
+            "peer_turns_cut": self.peer_turns_cut,
             "traj": {
                 "received": self.traj_received, "delivered": self.traj_delivered,
                 "acked": self.traj_acked, "requeued": self.traj_requeued, "dropped": self.traj_dropped,

@@ -60,6 +60,7 @@ def job_figures(state: Any, now: float) -> dict[str, Any]:
         "dropped_stale": state.trajs.ledger.reported["stale"],
         "discarded": state.trajs.ledger.reported["discarded"],
         "batching": state.dispatcher.figures(),
+        "peer_rate": state.peer_rates.figures(),
         "per_worker": [
             {"name": w.name, "role": w.role, "worker_id": w.worker_id, "host": w.host, "pid": w.pid,
              "version": w.info.get("version"), "served": w.info.get("served"), "env_steps": w.info.get("env_steps"),

@@ -9,7 +9,7 @@ if its READY said ``bundles``.
 
 from __future__ import annotations
 
-from typing import Any, Sequence
+from typing import Any, Iterator, Sequence
 
 from rlvla3 import protocol as P
 
@@ -51,20 +51,30 @@ def parts(counts: list[int], frames: Sequence[Any]) -> list[Sequence[Any]]:
     return out
 
 
-def decode_all(frames: Sequence[Any]) -> list[P.Message | P.ProtocolError]:
-    """The messages ``frames`` carry: one, or each part of a BUNDLE in order. A bad part comes
-    back as its ProtocolError, and the parts beside it still count; a bad bundle is one error."""
+def decode_each(frames: Sequence[Any]) -> Iterator[P.Message | P.ProtocolError]:
+    """The messages ``frames`` carry: one, or each part of a BUNDLE in order (``opened``)."""
+    return opened(frames)[1]
+
+
+def opened(frames: Sequence[Any]) -> tuple[int, Iterator[P.Message | P.ProtocolError]]:
+    """How many messages ``frames`` carry, and the messages, each decoded when it is asked for
+    (the broker counts a bundle's parts against the peer's rate cap before decoding them, and may
+    handle them over several loop turns). A bad part comes back as its ProtocolError, and the
+    parts beside it still count; a bad bundle is one error."""
     try:
         msg = P.decode(frames)
     except P.ProtocolError as err:
-        return [err]
+        return 1, iter((err,))
     if msg.type != P.BUNDLE:
-        return [msg]
-    out: list[P.Message | P.ProtocolError] = []
-    for part in parts(msg.header["parts"], frames[1:]):
+        return 1, iter((msg,))
+    counts = msg.header["parts"]
+    return len(counts), _decoded(counts, frames[1:])
+
+
+def _decoded(counts: list[int], frames: Sequence[Any]) -> Iterator[P.Message | P.ProtocolError]:
+    for part in parts(counts, frames):
         try:
             m = P.decode(part)
-            out.append(m if m.type != P.BUNDLE else P.ProtocolError(P.E_MALFORMED, "a BUNDLE inside a BUNDLE"))
+            yield m if m.type != P.BUNDLE else P.ProtocolError(P.E_MALFORMED, "a BUNDLE inside a BUNDLE")
         except P.ProtocolError as err:
-            out.append(err)
-    return out
+            yield err

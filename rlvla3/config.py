@@ -18,7 +18,7 @@ from typing import Any
 
 import yaml
 
-from rlvla3.config_rules import validate_job
+from rlvla3.config_rules import check_renamed, validate_job
 from rlvla3.scale_config import ConfigError, LoraConfig, PlacementConfig, TrainConfig
 
 SCIENTIFIC = re.compile(r"[-+]?(\d+\.?\d*|\.\d+)[eE][-+]?\d+")
@@ -78,6 +78,13 @@ class BrokerConfig:
     """Inline tensor bytes one peer's queued requests and waiting fragments may hold."""
     reject_log_per_s: int = 20
     """``message_rejected`` log lines per peer per second; the rest are counted in one line."""
+    max_peer_msgs_per_s: int = 50_000
+    """Messages one peer (ROUTER identity) may send per second, a BUNDLE's parts each counting,
+    with bursts of half a second of it (``brokers.peer_rate``); more are dropped unread, counted
+    in STATUS ``peer_rate``. A real worker never comes near it: the broker routes 21,000-33,000
+    requests/s per core for all peers together (docs/scaling.md), so no simulator gets more
+    served, a generator sends one RESULT per batch and a trainer one TRAJ_ACK per batch taken;
+    a flooding peer is held to well under a core of the broker's loop."""
 
 
 @dataclass
@@ -301,29 +308,6 @@ class JobConfig:
 # ---------------------------------------------------------------------------------------------
 # Loading and validation
 # ---------------------------------------------------------------------------------------------
-
-
-RENAMED: dict[str, str] = {
-    "algo.group_size": "env.group_size",
-    "model.options.chunk_size": "model.chunk_size",
-    "model.options.device": "workers.device",
-    "model.options.dtype": "model.dtype",
-}
-"""Keys that were removed, and the one key that now holds each setting. A config that still
-uses an old key is refused with an error naming the new one (never silently mapped: a value
-set twice would otherwise have two sources)."""
-
-
-def check_renamed(data: dict[str, Any]) -> None:
-    """Refuse a config that uses a key of :data:`RENAMED`, naming its replacement."""
-    for old, new in RENAMED.items():
-        node: Any = data
-        for part in old.split("."):
-            if not isinstance(node, dict) or part not in node:
-                break
-            node = node[part]
-        else:
-            raise ConfigError(f"{old} was removed: set {new} instead")
 
 
 def from_dict(data: dict[str, Any] | None) -> JobConfig:

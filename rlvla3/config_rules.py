@@ -1,4 +1,5 @@
-"""The config's cross-field rules (``rlvla3.config.validate``): each error names its key."""
+"""The config's rules (``rlvla3.config.validate``): keys that were renamed, and the cross-field
+rules. Each error names its key."""
 
 from __future__ import annotations
 
@@ -9,12 +10,36 @@ from rlvla3.scale_config import ConfigError, validate_scale
 MODES = ("sync", "async_rollout", "async")
 RATIO_LEVELS = ("unit", "chunk")
 
+RENAMED: dict[str, str] = {
+    "algo.group_size": "env.group_size",
+    "model.options.chunk_size": "model.chunk_size",
+    "model.options.device": "workers.device",
+    "model.options.dtype": "model.dtype",
+}
+"""Keys that were removed, and the one key that now holds each setting. A config that still
+uses an old key is refused with an error naming the new one (never silently mapped: a value
+set twice would otherwise have two sources)."""
+
+
+def check_renamed(data: dict[str, Any]) -> None:
+    """Refuse a config that uses a key of :data:`RENAMED`, naming its replacement."""
+    for old, new in RENAMED.items():
+        node: Any = data
+        for part in old.split("."):
+            if not isinstance(node, dict) or part not in node:
+                break
+            node = node[part]
+        else:
+            raise ConfigError(f"{old} was removed: set {new} instead")
+
 
 def validate_job(cfg: Any) -> None:
     """Every rule of the job's config."""
     validate_scale(cfg.model.lora, cfg.train, cfg.placement, cfg.workers.generators, cfg.workers.trainers)
     if cfg.run.mode not in MODES:
         raise ConfigError(f"run.mode: {cfg.run.mode!r} not in {MODES}")
+    if cfg.broker.max_peer_msgs_per_s < 1:
+        raise ConfigError(f"broker.max_peer_msgs_per_s ({cfg.broker.max_peer_msgs_per_s}) must be >= 1")
     if cfg.env.num_envs < 1 or cfg.env.slots < 1:
         raise ConfigError("env.num_envs and env.slots must be >= 1")
     if cfg.env.num_envs % cfg.env.slots:

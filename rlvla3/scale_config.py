@@ -54,6 +54,14 @@ class TrainConfig:
     ``sharded``: every rank writes its shard with torch.distributed.checkpoint (DCP), which
     resumes on any number of ranks, with or without FSDP. Several hosts need the run folder on
     a filesystem they share."""
+    collective_timeout_s: float = 300.0
+    """How long a trainer rank waits in one collective (an all-reduce of the update, the gathers
+    and barriers of a checkpoint) for the other ranks before it gives up: a rank lost during a
+    collective checkpoint makes the others stop, with a ``checkpoint_group_lost`` error line,
+    within it (``workers.trainer_checkpoints``). The slowest honest wait is the other ranks at
+    the barrier while rank 0 writes a gathered ``full`` checkpoint (a 7B model's weights and
+    optimizer, ~45 GB, at 200 MB/s onto a network filesystem: ~4 min), so 5 min. Joining the
+    group waits as long as the ranks take to start (``workers.broker_wait_s``)."""
     min_update_s: float = 0.0
     """For benchmarks: every update lasts at least this long (the rest after the optimizer
     steps is slept, before the version is published), so a small model stands in for a large
@@ -150,6 +158,8 @@ def validate_scale(lora: LoraConfig, train: TrainConfig, placement: PlacementCon
         raise ConfigError("model.lora: rank must be >= 1, alpha > 0 and targets non-empty")
     if not 0.0 <= train.min_update_s <= 3600.0:
         raise ConfigError(f"train.min_update_s: {train.min_update_s} is not in [0, 3600] seconds")
+    if not train.collective_timeout_s > 0:
+        raise ConfigError(f"train.collective_timeout_s: {train.collective_timeout_s} must be > 0 seconds")
     if train.checkpoint_format not in CHECKPOINT_FORMATS:
         raise ConfigError(f"train.checkpoint_format: {train.checkpoint_format!r} not in {CHECKPOINT_FORMATS}")
     if train.fsdp and trainers < 2:

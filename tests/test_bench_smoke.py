@@ -132,6 +132,7 @@ def check_fuzz(r: dict[str, Any], out: Path) -> None:
         assert key in r, key
     assert r["errors"] > 0 and not r["client_failures"]
     assert r["broker_alive"] and r["workers_alive"] and r["all_read"]
+    assert r["peer_turn_us"]["count"] > 0 and r["peer_rate"]["dropped"] == 0  # the broker's figures per peer
     assert r["keyless_answered"] is (None if not r["curve"] else False)  # CURVE: a peer without a key gets nothing
     assert (out / "fuzz.json").is_file()
 

@@ -28,10 +28,10 @@ def _bundle_of(messages: list[list]) -> list:
 def test_a_bundle_decodes_to_its_parts_in_order_and_a_bad_part_fails_alone():
     garbage = [b"\x92\x01"]  # msgpack, not a map
     frames = _bundle_of([_obs(0), garbage, _obs(1), P.encode(P.HEARTBEAT)])
-    out = bundle.decode_all(frames)
+    out = list(bundle.decode_each(frames))
     assert [m.type if isinstance(m, P.Message) else m.code for m in out] == [P.OBS, P.E_MALFORMED, P.OBS, P.HEARTBEAT]
     assert out[2]["slot"] == 1 and out[2].tensors["state"].shape == (1, 3)
-    assert [type(m) for m in bundle.decode_all(_obs(3))] == [P.Message]  # a message alone is itself
+    assert [type(m) for m in bundle.decode_each(_obs(3))] == [P.Message]  # a message alone is itself
 
 
 @pytest.mark.parametrize("parts, frames, code", [
@@ -43,13 +43,13 @@ def test_a_bundle_decodes_to_its_parts_in_order_and_a_bad_part_fails_alone():
 ])
 def test_a_malformed_bundle_is_one_error(parts, frames, code):
     header = msgpack.packb({"v": 1, "type": P.BUNDLE, "parts": parts})
-    out = bundle.decode_all([header, *[P.encode(P.HEARTBEAT)[0]] * frames])
+    out = list(bundle.decode_each([header, *[P.encode(P.HEARTBEAT)[0]] * frames]))
     assert len(out) == 1 and isinstance(out[0], P.ProtocolError) and out[0].code == code
 
 
 def test_a_bundle_inside_a_bundle_is_refused():
     inner = _bundle_of([P.encode(P.HEARTBEAT), P.encode(P.HEARTBEAT)])
-    out = bundle.decode_all(_bundle_of([inner, P.encode(P.HEARTBEAT)]))
+    out = list(bundle.decode_each(_bundle_of([inner, P.encode(P.HEARTBEAT)])))
     assert isinstance(out[0], P.ProtocolError) and "inside" in out[0].reason
     assert isinstance(out[1], P.Message) and out[1].type == P.HEARTBEAT
 
@@ -58,7 +58,7 @@ def test_bundle_splits_at_its_limits_and_keeps_order():
     many = [P.encode(P.HEARTBEAT, {"served": i}) for i in range(P.MAX_BUNDLE_PARTS + 3)]
     runs = bundle.bundle(many)
     assert [n for n, _ in runs] == [P.MAX_BUNDLE_PARTS, 3]
-    served = [m["served"] for _, frames in runs for m in bundle.decode_all(frames)]
+    served = [m["served"] for _, frames in runs for m in bundle.decode_each(frames)]
     assert served == list(range(len(many)))
     big = np.zeros(P.MAX_BUNDLE_BYTES // 4 // 2 + 1, np.float32)  # two of these pass the byte limit
     runs = bundle.bundle([P.encode(P.TRAJ_ACK, {"traj_ids": [1]}, {"x": big}), P.encode(P.TRAJ_ACK, {"traj_ids": [2]}, {"x": big})])
@@ -87,7 +87,7 @@ class Peer:
             assert self.sock.poll(5000), "the broker sent nothing"
             frames = self.sock.recv_multipart()
             self.received.append(frames)
-            for m in bundle.decode_all(frames):
+            for m in bundle.decode_each(frames):
                 assert isinstance(m, P.Message), m
                 yield m
 

@@ -12,7 +12,8 @@ from pathlib import Path
 
 import pytest
 
-from rlvla3.config import RENAMED, ConfigError, load
+from rlvla3.config import ConfigError, load
+from rlvla3.config_rules import RENAMED
 from rlvla3.harness.jobs import last_json, run_cli
 from rlvla3.lifetime import launcher_env
 from rlvla3.scale_config import parse_gpus
@@ -43,6 +44,10 @@ def test_config_errors_name_the_key():
     assert load("synthetic.yaml", ["algo.lr=1e-4"]).algo.lr == 1e-4  # YAML 1.1 reads 1e-4 as a string
     with pytest.raises(ConfigError, match="algo.lr"):
         load("synthetic.yaml", ["algo.lr=1e-4x"])
+    with pytest.raises(ConfigError, match="broker.max_peer_msgs_per_s"):
+        load("synthetic.yaml", ["broker.max_peer_msgs_per_s=0"])
+    with pytest.raises(ConfigError, match="train.collective_timeout_s"):
+        load("synthetic.yaml", ["train.collective_timeout_s=0"])
 
 
 def test_removed_keys_name_their_replacement():

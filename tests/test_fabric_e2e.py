@@ -19,6 +19,7 @@ def test_job_runs_in_each_mode(job_factory, mode):
     fig = job.wait(lambda f: f["policy_version"] >= 2 and f["episodes"] >= 4, 120, f"2 versions in {mode}")
     assert fig["workers"] == {"simulator": 2, "generator": 2, "trainer": 1}
     assert fig["errors"] == 0 and fig["traj"]["dropped"] == 0
+    assert fig["peer_rate"]["dropped"] == 0  # real workers are never throttled by the default cap
     assert fig["env_steps"] > 0 and fig["traj"]["acked"] > 0
     served = [w["served"] or 0 for w in fig["per_worker"] if w["role"] == "generator"]
     assert len(served) == 2

@@ -2,7 +2,8 @@
 same per-rank batches through the trainer's update (``workers.algorithms.update``); the losses
 of every optimizer step and the weights after agree. Checkpoints move between group sizes: two
 FSDP ranks save (sharded and full) and one process resumes; one process saves and two FSDP
-ranks resume. And ``train.fsdp: true`` in a real job."""
+ranks resume. And ``train.fsdp: true`` in a real job. A rank lost during the group's checkpoint
+stops the other within ``train.collective_timeout_s``."""
 
 import json
 import socket
@@ -149,3 +150,65 @@ def test_fsdp_trainer_group_publishes_and_checkpoints_shards(job_factory):
     saved = load_checkpoint(job.run_dir, policy, make_optimizer(policy.parameters(), load(str(job.run_dir / "config.yaml")).algo),
                             restore_rng=False)  # two ranks saved, one process resumes
     assert float(parameter_checksum(policy)) == pytest.approx(both[saved["version"]], rel=1e-6)  # rows keep 8 digits
+
+
+def _lost_rank(rank: int, port: int, out_dir: str, sig: int) -> None:
+    """One rank of two FSDP ranks with ``train.collective_timeout_s=3``: rank 1 goes away (``sig``
+    at itself) as the group's checkpoint starts; rank 0 reports how its save ended."""
+    import os
+    import time
+    from pathlib import Path
+
+    from structlog.testing import capture_logs
+
+    from workers.metrics import Counters
+    from workers.trainer_checkpoints import Checkpoints
+    from workers.trainer_rounds import join_group
+
+    cfg = load("synthetic.yaml", ["workers.trainers=2", "train.fsdp=true", "train.collective_timeout_s=3"])
+    address = {"addr": "127.0.0.1", "port": port}
+    join_group(rank, 2, address, {"dist": address}, "cpu", cfg)
+    policy = build_policy(cfg)
+    state = TrainState.build(policy, cfg.algo, wrap_fsdp(policy))
+    checkpoints = Checkpoints(cfg, Path(out_dir), None, rank, 2)
+    torch.distributed.barrier()  # both ranks built: the next collective is the checkpoint's
+    if rank == 1:
+        os.kill(os.getpid(), sig)
+        time.sleep(60)  # never reached with SIGKILL; with SIGSTOP, its sockets stay open and silent
+    t0 = time.monotonic()
+    with capture_logs() as logs:
+        try:
+            checkpoints.save(state, 1, Counters())
+            ended = "saved"
+        except SystemExit as exc:
+            ended = str(exc)
+    with open(f"{out_dir}/rank0.json", "w") as f:
+        json.dump({"ended": ended, "waited_s": time.monotonic() - t0, "group_lost": checkpoints.group_lost,
+                   "events": [e["event"] for e in logs]}, f)
+    os._exit(0)  # the group is broken: no teardown collective
+
+
+@pytest.mark.parametrize("sig", ["SIGKILL", "SIGSTOP"])  # a killed rank, and one whose host went silent
+def test_a_rank_lost_during_a_collective_checkpoint_stops_the_other_within_the_timeout(tmp_path, sig):
+    """SIGKILL closes the lost rank's connections (gloo fails at once); SIGSTOP keeps them open
+    and silent, as a host that went away does, and the survivor waits out the group's timeout."""
+    import signal
+    import time
+
+    ctx = mp.start_processes(_lost_rank, args=(_free_port(), str(tmp_path), int(getattr(signal, sig))), nprocs=2,
+                             join=False, start_method="spawn")
+    try:
+        deadline = time.monotonic() + 120
+        while not (tmp_path / "rank0.json").exists() and time.monotonic() < deadline and ctx.processes[0].is_alive():
+            time.sleep(0.1)
+        out = json.loads((tmp_path / "rank0.json").read_text())
+    finally:
+        for p in ctx.processes:
+            p.kill()
+            p.join(10)
+    assert out["waited_s"] < 3 + 5, out  # train.collective_timeout_s, and a margin
+    assert out["group_lost"] and "lost during the collective checkpoint of version 1" in out["ended"], out
+    assert "checkpoint_group_lost" in out["events"], out
+    from workers.checkpoint import latest_checkpoint
+
+    assert latest_checkpoint(tmp_path) is None  # the torn save left no checkpoint that looks complete

@@ -228,7 +228,7 @@ class WorkerBase:
         frames = self.sock.recv_multipart(copy=False)
         self._last_recv = time.monotonic()
         out = []
-        for msg in bundle.decode_all(frames):
+        for msg in bundle.decode_each(frames):
             if type(msg) is P.ProtocolError:
                 log.warning("bad_message_from_broker", code=msg.code, reason=msg.reason)
             else:

@@ -96,7 +96,7 @@ class TrainerWorker(WorkerBase):
         self.rank = int(self.welcome.get("rank", 0))
         self.world = max(1, int(self.welcome.get("world_size", 1)))
         if self.world > 1:
-            join_group(self.rank, self.world, self.dist_info, self.welcome, self.device)
+            join_group(self.rank, self.world, self.dist_info, self.welcome, self.device, cfg)
             self.rounds = Rounds(self.world, cfg.algo.batch_steps)
         policy = build_policy(cfg, device=self.device)
         policy.train()
@@ -305,7 +305,7 @@ class TrainerWorker(WorkerBase):
             self.metrics.close()
         if self.publishing is not None:
             self.publishing.close(finished)
-        if self.world > 1 and finished:
+        if self.world > 1 and finished and not (self.checkpoints is not None and self.checkpoints.group_lost):
             from workers.algorithms.distributed import destroy_trainer_group
 
             destroy_trainer_group()

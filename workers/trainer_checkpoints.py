@@ -4,6 +4,12 @@ Rank 0 saves alone, unless the checkpoint is collective (FSDP shards, or DCP's s
 with several ranks): then every rank saves and loads its part, and every rank must see the
 files. A trainer resumes from ``--resume RUN_DIR``, or, rejoining a running job, from its own
 run folder's latest checkpoint.
+
+A rank lost during a collective checkpoint (killed, or its host gone) leaves the others waiting
+in a gather or barrier; each gives up after ``train.collective_timeout_s`` (the group's
+timeout), logs ``checkpoint_group_lost`` and stops: a torch.distributed group cannot be formed
+again around a lost rank. The checkpoint being written stays a temporary folder, the older ones
+are whole, and the restarted group resumes from the newest.
 """
 
 from __future__ import annotations
@@ -28,6 +34,7 @@ class Checkpoints:
         self.resume_from = resume
         self.rank = rank
         self.world = world
+        self.group_lost = False  # a collective save failed: no collective may run again
 
     @property
     def collective(self) -> bool:
@@ -75,8 +82,10 @@ class Checkpoints:
         """Write ``version`` (weights, optimizer, counters, config) into the run folder. A write
         the disk refuses (full, read-only) is one ``checkpoint_failed`` line, not the end of the
         job: the previous checkpoints are untouched, and the next due version tries again."""
-        if self.run_dir is None:
+        if self.run_dir is None or self.group_lost:
             return
+        from torch.distributed.checkpoint.api import CheckpointException
+
         from workers.checkpoint import CHECKPOINTS, save_checkpoint
 
         keep = self.cfg.algo.keep_checkpoints or None
@@ -90,5 +99,14 @@ class Checkpoints:
             log.error("checkpoint_failed", version=version, path=str(self.run_dir), error=exc.strerror or repr(exc),
                       errno=exc.errno, free_mb=None if free is None else round(free / 2**20, 1))
             return
+        except (RuntimeError, CheckpointException) as exc:  # gloo/NCCL timeouts and closed peers; DCP wraps them
+            if not (self.collective and self.world > 1):
+                raise
+            self.group_lost = True
+            log.error("checkpoint_group_lost", rank=self.rank, version=version,
+                      timeout_s=self.cfg.train.collective_timeout_s, error=repr(exc)[:500])
+            raise SystemExit(f"trainer rank {self.rank}: another rank of the trainer group was lost during the "
+                             f"collective checkpoint of version {version}; stopping (restart the group: it resumes "
+                             "from the newest complete checkpoint)") from None
         if self.rank == 0:
             log.info("checkpoint_saved", version=version, path=str(path), format=fmt)

@@ -33,8 +33,11 @@ class Deferred:
     taken: list[int]
 
 
-def join_group(rank: int, world: int, own_address: dict[str, Any], welcome: dict[str, Any], device: Any) -> None:
-    """Join the torch.distributed group at rank 0's rendezvous address (rank 0: its own)."""
+def join_group(rank: int, world: int, own_address: dict[str, Any], welcome: dict[str, Any], device: Any,
+               cfg: Any) -> None:
+    """Join the torch.distributed group at rank 0's rendezvous address (rank 0: its own), waiting
+    up to ``workers.broker_wait_s`` for the other ranks; then each collective waits at most
+    ``train.collective_timeout_s``."""
     from workers.algorithms.distributed import init_trainer_group
 
     dist_info = own_address if rank == 0 else welcome.get("dist")
@@ -43,7 +46,8 @@ def join_group(rank: int, world: int, own_address: dict[str, Any], welcome: dict
         # that announced its address; a missing one means rank 0 left: start again.
         raise SystemExit(f"trainer rank {rank}: the broker has no rendezvous address of rank 0; restart this trainer")
     log.info("trainer_group_joining", rank=rank, world_size=world, **dist_info)
-    init_trainer_group(rank, world, dist_info["addr"], int(dist_info["port"]), device=device)
+    init_trainer_group(rank, world, dist_info["addr"], int(dist_info["port"]), device=device,
+                       timeout_s=cfg.train.collective_timeout_s, rendezvous_s=cfg.workers.broker_wait_s)
 
 
 class Rounds:

@@ -14,7 +14,9 @@ broker read everything (``all_read``).
 
 Last line of stdout: one JSON object with ``sent``, ``errors`` (answered with ERROR, the broker's
 own count), ``broker_alive``, ``job_advanced`` (env steps and policy version grew while fuzzing)
-and ``rss_growth_mb`` (the broker's). Targets: alive, advancing, RSS growth <= 64 MB.
+``rss_growth_mb`` (the broker's) and ``peer_turn_us`` (count, p50, p99, max: the broker loop's time
+per turn on one peer's messages, bundles included, from STATUS). Targets: alive, advancing, RSS
+growth <= 64 MB, ``peer_turn_us`` p99 <= 1,000 us.
 """
 
 from __future__ import annotations
@@ -247,9 +249,14 @@ def main() -> None:
             "workers_alive": all(p.poll() is None for p in job.workers),
             "client_failures": [f.failure for f in fuzzers if f.failure],
             "broker_log_mb": round((root / "broker.log").stat().st_size / 2**20, 2),  # rejections are rate-limited
+            # The loop's time per turn for one peer's messages (bundles included), over the job's
+            # life up to ``after``, fuzzing included (brokers/broker.py PEER_TURN_S); target p99 <= 1 ms.
+            "peer_turn_us": {k: after.get("peer_turn_us", {}).get(k) for k in ("count", "p50", "p99", "max")},
+            "peer_turns_cut": after.get("peer_turns_cut"),
+            "peer_rate": after.get("peer_rate"),
             "curve": bool(keys),
             "keyless_answered": keyless,  # with CURVE: a peer without an allowlisted key gets nothing back
-            "targets": {"broker_alive": True, "job_advanced": True, "rss_growth_mb_max": 64},
+            "targets": {"broker_alive": True, "job_advanced": True, "rss_growth_mb_max": 64, "peer_turn_us_p99_max": 1000},
         }
     finally:
         job.stop()

@@ -67,11 +67,14 @@ def init_trainer_group(
     device: torch.device | str | None = None,
     backend: str | None = None,
     timeout_s: float = 300.0,
+    rendezvous_s: float = 900.0,
 ) -> str:
     """Join the trainers' process group over ``tcp://master_addr:master_port``; returns the backend.
 
     Everything is passed explicitly (no MASTER_ADDR / RANK environment variables) because the
-    broker, not a launcher, decides who the trainers are.
+    broker, not a launcher, decides who the trainers are. Joining waits up to ``rendezvous_s``
+    for every rank (ranks started by hand may come minutes apart); each collective after that
+    waits at most ``timeout_s`` (``train.collective_timeout_s``) for the others, then raises.
     """
     if dist.is_initialized():
         raise RuntimeError("a torch.distributed process group is already initialized in this process")
@@ -80,13 +83,11 @@ def init_trainer_group(
         if device is None:
             raise ValueError("NCCL needs the rank's CUDA device (the broker assigns it, e.g. cuda:2)")
         torch.cuda.set_device(torch.device(device))
-    dist.init_process_group(
-        backend=backend,
-        init_method=f"tcp://{master_addr}:{int(master_port)}",
-        rank=int(rank),
-        world_size=int(world_size),
-        timeout=timedelta(seconds=timeout_s),
-    )
+    # A store of our own, so that the wait for the ranks to start is not the collectives' timeout.
+    store = dist.TCPStore(master_addr, int(master_port), int(world_size), is_master=int(rank) == 0,
+                          timeout=timedelta(seconds=rendezvous_s))
+    dist.init_process_group(backend=backend, store=store, rank=int(rank), world_size=int(world_size),
+                            timeout=timedelta(seconds=timeout_s))
     return backend
 
 
