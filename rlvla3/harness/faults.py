@@ -78,16 +78,26 @@ class Outcome:
         return {**asdict(self), "dip": round(self.dip, 3)}
 
 
-def ledger_problems(fig: dict[str, Any]) -> list[str]:
-    """What breaks the ledger's rules in one broker's figures (empty: exact)."""
+def counted_twice(fig: dict[str, Any], old: dict[str, Any] | None = None) -> int:
+    """Steps acknowledged beyond the decision steps served, over this broker and ``old``, the
+    figures of a killed one taken just before the kill (the new broker acknowledges the fragments
+    the old one served and had not acknowledged: they are re-sent to it)."""
+    acked = fig["acked_steps"]["acked"] + (old["acked_steps"]["acked"] if old else 0)
+    served = fig["decision_steps"] + (old["decision_steps"] if old else 0)
+    return max(0, acked - served)
+
+
+def ledger_problems(fig: dict[str, Any], old: dict[str, Any] | None = None) -> list[str]:
+    """What breaks the ledger's rules in one broker's figures (empty: exact); ``old`` as in
+    :func:`counted_twice`."""
     a = fig["acked_steps"]
     out = []
     if a["acked"] != sum(a[k] for k in FATES):
         out.append(f"fates do not add up to the acknowledged steps: {a}")
     if a["lost_with_trainer"] or a["trainers_lost"]:
         out.append(f"acknowledged steps lost with a trainer: {a}")
-    if a["acked"] > fig["decision_steps"]:
-        out.append(f"steps acknowledged twice: {a['acked']} acknowledged, {fig['decision_steps']} served")
+    if twice := counted_twice(fig, old):
+        out.append(f"{twice} steps acknowledged twice")
     return out
 
 
@@ -123,12 +133,14 @@ def run_fault(job: NetnsJob, fault: str, cut_s: float, rate_window_s: float = RA
     out.steps_per_s_before = before["rate"]
     first = before["last"]
     out.version_before = first["trainer_version"]
+    old = None
     if fault in ("simulator_host_cut", "generator_host_cut"):
         last = _cut_worker_host(job, out, "simh" if fault == "simulator_host_cut" else "genh")
     elif fault == "broker_host_cut":
         last = _cut_broker_host(job, out)
     else:
-        last = _restart_broker(job, out)
+        old = job.status()  # the old broker's last figures (the kill follows at once)
+        last = _restart_broker(job, out, old)
         first = {**first, "acked_steps": dict.fromkeys(first["acked_steps"], 0)}  # the new broker's ledger
     # recovered: training goes on after the fault (the version continues from the trainer's)
     last = job.wait(lambda f: f["trainer_version"] >= max(out.version_before, last["trainer_version"]) + 1, 120,
@@ -138,10 +150,10 @@ def run_fault(job: NetnsJob, fault: str, cut_s: float, rate_window_s: float = RA
         out.problems.append(f"the version went back from {out.version_before} to {out.version_after}")
     a, b = first["acked_steps"], last["acked_steps"]
     out.lost = b["lost_with_trainer"] - a["lost_with_trainer"]
-    out.duplicated = max(0, last["acked_steps"]["acked"] - last["decision_steps"])
+    out.duplicated = counted_twice(last, old)
     out.resent_recognised = (last["traj"]["duplicates"] + last["duplicates"]
-                             - (0 if fault == "broker_restart" else first["traj"]["duplicates"] + first["duplicates"]))
-    out.problems += ledger_problems(last)
+                             - (0 if old else first["traj"]["duplicates"] + first["duplicates"]))
+    out.problems += ledger_problems(last, old)
     return out
 
 
@@ -210,11 +222,10 @@ def _cut_broker_host(job: NetnsJob, out: Outcome) -> dict[str, Any]:
     return fig
 
 
-def _restart_broker(job: NetnsJob, out: Outcome) -> dict[str, Any]:
-    """The broker SIGKILLed (its host lost) and a new one started on the same address ``cut_s``
-    later: the workers rejoin it, the simulators re-send what has no ack, the trainer
-    re-announces its version."""
-    start = job.status()
+def _restart_broker(job: NetnsJob, out: Outcome, start: dict[str, Any]) -> dict[str, Any]:
+    """The broker SIGKILLed (its host lost) right after its figures ``start`` were taken, and a
+    new one started on the same address ``cut_s`` later: the workers rejoin it, the simulators
+    re-send what has no ack, the trainer re-announces its version."""
     far_steps = per_worker(start, "sim-far")["env_steps"]
     sizes = _far_sizes(job)
     job.broker.send_signal(signal.SIGKILL)
