@@ -253,9 +253,13 @@ class NetnsJob:
         h = self.host(host)
         args = ["worker", "--role", role, "--broker", self.url, "--keys", str(self.keys), "--key-name", role,
                 "--name", name, *extra]
+        env = None
         if role == "trainer":  # rank 0's weight stream, reachable from the other hosts
             args += ["--set", f"weights.stream_bind=tcp://{h.addr}:0"]
-        return self.hosts.spawn(h, args, self.folder / f"{name}.log")
+            # gloo finds its interface by the hostname, which resolves nowhere here (it would
+            # fall back to loopback, which other hosts cannot reach): name the host's interface
+            env = {"GLOO_SOCKET_IFNAME": "eth0"}
+        return self.hosts.spawn(h, args, self.folder / f"{name}.log", env)
 
     def status(self, timeout_s: float = 10.0) -> dict[str, Any]:
         return self.hosts.call_in(self.hosts.hosts["head"],
