@@ -1,5 +1,5 @@
-"""Partitions between hosts and a lost broker host, each for 30 s: time to detect, time to
-recover, the env steps/s dip, and what was lost or counted twice.
+"""Partitions between hosts (30 s cuts) and a lost broker host (a new one 20 s later): time to
+detect, time to recover, the env steps/s dip, and what was lost or counted twice.
 
 Two jobs over network-namespace hosts (``rlvla3/harness/faults.py``), each fault measured the same
 way as ``tests/test_partition.py`` measures its short ones. The first (broker, trainer, a simulator
@@ -8,7 +8,7 @@ and a generator on the head host; a simulator host; a generator host) meets four
     simulator_host_cut   the simulator host's switch port down for --cut-s
     generator_host_cut   the generator host's
     broker_host_cut      the broker's host cut off from all the others
-    broker_restart       the broker SIGKILLed, a new one on the same address --cut-s later
+    broker_restart       the broker SIGKILLed, a new one on the same address --broker-down-s later
 
 the second (two trainer ranks on two hosts) one:
 
@@ -43,9 +43,12 @@ def table(rows: list[dict]) -> str:
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--cut-s", type=float, default=None, help="how long each fault lasts (default 30; quick 5; smoke 3)")
+    ap.add_argument("--cut-s", type=float, default=None, help="how long each cut lasts (default 30; quick 5; smoke 3)")
+    ap.add_argument("--broker-down-s", type=float, default=None,
+                    help="how long after its kill a new broker starts (default 20; quick and smoke: --cut-s)")
     args = parse_bench_args(ap, "5 s cuts (about 2 minutes)", smoke_help="one 3 s simulator host cut, no timing value")
     cut_s = args.cut_s or (3.0 if args.smoke else 5.0 if args.quick else 30.0)
+    down_s = args.broker_down_s or (cut_s if args.smoke or args.quick else 20.0)
     jobs = [(1, FAULTS[:1])] if args.smoke else [(1, FAULTS), (2, RANK_FAULTS)]  # (trainer ranks, faults)
     out = Path(args.out)
     mode = "smoke" if args.smoke else "quick" if args.quick else "full"
@@ -59,14 +62,15 @@ def main() -> None:
         job = start_job(Path(tempfile.mkdtemp(prefix="rlvla3-partition-")), ranks=ranks)
         try:
             for fault in faults:
-                note(f"{fault}: {cut_s:.0f} s")
-                rows.append(run_fault(job, fault, cut_s, rate_window_s=1.0 if args.smoke else 3.0).row())
+                lasts = down_s if fault == "broker_restart" else cut_s
+                note(f"{fault}: {lasts:.0f} s")
+                rows.append(run_fault(job, fault, lasts, rate_window_s=1.0 if args.smoke else 3.0).row())
                 lost_allowed[fault] = job.lost_allowed
         finally:
             job.close()
     print(table(rows))
     emit_to(out, "partition.json", {
-        "mode": mode, "cut_s": cut_s, "liveness": list(LIVENESS), "rejoin_bound_s": REJOIN_BOUND_S,
+        "mode": mode, "cut_s": cut_s, "broker_down_s": down_s, "liveness": list(LIVENESS), "rejoin_bound_s": REJOIN_BOUND_S,
         "faults": rows, "lost_allowed": lost_allowed,
         "lost": sum(r["lost"] for r in rows if not lost_allowed[r["fault"]]),
         "lost_with_trainer_group": sum(r["lost"] for r in rows if lost_allowed[r["fault"]]),
