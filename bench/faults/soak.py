@@ -22,7 +22,7 @@ least-squares slope over one sample a minute after their first ``--warmup`` seco
 The job has one trainer and one broker, so those roles have no process to keep: their RSS is
 reported per incarnation.
 
-    python bench/faults/soak.py --minutes 3      # --smoke: ~15 s, no value as a soak
+    python bench/faults/soak.py --minutes 3      # --smoke: seconds of faults after start-up, no soak
 Needs root and iproute2; prints one JSON object last and writes soak.json and soak_rss.png under --out.
 """
 
