@@ -385,7 +385,8 @@ class BrokerState:
         w = self.registry.remove(identity)
         if w is None:
             return []
-        log.warning("worker_gone", role=w.role, name=w.name, worker_id=w.worker_id, worker_pid=w.pid, reason=reason)
+        # one event per role (simulator_gone, generator_gone, trainer_gone): each fault its own name
+        log.warning(f"{w.role}_gone", role=w.role, name=w.name, worker_id=w.worker_id, worker_pid=w.pid, reason=reason)
         out: list[Out] = []
         if w.role == "generator":
             self.dispatcher.generator_gone(identity)

@@ -210,7 +210,11 @@ class WorkerBase:
             backoff = min(backoff * 2, P.RECONNECT_MAX_S)
 
     def _welcome(self, msg: P.Message) -> None:
+        before = self.welcome
         self.welcome = dict(msg.header)
+        if before and (before.get("host"), before.get("pid")) != (msg.get("host"), msg.get("pid")):
+            # another broker process on the same address: it knows nothing of this worker's past
+            log.warning("broker_restarted", broker=self.broker_url, old_pid=before.get("pid"), new_pid=msg.get("pid"))
         data = apply_overrides(dict(msg["config"]), list(self.overrides)) if self.overrides else dict(msg["config"])
         try:
             self.cfg = from_dict(data)

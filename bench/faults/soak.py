@@ -1,20 +1,29 @@
-"""A soak run: a job whose generators, simulators and trainer are SIGKILLed at random intervals
-and restarted (``rlvla3 worker``, as a supervisor would), for ``--minutes``.
+"""A soak run: a job over two network-namespace hosts whose workers are SIGKILLed, whose far host
+is cut off and whose broker is killed and restarted on the same address, at random intervals, for
+``--minutes``; every killed process is restarted (``rlvla3 worker``, as a supervisor would).
 
-Reports the RSS of every process over time and whether it is flat after warm-up, the env steps
-done, and the fate of every acknowledged trajectory step (the broker's ``acked_steps``,
-``brokers/ledger.py``): each is exactly one of evaluation, trained, stale, discarded, unreadable,
-lost with a killed trainer (acknowledged on receipt, never updated), or held by the live trainer
-when the run ends (a partial batch that waits for more steps).
+    head  broker, trainer, simulator sim0, generator gen0 (sim0 and gen0: never killed or cut)
+    far   simulator sim1, generator gen1
 
-Targets (``targets`` in the JSON): RSS flat after warm-up (the broker, which is never killed, and
-every process that lived past warm-up: growth over its life after warm-up at most
-``RSS_SLACK_MB``); the categories add up to the acknowledged steps exactly; each trainer kill
-loses at most one update's worth of steps: an update takes whole fragments until it holds
-``algo.batch_steps``, so its batch is at most ``batch_steps + env.fragment_len - 1`` steps.
+The fault mix, one at a time: a generator, simulator or trainer SIGKILLed (sim0 and gen0 are
+kept off the list), the far host cut off for ``--cut-s`` (``rlvla3/harness/netns.py``), the broker
+SIGKILLed and a new one started on the same address ``--cut-s`` later (``NetnsJob.restart_broker``).
 
-    python bench/faults/soak.py --minutes 3      # --smoke: ~12 s, no value as a soak
-Prints one JSON object last and writes soak.json and soak_rss.png under --out.
+Reports the RSS of every process over time, the env steps done, and the fate of every acknowledged
+trajectory step (``brokers/ledger.py``) summed over the broker's incarnations (each broker's last
+figures before it was killed, and the last one's at the end): each is exactly one of evaluation,
+trained, stale, discarded, unreadable, lost with a killed trainer, or held by the live trainer.
+
+Targets (``targets`` in the JSON): each broker's fates add up to its acknowledged steps exactly;
+each trainer kill loses at most one update's worth of steps (an update takes whole fragments
+until it holds ``algo.batch_steps``: at most ``batch_steps + env.fragment_len - 1``); the kept
+processes (one simulator, one generator) grow their RSS by at most ``RSS_SLOPE_MB_PER_10MIN``: a
+least-squares slope over one sample a minute after their first ``--warmup`` seconds (5 minutes).
+The job has one trainer and one broker, so those roles have no process to keep: their RSS is
+reported per incarnation.
+
+    python bench/faults/soak.py --minutes 3      # --smoke: seconds of faults after start-up, no soak
+Needs root and iproute2; prints one JSON object last and writes soak.json and soak_rss.png under --out.
 """
 
 from __future__ import annotations
@@ -31,19 +40,25 @@ from pathlib import Path
 from typing import Any
 
 
-from rlvla3.app.launch import spawn, stop_processes
+from rlvla3.app.launch import stop_processes
 from rlvla3.config import load
-from rlvla3.harness.bench import OUT_DIR, save_figure, subplots
-from rlvla3.harness.jobs import Job, rss_mb
+from rlvla3.harness.bench import OUT_DIR, emit_to, save_figure, subplots
+from rlvla3.harness.jobs import rss_mb
+from rlvla3.harness.netns import NetnsJob, unavailable
 from rlvla3.status_client import DeadlinePassed, wait_until
 
-RSS_SLACK_MB = 32.0
+RSS_SLOPE_MB_PER_10MIN = 1.0
 FATES = ("evaluation", "trained", "stale", "discarded", "unreadable", "lost_with_trainer", "held_by_trainers")
 CONFIG = ("env.num_envs=6", "env.slots=3", "env.eval_slots=1", "env.eval_every=4", "env.fragment_len=8",
           "env.options.latency={kind: constant, mean_ms: 2.0}", "env.options.image_size=8",
           "algo.batch_steps=128", "algo.minibatch_size=64", "algo.epochs=1", "algo.checkpoint_every=2",
           "batching.max_batch=8", "batching.max_wait_ms=2", "model.options.hidden=32",
           "broker.heartbeat_s=0.5", "broker.liveness=4")
+WORKERS = (("head", "trainer", "trainer"), ("head", "generator", "gen0"), ("head", "simulator", "sim0"),
+           ("far", "generator", "gen1"), ("far", "simulator", "sim1"))
+KEPT = ("gen0", "sim0")
+"""One process per worker role with several processes, never killed or cut: their RSS slope is judged."""
+FAULTS = ("generator", "simulator", "trainer", "partition", "broker_restart")
 
 
 @dataclass
@@ -57,34 +72,42 @@ class Proc:
     rss: list[tuple[float, float]] = field(default_factory=list)
 
 
-def flatness(p: Proc, warm_s: float) -> dict[str, Any] | None:
-    """RSS at the end of warm-up against the most seen afterwards (None: did not outlive warm-up)."""
-    after = [(t, r) for t, r in p.rss if t - p.started >= warm_s]
-    if len(after) < 3:
+def slope(p: Proc, warm_s: float, every_s: float) -> dict[str, Any] | None:
+    """RSS growth in MB per 10 minutes: a least-squares line through one sample per ``every_s``
+    (each window's mean) after the process's first ``warm_s`` seconds (None: too few windows)."""
+    bins: dict[int, list[tuple[float, float]]] = {}
+    for t, r in p.rss:
+        if t - p.started >= warm_s:
+            bins.setdefault(int((t - p.started - warm_s) // every_s), []).append((t, r))
+    points = [(sum(t for t, _ in b) / len(b), sum(r for _, r in b) / len(b)) for b in bins.values()]
+    if len(points) < 2:
         return None
-    start = after[0][1]
-    peak = max(r for _, r in after)
-    return {"rss_after_warmup_mb": round(start, 1), "rss_peak_mb": round(peak, 1), "growth_mb": round(peak - start, 1),
-            "lived_s": round(after[-1][0] - p.started, 1)}
+    mt = sum(t for t, _ in points) / len(points)
+    mr = sum(r for _, r in points) / len(points)
+    k = sum((t - mt) * (r - mr) for t, r in points) / max(1e-9, sum((t - mt) ** 2 for t, _ in points))
+    return {"mb_per_10min": round(k * 600, 3), "samples": len(points), "rss_mb": round(points[-1][1], 1),
+            "lived_s": round(p.rss[-1][0] - p.started, 1)}
 
 
 class Soak:
     """The job's processes, each incarnation tracked, started by hand as a supervisor would."""
 
-    def __init__(self, job: Job, t0: float) -> None:
-        self.job, self.t0 = job, t0
+    def __init__(self, job: NetnsJob, cfg_path: Path, t0: float) -> None:
+        self.job, self.cfg_path, self.t0 = job, cfg_path, t0
         self.procs: list[Proc] = []
         self.incarnation: dict[str, int] = {}
+        self.host_of = {name: host for host, _, name in WORKERS}
 
-    def start_broker(self) -> Proc:
-        self.job.start_broker("tcp://127.0.0.1:0", "tcp://127.0.0.1:0")
-        return self._track("broker", "broker", self.job.broker_proc)
+    def start_broker(self, restart: bool = False) -> Proc:
+        if restart:
+            self.job.restart_broker()
+        else:
+            self.job.start_broker(self.cfg_path)
+        return self._track("broker", "broker", self.job.broker)
 
     def start_worker(self, role: str, name: str) -> Proc:
-        args = ["worker", "--role", role, "--broker", self.job.endpoint, "--name", name]
-        if role == "trainer":  # a restarted trainer resumes from the run folder's latest checkpoint
-            args += ["--run-dir", str(self.job.run_dir / "run")]
-        return self._track(name, role, spawn(args, self.job.run_dir / f"{name}.log"))
+        extra = ["--run-dir", str(self.job.folder / "run")] if role == "trainer" else []  # resumes from its checkpoint
+        return self._track(name, role, self.job.worker(self.host_of[name], role, name, *extra))
 
     def _track(self, name: str, role: str, p: subprocess.Popen) -> Proc:
         self.incarnation[name] = self.incarnation.get(name, 0) + 1
@@ -105,7 +128,7 @@ class Soak:
 
     def status(self) -> dict[str, Any] | None:
         try:
-            return self.job.status()
+            return self.job.status(timeout_s=3.0)
         except TimeoutError:
             return None
 
@@ -113,18 +136,25 @@ class Soak:
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--minutes", type=float, default=30.0, help="how long to run")
-    ap.add_argument("--smoke", action="store_true", help="3 s of frequent kills after start-up (the README test)")
-    ap.add_argument("--kill-every", type=float, default=None, help="mean seconds between kills (default: 20; smoke: 1.5)")
-    ap.add_argument("--warmup", type=float, default=None, help="seconds before RSS counts as warm (default: 60; smoke: 2)")
+    ap.add_argument("--smoke", action="store_true", help="a few seconds of frequent faults after start-up (the README test)")
+    ap.add_argument("--kill-every", type=float, default=None, help="mean seconds between faults (default: 20; smoke: 2)")
+    ap.add_argument("--cut-s", type=float, default=None, help="how long a cut or a broker's absence lasts (default: 10; smoke: 3)")
+    ap.add_argument("--warmup", type=float, default=None, help="seconds of a process's life before its RSS slope counts "
+                                                               "(default: 300, or a third of a shorter run; smoke: 2)")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--out", default=OUT_DIR, help="folder for soak.json and soak_rss.png")
     args = ap.parse_args()
-    minutes = 0.05 if args.smoke else args.minutes
-    kill_every = args.kill_every or (1.5 if args.smoke else 20.0)  # smoke: the first kill within 2.25 s of 3
-    warm_s = args.warmup if args.warmup is not None else (2.0 if args.smoke else 60.0)
+    minutes = 0.1 if args.smoke else args.minutes
+    kill_every = args.kill_every or (2.0 if args.smoke else 20.0)
+    cut_s = args.cut_s or (3.0 if args.smoke else 10.0)
+    warm_s = args.warmup if args.warmup is not None else (2.0 if args.smoke else min(300.0, minutes * 20))
+    slope_every = 1.0 if args.smoke else 60.0  # one RSS point a minute for the slope
     sample_every = 0.5 if args.smoke else 2.0
     out = Path(args.out)
-    out.mkdir(parents=True, exist_ok=True)
+    reason = unavailable()
+    if reason is not None:
+        emit_to(out, "soak.json", {"skipped": reason, "mode": "smoke" if args.smoke else "soak"})
+        return
     rng = random.Random(args.seed)
 
     folder = Path(tempfile.mkdtemp(prefix="rlvla3-soak-"))
@@ -132,17 +162,18 @@ def main() -> None:
     cfg_path = folder / "config.yaml"
     cfg_path.write_text(cfg.to_yaml())
     t0 = time.monotonic()
-    soak = Soak(Job(cfg, folder, cfg_path), t0)
-    kills: list[dict[str, Any]] = []
+    soak = Soak(NetnsJob(folder), cfg_path, t0)
+    faults: list[dict[str, Any]] = []
     timeline: list[dict[str, Any]] = []
+    ledgers: list[dict[str, Any]] = []  # each killed broker's last figures
     restart_trainer_after: float | None = None
-    last = None
+    last: dict[str, Any] | None = None
     try:
         soak.start_broker()
-        for role, name in (("trainer", "trainer"), ("generator", "gen0"), ("simulator", "sim0"), ("simulator", "sim1")):
+        for _, role, name in WORKERS:
             soak.start_worker(role, name)
-        # ---- warm: the job runs end to end before the first kill -------------------------------
-        wait_until(lambda: soak.sample_rss() or ((f := soak.status()) and f["trainer_version"] >= 1), 180,
+        # ---- warm: the job runs end to end before the first fault ------------------------------
+        wait_until(lambda: soak.sample_rss() or ((f := soak.status()) and f["trainer_version"] >= 1), 300,
                    "the job's first update", interval=0.5)
         t_run = time.monotonic()
         end = t_run + minutes * 60
@@ -159,9 +190,10 @@ def main() -> None:
                     timeline.append({"t": round(now - t0, 1), "env_steps": f["env_steps"], "version": f["trainer_version"],
                                      "workers": f["workers"], "acked_steps": f["acked_steps"]})
             for p in soak.procs:  # a worker that exits on its own is restarted too (a supervisor's job)
-                if p.role != "broker" and p.popen.poll() is not None and not p.popen.returncode == -signal.SIGKILL \
-                        and not soak.live(p.name.split("#")[0]) and p.name.split("#")[0] != "trainer":
-                    soak.start_worker(p.role, p.name.split("#")[0])
+                base = p.name.split("#")[0]
+                if p.role != "broker" and p.popen.poll() is not None and p.popen.returncode != -signal.SIGKILL \
+                        and not soak.live(base) and base != "trainer":
+                    soak.start_worker(p.role, base)
             if restart_trainer_after is None and not soak.live(role="trainer"):
                 restart_trainer_after = now  # it exited on its own (e.g. refused): rejoin like a supervisor
             if restart_trainer_after is not None and now >= restart_trainer_after:
@@ -171,20 +203,34 @@ def main() -> None:
                     restart_trainer_after = None
             if now >= next_kill and restart_trainer_after is None:
                 next_kill = now + rng.uniform(0.5, 1.5) * kill_every
-                role = rng.choice(("generator", "simulator", "trainer"))
-                victims = soak.live(role=role)
-                if not victims:  # that role's only process exited on its own a moment ago: no kill this time
-                    continue
-                victim = rng.choice(victims)
                 before = soak.status() or last or {}
-                victim.popen.send_signal(signal.SIGKILL)
-                victim.popen.wait(10)
-                kills.append({"t": round(now - t0, 1), "role": role, "process": victim.name,
-                              "acked_steps_before": (before.get("acked_steps") or {})})
-                if role == "trainer":
-                    restart_trainer_after = time.monotonic()
+                kind = rng.choice(FAULTS)
+                record: dict[str, Any] = {"t": round(now - t0, 1), "fault": kind, "broker": soak.incarnation["broker"],
+                                          "acked_steps_before": before.get("acked_steps") or {}}
+                if kind == "partition":
+                    far = soak.job.hosts.hosts["far"]
+                    soak.job.hosts.cut(far)
+                    time.sleep(cut_s)  # the cut itself
+                    soak.job.hosts.heal(far)
+                elif kind == "broker_restart":
+                    soak.job.broker.send_signal(signal.SIGKILL)
+                    soak.job.broker.wait(10)
+                    ledgers.append(before)
+                    time.sleep(cut_s)  # the broker's host is away
+                    soak.start_broker(restart=True)
                 else:
-                    soak.start_worker(role, victim.name.split("#")[0])
+                    victims = [p for p in soak.live(role=kind) if p.name.split("#")[0] not in KEPT]
+                    if not victims:  # that role's process exited on its own a moment ago: no kill this time
+                        continue
+                    victim = rng.choice(victims)
+                    victim.popen.send_signal(signal.SIGKILL)
+                    victim.popen.wait(10)
+                    record["process"] = victim.name
+                    if kind == "trainer":
+                        restart_trainer_after = time.monotonic()
+                    else:
+                        soak.start_worker(kind, victim.name.split("#")[0])
+                faults.append(record)
             time.sleep(0.1)  # the supervisor's loop: polling, not synchronising
         # ---- end: simulators stop first, so what is in flight settles -------------------------
         sims = soak.live(role="simulator")
@@ -200,45 +246,53 @@ def main() -> None:
         last = soak.status() or last
     finally:
         stop_processes([p.popen for p in soak.procs if p.popen.poll() is None], timeout_s=20)
-    result = report(soak, last or {}, kills, timeline, cfg.algo.batch_steps, cfg.env.fragment_len, warm_s, minutes,
-                    args.smoke)
+        soak.job.close()
+    result = report(soak, [*ledgers, last or {}], faults, timeline, cfg.algo.batch_steps, cfg.env.fragment_len,
+                    warm_s, slope_every, minutes, args.smoke)
+    out.mkdir(parents=True, exist_ok=True)
     (out / "soak.json").write_text(json.dumps({**result, "timeline": timeline}, indent=1))
     plot_rss(soak, out / "soak_rss.png")
     print(json.dumps(result))
 
 
-def report(soak: Soak, last: dict[str, Any], kills: list[dict[str, Any]], timeline: list[dict[str, Any]],
-           batch_steps: int, fragment_len: int, warm_s: float, minutes: float, smoke: bool) -> dict[str, Any]:
-    acked = dict(last.get("acked_steps") or {})
-    trainer_kills = [k for k in kills if k["role"] == "trainer"]
-    # What each trainer kill lost: the ledger's lost_with_trainer moves when the broker lets go of it.
+def report(soak: Soak, brokers: list[dict[str, Any]], faults: list[dict[str, Any]], timeline: list[dict[str, Any]],
+           batch_steps: int, fragment_len: int, warm_s: float, slope_every: float, minutes: float,
+           smoke: bool) -> dict[str, Any]:
+    ledgers = [dict(b.get("acked_steps") or {}) for b in brokers]
+    acked = {k: sum(a.get(k, 0) for a in ledgers) for k in ("acked", *FATES, "over_reported")}
+    # What each trainer kill lost: lost_with_trainer moves when the broker lets go of the trainer,
+    # measured until the next trainer kill or the end of that broker's life.
     losses = []
-    marks = [k["acked_steps_before"].get("lost_with_trainer", 0) for k in trainer_kills] + [acked.get("lost_with_trainer", 0)]
-    for a, b in zip(marks, marks[1:]):
-        losses.append(b - a)
-    rss = {p.name: flatness(p, warm_s) for p in soak.procs}
-    judged = {k: v for k, v in rss.items() if v is not None}
-    flat = bool(judged) and all(v["growth_mb"] <= RSS_SLACK_MB for v in judged.values())
-    total = sum(acked.get(k, 0) for k in FATES)
+    kills = [k for k in faults if k["fault"] == "trainer"]
+    for i, k in enumerate(kills):
+        after = next((n for n in kills[i + 1:] if n["broker"] == k["broker"]), None)
+        end = after["acked_steps_before"] if after else ledgers[k["broker"] - 1]
+        losses.append(end.get("lost_with_trainer", 0) - k["acked_steps_before"].get("lost_with_trainer", 0))
+    rss = {p.name: slope(p, warm_s, slope_every) for p in soak.procs}
+    kept = {k: v for k, v in rss.items() if k.split("#")[0] in KEPT}
     update_max = batch_steps + fragment_len - 1  # whole fragments until batch_steps: the largest batch
     return {
         "minutes": minutes,
         "mode": "smoke" if smoke else "soak",
-        "env_steps": last.get("env_steps"),
-        "policy_version": last.get("trainer_version"),
-        "kills": {r: sum(1 for k in kills if k["role"] == r) for r in ("generator", "simulator", "trainer")},
+        "env_steps": (brokers[-1] or {}).get("env_steps"),
+        "policy_version": (brokers[-1] or {}).get("trainer_version"),
+        "kills": {r: sum(1 for k in faults if k["fault"] == r) for r in FAULTS},
         "acked_steps": acked,
-        "fates_sum": total,
+        "brokers": len(brokers),
+        "broker_ledgers": ledgers,
         "lost_per_trainer_kill": losses,
         "batch_steps": batch_steps,
         "update_batch_max_steps": update_max,
         "rss_mb": rss,
-        "rss_slack_mb": RSS_SLACK_MB,
-        "broker_errors": last.get("errors"),
-        "traj": last.get("traj"),
+        "rss_slope_target_mb_per_10min": RSS_SLOPE_MB_PER_10MIN,
+        "rss_warmup_s": warm_s,
+        "kept": list(KEPT),
+        "broker_errors": (brokers[-1] or {}).get("errors"),
+        "traj": (brokers[-1] or {}).get("traj"),
         "targets": {
-            "rss_flat_after_warmup": flat,
-            "fates_add_up": bool(acked) and total == acked.get("acked"),
+            "kept_rss_slope_within_target": bool(kept) and all(v is not None and v["mb_per_10min"] <= RSS_SLOPE_MB_PER_10MIN
+                                                               for v in kept.values()),
+            "fates_add_up": bool(ledgers) and all(a and a.get("acked") == sum(a.get(k, 0) for k in FATES) for a in ledgers),
             "lost_per_trainer_kill_within_one_update": all(x <= update_max for x in losses),
         },
         "samples": len(timeline),

@@ -42,7 +42,7 @@ from typing import Any, Callable
 import structlog
 
 from rlvla3.app.launch import request_status, spawn
-from rlvla3.status_client import DeadlinePassed, wait_until
+from rlvla3.status_client import DeadlinePassed, rate_over, wait_until
 
 log = structlog.get_logger()
 
@@ -225,6 +225,8 @@ class NetnsJob:
         self.keys = self.folder / "keys"
         self.port, self.pub_port = port, pub_port
         self.url = ""
+        self.broker: subprocess.Popen | None = None
+        self._broker_args: list[str] = []
 
     def host(self, name: str) -> Host:
         return self.hosts.hosts.get(name) or self.hosts.add(name)
@@ -235,24 +237,38 @@ class NetnsJob:
         make_keys(self.keys, DEFAULT_CLIENTS)  # what `rlvla3 keys DIR` makes
         head = self.host("head")
         self.url = f"tcp://{head.addr}:{self.port}"
+        self._broker_args = ["broker", "--config", str(cfg_path), "--bind", self.url, "--pub",
+                             f"tcp://{head.addr}:{self.pub_port}", "--keys", str(self.keys)]
+        self.restart_broker(timeout_s)
+
+    def restart_broker(self, timeout_s: float = 120.0) -> None:
+        """A broker (the first, or a new one after the last was killed) on the same addresses."""
         info = self.folder / "broker.json"
-        self.hosts.spawn(head, ["broker", "--config", str(cfg_path), "--bind", self.url, "--pub",
-                                f"tcp://{head.addr}:{self.pub_port}", "--keys", str(self.keys), "--info-file", str(info)],
-                         self.folder / "broker.log")
+        info.unlink(missing_ok=True)
+        self.broker = self.hosts.spawn(self.hosts.hosts["head"], [*self._broker_args, "--info-file", str(info)],
+                                       self.folder / "broker.log")
         self._poll(info.exists, timeout_s, "the broker to listen")
 
     def worker(self, host: str, role: str, name: str, *extra: str) -> subprocess.Popen:
         h = self.host(host)
         args = ["worker", "--role", role, "--broker", self.url, "--keys", str(self.keys), "--key-name", role,
                 "--name", name, *extra]
+        env = None
         if role == "trainer":  # rank 0's weight stream, reachable from the other hosts
             args += ["--set", f"weights.stream_bind=tcp://{h.addr}:0"]
-        return self.hosts.spawn(h, args, self.folder / f"{name}.log")
+            # gloo finds its interface by the hostname, which resolves nowhere here (it would
+            # fall back to loopback, which other hosts cannot reach): name the host's interface
+            env = {"GLOO_SOCKET_IFNAME": "eth0"}
+        return self.hosts.spawn(h, args, self.folder / f"{name}.log", env)
 
     def status(self, timeout_s: float = 10.0) -> dict[str, Any]:
         return self.hosts.call_in(self.hosts.hosts["head"],
                                   lambda: request_status(self.url, timeout_s, keys_dir=str(self.keys), key_name="client"),
                                   timeout_s + 5)
+
+    def rate(self, seconds: float, key: str = "env_steps") -> dict[str, Any]:
+        """``key`` per second over a ``seconds`` window of STATUS (``rlvla3.status_client.rate_over``)."""
+        return rate_over(self.status, seconds, key)
 
     def wait(self, pred: Callable[[dict[str, Any]], bool], timeout_s: float, what: str) -> dict[str, Any]:
         """Poll STATUS until ``pred`` holds; fail naming ``what``, with the logs' tails."""
