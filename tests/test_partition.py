@@ -3,8 +3,8 @@ makes and measures each fault; ``bench/faults/partition.py`` runs the same with 
 
 Each case lasts ``CUT_S`` (longer than the broker's liveness, so a cut worker is declared gone):
 a simulator host cut, a generator host cut, the broker's own host cut off from all the others,
-the broker SIGKILLed with a new one on the same address ``CUT_S`` later, and one trainer rank of
-two (a job of its own: the group ends and is restarted from its checkpoint). While a worker host
+and the broker SIGKILLed with a new one on the same address ``CUT_S`` later (one trainer rank of
+two cut off is ``tests/test_partition_rank.py``, a job of its own). While a worker host
 is cut, the rest of the job keeps stepping and training; afterwards every host rejoins within its
 reconnect back-off plus 5 s, training goes on from the trainer's version (never back to 0), and
 the ledger stays exact: every acknowledged step has one fate, none is lost, and none is
@@ -18,7 +18,7 @@ from pathlib import Path
 
 import pytest
 
-from rlvla3.harness.faults import FAULTS, RANK_FAULTS, REJOIN_BOUND_S, run_fault, start_job
+from rlvla3.harness.faults import FAULTS, REJOIN_BOUND_S, run_fault, start_job
 from rlvla3.harness.netns import unavailable
 
 REASON = unavailable()
@@ -39,20 +39,5 @@ def test_partitions_and_a_broker_restart(tmp_path: Path):
             assert out.detect_s is not None and out.detect_s < CUT_S, out.row()
             assert out.recover_s is not None and out.recover_s <= REJOIN_BOUND_S, out.row()
             assert out.version_after > out.version_before, out.row()
-    finally:
-        job.close()
-
-
-def test_one_trainer_rank_of_two_cut_off(tmp_path: Path):
-    """The group ends (it cannot shrink); both ranks restarted from the latest checkpoint train
-    on, and what they held is lost by the ledger's rule, within the admission window."""
-    job = start_job(tmp_path, ranks=2)
-    try:
-        out = run_fault(job, RANK_FAULTS[0], CUT_S, rate_window_s=1.0)
-        print(out.row())
-        assert not out.problems, (out.row(), job.logs())
-        assert out.duplicated == 0 and out.lost <= job.lost_allowed, out.row()
-        assert out.detect_s is not None and out.detect_s < CUT_S, out.row()
-        assert out.version_after > out.version_before, out.row()
     finally:
         job.close()
