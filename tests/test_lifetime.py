@@ -72,6 +72,14 @@ def _threads(pid: int) -> list[str]:
     return out
 
 
+def _tail(log: Path, lines: int = 6) -> list[str]:
+    """The last lines of a worker's log (what it did before it would not end)."""
+    try:
+        return log.read_text().splitlines()[-lines:]
+    except OSError:
+        return []
+
+
 def descendants(root: int) -> dict[tuple[int, int], str]:
     """Every process below ``root`` now: (pid, start time) -> command line."""
     children: dict[int, list[tuple[int, int]]] = {}
@@ -286,8 +294,11 @@ def test_stop_signals_end_run_cleanly_with_a_checkpoint_under_load(tmp_path: Pat
                 out, err = proc.communicate(timeout=STOP_UNDER_LOAD_S)
             except subprocess.TimeoutExpired:
                 raise AssertionError(f"rlvla3 run still running {STOP_UNDER_LOAD_S:.0f} s after {signal.Signals(sig).name} "
-                                     f"under load; threads: {_threads(proc.pid)}") from None
+                                     f"under load; threads: {_threads(proc.pid)}; still alive: "
+                                     f"{sorted(alive(procs).values())}; trainer log tail: "
+                                     f"{_tail(run_dir / 'trainer0.log')}") from None
             took = time.monotonic() - t0
+            print(f"{signal.Signals(sig).name}: the job stopped {took:.1f} s after the signal, under load")
     finally:
         kill_quietly(proc)
     assert proc.returncode == 0, err[-3000:]
