@@ -131,8 +131,11 @@ def start_run(run_dir: Path, *overrides: str) -> subprocess.Popen:
             "--run-dir", str(run_dir)]
     for o in (*SMALL, *overrides):
         args += ["--set", o]
+    # SIGHUP at its default, as under a terminal: a suite started under nohup ignores it, and
+    # `rlvla3 run` keeps an ignored SIGHUP ignored (on purpose), which would void the SIGHUP cases.
     return subprocess.Popen(args, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-                            env={**os.environ, **launcher_env()})
+                            env={**os.environ, **launcher_env()},
+                            preexec_fn=lambda: signal.signal(signal.SIGHUP, signal.SIG_DFL))
 
 
 def broker_of(run_dir: Path, proc: subprocess.Popen, timeout: float = 120) -> dict:
