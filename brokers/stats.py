@@ -146,9 +146,10 @@ class BrokerStats:
         e[1] += int(success)
         e[2] += ret
         self.eval_rounds.setdefault(version, {})[simulator] = round_episodes
-        for old in sorted(self.evals)[:-EVAL_VERSIONS_KEPT]:
-            del self.evals[old]
-            self.eval_rounds.pop(old, None)
+        if len(self.evals) > EVAL_VERSIONS_KEPT:  # one version more than kept: the oldest goes
+            oldest = min(self.evals)
+            del self.evals[oldest]
+            self.eval_rounds.pop(oldest, None)
 
     def add_episodes(self, returns: list[float], successes: list[bool]) -> None:
         self.episodes += len(returns)
