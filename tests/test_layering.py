@@ -213,8 +213,10 @@ def test_production_modules_stay_short() -> None:
 
 
 def test_the_broker_loads_no_torch_and_no_worker_module() -> None:
-    """The broker is bookkeeping: it runs without torch and without anything from ``workers/``."""
-    code = ("import sys, brokers.broker; "
+    """The broker is bookkeeping: it runs without torch and without anything from ``workers/``, and
+    so does the ``rlvla3`` command it starts from (a broker host, ``rlvla3 status`` and every
+    worker's start-up skip torch's 2 s import)."""
+    code = ("import sys, rlvla3.app.cli, brokers.broker; "
             "bad = sorted(m for m in sys.modules if m == 'torch' or m.startswith(('torch.', 'workers'))); "
             "print(bad)")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120, cwd=ROOT)

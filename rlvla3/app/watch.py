@@ -23,7 +23,6 @@ from rlvla3.app.launch import request_status
 from rlvla3.app.progress import STEPS_CHECK_EVERY_S, RunRecord
 from rlvla3.config import ConfigError, load
 from rlvla3.lifetime import on_stop_signals
-from workers.checkpoint import latest_checkpoint
 
 TARGET_SIGNAL = signal.SIGUSR1
 """What ``--notify PID`` receives when the step target is reached."""
@@ -50,6 +49,8 @@ def watch_command(run_dir: str, broker_url: str, config: str | None, overrides: 
     cfg_path = folder / "config.yaml"
     try:
         if resume:
+            from workers.checkpoint import latest_checkpoint  # torch: only a resumed watch pays for it
+
             if config or overrides:
                 raise click.ClickException("--resume continues RUN_DIR with its own config.yaml: drop --config and --set")
             if latest_checkpoint(folder) is None:
