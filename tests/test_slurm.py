@@ -1,9 +1,9 @@
 """The Slurm recipe on a real Slurm: munged, slurmctld and slurmd for one CPU-only node, started
 here from a config in a temporary folder, and ``deploy/slurm/rlvla3.sbatch`` submitted the way
-deploy/README.md shows. Two jobs: one stopped by ``STEPS``, then one that resumes it and is
+deploy/README.md shows. Three jobs: one stopped by ``STEPS``, then one that resumes it and is
 stopped by ``scancel --batch --signal=USR1`` (what ``--signal=B:USR1@120`` sends before a time
-limit). Each must leave a checkpoint, no process of the run (by the pids its logs name) and no
-shared-memory segment.
+limit), then one that resumes that and is ended by a plain ``scancel``. Each must leave a
+checkpoint, no process of the run (by the pids its logs name) and no shared-memory segment.
 
 Needs Debian's ``slurm-wlm`` and ``munge`` and root (slurmd starts jobs as their user); CI
 installs them (``scripts/bootstrap.sh``). Elsewhere the test is skipped with the reason; under
@@ -241,5 +241,17 @@ def test_the_recipe_trains_stops_and_resumes_on_slurm(cluster: Cluster, tmp_path
     assert proc.returncode == 0, proc.stderr
     summary = job.finish(90)
     assert summary["reason"] == "interrupted", job.output()
-    assert _latest_version(run_dir) >= resumed[0]["policy_version"] > first
+    second = _latest_version(run_dir)
+    assert second >= resumed[0]["policy_version"] > first
     assert "stopping the workers" in (run_dir / job.out.name).read_text()
+
+    # -- resumed again and ended by a plain scancel: every process signalled at once, each still
+    # stops cleanly (the trainer's checkpoint) within KillWait -----------------------------------
+    seen = len(job.rows())
+    job = Job(cluster, run_dir, RESUME=str(run_dir))
+    resumed = _wait(lambda: [r for r in job.rows()[seen:] if r["policy_version"] > second], 120,
+                    "the second resumed job's next version", diag=job.output)
+    proc = cluster.run(["scancel", job.id])
+    assert proc.returncode == 0, proc.stderr
+    job.finish(60)
+    assert _latest_version(run_dir) >= resumed[0]["policy_version"] > second, job.output()
