@@ -130,7 +130,8 @@ class Learner:
         writer = header.get("writer")
         if writer is None:
             return False
-        key = (sys.intern(writer["host"]), writer["pid"], sys.intern(writer["name"]), header["traj_id"])  # one copy of each name
+        # names interned: one copy of each simulator's host and name, however many ids are kept
+        key = (sys.intern(writer["host"]), writer["pid"], sys.intern(writer["name"]), header["traj_id"])
         if key not in self.recent:
             self.recent[key] = None
             if len(self.recent) > RECENT_FRAGMENTS:
