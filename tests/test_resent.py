@@ -34,9 +34,11 @@ def _stopped_holding_unacked(job: Job, trainer: int, tries: int = 8) -> dict:
     figures then. A trainer that holds an update's worth gets nothing more until it reports fates
     (``brokers/trajectories.py`` ``hold_steps``): then it goes on until its next update and is
     stopped again."""
+    def delivered(f: dict) -> bool:
+        return (per_worker(f, "trainer0").get("inflight") or 0) >= 1
+
     for _ in range(tries):
         os.kill(trainer, signal.SIGSTOP)
-        delivered = lambda f: (per_worker(f, "trainer0").get("inflight") or 0) >= 1  # noqa: E731
         try:
             job.wait(delivered, 1.0, "fragments delivered to the stopped trainer")
             # asked again: the broker answers in a later loop turn, so the turn that delivered
