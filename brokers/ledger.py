@@ -8,10 +8,13 @@ moment the broker can no longer re-deliver it: each step ends in exactly one cat
     stale               dropped or masked as too stale (TRAJ_ACK ``dropped_stale``)
     discarded           never trainable for another reason, e.g. a zero-variance GRPO group
     unreadable          the trainer could not read it
+    duplicate           a copy of a fragment the trainer already held (re-sent to a new broker
+                        whose predecessor was killed with the first copy's ack in flight): the
+                        first copy's fate is its steps' fate, reported once
     lost_with_trainer   acknowledged by a trainer that left before it reported a fate
     held_by_trainers    acknowledged by a live trainer, fate not reported yet
 
-so that ``acked`` equals the sum of the other seven at every moment (``bench/soak.py`` checks it).
+so that ``acked`` equals the sum of the other eight at every moment (``bench/soak.py`` checks it).
 A trainer's remainder becomes ``lost_with_trainer`` when it leaves; one that is killed loses at
 most what it held: the admission window bounds that (``brokers/admission.py``).
 """
@@ -20,9 +23,10 @@ from __future__ import annotations
 
 from typing import Any
 
-FATES = ("trained", "stale", "discarded", "unreadable")
+FATES = ("trained", "stale", "discarded", "unreadable", "duplicate")
 """What a trainer reports in TRAJ_ACK."""
-FIELD_OF = {"trained": "trained", "stale": "dropped_stale", "discarded": "discarded", "unreadable": "unreadable"}
+FIELD_OF = {"trained": "trained", "stale": "dropped_stale", "discarded": "discarded", "unreadable": "unreadable",
+            "duplicate": "duplicate"}
 """Each fate's TRAJ_ACK field."""
 
 

@@ -229,7 +229,8 @@ class BrokerState:
 
     def _on_traj_ack(self, w: Worker, msg: P.Message, now: float) -> list[Out]:
         out, fates = self.trajs.on_ack(w, msg)  # counted once, in the ledger
-        never_trained = fates["discarded"] + fates["unreadable"]  # e.g. zero-variance groups, memory gone with its writer
+        # e.g. zero-variance groups, memory gone with its writer, a copy of a fragment the trainer already held
+        never_trained = fates["discarded"] + fates["unreadable"] + fates["duplicate"]
         self.admission.on_discarded(fates["stale"] + never_trained)
         # Stale samples were taken into a batch and masked there (GRPO groups pruned before
         # that are covered by the trainer's TRAIN starved): only steps never taken count here.

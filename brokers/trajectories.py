@@ -151,6 +151,8 @@ class TrajectoryRouter:
             self._left(traj)
             fields = {k: v for k, v in traj.header.items() if k not in ("v", "type", "tensors")}
             fields["gid"] = traj.gid
+            _, name, host, pid, _ = traj.writer  # with traj_id it names the fragment across broker restarts
+            fields["writer"] = {"host": host, "pid": pid, "name": name}
             t.count_frames(tensors)
             if training:
                 self._out_steps[t.identity] = self._out_steps.get(t.identity, 0) + traj.steps

@@ -19,8 +19,11 @@ Message types and who sends them (``->B`` = to the broker, ``B->`` = from the br
     BATCH       B-> gen   several OBS requests batched for one forward pass
     RESULT      gen ->B   the outputs of one BATCH, stacked: each tensor's rows are the served
                           requests' envs in batch order; the broker slices each request's (``row_slicer``)
-    TRAJ        sim ->B, B-> trainer   a finished trajectory fragment
-    TRAJ_ACK    trainer ->B, B-> sim   trajectories taken (the sim may free their buffers)
+    TRAJ        sim ->B, B-> trainer   a finished trajectory fragment; to a trainer with the
+                          broker's ``gid`` and its simulator (``writer``), which with ``traj_id``
+                          names it across broker restarts
+    TRAJ_ACK    trainer ->B, B-> sim   trajectories taken (the sim may free their buffers), and
+                          the fates of steps the trainer held
     WEIGHTS     trainer ->B, B-> gen (PUB, snapshot reply)   a version's announcement (manifest,
                 where the bytes are: rlvla3/weights/), never the bytes
     SNAPSHOT    gen ->B   ask for the latest WEIGHTS (Clone pattern: subscribe first, then ask)
@@ -145,6 +148,8 @@ _INFO = F.Map((("dist", F.Free()), ("env_steps", F.Int(0, F.MAX_ID)), ("version"
 _REQUEST = F.Map((("req_id", _ID), ("slot", _SLOT), ("n", F.Int(1, F.MAX_COUNT)), ("instruction", F.List(_TEXT)),
                   ("episode_step", F.List(_ID)), ("deterministic", F.List(F.Bool()))),
                  required=("req_id", "slot", "n", "instruction", "episode_step"), closed=True)
+_WRITER = F.Map((("host", _NAME), ("pid", F.Int(0, 2**31)), ("name", _NAME)), required=("host", "pid", "name"),
+               closed=True)  # a fragment's simulator as the broker registered it
 _TRAIN_STATS = F.Map((("staleness_counts", F.Map(finite=True)),), finite=False)
 
 SCHEMA: dict[str, tuple[dict[str, Any], dict[str, Any]]] = {  # type -> (required, optional)
@@ -173,10 +178,10 @@ SCHEMA: dict[str, tuple[dict[str, Any], dict[str, Any]]] = {  # type -> (require
         {"instruction": _TEXT, "env": _ID, "episode": _ID, "seed": F.Int(0, 2**63), "done": F.Bool(),
          "episode_return": F.Num(), "episode_success": F.Bool(), "episode_length": _STEPS,
          "episode_returns": F.List(F.Num()), "episode_successes": F.List(F.Bool()), "eval": F.Bool(),
-         "eval_version": _VERSION, "eval_round": _COUNT, "gid": _ID},
+         "eval_version": _VERSION, "eval_round": _COUNT, "gid": _ID, "writer": _WRITER},
     ),
     TRAJ_ACK: ({"traj_ids": F.List(_ID)}, {"dropped_stale": _STEPS, "discarded": _STEPS, "trained": _STEPS,
-                                           "unreadable": _STEPS}),
+                                           "unreadable": _STEPS, "duplicate": _STEPS}),
     WEIGHTS: ({"version": _VERSION}, {"published_at": F.Int(0, 2**63, nullable=True), "manifest": F.Free(),
                                       "store": F.Free(), "stream": F.Free(), "ipc": F.Free()}),  # checked deep by rlvla3.weights
     SNAPSHOT: ({}, {}),

@@ -157,7 +157,7 @@ def check_multihost(r: dict[str, Any], out: Path) -> None:
         assert all(f["shm"] == 0 < f["inline"] for f in stage["frames"].values()), stage
         assert len(stage["hosts"]) == stage["sim_hosts"]
     a = r["acked_steps"]
-    assert a["acked"] == sum(a[k] for k in ("evaluation", "trained", "stale", "discarded", "unreadable",
+    assert a["acked"] == sum(a[k] for k in ("evaluation", "trained", "stale", "discarded", "unreadable", "duplicate",
                                             "lost_with_trainer", "held_by_trainers"))
 
 

@@ -7,7 +7,7 @@ import numpy as np
 
 from brokers.outgoing import Out
 from rlvla3 import protocol as P
-from tests.brokerscript import Script, of_type, served
+from tests.brokerscript import HOST, Script, of_type, served
 
 SIM, SIM2, GEN, GEN2, TRAINER = b"sim", b"sim2", b"gen", b"gen2", b"trainer"
 
@@ -199,6 +199,19 @@ def test_a_dead_trainers_fragments_go_to_the_next_trainer():
     assert [f.fields["traj_id"] for f in frags] == [0, 1, 2]
     acks = s.send(b"trainer2", P.TRAJ_ACK, {"traj_ids": [f.fields["gid"] for f in frags]})
     assert [(a.to, a.fields["traj_ids"]) for a in acks] == [(SIM, [0, 1, 2])]
+
+
+def test_a_fragment_names_its_registered_simulator_and_a_copy_the_trainer_held_is_acked_as_duplicate():
+    s = Script()
+    s.simulator(SIM)
+    s.trainer(TRAINER)
+    s.traj(SIM, 5, steps=4, writer={"host": "elsewhere", "pid": 9, "name": "sim2"})  # its own word is not taken
+    [frag] = of_type(s.tick(), P.TRAJ, TRAINER)
+    assert frag.fields["writer"] == {"host": HOST, "pid": 1, "name": "sim"} and frag.fields["traj_id"] == 5
+    acks = s.send(TRAINER, P.TRAJ_ACK, {"traj_ids": [frag.fields["gid"]], "duplicate": 4})
+    assert [(a.to, a.fields["traj_ids"]) for a in acks] == [(SIM, [5])]  # the simulator stops re-sending it
+    ledger = s.state.trajs.ledger.figures()
+    assert ledger["acked"] == ledger["duplicate"] == 4 and ledger["held_by_trainers"] == ledger["over_reported"] == 0
 
 
 def test_unsent_batches_and_fragments_return_to_their_queues():

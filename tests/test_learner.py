@@ -10,7 +10,7 @@ from rlvla3.config import load
 from rlvla3.harness.jobs import SMALL_JOB
 from rlvla3.observation import Observation
 from workers.algorithms.update import TrainState, update
-from workers.learner import Fragment, Learner, build_batch
+from workers.learner import RECENT_FRAGMENTS, Fragment, Learner, build_batch
 from workers.model import build_policy
 
 
@@ -63,7 +63,8 @@ def test_grpo_groups_assemble_score_and_drop_whole_when_stale():
     # a zero-variance group is discarded and reported, never trained on
     learner.add(_fragment(policy, 2, 0, env=2, seed=2, success=True))
     learner.add(_fragment(policy, 2, 0, env=3, seed=2, success=True))
-    assert counters.groups_filtered_zero_variance == 1 and learner.take_unreported() == {"dropped_stale": 0, "discarded": 4, "trained": 0, "unreadable": 0}
+    assert counters.groups_filtered_zero_variance == 1
+    assert learner.take_unreported() == {"dropped_stale": 0, "discarded": 4, "trained": 0, "unreadable": 0, "duplicate": 0}
 
     # version 3 makes version-0 samples stale (max_staleness 2): the ready group and a waiting
     # episode's group go whole; a late episode of the dropped group is dropped on arrival
@@ -109,3 +110,19 @@ def test_ppo_batch_masks_stale_samples_and_update_reports_typed_result():
     # every sample stale, one rank: nothing is stepped and the version must not move
     stale = update(state, build_batch(units[:1], 3, cfg), cfg.algo)
     assert not stale.trained and stale.figures()["skipped"] is True and stale.samples == 0
+
+
+def test_a_fragment_is_known_again_by_its_simulator_and_traj_id_within_a_bounded_window():
+    learner = Learner(_cfg())
+
+    def header(traj_id: int, pid: int = 7, evaluation: bool = False) -> dict:
+        return {"traj_id": traj_id, "steps": 8, "eval": evaluation, "writer": {"host": "h", "pid": pid, "name": "sim"}}
+
+    assert not learner.resent(header(1)) and not learner.resent(header(1, pid=8))  # another simulator's 1
+    assert learner.resent(header(1)) and learner.resent(header(1, pid=8, evaluation=True))
+    assert learner.counters.duplicates == 2 and learner.take_unreported()["duplicate"] == 8  # evaluation steps: not reported
+    assert not learner.resent({"traj_id": 1, "steps": 8})  # no writer (a broker that does not say): never a copy
+    for traj_id in range(2, RECENT_FRAGMENTS + 1):
+        learner.resent(header(traj_id))
+    assert len(learner.recent) == RECENT_FRAGMENTS
+    assert not learner.resent(header(1))  # the oldest went out of the window

@@ -29,7 +29,7 @@ REASON = unavailable()
 pytestmark = [pytest.mark.multihost, pytest.mark.timeout(900),
               pytest.mark.skipif(REASON is not None, reason=f"multihost: {REASON}")]
 
-FATES = ("evaluation", "trained", "stale", "discarded", "unreadable", "lost_with_trainer", "held_by_trainers")
+FATES = ("evaluation", "trained", "stale", "discarded", "unreadable", "duplicate", "lost_with_trainer", "held_by_trainers")
 
 
 def test_job_across_namespace_hosts_with_curve(tmp_path: Path):

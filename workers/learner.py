@@ -23,6 +23,7 @@ masked (:func:`build_batch`). Both count into ``dropped_stale``.
 
 from __future__ import annotations
 
+import sys
 from collections import OrderedDict, deque
 from dataclasses import dataclass
 from typing import Any
@@ -42,8 +43,14 @@ from workers.trajectory import fragment_observation
 
 FORGET_GROUPS = 100_000
 """Dropped GRPO groups remembered (so their late episodes are dropped too)."""
-UNREPORTED = ("dropped_stale", "discarded", "trained", "unreadable")
+UNREPORTED = ("dropped_stale", "discarded", "trained", "unreadable", "duplicate")
 """TRAJ_ACK's fate fields, in steps."""
+RECENT_FRAGMENTS = 16_384
+"""Fragments remembered (3.3 MB) for telling a re-sent copy from a new fragment. A copy
+reaches the trainer only through a new broker, among the first fragments it routes after the
+rejoin (a simulator re-sends what has no ack as soon as it rejoins), so what the trainer takes
+between the two copies is what the old broker had out to it (at most its credits, 256 by default)
+and what the new broker routes ahead of the copy: far fewer."""
 
 
 class Fragment:
@@ -108,10 +115,32 @@ class Learner:
         self.pending_groups: dict[tuple, list[list[Fragment]]] = {}
         self.dropped_groups: OrderedDict[tuple, None] = OrderedDict()  # their later episodes are discarded
         # Steps per fate (brokers/ledger.py) not yet reported to the broker in TRAJ_ACK: dropped
-        # as stale, discarded for another reason (zero-variance groups), trained, unreadable.
+        # as stale, discarded for another reason (zero-variance groups), trained, unreadable, a copy.
         self.unreported = dict.fromkeys(UNREPORTED, 0)
+        self.recent: OrderedDict[tuple, None] = OrderedDict()  # (host, pid, name, traj_id), oldest first
 
     # -- arrivals -----------------------------------------------------------------------------
+
+    def resent(self, header: dict[str, Any]) -> bool:
+        """Whether a fragment is a copy of one this trainer already took, known by its simulator
+        (as the broker registered it) and the simulator's ``traj_id``: a simulator sends again
+        everything without an ack to a new broker, and an ack in flight dies with the old one. A
+        copy is counted and never trained again; its steps are reported as ``duplicate`` (the first
+        copy's fate is theirs), so the new broker's ledger adds up."""
+        writer = header.get("writer")
+        if writer is None:
+            return False
+        # names interned: one copy of each simulator's host and name, however many ids are kept
+        key = (sys.intern(writer["host"]), writer["pid"], sys.intern(writer["name"]), header["traj_id"])
+        if key not in self.recent:
+            self.recent[key] = None
+            if len(self.recent) > RECENT_FRAGMENTS:
+                self.recent.popitem(last=False)
+            return False
+        self.counters.duplicates += 1
+        if not header.get("eval"):  # evaluation steps are never a trainer's to report
+            self.unreported["duplicate"] += int(header["steps"])
+        return True
 
     def add(self, frag: Fragment) -> None:
         """A training fragment (evaluation fragments never come here)."""

@@ -37,6 +37,8 @@ class Counters:
     eval_episodes: int = 0
     eval_fragments: int = 0
     unreadable: int = 0
+    duplicates: int = 0
+    """Fragments re-sent after a broker restart that this trainer already held: never trained twice."""
 
     def as_dict(self) -> dict[str, int]:
         return dict(self.__dict__)
@@ -77,7 +79,7 @@ def update_row(result: Any, version: int, rank: int, counters: Counters, elapsed
     c = counters
     row: dict[str, Any] = {k: (round(v, 6) if isinstance(v, float) else v) for k, v in result.figures().items()}
     row.update({
-        "version": version, "rank": rank, "dropped_stale_total": c.dropped_stale,
+        "version": version, "rank": rank, "dropped_stale_total": c.dropped_stale, "duplicates": c.duplicates,
         "staleness_counts": {str(k): v for k, v in staleness_histogram(torch.as_tensor(result.staleness)).items()},
         "env_steps_consumed": c.env_steps_consumed,
         "env_steps_per_s": round(c.env_steps_consumed / max(elapsed_s, 1e-9), 2),

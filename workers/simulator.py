@@ -45,7 +45,10 @@ class SimulatorWorker(WorkerBase):
         self.slots: list[Slot] = []
         self.obs_pool: ShmPool | None = None
         self.traj_pool: ShmPool | None = None
-        self.next_traj = 0
+        # Fragment ids start at the clock in microseconds: a simulator restarted under the same host,
+        # pid and name (a container's pid 1) starts past every id its predecessor used, so neither
+        # the broker nor a trainer takes its fragments for re-sent ones (``Worker.same``, ``traj_id``).
+        self.next_traj = time.time_ns() // 1000
         self.unacked: dict[int, tuple[dict[str, Any], dict[str, Any], list[int]]] = {}
         self.env_steps = 0
         self.restarts_unreported = 0

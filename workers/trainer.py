@@ -159,7 +159,10 @@ class TrainerWorker(WorkerBase):
             return
         gid = msg.get("gid")
         if isinstance(gid, int):
-            self.acks.append(gid)  # readable or not: the simulator may free it
+            self.acks.append(gid)  # readable or not, a copy or not: the simulator may free it
+        if self.learner.resent(msg.header):
+            log.warning("traj_duplicate", gid=gid, traj_id=msg["traj_id"], writer=msg["writer"])
+            return
         try:
             frag = Fragment(msg.header, {name: self.attach.materialize(t, copy=True) for name, t in msg.tensors.items()})
             # At most the version the update in progress makes (another rank may publish it first).

@@ -52,7 +52,7 @@ from rlvla3.status_client import DeadlinePassed, wait_until
 
 LIVENESS = ("broker.heartbeat_s=0.5", "broker.liveness=4")
 """A peer silent for 2 s is gone: a cut of a few seconds is a real partition, not a hiccup."""
-FATES = ("evaluation", "trained", "stale", "discarded", "unreadable", "lost_with_trainer", "held_by_trainers")
+FATES = ("evaluation", "trained", "stale", "discarded", "unreadable", "duplicate", "lost_with_trainer", "held_by_trainers")
 FAULTS = ("simulator_host_cut", "generator_host_cut", "broker_host_cut", "broker_restart")
 """The faults of the one-rank job."""
 RANK_FAULTS = ("trainer_rank_cut",)
@@ -93,8 +93,12 @@ class Outcome:
 def counted_twice(fig: dict[str, Any], old: dict[str, Any] | None = None) -> int:
     """Steps acknowledged beyond the decision steps served, over this broker and ``old``, the
     figures of a killed one taken just before the kill (the new broker acknowledges the fragments
-    the old one served and had not acknowledged: they are re-sent to it)."""
-    acked = fig["acked_steps"]["acked"] + (old["acked_steps"]["acked"] if old else 0)
+    the old one served and had not acknowledged: they are re-sent to it). A copy the trainer
+    already held is acknowledged with the fate ``duplicate``: not a second acknowledgement."""
+    def once(f: dict[str, Any]) -> int:
+        return f["acked_steps"]["acked"] - f["acked_steps"].get("duplicate", 0)
+
+    acked = once(fig) + (once(old) if old else 0)
     served = fig["decision_steps"] + (old["decision_steps"] if old else 0)
     return max(0, acked - served)
 

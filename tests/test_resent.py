@@ -1,0 +1,73 @@
+"""A fragment re-sent after a broker restart is never trained twice.
+
+The window, made certain: the trainer is stopped (SIGSTOP) while the broker delivers it fragments,
+so their acks never reach that broker; the broker is killed, the trainer goes on (SIGCONT) and a
+new broker starts on the old one's address. The trainer reads the fragments the old broker sent
+and acks them into the void; the simulator, which has no ack for them, sends them again to the
+new broker, which routes them to the trainer again. The trainer knows them by their simulator and ``traj_id``: it acks
+them with the fate ``duplicate`` and never trains them again, and both brokers' ledgers add up
+with no step acknowledged twice (``rlvla3/harness/faults.py`` ``ledger_problems``).
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+
+import pytest
+
+from rlvla3.harness.faults import ledger_problems
+from rlvla3.harness.jobs import Job, per_worker
+from rlvla3.status_client import DeadlinePassed
+
+pytestmark = pytest.mark.timeout(120)
+
+LIVENESS = ("broker.heartbeat_s=0.5", "broker.liveness=6")
+"""A peer silent for 3 s is gone: the trainer's stop (at most 1.6 s, after at most 0.5 s since
+the broker's last message) stays inside it, so the broker keeps the trainer in, and the trainer,
+let go on, reads what the old broker sent before it finds the broker silent and reopens its
+socket (which would drop those messages)."""
+
+
+def _stopped_holding_unacked(job: Job, trainer: int, tries: int = 8) -> dict:
+    """The trainer SIGSTOPped with fragments delivered to it (so never acked); the broker's
+    figures then. A trainer that holds an update's worth gets nothing more until it reports fates
+    (``brokers/trajectories.py`` ``hold_steps``): then it goes on until its next update and is
+    stopped again."""
+    def delivered(f: dict) -> bool:
+        return (per_worker(f, "trainer0").get("inflight") or 0) >= 1
+
+    for _ in range(tries):
+        os.kill(trainer, signal.SIGSTOP)
+        try:
+            job.wait(delivered, 1.0, "fragments delivered to the stopped trainer")
+            # asked again: the broker answers in a later loop turn, so the turn that delivered
+            # them has handed its sends to the sockets (a kill may otherwise take them with it)
+            return job.wait(delivered, 0.5, "fragments still out at the stopped trainer")
+        except DeadlinePassed:
+            os.kill(trainer, signal.SIGCONT)
+            version = job.status()["trainer_version"]
+            job.wait(lambda f: f["trainer_version"] > version, 30, "the trainer's next update")
+    raise AssertionError(f"no fragment was delivered to the stopped trainer in {tries} tries")
+
+
+def test_a_fragment_resent_after_a_broker_restart_is_acked_as_a_duplicate_not_trained(job_factory):
+    job = job_factory(*LIVENESS)
+    fig = job.wait(lambda f: f["trainer_version"] >= 1 and f["workers"]["simulator"] == 1, 90, "the job training")
+    trainer = per_worker(fig, "trainer0")["pid"]
+    old = _stopped_holding_unacked(job, trainer)
+    try:
+        job.broker_proc.send_signal(signal.SIGKILL)
+        job.broker_proc.wait(10)
+    finally:
+        os.kill(trainer, signal.SIGCONT)
+    job.start_broker(job.endpoint, "tcp://127.0.0.1:0")
+    whole = {"simulator": 1, "generator": 1, "trainer": 1}
+    fig = job.wait(lambda f: f["workers"] == whole, 30, "the workers to rejoin the new broker")
+    # The simulator re-sends on its rejoin; the trainer's next metrics row counts the copies it knew,
+    # and their acks reach the new broker with the fate duplicate.
+    fig = job.wait(lambda f: f["trainer"].get("duplicates", 0) >= 1 and f["acked_steps"].get("duplicate", 0) > 0, 20,
+                   "the trainer to know the re-sent fragments (otherwise it trains them twice)")
+    assert not ledger_problems(fig, old), (ledger_problems(fig, old), fig["acked_steps"], old["acked_steps"])
+    assert not ledger_problems(old), old["acked_steps"]
+    assert "traj_duplicate" in (job.run_dir / "trainer0.log").read_text()
