@@ -14,7 +14,7 @@ moment the broker can no longer re-deliver it: each step ends in exactly one cat
     lost_with_trainer   acknowledged by a trainer that left before it reported a fate
     held_by_trainers    acknowledged by a live trainer, fate not reported yet
 
-so that ``acked`` equals the sum of the other eight at every moment (``bench/soak.py`` checks it).
+so that ``acked`` equals the sum of the other eight at every moment (``bench/faults/soak.py`` checks it).
 A trainer's remainder becomes ``lost_with_trainer`` when it leaves; one that is killed loses at
 most what it held: the admission window bounds that (``brokers/admission.py``).
 """

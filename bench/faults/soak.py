@@ -43,12 +43,12 @@ from typing import Any
 from rlvla3.app.launch import stop_processes
 from rlvla3.config import load
 from rlvla3.harness.bench import OUT_DIR, emit_to, save_figure, subplots
+from rlvla3.harness.faults import FATES
 from rlvla3.harness.jobs import rss_mb
 from rlvla3.harness.netns import NetnsJob, unavailable
 from rlvla3.status_client import DeadlinePassed, wait_until
 
 RSS_SLOPE_MB_PER_10MIN = 1.0
-FATES = ("evaluation", "trained", "stale", "discarded", "unreadable", "lost_with_trainer", "held_by_trainers")
 CONFIG = ("env.num_envs=6", "env.slots=3", "env.eval_slots=1", "env.eval_every=4", "env.fragment_len=8",
           "env.options.latency={kind: constant, mean_ms: 2.0}", "env.options.image_size=8",
           "algo.batch_steps=128", "algo.minibatch_size=64", "algo.epochs=1", "algo.checkpoint_every=2",
