@@ -106,15 +106,18 @@ def test_a_live_broker_serves_a_bundle_part_by_part_and_bundles_its_answers(job_
     sim = Peer(zctx, job.endpoint, "simulator", True, slots=4, num_envs=4)
     gen = Peer(zctx, job.endpoint, "generator", True, credits=1)
     sim.received = []
-    # Two good requests, one that is not msgpack, one whose slot the simulator does not have.
-    sim.send(_bundle_of([_obs(0), [b"\xc1"], _obs(99), _obs(2)]))
+    # One part that is not msgpack, one whose slot the simulator does not have, two good requests.
+    # The bad ones come first: refusing them is cheap, so both usually fall in the broker's first
+    # turn for this peer (PEER_TURN_S of CPU), and their ERRORs leave together.
+    sim.send(_bundle_of([[b"\xc1"], _obs(99), _obs(0), _obs(2)]))
     errors = []
     for m in sim.messages():
         errors += [m["code"]] if m.type == P.ERROR else []
         if len(errors) == 2:
             break
     assert sorted(errors) == sorted([P.E_MALFORMED, P.E_FIELD])
-    assert P.BUNDLE in sim.types_received(), "the two ERRORs came singly"
+    if P.BUNDLE not in sim.types_received():  # a turn's answers leave together: singles mean a cut turn
+        assert job.status()["peer_turns_cut"] >= 1, "the two ERRORs of one turn came singly"
     batch = gen.next(lambda m: m.type == P.BATCH)
     assert [r["slot"] for r in batch["requests"]] == [0, 2]
     tensors = {"actions": np.array([np.full((1, 7), r["slot"]) for r in batch["requests"]], np.float32)}
