@@ -40,38 +40,13 @@ from rlvla3.harness.bench import (
     start_child, stop_child, summary, wait_readable,
 )
 from rlvla3.harness.echo import ECHO
-from rlvla3.harness.jobs import Job, start_job
+from rlvla3.harness.jobs import Job, generator_serving, start_job
 from rlvla3.harness.peer import Peer
-from rlvla3.lifetime import follow_launcher
 from rlvla3.observation import IMAGES, STATE, Observation
 from rlvla3.shm import ShmPool, host_id
 
 IMAGE = 16
 STATE_DIM = 4
-
-
-def echo_server() -> None:
-    follow_launcher()  # SIGTERM (default action: exit) when the benchmark dies
-    ctx = zmq.Context()
-    sock = ctx.socket(zmq.ROUTER)
-    sock.setsockopt(zmq.LINGER, 0)
-    sock.setsockopt(zmq.SNDHWM, P.SOCKET_HWM)
-    sock.setsockopt(zmq.RCVHWM, P.SOCKET_HWM)
-    sock.bind("tcp://127.0.0.1:0")
-    print(sock.getsockopt(zmq.LAST_ENDPOINT).decode(), flush=True)
-    poller = zmq.Poller()
-    poller.register(sock, zmq.POLLIN)
-    while True:
-        if not poller.poll(200):
-            continue
-        for _ in range(256):
-            try:
-                frames = sock.recv_multipart(zmq.DONTWAIT, copy=False)
-            except zmq.Again:
-                break
-            sock.send_multipart(frames, zmq.DONTWAIT, copy=False)
-    sock.close()
-    ctx.term()
 
 
 class Client:
@@ -207,8 +182,7 @@ def start_fabric(args: argparse.Namespace, run_dir: Path, keys: str | None) -> t
     or a real generator worker with a small policy (``--generator policy``)."""
     overrides = [
         "env.name=synthetic", f"env.options.image_size={IMAGE}", "env.num_envs=1", "env.slots=1",
-        "model.family=mlp", f"model.options.hidden={args.hidden}", "model.chunk_size=1",
-        f"model.options.use_images={'true' if args.policy_images else 'false'}",
+        "model.family=mlp", "model.options.hidden=64", "model.chunk_size=1", "model.options.use_images=false",
         f"batching.max_batch={args.max_batch}", f"batching.max_wait_ms={args.max_wait_ms}",
         f"batching.credits={args.credits}", "workers.simulators=0", "workers.generators=1",
         "workers.trainers=0", "run.mode=async", "workers.device=cpu", "workers.torch_threads=1",
@@ -224,10 +198,6 @@ def start_fabric(args: argparse.Namespace, run_dir: Path, keys: str | None) -> t
         job.stop()
         raise
     return job, gen
-
-
-def generator_serving(fig: dict[str, Any]) -> bool:
-    return any(w["role"] == "generator" and (w.get("credits") or 0) > 0 for w in fig.get("per_worker", []))
 
 
 def main() -> None:
@@ -246,13 +216,9 @@ def main() -> None:
     ap.add_argument("--max-batch", type=int, default=1)
     ap.add_argument("--max-wait-ms", type=float, default=0.0)
     ap.add_argument("--credits", type=int, default=2)
-    ap.add_argument("--hidden", type=int, default=64)
-    ap.add_argument("--policy-images", action="store_true",
-                    help="with --generator policy, let the policy encode the image (default: state only; the "
-                         "image still travels and the forward pass is reported as its own part)")
     ap.add_argument("--spin-us", type=float, default=200.0,
                     help="spin (instead of sleeping) this long before each due time: timer wake-ups on a VM are late")
-    args = parse_bench_args(ap, "short run (under 60 s with start-up)", lambda _: echo_server())
+    args = parse_bench_args(ap, "short run (under 60 s with start-up)")
     if args is None:
         return
     if args.quick:  # many short rounds: on a shared machine the noise then falls on all three alike
@@ -275,7 +241,7 @@ def main() -> None:
         job, gen = start_fabric(args, run_dir, keys)
         if gen is not None and args.generator == "echo":
             children.append(gen)
-        echo, echo_ep = start_child([__file__, "--child"])
+        echo, echo_ep = start_child([*ECHO, "echo"])
         children.append(echo)
         relay, relay_ep = start_child([*ECHO, "relay"])
         children.append(relay)
@@ -350,12 +316,9 @@ def main() -> None:
         }
         done = sum(x.done for x in rounds["broker"])
         result = {
-            "p50_us": s.get("p50"), "p90_us": s.get("p90"), "p99_us": s.get("p99"), "p999_us": s.get("p999"),
+            **{f"{prefix}{p}_us": summ.get(p) for prefix, summ in (("", s), ("raw_", rs), ("relay_", ls))
+               for p in ("p50", "p90", "p99", "p999")},
             "max_us": s.get("max"),
-            "raw_p50_us": rs.get("p50"), "raw_p90_us": rs.get("p90"), "raw_p99_us": rs.get("p99"),
-            "raw_p999_us": rs.get("p999"),
-            "relay_p50_us": ls.get("p50"), "relay_p90_us": ls.get("p90"), "relay_p99_us": ls.get("p99"),
-            "relay_p999_us": ls.get("p999"),
             "ratio_p50": ratio(s, rs, "p50"), "ratio_p99": ratio(s, rs, "p99"),
             "p50_over_relay": ratio(s, ls, "p50"), "p99_over_relay": ratio(s, ls, "p99"),
             "p50_over_relay_by_round": [round(b.latency.get_value_at_percentile(50) / max(1, r.latency.get_value_at_percentile(50)), 2)

@@ -4,6 +4,8 @@ of ``bench/broker/latency.py`` and ``bench/broker/capacity.py``):
     python -m rlvla3.harness.echo generator ENDPOINT [--credits 4] [--keys DIR]
         a generator-role peer on the real protocol: READY, heartbeats, and for every BATCH a
         RESULT of zero actions (no forward pass, nothing read from the observations);
+    python -m rlvla3.harness.echo echo
+        a ROUTER that returns every message to its sender: the floor with no hop in between;
     python -m rlvla3.harness.echo relay
         a ROUTER that forwards every simulator message to one echo DEALER and every echo reply
         back to the simulator it names: the broker's topology with pyzmq and nothing else;
@@ -72,6 +74,18 @@ def echo_generator(endpoint: str, credits: int, keys_dir: str | None) -> None:
                 gen.sock.send_multipart(echo_result(msg, zeros), copy=False)
 
 
+def echo_back() -> None:
+    """Every message straight back to the peer that sent it (its identity frame first)."""
+    sock = _socket(zmq.Context(), zmq.ROUTER)
+    sock.bind("tcp://127.0.0.1:0")
+    print(sock.getsockopt(zmq.LAST_ENDPOINT).decode(), flush=True)
+    while True:
+        if not sock.poll(200):
+            continue
+        while sock.getsockopt(zmq.EVENTS) & zmq.POLLIN:
+            sock.send_multipart(sock.recv_multipart(copy=False), copy=False)
+
+
 def relay() -> None:
     """Simulator -> echo -> simulator through one ROUTER, routing by identity frames only."""
     ctx = zmq.Context()
@@ -116,13 +130,15 @@ def relay_echo(endpoint: str) -> None:
 def main() -> None:
     follow_launcher()  # SIGTERM (default action: exit) when the benchmark dies
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("role", choices=("generator", "relay", "relay-echo"))
+    ap.add_argument("role", choices=("generator", "echo", "relay", "relay-echo"))
     ap.add_argument("endpoint", nargs="?")
     ap.add_argument("--credits", type=int, default=4)
     ap.add_argument("--keys", default=None, help="CURVE key folder (the generator joins as key 'generator')")
     args = ap.parse_args()
     if args.role == "generator":
         echo_generator(args.endpoint, args.credits, args.keys)
+    elif args.role == "echo":
+        echo_back()
     elif args.role == "relay":
         relay()
     else:
