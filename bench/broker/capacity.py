@@ -293,7 +293,6 @@ def reference_us(frames: list[Any], reps: int = 2000) -> float:
 
 
 def plot(ramp: list[dict[str, Any]], path: Path, title: str) -> Path:
-
     fig, ax = subplots(figsize=(7, 4.2))
     xs = [r["offered_rps"] for r in ramp]
     ax.plot(xs, [r["achieved_rps"] for r in ramp], "o-", label="achieved requests/s")
@@ -308,8 +307,7 @@ def plot(ramp: list[dict[str, Any]], path: Path, title: str) -> Path:
     h1, l1 = ax.get_legend_handles_labels()
     h2, l2 = ax2.get_legend_handles_labels()
     ax.legend(h1 + h2, l1 + l2, fontsize=8, loc="upper left")
-    save_figure(fig, path)
-    return path
+    return save_figure(fig, path)
 
 
 def main() -> None:
@@ -437,13 +435,6 @@ def main() -> None:
         emit_to(out, "broker_capacity.json", result)
     finally:
         for child in children:
-            if child.stdin is not None:  # a simulator: end of stdin, it leaves and frees its memory
-                child.stdin.close()
-                child.stdin = None
-                try:
-                    child.wait(5)
-                except Exception:  # noqa: BLE001 - stop_child ends it
-                    pass
             stop_child(child)
         if job is not None:
             job.stop()
