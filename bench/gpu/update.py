@@ -1,20 +1,15 @@
 """One PPO and one GRPO update of each family at release size on one CUDA GPU: time and peak
-memory, through the trainer's own path.
+memory, through the trainer's own path (the ``update`` stage of ``bench/gpu/check.sh``;
+bench/gpu/README.md names each piece it runs).
 
     python bench/gpu/update.py --updates 1     # --families pi0,openvla_oft --algos ppo,grpo; --device cpu --tiny
 
-Nothing here re-implements the update: ``workers.model.build_policy`` builds the policy as the
-trainer does (device, dtype, LoRA, gradient checkpointing: OpenVLA-OFT recomputes its towers, π0
-its vision tower), ``TrainState.build`` the optimizer (bf16 parameters get ``MasterAdam``'s fp32
-state). The policy's own ``act()`` makes ``batch_steps`` decisions, ``EnvTrajectory`` stacks them
-into fragments (GRPO: groups of ``--group-size`` episodes sharing a start), the ``Learner`` turns
-them into units and ``build_batch`` + ``update`` run the update. π0 at 3B trains in full,
-OpenVLA-OFT at 7.5B with LoRA (full Adam does not fit one H200); two 224x224 cameras.
-
-Per (family, algo): ``update_s`` of each update (the first also allocates the optimizer state),
-``peak_mem_gib``, ``state_mem_gib`` (weights + optimizer state after it), ``samples``. The
-figures so far are printed after each case; the last line is the complete result. Without CUDA
-(and no ``--device cpu``) it says so and exits 2.
+The policy's own ``act()`` makes ``batch_steps`` decisions, ``EnvTrajectory`` stacks them into
+fragments (GRPO: groups of ``--group-size`` episodes sharing a start), the ``Learner`` turns them
+into units, ``build_batch`` + ``update`` run the update. Per (family, algo): ``update_s`` of each
+update (the first also allocates the optimizer state), ``peak_mem_gib``, ``state_mem_gib``
+(weights + optimizer state after it), ``samples``. The figures so far are printed after each
+case; the last line is the complete result. Without CUDA (and no ``--device cpu``) it exits 2.
 """
 
 from __future__ import annotations
