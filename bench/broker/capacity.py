@@ -237,14 +237,6 @@ def profiled_broker(config: str, run_dir: str, prof_out: str) -> None:
     Path(prof_out).write_text(text.getvalue())
 
 
-def answer(proc: Any, timeout_s: float) -> str:
-    """A simulator child's answer line, within ``timeout_s``."""
-    line = read_line(proc, timeout_s)
-    if line is None:
-        raise TimeoutError(f"no answer from child {proc.pid} within {timeout_s} s (rc={proc.poll()})")
-    return line
-
-
 def run_step(sims: list[Any], procs: dict[str, list[int]], rate: float, duration_s: float) -> dict[str, Any]:
     """Offer ``rate`` requests/s in all for ``duration_s``; the figures of that window."""
     start_at = time.time() + 0.3
@@ -257,7 +249,10 @@ def run_step(sims: list[Any], procs: dict[str, list[int]], rate: float, duration
     time.sleep(duration_s)
     cpu1 = {k: sum(cpu_seconds(p) for p in ps) for k, ps in procs.items()}
     threads1 = thread_cpu_seconds(procs["broker"][0])
-    answers = [json.loads(answer(s, duration_s + 30.0)) for s in sims]
+    lines = [read_line(s, duration_s + 30.0) for s in sims]
+    if None in lines:
+        raise TimeoutError(f"a simulator gave no figures within {duration_s + 30.0} s")
+    answers = [json.loads(line) for line in lines]
     hist = new_hist()
     for a in answers:
         hist.add(HdrHistogram.decode(a["hist"]))
@@ -297,13 +292,12 @@ def plot(ramp: list[dict[str, Any]], path: Path, title: str) -> Path:
     xs = [r["offered_rps"] for r in ramp]
     ax.plot(xs, [r["achieved_rps"] for r in ramp], "o-", label="achieved requests/s")
     ax.plot(xs, xs, ":", color="grey", label="offered")
-    ax.set_xlabel("offered requests/s")
-    ax.set_ylabel("requests/s")
+    ax.set(xlabel="offered requests/s", ylabel="requests/s")
+    ax.set_title(title, fontsize=10)
+    ax.grid(True, alpha=0.3)
     ax2 = ax.twinx()
     ax2.plot(xs, [r["broker_cpu_pct"] for r in ramp], "s--", color="#c63", label="broker CPU %")
     ax2.set_ylabel("broker CPU (% of one core)")
-    ax.set_title(title, fontsize=10)
-    ax.grid(True, alpha=0.3)
     h1, l1 = ax.get_legend_handles_labels()
     h2, l2 = ax2.get_legend_handles_labels()
     ax.legend(h1 + h2, l1 + l2, fontsize=8, loc="upper left")
@@ -418,8 +412,6 @@ def main() -> None:
             "saturated_by": "broker" if max(r["broker_cpu_pct"] for r in ramp) >= SATURATED_CPU else "machine",
             "curve": bool(keys), "transport": "ipc", "sims": args.sims, "slots": args.slots,
             "max_batch": args.max_batch, "max_wait_ms": args.max_wait_ms, "duration_s": args.duration,
-            # Requests refused or failed: an overloaded step leaves slots outstanding, which the next
-            # step reuses, so the broker may refuse them over broker.max_peer_requests ("over_limit").
             "errors": sum(r["errors"] for r in [*ramp, at80]),
             "error_codes": merged_counts(r["error_codes"] for r in [*ramp, at80]),
             "broker_batch_size": status.get("batch_size"),
