@@ -175,8 +175,7 @@ def plot(curves: dict[str, list[dict[str, np.ndarray]]], target: float, out: Pat
                     ax.plot(pts[:, col], pts[:, 3], "o--", color=color, ms=4, lw=0.8,
                             label=f"{mode} eval (deterministic)" if i == 0 else None)
         for ax, x in zip(axes, ("env steps", "wall-clock seconds (from first env step)")):
-            ax.set_xlabel(x)
-            ax.set_ylabel(metric)
+            ax.set(xlabel=x, ylabel=metric)
             if metric == "success":
                 ax.axhline(target, color="grey", ls="--", lw=0.8)
             ax.legend()

@@ -46,8 +46,7 @@ def plot(results: dict, path: Path) -> None:
         ax2.plot(bs, [rows[str(b)]["latency_ms"] for b in bs], marker="o", label=fam)
     for ax, yl in ((ax1, "samples / s"), (ax2, "latency per act (ms)")):
         ax.set_xscale("log", base=2)
-        ax.set_xlabel("batch size")
-        ax.set_ylabel(yl)
+        ax.set(xlabel="batch size", ylabel=yl)
         ax.grid(True, alpha=0.3)
         ax.legend()
     fig.suptitle("Generator act() on CPU, tiny configs")

@@ -69,13 +69,8 @@ def percentile_plot(curves: dict[str, HdrHistogram], path: Path, title: str) -> 
             continue
         ys = [h.get_value_at_percentile(100.0 * (1 - 10 ** -x)) for x in xs]
         ax.plot(10 ** xs, ys, label=label)
-    ax.set_xscale("log")
-    ax.set_yscale("log")
-    ticks = [2, 10, 100, 1000, 10000]
-    ax.set_xticks(ticks)
-    ax.set_xticklabels(["50%", "90%", "99%", "99.9%", "99.99%"])
-    ax.set_xlabel("percentile")
-    ax.set_ylabel("latency (us)")
+    ax.set(xscale="log", yscale="log", xlabel="percentile", ylabel="latency (us)")
+    ax.set_xticks([2, 10, 100, 1000, 10000], ["50%", "90%", "99%", "99.9%", "99.99%"])
     ax.set_title(title, fontsize=10)
     ax.grid(True, which="both", alpha=0.3)
     ax.legend(fontsize=8)
