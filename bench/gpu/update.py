@@ -25,8 +25,9 @@ from typing import Any
 import numpy as np
 import torch
 
-from bench.gpu.models import device_or_exit
+from bench.gpu.models import device_or_exit, sync
 from rlvla3.config import from_dict, read_yaml
+from rlvla3.harness.bench import random_observation
 from rlvla3.observation import Observation
 from workers.algorithms.memory import enable_gradient_checkpointing
 from workers.algorithms.update import TrainState, update
@@ -62,10 +63,7 @@ def job_config(family: str, algo: str, args: argparse.Namespace) -> Any:
 
 def behaviour(policy: torch.nn.Module, spec: EnvSpec, n: int, seed: int) -> tuple[Observation, dict[str, np.ndarray]]:
     """``n + 1`` observations and the policy's act() outputs for them (as a generator sends)."""
-    rng = np.random.default_rng(seed)
-    obs = Observation({c: rng.integers(0, 256, (n + 1, h, w, 3), dtype=np.uint8) for c, (h, w) in spec.cameras.items()},
-                      rng.uniform(-1, 1, (n + 1, spec.state_dim)).astype(np.float32),
-                      ["pick up the puck and place it at the goal"] * (n + 1))
+    obs = random_observation(spec, n + 1, np.random.default_rng(seed), "pick up the puck and place it at the goal")
     outs: dict[str, list[np.ndarray]] = {}
     policy.eval()  # as a generator serves it; the trainer's update runs in train mode
     with torch.inference_mode():
@@ -100,11 +98,6 @@ def fragments(obs: Observation, acts: dict[str, np.ndarray], algo: str, length: 
         header, tensors = traj.fragment(obs.select(slice(hi, hi + 1)), success=bool(rng.integers(2)))
         out.append(Fragment(header, tensors))
     return out
-
-
-def sync(device: torch.device) -> None:
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
 
 
 def gib(n: int) -> float:
