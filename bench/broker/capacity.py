@@ -193,22 +193,18 @@ def simulator_child(args: argparse.Namespace) -> None:
     follow_launcher()
     sim = FakeSimulator(args.endpoint, args.slots, args.envs, args.keys, not args.no_bundles)
     print("ready", flush=True)
-    fd = sys.stdin.fileno()
-    buf = b""
     try:
         while True:
             sim.peer.keepalive()
-            r, _, _ = select.select([fd], [], [], 0.2)
-            if not r:
+            # One line at a time: the next comes only after this one's answer, so none waits in
+            # stdin's buffer where select cannot see it.
+            if not select.select([sys.stdin], [], [], 0.2)[0]:
                 continue
-            chunk = os.read(fd, 4096)
-            if not chunk:
+            line = sys.stdin.readline()
+            if not line:
                 return
-            buf += chunk
-            while b"\n" in buf:
-                line, buf = buf.split(b"\n", 1)
-                start_at, rate, duration = (float(x) for x in line.split())
-                print(json.dumps(sim.phase(start_at, rate, duration)), flush=True)
+            start_at, rate, duration = (float(x) for x in line.split())
+            print(json.dumps(sim.phase(start_at, rate, duration)), flush=True)
     finally:
         sim.close()
 
