@@ -177,9 +177,9 @@ def open_loop(sock: zmq.Socket, client: Client, rate: float, duration_s: float, 
     return req_id
 
 
-def start_fabric(args: argparse.Namespace, run_dir: Path, keys: str | None) -> tuple[Job, Any]:
-    """The broker, and its generator: the echo peer (``rlvla3/harness/echo.py``: the broker's own cost)
-    or a real generator worker with a small policy (``--generator policy``)."""
+def start_broker(args: argparse.Namespace, run_dir: Path, keys: str | None) -> Job:
+    """The broker, configured for one generator: the echo peer or, with ``--generator policy``,
+    a real generator worker with a small policy (state only: the image still travels)."""
     overrides = [
         "env.name=synthetic", f"env.options.image_size={IMAGE}", "env.num_envs=1", "env.slots=1",
         "model.family=mlp", "model.options.hidden=64", "model.chunk_size=1", "model.options.use_images=false",
@@ -188,16 +188,7 @@ def start_fabric(args: argparse.Namespace, run_dir: Path, keys: str | None) -> t
         "workers.trainers=0", "run.mode=async", "workers.device=cpu", "workers.torch_threads=1",
         *([f"broker.keys_dir={keys}"] if keys else []),
     ]
-    job = start_job(load("synthetic.yaml", overrides), run_dir, workers=False)
-    if args.generator == "policy":
-        return job, job.start_worker("generator", "generator0")
-    try:
-        gen, _ = start_child([*ECHO, "generator", job.endpoint, "--credits", str(args.credits),
-                              *(["--keys", keys] if keys else [])])
-    except BaseException:
-        job.stop()
-        raise
-    return job, gen
+    return start_job(load("synthetic.yaml", overrides), run_dir, workers=False)
 
 
 def main() -> None:
@@ -238,9 +229,12 @@ def main() -> None:
     ok = False
     try:
         # -- start-up: broker + generator, echo server, relay + its echo; join as a simulator --
-        job, gen = start_fabric(args, run_dir, keys)
-        if gen is not None and args.generator == "echo":
-            children.append(gen)
+        job = start_broker(args, run_dir, keys)
+        if args.generator == "policy":
+            job.start_worker("generator", "generator0")
+        else:  # the broker's own cost: a peer that answers zeros without a forward pass
+            children.append(start_child([*ECHO, "generator", job.endpoint, "--credits", str(args.credits),
+                                         *(["--keys", keys] if keys else [])])[0])
         echo, echo_ep = start_child([*ECHO, "echo"])
         children.append(echo)
         relay, relay_ep = start_child([*ECHO, "relay"])
