@@ -41,7 +41,7 @@ from rlvla3.harness.bench import (
 )
 from rlvla3.harness.echo import ECHO
 from rlvla3.harness.jobs import Job, generator_serving, start_job
-from rlvla3.harness.peer import Peer
+from rlvla3.harness.peer import Peer, zmq_socket
 from rlvla3.observation import IMAGES, STATE, Observation
 from rlvla3.shm import ShmPool, host_id
 
@@ -243,9 +243,8 @@ def main() -> None:
         sim = Peer(ctx, job.endpoint, "simulator", "bench-latency", keys, slots=args.slots, num_envs=args.slots * args.n)
         welcome, bsock = sim.expect(P.READY, 20.0).header, sim.sock
         socks.append(bsock)
-        esock, rsock = ctx.socket(zmq.DEALER), ctx.socket(zmq.DEALER)
+        esock, rsock = zmq_socket(ctx, zmq.DEALER), zmq_socket(ctx, zmq.DEALER)
         for sk, ep in ((esock, echo_ep), (rsock, relay_ep)):
-            sk.setsockopt(zmq.LINGER, 0)
             sk.connect(ep)
             socks.append(sk)
         transport = args.transport

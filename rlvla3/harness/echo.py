@@ -26,7 +26,7 @@ import numpy as np
 import zmq
 
 from rlvla3 import protocol as P
-from rlvla3.harness.peer import Peer
+from rlvla3.harness.peer import Peer, zmq_socket
 from rlvla3.lifetime import follow_launcher
 
 ECHO = ["-m", "rlvla3.harness.echo"]
@@ -35,13 +35,6 @@ ACTION_SHAPE = (1, 7)
 """Per env: a chunk of one 7-dof action, what a small policy returns."""
 HELLO = b"echo"
 """The relay-echo's first message: the relay learns its identity from it."""
-
-
-def _socket(ctx: zmq.Context, kind: int) -> zmq.Socket:
-    sock = ctx.socket(kind)
-    for opt, value in ((zmq.LINGER, 0), (zmq.SNDHWM, P.SOCKET_HWM), (zmq.RCVHWM, P.SOCKET_HWM)):
-        sock.setsockopt(opt, value)
-    return sock
 
 
 def echo_result(batch: P.Message, zeros: dict[int, np.ndarray]) -> list[Any]:
@@ -76,7 +69,7 @@ def echo_generator(endpoint: str, credits: int, keys_dir: str | None) -> None:
 
 def echo_back() -> None:
     """Every message straight back to the peer that sent it (its identity frame first)."""
-    sock = _socket(zmq.Context(), zmq.ROUTER)
+    sock = zmq_socket(zmq.Context(), zmq.ROUTER)
     sock.bind("tcp://127.0.0.1:0")
     print(sock.getsockopt(zmq.LAST_ENDPOINT).decode(), flush=True)
     while True:
@@ -89,7 +82,7 @@ def echo_back() -> None:
 def relay() -> None:
     """Simulator -> echo -> simulator through one ROUTER, routing by identity frames only."""
     ctx = zmq.Context()
-    sock = _socket(ctx, zmq.ROUTER)
+    sock = zmq_socket(ctx, zmq.ROUTER)
     sock.bind("tcp://127.0.0.1:0")
     print(sock.getsockopt(zmq.LAST_ENDPOINT).decode(), flush=True)
     echo: bytes | None = None
@@ -113,7 +106,7 @@ def relay() -> None:
 def relay_echo(endpoint: str) -> None:
     """The relay's far end: every message goes back as it came (simulator identity first)."""
     ctx = zmq.Context()
-    sock = _socket(ctx, zmq.DEALER)
+    sock = zmq_socket(ctx, zmq.DEALER)
     sock.connect(endpoint)
     sock.send(HELLO)
     if not sock.poll(30_000):
