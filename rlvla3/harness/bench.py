@@ -40,15 +40,11 @@ def record_us(h: HdrHistogram, ns: int) -> None:
 
 def summary(h: HdrHistogram) -> dict[str, Any]:
     """count, p50/p90/p99/p999, max and mean of a histogram (us)."""
-    n = h.get_total_count()
-    if not n:
+    if not h.get_total_count():
         return {"count": 0}
-    out: dict[str, Any] = {"count": n}
-    for key, p in (("p50", 50.0), ("p90", 90.0), ("p99", 99.0), ("p999", 99.9)):
-        out[key] = h.get_value_at_percentile(p)
-    out["max"] = h.get_max_value()
-    out["mean"] = round(h.get_mean_value(), 1)
-    return out
+    return {"count": h.get_total_count(),
+            **{key: h.get_value_at_percentile(p) for key, p in (("p50", 50.0), ("p90", 90.0), ("p99", 99.0), ("p999", 99.9))},
+            "max": h.get_max_value(), "mean": round(h.get_mean_value(), 1)}
 
 
 def merged(hists: Iterable[HdrHistogram]) -> HdrHistogram:
