@@ -332,7 +332,6 @@ def main() -> None:
         # 160 slots: past 128, where a slot's number takes one more byte in its pre-encoded header
         args.duration, args.steps, args.start_rate, args.sims, args.slots = 0.5, 2, 200.0, 1, 160
     out = Path(args.out)
-    out.mkdir(parents=True, exist_ok=True)
 
     t_start = time.monotonic()
     run_dir, keys = bench_run_dir("capacity", args.curve)

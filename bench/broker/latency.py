@@ -217,7 +217,6 @@ def main() -> None:
     if args.smoke:
         args.rate, args.duration, args.rounds = min(args.rate, 100.0), 0.5, 1
     out = Path(args.out)
-    out.mkdir(parents=True, exist_ok=True)
 
     t_start = time.monotonic()
     run_dir, keys = bench_run_dir("latency", args.curve)

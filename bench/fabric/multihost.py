@@ -59,12 +59,10 @@ def main() -> None:
     ap.add_argument("--max-hosts", type=int, default=3, help="simulator hosts to add, one by one")
     args = parse_bench_args(ap, "shorter windows (about a minute and a half)", smoke_help="tiny windows, no timing value")
     warm_s, window_s = (0.2, 0.5) if args.smoke else (3.0, 10.0) if args.quick else (10.0, 30.0)
-    out = Path(args.out)
-    out.mkdir(parents=True, exist_ok=True)
     reason = unavailable()
     if reason is not None:
         result = {"skipped": reason, "note": NOTE}
-        emit_to(out, "multihost.json", result)
+        emit_to(args.out, "multihost.json", result)
         return
 
     folder = Path(tempfile.mkdtemp(prefix="rlvla3-multihost-"))
@@ -103,7 +101,7 @@ def main() -> None:
         "mode": "smoke" if args.smoke else "quick" if args.quick else "full",
         "note": NOTE,
     }
-    emit_to(out, "multihost.json", result)
+    emit_to(args.out, "multihost.json", result)
 
 
 if __name__ == "__main__":

@@ -233,7 +233,6 @@ def main() -> None:
         "wall_s": round(time.monotonic() - t_start, 1),
     })
     res["png"] = str(bar_chart(res, out / "transfer.png"))
-    out.mkdir(parents=True, exist_ok=True)
     (out / "transfer.json").write_text(json.dumps(res, indent=1))
     res.pop("per_rep_mb_s")
     note(f"shm {res['shm_mb_s']} MB/s, shm_copy {res['shm_copy_mb_s']} MB/s, inline {res['inline_mb_s']} MB/s, "

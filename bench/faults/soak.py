@@ -249,9 +249,8 @@ def main() -> None:
         soak.job.close()
     result = report(soak, [*ledgers, last or {}], faults, timeline, cfg.algo.batch_steps, cfg.env.fragment_len,
                     warm_s, slope_every, minutes, args.smoke)
-    out.mkdir(parents=True, exist_ok=True)
+    plot_rss(soak, out / "soak_rss.png")  # the folder made
     (out / "soak.json").write_text(json.dumps({**result, "timeline": timeline}, indent=1))
-    plot_rss(soak, out / "soak_rss.png")
     print(json.dumps(result))
 
 

@@ -301,7 +301,6 @@ def main() -> None:
 
     args = parse_args()
     out = Path(args.out)
-    out.mkdir(parents=True, exist_ok=True)
     import torch
 
     torch.set_num_threads(1)  # as every worker process runs (workers.torch_threads)

@@ -74,9 +74,8 @@ def main() -> None:
         row = bench_family(fam, tiny_preset(fam), spec, batches, torch.device("cpu"), "float32", reps)
         results[fam] = {b: {k: r[k] for k in ("latency_ms", "samples_per_s")} for b, r in row["batches"].items()}
     out = Path(args.out)
-    out.mkdir(parents=True, exist_ok=True)
+    plot(results, out / "generator.png")  # the folder made
     (out / "generator.json").write_text(json.dumps({"images": size, "reps": reps, "results": results}, indent=2))
-    plot(results, out / "generator.png")
     print(f"total {time.perf_counter() - t_start:.1f} s; wrote {out / 'generator.png'}", file=sys.stderr)
     print(json.dumps({f: {b: round(r["samples_per_s"], 2) for b, r in rows.items()} for f, rows in results.items()}))
 
