@@ -91,9 +91,9 @@ class PhaseResult:
         self.latency = new_hist()  # due -> reply
         self.service = new_hist()  # sent -> reply
         self.send_lag = new_hist()  # due -> sent
-        self.queue = new_hist()  # ACT.queue_us
+        self.queue_wait = new_hist()  # ACT.queue_us
         self.forward = new_hist()  # ACT.forward_us
-        self.rest = new_hist()  # sent -> reply, minus queue and forward
+        self.hops_and_python = new_hist()  # sent -> reply, minus queue_wait and forward
         self.sent = 0
         self.done = 0
         self.errors = 0
@@ -165,9 +165,9 @@ def open_loop(sock: zmq.Socket, client: Client, rate: float, duration_s: float, 
                     if msg.get("error"):
                         res.errors += 1
                     q, f = int(msg.get("queue_us", 0)), int(msg.get("forward_us", 0))
-                    res.queue.record_value(max(1, q))
+                    res.queue_wait.record_value(max(1, q))
                     res.forward.record_value(max(1, f))
-                    res.rest.record_value(max(1, (t - sent) // 1000 - q - f))
+                    res.hops_and_python.record_value(max(1, (t - sent) // 1000 - q - f))
                 free.append(slot)
                 res.done += 1
         now = time.perf_counter_ns()
@@ -292,19 +292,10 @@ def main() -> None:
         lat, raw_lat, relay_lat = mg("broker", "latency"), mg("raw", "latency"), mg("relay", "latency")
         s, rs, ls = summary(lat), summary(raw_lat), summary(relay_lat)
         parts = {
-            "send_lag_us": summary(mg("broker", "send_lag")),
-            "service_us": summary(mg("broker", "service")),
-            "queue_wait_us": summary(mg("broker", "queue")),
-            "forward_us": summary(mg("broker", "forward")),
-            "hops_and_python_us": summary(mg("broker", "rest")),
-            "broker_queue_wait_us": status.get("queue_wait_us"),
-            "broker_generate_us": status.get("generate_us"),
-            "broker_batch_form_us": status.get("batch_form_us"),
-            "broker_batch_size": status.get("batch_size"),
-            "raw_send_lag_us": summary(mg("raw", "send_lag")),
-            "raw_service_us": summary(mg("raw", "service")),
-            "relay_send_lag_us": summary(mg("relay", "send_lag")),
-            "relay_service_us": summary(mg("relay", "service")),
+            **{f"{part}_us": summary(mg("broker", part))
+               for part in ("send_lag", "service", "queue_wait", "forward", "hops_and_python")},
+            **{f"broker_{key}": status.get(key) for key in ("queue_wait_us", "generate_us", "batch_form_us", "batch_size")},
+            **{f"{floor}_{part}_us": summary(mg(floor, part)) for floor in ("raw", "relay") for part in ("send_lag", "service")},
         }
         done = sum(x.done for x in rounds["broker"])
         result = {
