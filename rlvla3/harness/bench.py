@@ -208,9 +208,8 @@ def stop_child(proc: subprocess.Popen, timeout_s: float = 5.0) -> None:
         except subprocess.TimeoutExpired:
             proc.kill()
             proc.wait(5)
-    for pipe in (proc.stdout, proc.stdin):
-        if pipe is not None:
-            pipe.close()
+    if proc.stdout is not None:
+        proc.stdout.close()
 
 
 def bench_run_dir(name: str, curve: bool) -> tuple[Path, str | None]:
