@@ -132,12 +132,8 @@ def plot(grid: dict[str, float], batches: list[int], waits: list[float], adaptiv
             ax.text(j, i, f"{z[i, j]:.0f}", ha="center", va="center", color="w", fontsize=9)
     ax.set_xticks(range(len(waits)), [f"{w:g}" for w in waits])
     ax.set_yticks(range(len(batches)), [str(b) for b in batches])
-    ax.set_xlabel("max_wait_ms")
-    ax.set_ylabel("max_batch")
-    title = "env steps/s"
-    if adaptive_sps is not None:
-        title += f"; adaptive: {adaptive_sps:.0f}"
-    ax.set_title(title)
+    adaptive = "" if adaptive_sps is None else f"; adaptive: {adaptive_sps:.0f}"
+    ax.set(xlabel="max_wait_ms", ylabel="max_batch", title=f"env steps/s{adaptive}")
     fig.colorbar(im, ax=ax)
     save_figure(fig, path)
 

@@ -193,22 +193,18 @@ def simulator_child(args: argparse.Namespace) -> None:
     follow_launcher()
     sim = FakeSimulator(args.endpoint, args.slots, args.envs, args.keys, not args.no_bundles)
     print("ready", flush=True)
-    fd = sys.stdin.fileno()
-    buf = b""
     try:
         while True:
             sim.peer.keepalive()
-            r, _, _ = select.select([fd], [], [], 0.2)
-            if not r:
+            # One line at a time: the next comes only after this one's answer, so none waits in
+            # stdin's buffer where select cannot see it.
+            if not select.select([sys.stdin], [], [], 0.2)[0]:
                 continue
-            chunk = os.read(fd, 4096)
-            if not chunk:
+            line = sys.stdin.readline()
+            if not line:
                 return
-            buf += chunk
-            while b"\n" in buf:
-                line, buf = buf.split(b"\n", 1)
-                start_at, rate, duration = (float(x) for x in line.split())
-                print(json.dumps(sim.phase(start_at, rate, duration)), flush=True)
+            start_at, rate, duration = (float(x) for x in line.split())
+            print(json.dumps(sim.phase(start_at, rate, duration)), flush=True)
     finally:
         sim.close()
 
@@ -237,14 +233,6 @@ def profiled_broker(config: str, run_dir: str, prof_out: str) -> None:
     Path(prof_out).write_text(text.getvalue())
 
 
-def answer(proc: Any, timeout_s: float) -> str:
-    """A simulator child's answer line, within ``timeout_s``."""
-    line = read_line(proc, timeout_s)
-    if line is None:
-        raise TimeoutError(f"no answer from child {proc.pid} within {timeout_s} s (rc={proc.poll()})")
-    return line
-
-
 def run_step(sims: list[Any], procs: dict[str, list[int]], rate: float, duration_s: float) -> dict[str, Any]:
     """Offer ``rate`` requests/s in all for ``duration_s``; the figures of that window."""
     start_at = time.time() + 0.3
@@ -257,7 +245,10 @@ def run_step(sims: list[Any], procs: dict[str, list[int]], rate: float, duration
     time.sleep(duration_s)
     cpu1 = {k: sum(cpu_seconds(p) for p in ps) for k, ps in procs.items()}
     threads1 = thread_cpu_seconds(procs["broker"][0])
-    answers = [json.loads(answer(s, duration_s + 30.0)) for s in sims]
+    lines = [read_line(s, duration_s + 30.0) for s in sims]
+    if None in lines:
+        raise TimeoutError(f"a simulator gave no figures within {duration_s + 30.0} s")
+    answers = [json.loads(line) for line in lines]
     hist = new_hist()
     for a in answers:
         hist.add(HdrHistogram.decode(a["hist"]))
@@ -293,23 +284,20 @@ def reference_us(frames: list[Any], reps: int = 2000) -> float:
 
 
 def plot(ramp: list[dict[str, Any]], path: Path, title: str) -> Path:
-
     fig, ax = subplots(figsize=(7, 4.2))
     xs = [r["offered_rps"] for r in ramp]
     ax.plot(xs, [r["achieved_rps"] for r in ramp], "o-", label="achieved requests/s")
     ax.plot(xs, xs, ":", color="grey", label="offered")
-    ax.set_xlabel("offered requests/s")
-    ax.set_ylabel("requests/s")
+    ax.set(xlabel="offered requests/s", ylabel="requests/s")
+    ax.set_title(title, fontsize=10)
+    ax.grid(True, alpha=0.3)
     ax2 = ax.twinx()
     ax2.plot(xs, [r["broker_cpu_pct"] for r in ramp], "s--", color="#c63", label="broker CPU %")
     ax2.set_ylabel("broker CPU (% of one core)")
-    ax.set_title(title, fontsize=10)
-    ax.grid(True, alpha=0.3)
     h1, l1 = ax.get_legend_handles_labels()
     h2, l2 = ax2.get_legend_handles_labels()
     ax.legend(h1 + h2, l1 + l2, fontsize=8, loc="upper left")
-    save_figure(fig, path)
-    return path
+    return save_figure(fig, path)
 
 
 def main() -> None:
@@ -344,7 +332,6 @@ def main() -> None:
         # 160 slots: past 128, where a slot's number takes one more byte in its pre-encoded header
         args.duration, args.steps, args.start_rate, args.sims, args.slots = 0.5, 2, 200.0, 1, 160
     out = Path(args.out)
-    out.mkdir(parents=True, exist_ok=True)
 
     t_start = time.monotonic()
     run_dir, keys = bench_run_dir("capacity", args.curve)
@@ -420,8 +407,6 @@ def main() -> None:
             "saturated_by": "broker" if max(r["broker_cpu_pct"] for r in ramp) >= SATURATED_CPU else "machine",
             "curve": bool(keys), "transport": "ipc", "sims": args.sims, "slots": args.slots,
             "max_batch": args.max_batch, "max_wait_ms": args.max_wait_ms, "duration_s": args.duration,
-            # Requests refused or failed: an overloaded step leaves slots outstanding, which the next
-            # step reuses, so the broker may refuse them over broker.max_peer_requests ("over_limit").
             "errors": sum(r["errors"] for r in [*ramp, at80]),
             "error_codes": merged_counts(r["error_codes"] for r in [*ramp, at80]),
             "broker_batch_size": status.get("batch_size"),
@@ -437,13 +422,6 @@ def main() -> None:
         emit_to(out, "broker_capacity.json", result)
     finally:
         for child in children:
-            if child.stdin is not None:  # a simulator: end of stdin, it leaves and frees its memory
-                child.stdin.close()
-                child.stdin = None
-                try:
-                    child.wait(5)
-                except Exception:  # noqa: BLE001 - stop_child ends it
-                    pass
             stop_child(child)
         if job is not None:
             job.stop()

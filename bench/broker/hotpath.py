@@ -70,10 +70,6 @@ class HotPath:
         for _ in range(backlog):  # queued beyond every batch, as at saturation (untimed)
             self.state.handle(SIM, P.decode(self.next_obs()), now)
 
-    def result_frames(self, batch: P.Message) -> list[Any]:
-        """The echo generator's answer (not timed: the generator's own cost)."""
-        return echo_result(batch, self.zeros)
-
     def next_obs(self) -> list[Any]:
         """The next slot's OBS, encoded as a simulator worker sends it: the slot's first carries its
         block's descriptors, the later ones name the block. Each is new (a higher ``req_id``: the
@@ -99,7 +95,7 @@ class HotPath:
             batches = [o.encode() for o in outs if o.type == P.BATCH]
             ns["tick_and_encode_batch"] += clock() - t0
             for frames in batches:
-                result = self.result_frames(P.decode(frames))
+                result = echo_result(P.decode(frames), self.zeros)  # the generator's own cost: untimed
                 t0 = clock()
                 msg = P.decode(result)
                 t1 = clock()

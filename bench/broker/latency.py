@@ -40,38 +40,13 @@ from rlvla3.harness.bench import (
     start_child, stop_child, summary, wait_readable,
 )
 from rlvla3.harness.echo import ECHO
-from rlvla3.harness.jobs import Job, start_job
-from rlvla3.harness.peer import Peer
-from rlvla3.lifetime import follow_launcher
+from rlvla3.harness.jobs import Job, generator_serving, start_job
+from rlvla3.harness.peer import Peer, zmq_socket
 from rlvla3.observation import IMAGES, STATE, Observation
 from rlvla3.shm import ShmPool, host_id
 
 IMAGE = 16
 STATE_DIM = 4
-
-
-def echo_server() -> None:
-    follow_launcher()  # SIGTERM (default action: exit) when the benchmark dies
-    ctx = zmq.Context()
-    sock = ctx.socket(zmq.ROUTER)
-    sock.setsockopt(zmq.LINGER, 0)
-    sock.setsockopt(zmq.SNDHWM, P.SOCKET_HWM)
-    sock.setsockopt(zmq.RCVHWM, P.SOCKET_HWM)
-    sock.bind("tcp://127.0.0.1:0")
-    print(sock.getsockopt(zmq.LAST_ENDPOINT).decode(), flush=True)
-    poller = zmq.Poller()
-    poller.register(sock, zmq.POLLIN)
-    while True:
-        if not poller.poll(200):
-            continue
-        for _ in range(256):
-            try:
-                frames = sock.recv_multipart(zmq.DONTWAIT, copy=False)
-            except zmq.Again:
-                break
-            sock.send_multipart(frames, zmq.DONTWAIT, copy=False)
-    sock.close()
-    ctx.term()
 
 
 class Client:
@@ -116,9 +91,9 @@ class PhaseResult:
         self.latency = new_hist()  # due -> reply
         self.service = new_hist()  # sent -> reply
         self.send_lag = new_hist()  # due -> sent
-        self.queue = new_hist()  # ACT.queue_us
+        self.queue_wait = new_hist()  # ACT.queue_us
         self.forward = new_hist()  # ACT.forward_us
-        self.rest = new_hist()  # sent -> reply, minus queue and forward
+        self.hops_and_python = new_hist()  # sent -> reply, minus queue_wait and forward
         self.sent = 0
         self.done = 0
         self.errors = 0
@@ -190,9 +165,9 @@ def open_loop(sock: zmq.Socket, client: Client, rate: float, duration_s: float, 
                     if msg.get("error"):
                         res.errors += 1
                     q, f = int(msg.get("queue_us", 0)), int(msg.get("forward_us", 0))
-                    res.queue.record_value(max(1, q))
+                    res.queue_wait.record_value(max(1, q))
                     res.forward.record_value(max(1, f))
-                    res.rest.record_value(max(1, (t - sent) // 1000 - q - f))
+                    res.hops_and_python.record_value(max(1, (t - sent) // 1000 - q - f))
                 free.append(slot)
                 res.done += 1
         now = time.perf_counter_ns()
@@ -202,32 +177,18 @@ def open_loop(sock: zmq.Socket, client: Client, rate: float, duration_s: float, 
     return req_id
 
 
-def start_fabric(args: argparse.Namespace, run_dir: Path, keys: str | None) -> tuple[Job, Any]:
-    """The broker, and its generator: the echo peer (``rlvla3/harness/echo.py``: the broker's own cost)
-    or a real generator worker with a small policy (``--generator policy``)."""
+def start_broker(args: argparse.Namespace, run_dir: Path, keys: str | None) -> Job:
+    """The broker, configured for one generator: the echo peer or, with ``--generator policy``,
+    a real generator worker with a small policy (state only: the image still travels)."""
     overrides = [
         "env.name=synthetic", f"env.options.image_size={IMAGE}", "env.num_envs=1", "env.slots=1",
-        "model.family=mlp", f"model.options.hidden={args.hidden}", "model.chunk_size=1",
-        f"model.options.use_images={'true' if args.policy_images else 'false'}",
+        "model.family=mlp", "model.options.hidden=64", "model.chunk_size=1", "model.options.use_images=false",
         f"batching.max_batch={args.max_batch}", f"batching.max_wait_ms={args.max_wait_ms}",
         f"batching.credits={args.credits}", "workers.simulators=0", "workers.generators=1",
         "workers.trainers=0", "run.mode=async", "workers.device=cpu", "workers.torch_threads=1",
         *([f"broker.keys_dir={keys}"] if keys else []),
     ]
-    job = start_job(load("synthetic.yaml", overrides), run_dir, workers=False)
-    if args.generator == "policy":
-        return job, job.start_worker("generator", "generator0")
-    try:
-        gen, _ = start_child([*ECHO, "generator", job.endpoint, "--credits", str(args.credits),
-                              *(["--keys", keys] if keys else [])])
-    except BaseException:
-        job.stop()
-        raise
-    return job, gen
-
-
-def generator_serving(fig: dict[str, Any]) -> bool:
-    return any(w["role"] == "generator" and (w.get("credits") or 0) > 0 for w in fig.get("per_worker", []))
+    return start_job(load("synthetic.yaml", overrides), run_dir, workers=False)
 
 
 def main() -> None:
@@ -246,13 +207,9 @@ def main() -> None:
     ap.add_argument("--max-batch", type=int, default=1)
     ap.add_argument("--max-wait-ms", type=float, default=0.0)
     ap.add_argument("--credits", type=int, default=2)
-    ap.add_argument("--hidden", type=int, default=64)
-    ap.add_argument("--policy-images", action="store_true",
-                    help="with --generator policy, let the policy encode the image (default: state only; the "
-                         "image still travels and the forward pass is reported as its own part)")
     ap.add_argument("--spin-us", type=float, default=200.0,
                     help="spin (instead of sleeping) this long before each due time: timer wake-ups on a VM are late")
-    args = parse_bench_args(ap, "short run (under 60 s with start-up)", lambda _: echo_server())
+    args = parse_bench_args(ap, "short run (under 60 s with start-up)")
     if args is None:
         return
     if args.quick:  # many short rounds: on a shared machine the noise then falls on all three alike
@@ -260,7 +217,6 @@ def main() -> None:
     if args.smoke:
         args.rate, args.duration, args.rounds = min(args.rate, 100.0), 0.5, 1
     out = Path(args.out)
-    out.mkdir(parents=True, exist_ok=True)
 
     t_start = time.monotonic()
     run_dir, keys = bench_run_dir("latency", args.curve)
@@ -272,10 +228,13 @@ def main() -> None:
     ok = False
     try:
         # -- start-up: broker + generator, echo server, relay + its echo; join as a simulator --
-        job, gen = start_fabric(args, run_dir, keys)
-        if gen is not None and args.generator == "echo":
-            children.append(gen)
-        echo, echo_ep = start_child([__file__, "--child"])
+        job = start_broker(args, run_dir, keys)
+        if args.generator == "policy":
+            job.start_worker("generator", "generator0")
+        else:  # the broker's own cost: a peer that answers zeros without a forward pass
+            children.append(start_child([*ECHO, "generator", job.endpoint, "--credits", str(args.credits),
+                                         *(["--keys", keys] if keys else [])])[0])
+        echo, echo_ep = start_child([*ECHO, "echo"])
         children.append(echo)
         relay, relay_ep = start_child([*ECHO, "relay"])
         children.append(relay)
@@ -283,9 +242,8 @@ def main() -> None:
         sim = Peer(ctx, job.endpoint, "simulator", "bench-latency", keys, slots=args.slots, num_envs=args.slots * args.n)
         welcome, bsock = sim.expect(P.READY, 20.0).header, sim.sock
         socks.append(bsock)
-        esock, rsock = ctx.socket(zmq.DEALER), ctx.socket(zmq.DEALER)
+        esock, rsock = zmq_socket(ctx, zmq.DEALER), zmq_socket(ctx, zmq.DEALER)
         for sk, ep in ((esock, echo_ep), (rsock, relay_ep)):
-            sk.setsockopt(zmq.LINGER, 0)
             sk.connect(ep)
             socks.append(sk)
         transport = args.transport
@@ -334,28 +292,16 @@ def main() -> None:
         lat, raw_lat, relay_lat = mg("broker", "latency"), mg("raw", "latency"), mg("relay", "latency")
         s, rs, ls = summary(lat), summary(raw_lat), summary(relay_lat)
         parts = {
-            "send_lag_us": summary(mg("broker", "send_lag")),
-            "service_us": summary(mg("broker", "service")),
-            "queue_wait_us": summary(mg("broker", "queue")),
-            "forward_us": summary(mg("broker", "forward")),
-            "hops_and_python_us": summary(mg("broker", "rest")),
-            "broker_queue_wait_us": status.get("queue_wait_us"),
-            "broker_generate_us": status.get("generate_us"),
-            "broker_batch_form_us": status.get("batch_form_us"),
-            "broker_batch_size": status.get("batch_size"),
-            "raw_send_lag_us": summary(mg("raw", "send_lag")),
-            "raw_service_us": summary(mg("raw", "service")),
-            "relay_send_lag_us": summary(mg("relay", "send_lag")),
-            "relay_service_us": summary(mg("relay", "service")),
+            **{f"{part}_us": summary(mg("broker", part))
+               for part in ("send_lag", "service", "queue_wait", "forward", "hops_and_python")},
+            **{f"broker_{key}": status.get(key) for key in ("queue_wait_us", "generate_us", "batch_form_us", "batch_size")},
+            **{f"{floor}_{part}_us": summary(mg(floor, part)) for floor in ("raw", "relay") for part in ("send_lag", "service")},
         }
         done = sum(x.done for x in rounds["broker"])
         result = {
-            "p50_us": s.get("p50"), "p90_us": s.get("p90"), "p99_us": s.get("p99"), "p999_us": s.get("p999"),
+            **{f"{prefix}{p}_us": summ.get(p) for prefix, summ in (("", s), ("raw_", rs), ("relay_", ls))
+               for p in ("p50", "p90", "p99", "p999")},
             "max_us": s.get("max"),
-            "raw_p50_us": rs.get("p50"), "raw_p90_us": rs.get("p90"), "raw_p99_us": rs.get("p99"),
-            "raw_p999_us": rs.get("p999"),
-            "relay_p50_us": ls.get("p50"), "relay_p90_us": ls.get("p90"), "relay_p99_us": ls.get("p99"),
-            "relay_p999_us": ls.get("p999"),
             "ratio_p50": ratio(s, rs, "p50"), "ratio_p99": ratio(s, rs, "p99"),
             "p50_over_relay": ratio(s, ls, "p50"), "p99_over_relay": ratio(s, ls, "p99"),
             "p50_over_relay_by_round": [round(b.latency.get_value_at_percentile(50) / max(1, r.latency.get_value_at_percentile(50)), 2)

@@ -38,7 +38,7 @@ from rlvla3.app.launch import request_status
 from rlvla3.config import load
 from rlvla3.harness.bench import bench_run_dir, emit_to, keep_logs_unless, note, parse_bench_args
 from rlvla3.harness.jobs import SMALL_JOB, start_job
-from rlvla3.harness.peer import Peer
+from rlvla3.harness.peer import Peer, zmq_socket
 
 
 class FakeSimulators(threading.Thread):
@@ -68,8 +68,7 @@ class Flooder(threading.Thread):
 
     def __init__(self, ctx: zmq.Context, endpoint: str, window: int, t0: float, until: float) -> None:
         super().__init__(daemon=True, name="flood")
-        self.sock = ctx.socket(zmq.DEALER)
-        self.sock.setsockopt(zmq.LINGER, 0)
+        self.sock = zmq_socket(ctx, zmq.DEALER)
         self.sock.connect(endpoint)
         self.window, self.t0, self.until = window, t0, until
         self.answered = 0

@@ -23,12 +23,10 @@ import time
 from pathlib import Path
 from typing import Any
 
-
 from rlvla3.config import load
 from rlvla3.harness.bench import emit_to, parse_bench_args
 from rlvla3.harness.jobs import per_worker
 from rlvla3.harness.netns import NetnsJob, unavailable
-from rlvla3.status_client import rate_over
 
 NOTE = ("all namespace hosts share one machine's CPU cores: the rates measure the fabric's cross-host overhead "
         "(inline frames over TCP with CURVE instead of shared memory), not scaling with hosts")
@@ -45,7 +43,7 @@ def measure(job: NetnsJob, warm_s: float, window_s: float, sims: list[str]) -> d
     job.wait(lambda f: all((per_worker(f, s).get("env_steps") or 0) > 0 for s in sims) and f["trainer_version"] > v0,
              300, f"{sims} to step and the trainer to update")
     time.sleep(warm_s)  # warm-up: let the new host's pipeline fill before the window opens
-    window = rate_over(job.status, window_s)
+    window = job.rate(window_s)
     b = window["last"]
     return {
         "env_steps_per_s": round(window["rate"], 1),
@@ -61,12 +59,10 @@ def main() -> None:
     ap.add_argument("--max-hosts", type=int, default=3, help="simulator hosts to add, one by one")
     args = parse_bench_args(ap, "shorter windows (about a minute and a half)", smoke_help="tiny windows, no timing value")
     warm_s, window_s = (0.2, 0.5) if args.smoke else (3.0, 10.0) if args.quick else (10.0, 30.0)
-    out = Path(args.out)
-    out.mkdir(parents=True, exist_ok=True)
     reason = unavailable()
     if reason is not None:
         result = {"skipped": reason, "note": NOTE}
-        emit_to(out, "multihost.json", result)
+        emit_to(args.out, "multihost.json", result)
         return
 
     folder = Path(tempfile.mkdtemp(prefix="rlvla3-multihost-"))
@@ -105,7 +101,7 @@ def main() -> None:
         "mode": "smoke" if args.smoke else "quick" if args.quick else "full",
         "note": NOTE,
     }
-    emit_to(out, "multihost.json", result)
+    emit_to(args.out, "multihost.json", result)
 
 
 if __name__ == "__main__":

@@ -89,12 +89,6 @@ def receiver(device_opt: str) -> None:
         ctx.term()
 
 
-def wait_ack(sock: zmq.Socket, timeout_s: float = 30.0) -> dict[str, Any]:
-    if not sock.poll(int(timeout_s * 1000)):
-        raise TimeoutError(f"no ack within {timeout_s} s")
-    return msgpack.unpackb(sock.recv())
-
-
 def batch_fields(blocks: list[Observation], rep: int) -> dict[str, Any]:
     reqs = [{"req_id": rep, "slot": i, "n": len(b), "instruction": b.instruction, "episode_step": [0] * len(b)}
             for i, b in enumerate(blocks)]
@@ -102,7 +96,6 @@ def batch_fields(blocks: list[Observation], rep: int) -> dict[str, Any]:
 
 
 def bar_chart(res: dict[str, Any], path: Path) -> Path:
-
     fig, (ax, ax2) = subplots(1, 2, figsize=(10, 4))
     vals = [res[f"{m}_mb_s"] for m in MODES]
     bars = ax.bar(MODES, vals, color=["tab:green", "tab:olive", "tab:blue"])
@@ -122,8 +115,7 @@ def bar_chart(res: dict[str, Any], path: Path) -> Path:
     ax2.set_ylabel("median us per batch")
     ax2.set_title("where the time goes (median rep)", fontsize=9)
     ax2.legend(fontsize=8)
-    save_figure(fig, path)
-    return path
+    return save_figure(fig, path)
 
 
 def main() -> None:
@@ -188,7 +180,9 @@ def main() -> None:
             frames = P.encode(P.BATCH, batch_fields(blocks, rep), tensors)
             t2 = time.perf_counter_ns()
             sock.send_multipart(frames, copy=False)
-            ack = wait_ack(sock)
+            if not sock.poll(30_000):
+                raise TimeoutError("no ack from the generator within 30 s")
+            ack = msgpack.unpackb(sock.recv())
             t3 = time.perf_counter_ns()
             c3 = time.process_time_ns()
             device = ack["device"]
@@ -214,9 +208,7 @@ def main() -> None:
         sock.close(0)
         ctx.term()
         stop_child(proc)
-        for b in blocks:
-            del b
-        blocks.clear()
+        blocks.clear()  # their arrays are views of the pool's memory
         pool.close()
 
     def mb_s(ns: list[int]) -> float:
@@ -241,7 +233,6 @@ def main() -> None:
         "wall_s": round(time.monotonic() - t_start, 1),
     })
     res["png"] = str(bar_chart(res, out / "transfer.png"))
-    out.mkdir(parents=True, exist_ok=True)
     (out / "transfer.json").write_text(json.dumps(res, indent=1))
     res.pop("per_rep_mb_s")
     note(f"shm {res['shm_mb_s']} MB/s, shm_copy {res['shm_copy_mb_s']} MB/s, inline {res['inline_mb_s']} MB/s, "

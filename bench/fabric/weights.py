@@ -22,10 +22,6 @@ forward passes of a reader after its first swap (``max_swap_ms`` the swap itself
 ``--sizes 3gb``: a 3.0 GB bf16 version (about 16 GB of RAM with 1 reader). ``--copy-threads``:
 ``weights.copy_threads`` on both sides.
 
-``--delta none|bf16``: readers act as generators on another host (they read rank 0's stream) and
-the publisher runs with ``weights.delta``; ``bytes_mb`` is what one version moves over it.
-``--dtype float32``: fp32 parameters (a bf16 delta then moves half their bytes).
-
 Last line of stdout: one JSON object, the largest size's and most readers' run plus ``runs``
 (every size x readers). The machine may be shared and noisy.
 """
@@ -35,6 +31,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import select
 import shutil
 import statistics
 import sys
@@ -131,10 +128,9 @@ def reader(args: argparse.Namespace) -> None:
     rx = WeightReceiver(model, args.host or host_id(), copy_threads=args.copy_threads)
     ppid = os.getppid()
     ctx = zmq.Context()
-    sub, ctl, report = ctx.socket(zmq.SUB), ctx.socket(zmq.SUB), ctx.socket(zmq.PUSH)
-    for s, ep in ((sub, args.pub), (ctl, args.ctl)):
-        s.setsockopt(zmq.SUBSCRIBE, b"")
-        s.connect(ep)
+    sub, report = ctx.socket(zmq.SUB), ctx.socket(zmq.PUSH)
+    sub.setsockopt(zmq.SUBSCRIBE, b"")
+    sub.connect(args.pub)
     report.setsockopt(zmq.LINGER, 5000)
     report.connect(args.report)
     print(args.name, flush=True)  # start_child waits for one line
@@ -173,8 +169,8 @@ def reader(args: argparse.Namespace) -> None:
         if not swapped_once and time.monotonic() - ready_sent > 0.2:
             tell("ready")
             ready_sent = time.monotonic()
-        if ctl.poll(0, zmq.POLLIN) or os.getppid() != ppid:
-            break
+        if select.select([sys.stdin], [], [], 0)[0] or os.getppid() != ppid:
+            break  # the end of stdin: the bench is done with this reader
         while sub.poll(0, zmq.POLLIN):
             frames = sub.recv_multipart(copy=False)
             if rx.offer(P.decode(frames[1:]).header):
@@ -207,7 +203,7 @@ def reader(args: argparse.Namespace) -> None:
          gap_p99_ms=float(np.percentile(gaps, 99)) if gaps else None,
          max_swap_ms=max(swaps, default=None), rejected=rx.rejected, rss_mb=rss_mb(os.getpid()))
     rx.close()
-    for s in (sub, ctl, report):
+    for s in (sub, report):
         s.close()
     ctx.term()
 
@@ -248,8 +244,6 @@ class Bench:
         self.broker_rss_start = rss_mb(self.job.broker_proc.pid)
         self.pull = self.ctx.socket(zmq.PULL)
         self.pull.bind("tcp://127.0.0.1:*")
-        self.ctl = self.ctx.socket(zmq.PUB)
-        self.ctl.bind("tcp://127.0.0.1:*")
         self.events: list[dict[str, Any]] = []
         self.broker_rss: list[float] = []
         self.next_version = 0  # one broker for every run: versions keep increasing
@@ -300,9 +294,9 @@ class Bench:
         rid = "wb" + os.urandom(4).hex()
         names = [f"{size}-{n_readers}-{i}" for i in range(n_readers)]
         procs = [start_child([__file__, "--child", "reader", "--size", size, "--name", n, "--pub", self.pub_ep,
-                              "--ctl", self.ctl.getsockopt_string(zmq.LAST_ENDPOINT), "--copy-threads", str(self.copy_threads),
-                              "--report", self.pull.getsockopt_string(zmq.LAST_ENDPOINT), "--dtype", self.dtype,
-                              *(["--host", "another-host"] if self.delta else [])], timeout_s=120)[0]
+                              "--copy-threads", str(self.copy_threads), "--dtype", self.dtype,
+                              "--report", self.pull.getsockopt_string(zmq.LAST_ENDPOINT),
+                              *(["--host", "another-host"] if self.delta else [])], timeout_s=120, talk=True)[0]
                  for n in names]
         pub = WeightPublisher(model, rid, stream_bind="tcp://127.0.0.1:0" if self.delta else "", copy_threads=self.copy_threads,
                               delta=self.delta or "none")
@@ -338,14 +332,12 @@ class Bench:
                     hash_ms.append(hs)
                 announce_ms.append((max(e["offer_ns"] for e in swapped(v)) - t1) / 1e6)
             self.next_version = first + versions + 1
-            self.ctl.send(b"stop")
+            for p in procs:
+                p.stdin.close()
             self.drain(lambda: len([e for e in self.events if e["event"] == "stats"]) >= n_readers, 60, "reader stats")
         finally:
             for p in procs:
-                try:
-                    p.wait(30)
-                except Exception:
-                    stop_child(p)
+                stop_child(p, 30.0)
             pub.close()
         stats = [e for e in self.events if e["event"] == "stats"]
         steady = per_version[1:] or per_version
@@ -382,7 +374,7 @@ class Bench:
     def close(self) -> None:
         self.broker.send_multipart(P.encode(P.DISCONNECT, {}))
         self.job.stop()
-        for s in (self.broker, self.pull, self.ctl):
+        for s in (self.broker, self.pull):
             s.close(linger=0)
         self.ctx.term()
         shutil.rmtree(self.tmp, ignore_errors=True)
@@ -394,7 +386,6 @@ def main() -> None:
     ap.add_argument("--size", default="tiny")
     ap.add_argument("--name", default="")
     ap.add_argument("--pub", default="")
-    ap.add_argument("--ctl", default="")
     ap.add_argument("--report", default="")
     ap.add_argument("--sizes", default="tiny,medium")
     ap.add_argument("--readers", default="1,2")

@@ -249,9 +249,8 @@ def main() -> None:
         soak.job.close()
     result = report(soak, [*ledgers, last or {}], faults, timeline, cfg.algo.batch_steps, cfg.env.fragment_len,
                     warm_s, slope_every, minutes, args.smoke)
-    out.mkdir(parents=True, exist_ok=True)
+    plot_rss(soak, out / "soak_rss.png")  # the folder made
     (out / "soak.json").write_text(json.dumps({**result, "timeline": timeline}, indent=1))
-    plot_rss(soak, out / "soak_rss.png")
     print(json.dumps(result))
 
 
@@ -300,14 +299,11 @@ def report(soak: Soak, brokers: list[dict[str, Any]], faults: list[dict[str, Any
 
 
 def plot_rss(soak: Soak, path: Path) -> None:
-
     fig, ax = subplots(figsize=(9, 4.5))
     for p in soak.procs:
         if p.rss:
             ax.plot([t - soak.t0 for t, _ in p.rss], [r for _, r in p.rss], label=p.name, lw=1)
-    ax.set_xlabel("seconds")
-    ax.set_ylabel("RSS (MiB)")
-    ax.set_title("RSS of every process (a new line per restart)")
+    ax.set(xlabel="seconds", ylabel="RSS (MiB)", title="RSS of every process (a new line per restart)")
     ax.legend(fontsize=6, ncol=4)
     save_figure(fig, path, 100)
 

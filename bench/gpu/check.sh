@@ -1,24 +1,15 @@
 #!/usr/bin/env bash
-# The prepared GPU check: one H200, no network, under 5 minutes. bench/gpu/README.md
-# says what it measures and how to run it.
+# The prepared GPU check: one H200, no network, under 5 minutes. bench/gpu/README.md says what
+# each stage measures, its timeouts (GPU_CHECK_T_*, GPU_CHECK_TOTAL_S) and how to run it.
 #
 #   bash bench/gpu/check.sh --prepare [--carry gpu_carry]   # here, with a network: fill the carry folder
 #   bash bench/gpu/check.sh [--carry gpu_carry] [--out DIR]  # on the GPU machine
 #   bash bench/gpu/check.sh --dry-run [--out DIR]            # every stage on CPU with tiny models
 #   ... --stages update,job_async                            # only these (a rerun; the rest: "not selected")
 #
-# Stages, in order, each under its own timeout, each writing OUT/<stage>.json the moment it ends
-# (a stage that runs out of time loses only itself, and keeps the figures it printed so far):
-#   install    bench/gpu/install.py: the carried wheels (and GL loaders) the image lacks
-#   models     bench/gpu/models.py: act() throughput and peak memory, batch 1/8/32/64, 4 families
-#   update     bench/gpu/update.py: one PPO and one GRPO update, π0 (full) and OpenVLA-OFT (LoRA)
-#   job_sync   bench/gpu/job.py --mode sync: Meta-World 224² x π0 3B, colocated on one GPU
-#   job_async  bench/gpu/job.py --mode async: the same job, generation and training overlapped
-# The last line of stdout is one JSON object summarising every stage (also OUT/summary.json).
-# Without CUDA (and no --dry-run) the GPU stages are skipped, said so, and the script exits 0.
-# Timeouts (seconds, GPU run): GPU_CHECK_T_INSTALL=45, GPU_CHECK_T_MODELS=60, GPU_CHECK_T_UPDATE=75;
-# the two job stages share what those leave of GPU_CHECK_TOTAL_S=285, at most 90 s each (the
-# dry run's defaults are longer, for a loaded CPU: 120, 180, 240 and 180 per job).
+# Stages, in order, each under its own timeout, each writing OUT/<stage>.json the moment it ends:
+# install, models, update, job_sync, job_async. The last line of stdout is one JSON object
+# summarising every stage (also OUT/summary.json).
 set -uo pipefail
 
 HERE="$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)"
@@ -36,7 +27,7 @@ while [[ $# -gt 0 ]]; do
     --out) OUT="$2"; shift ;;
     --carry) CARRY="$2"; shift ;;
     --stages) SELECTED="$2"; shift ;;
-    -h|--help) sed -n '2,23p' "$0"; exit 0 ;;
+    -h|--help) sed -n '2,12p' "$0"; exit 0 ;;
     *) echo "gpu_check: unknown argument $1 (see --help)" >&2; exit 2 ;;
   esac
   shift

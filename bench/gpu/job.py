@@ -1,48 +1,39 @@
 """A real job on one GPU: Meta-World with one 224x224 camera x π0 at release size (3.3B, bf16),
-generator and trainer colocated on device 0, for a fixed time in one mode.
+generator and trainer colocated on device 0, for a fixed time in one mode: the ``job_sync`` and
+``job_async`` stages of ``bench/gpu/check.sh`` (bench/gpu/README.md).
 
     python bench/gpu/job.py --mode sync|async [--seconds 75] [--offload auto|always|never]
     python bench/gpu/job.py --mode async --tiny --device cpu --until-version 1   # the same code on CPU
 
-The job is what ``rlvla3 run`` starts (``rlvla3.app.launch.LocalJob``: broker, 2 simulators, 1
-generator, 1 trainer, each its own process, JSON logs), with ``placement.mode: colocated`` and
-``--gpus generator=0 trainer=0``. The bench polls STATUS and stops the job ``--seconds`` after
-it started. Reported:
-
-- ``startup_s``: start to the first env step (π0 built twice, version 0 through the weight store);
-- ``env_steps_per_s``: env steps between the first one and the end, over that time
-  (``env_steps_per_s_after_v1`` from the first trained version on);
-- ``publish_to_swap_ms``: per version >= 1, from the start of the trainer's ``publish()`` (its
-  ``weights_written`` log line less its ``ms``) to the generator's ``weights_swapped`` line (both
-  logs on one host clock); ``first_version_ms`` is version 0's;
-- ``staleness``: the broker's histogram of trained samples' staleness (trainer version minus
-  behaviour version): p50, p90, max, mean, count; ``update_s``: each update's time (trainer log);
-- ``offloading``: what ``placement.offload`` decided, ``gpu_mem_used_mib`` (nvidia-smi at the end).
-
-The trainer is stopped with SIGKILL: at release size its shutdown checkpoint (weights plus
-MasterAdam's fp32 state, ~50 GB) would outlast the check. Prints one JSON object last.
-``--tiny`` runs tiny π0 at 64x64 (and the synthetic env where Meta-World is not installed).
+The job is what ``rlvla3 run`` starts (``LocalJob``, JSON logs); the bench polls STATUS and stops
+it ``--seconds`` after it started. ``startup_s``: start to the first env step; ``env_steps_per_s``
+from then to the end (``_after_v1``: from the first trained version); ``publish_to_swap_ms`` per
+version >= 1 from the trainer's ``weights_written`` line (less its ``ms``) to the generator's
+``weights_swapped`` line, one host clock (``first_version_ms``: version 0); ``staleness``: the
+broker's histogram (p50, p90, max, mean, count). The trainer is stopped with SIGKILL: at release
+size its shutdown checkpoint (~50 GB) would outlast the check. ``--tiny``: tiny π0 at 64x64 (the
+synthetic env where Meta-World is not installed).
 """
 
 from __future__ import annotations
 
 import argparse
 import importlib.util
-import json
 import re
 import shutil
 import signal
 import subprocess
-import sys
 import tempfile
 import time
 from datetime import datetime
 from pathlib import Path
 from typing import Any
 
+from bench.gpu.models import device_or_exit
 from rlvla3.app.launch import LocalJob, stop_processes
 from rlvla3.config import from_dict, read_yaml
-from rlvla3.harness.bench import emit, note
+from rlvla3.harness.bench import emit
+from rlvla3.harness.jobs import json_lines
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -77,19 +68,7 @@ def job_dict(args: argparse.Namespace) -> dict[str, Any]:
 
 def log_events(path: Path, *events: str) -> list[dict[str, Any]]:
     """The JSON log lines of ``path`` whose event is one of ``events``."""
-    out = []
-    if not path.is_file():
-        return out
-    for line in path.read_text(errors="replace").splitlines():
-        if not line.startswith("{"):
-            continue
-        try:
-            row = json.loads(line)
-        except json.JSONDecodeError:
-            continue
-        if row.get("event") in events:
-            out.append(row)
-    return out
+    return [row for row in json_lines(path) if row.get("event") in events]
 
 
 def ts(row: dict[str, Any]) -> float:
@@ -233,23 +212,10 @@ def main() -> None:
     ap.add_argument("--tiny", action="store_true", help="tiny π0 at 64x64 (a smoke test of this script)")
     ap.add_argument("--until-version", type=int, default=None,
                     help="stop early once this version is trained and swapped in (the smoke run)")
-    ap.add_argument("--keep", default="", help="keep the run folder here (default: a temporary one, removed)")
     args = ap.parse_args()
-    if args.device.startswith("cuda"):
-        import torch
-
-        if not torch.cuda.is_available():
-            note("gpu_job: CUDA is not available on this machine; run it where a GPU is (or --device cpu --tiny).")
-            emit({"error": "CUDA not available"})
-            sys.exit(2)
-    if args.keep:
-        run_dir = Path(args.keep)
-        run_dir.mkdir(parents=True, exist_ok=True)
-        result = run(args, run_dir)
-    else:
-        with tempfile.TemporaryDirectory(prefix="rlvla3-gpu-job-") as tmp:
-            result = run(args, Path(tmp))
-    emit(result)
+    device_or_exit(args.device, "gpu_job")
+    with tempfile.TemporaryDirectory(prefix="rlvla3-gpu-job-") as tmp:
+        emit(run(args, Path(tmp)))
 
 
 if __name__ == "__main__":

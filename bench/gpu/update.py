@@ -1,20 +1,15 @@
 """One PPO and one GRPO update of each family at release size on one CUDA GPU: time and peak
-memory, through the trainer's own path.
+memory, through the trainer's own path (the ``update`` stage of ``bench/gpu/check.sh``;
+bench/gpu/README.md names each piece it runs).
 
     python bench/gpu/update.py --updates 1     # --families pi0,openvla_oft --algos ppo,grpo; --device cpu --tiny
 
-Nothing here re-implements the update: ``workers.model.build_policy`` builds the policy as the
-trainer does (device, dtype, LoRA, gradient checkpointing: OpenVLA-OFT recomputes its towers, π0
-its vision tower), ``TrainState.build`` the optimizer (bf16 parameters get ``MasterAdam``'s fp32
-state). The policy's own ``act()`` makes ``batch_steps`` decisions, ``EnvTrajectory`` stacks them
-into fragments (GRPO: groups of ``--group-size`` episodes sharing a start), the ``Learner`` turns
-them into units and ``build_batch`` + ``update`` run the update. π0 at 3B trains in full,
-OpenVLA-OFT at 7.5B with LoRA (full Adam does not fit one H200); two 224x224 cameras.
-
-Per (family, algo): ``update_s`` of each update (the first also allocates the optimizer state),
-``peak_mem_gib``, ``state_mem_gib`` (weights + optimizer state after it), ``samples``. The
-figures so far are printed after each case; the last line is the complete result. Without CUDA
-(and no ``--device cpu``) it says so and exits 2.
+The policy's own ``act()`` makes ``batch_steps`` decisions, ``EnvTrajectory`` stacks them into
+fragments (GRPO: groups of ``--group-size`` episodes sharing a start), the ``Learner`` turns them
+into units, ``build_batch`` + ``update`` run the update. Per (family, algo): ``update_s`` of each
+update (the first also allocates the optimizer state), ``peak_mem_gib``, ``state_mem_gib``
+(weights + optimizer state after it), ``samples``. The figures so far are printed after each
+case; the last line is the complete result. Without CUDA (and no ``--device cpu``) it exits 2.
 """
 
 from __future__ import annotations
@@ -30,8 +25,9 @@ from typing import Any
 import numpy as np
 import torch
 
-from bench.gpu.models import device_or_exit
+from bench.gpu.models import device_or_exit, sync
 from rlvla3.config import from_dict, read_yaml
+from rlvla3.harness.bench import random_observation
 from rlvla3.observation import Observation
 from workers.algorithms.memory import enable_gradient_checkpointing
 from workers.algorithms.update import TrainState, update
@@ -67,10 +63,7 @@ def job_config(family: str, algo: str, args: argparse.Namespace) -> Any:
 
 def behaviour(policy: torch.nn.Module, spec: EnvSpec, n: int, seed: int) -> tuple[Observation, dict[str, np.ndarray]]:
     """``n + 1`` observations and the policy's act() outputs for them (as a generator sends)."""
-    rng = np.random.default_rng(seed)
-    obs = Observation({c: rng.integers(0, 256, (n + 1, h, w, 3), dtype=np.uint8) for c, (h, w) in spec.cameras.items()},
-                      rng.uniform(-1, 1, (n + 1, spec.state_dim)).astype(np.float32),
-                      ["pick up the puck and place it at the goal"] * (n + 1))
+    obs = random_observation(spec, n + 1, np.random.default_rng(seed), "pick up the puck and place it at the goal")
     outs: dict[str, list[np.ndarray]] = {}
     policy.eval()  # as a generator serves it; the trainer's update runs in train mode
     with torch.inference_mode():
@@ -105,11 +98,6 @@ def fragments(obs: Observation, acts: dict[str, np.ndarray], algo: str, length: 
         header, tensors = traj.fragment(obs.select(slice(hi, hi + 1)), success=bool(rng.integers(2)))
         out.append(Fragment(header, tensors))
     return out
-
-
-def sync(device: torch.device) -> None:
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
 
 
 def gib(n: int) -> float:

@@ -46,9 +46,8 @@ import numpy as np
 os.environ.setdefault("MUJOCO_GL", "egl")
 
 from rlvla3.config import JobConfig, load
-from rlvla3.harness.bench import emit_to, note, parse_bench_args, save_figure, subplots
+from rlvla3.harness.bench import emit_to, note, parse_bench_args, random_observation, save_figure, subplots
 from rlvla3.harness.jobs import start_job
-from rlvla3.observation import Observation
 
 MODES = ("sync", "async_rollout", "async")
 STAGES = ("simulators", "generator", "trainer")
@@ -200,23 +199,15 @@ def sim_stage_alone(cfg: JobConfig, seconds: float) -> float:
     return sum(counts) / (time.monotonic() - t0)
 
 
-def blank_observation(cfg: JobConfig, n: int, rng: np.random.Generator) -> Observation:
-    from workers.model import job_spec
-
-    spec = job_spec(cfg)
-    return Observation({c: rng.integers(0, 255, (n, h, w, 3), dtype=np.uint8) for c, (h, w) in spec.cameras.items()},
-                       rng.random((n, spec.state_dim), dtype=np.float32), ["pick up the object"] * n)
-
-
 def generator_stage_alone(cfg: JobConfig, seconds: float) -> float:
     """Batched forward passes of ``max_batch`` envs, no env: decisions/s."""
     import torch
 
-    from workers.model import build_policy
+    from workers.model import build_policy, job_spec
 
     policy = build_policy(cfg).eval()
     n = cfg.batching.max_batch
-    obs = blank_observation(cfg, n, np.random.default_rng(0))
+    obs = random_observation(job_spec(cfg), n, np.random.default_rng(0))
     done, t0 = 0, time.monotonic()
     with torch.inference_mode():
         while time.monotonic() - t0 < seconds:
@@ -231,17 +222,17 @@ def trainer_stage_alone(cfg: JobConfig, seconds: float) -> tuple[float, float]:
     import torch
 
     from workers.algorithms.update import TrainBatch, TrainState, update
-    from workers.model import build_policy
+    from workers.model import build_policy, job_spec
 
     policy = build_policy(cfg).train()
     state = TrainState.build(policy, cfg.algo)
     n, frag, chunk = cfg.algo.batch_steps, cfg.env.fragment_len, cfg.model.chunk_size
-    rng = np.random.default_rng(0)
+    spec, rng = job_spec(cfg), np.random.default_rng(0)
     lengths = [min(frag, n - i) for i in range(0, n, frag)]
-    act = policy.act(blank_observation(cfg, 1, rng)).actions
-    samples = {"obs": blank_observation(cfg, n, rng), "actions": torch.randn(n, *act.shape[1:]), "replay": {},
+    act = policy.act(random_observation(spec, 1, rng)).actions
+    samples = {"obs": random_observation(spec, n, rng), "actions": torch.randn(n, *act.shape[1:]), "replay": {},
                "behav_logprob": torch.zeros(n, chunk) - 1.0, "values": torch.zeros(n)}
-    bootstrap = {"obs": blank_observation(cfg, len(lengths), rng), "actions": torch.randn(len(lengths), *act.shape[1:]),
+    bootstrap = {"obs": random_observation(spec, len(lengths), rng), "actions": torch.randn(len(lengths), *act.shape[1:]),
                  "replay": {}}
     batch = TrainBatch(samples=samples, keep=np.ones(n, bool), staleness=np.zeros(n, np.int64),
                        rewards=torch.randn(n), terminated=torch.zeros(n, dtype=torch.bool), lengths=lengths,
@@ -255,7 +246,6 @@ def trainer_stage_alone(cfg: JobConfig, seconds: float) -> tuple[float, float]:
 
 
 def plot(result: dict[str, Any], path: Path) -> None:
-
     rows = [("sync", result["sync_sps"], "#999999"), ("async rollout", result["async_rollout_sps"], "#6699cc"),
             ("async", result["async_sps"], "#3366aa")]
     rows += [(f"{s} alone", result["stages_sps"][s], "#cc6633") for s in STAGES]
@@ -311,7 +301,6 @@ def main() -> None:
 
     args = parse_args()
     out = Path(args.out)
-    out.mkdir(parents=True, exist_ok=True)
     import torch
 
     torch.set_num_threads(1)  # as every worker process runs (workers.torch_threads)
@@ -321,10 +310,7 @@ def main() -> None:
 
     # ---- the generator alone fixes the trainer's cost ------------------------------------------
     gen = generator_stage_alone(cfg, args.stage_s)
-    if args.train_cost == "auto":
-        train_cost_s = args.batch_steps / gen
-    else:
-        train_cost_s = float(args.train_cost)
+    train_cost_s = args.batch_steps / gen if args.train_cost == "auto" else float(args.train_cost)
     cfg = job_config(args, train_cost_s=train_cost_s)
     trainer, compute_s = trainer_stage_alone(cfg, args.stage_s)
     sims = sim_stage_alone(cfg, args.stage_s)
@@ -335,24 +321,24 @@ def main() -> None:
     # ---- the three modes -----------------------------------------------------------------------
     modes = run_modes(args, train_cost_s)
 
-    result: dict[str, Any] = {"sim": args.sim, "window_s": args.window}
-    for mode in MODES:
-        result[f"{mode}_sps"] = round(modes[mode]["sps"], 1)
-        result[f"{mode}_detail"] = modes[mode]
-    result["stages_sps"] = {k: round(v, 1) for k, v in stages.items()}
-    result["bottleneck_stage"] = min(stages, key=stages.get)
-    result["bottleneck_sps"] = round(min(stages.values()), 1)
-    result["trainer_sps"] = round(stages["trainer"], 1)
-    result["train_cost_s"] = round(train_cost_s, 4)
-    result["train_cost_kind"] = "sleep" if train_cost_s > compute_s else "compute"
-    result["train_compute_s"] = round(compute_s, 4)
-    result["async_over_sync"] = round(result["async_sps"] / max(result["sync_sps"], 1e-9), 2)
-    result["async_over_async_rollout"] = round(result["async_sps"] / max(result["async_rollout_sps"], 1e-9), 2)
-    result["async_of_bottleneck"] = round(result["async_sps"] / max(result["bottleneck_sps"], 1e-9), 3)
-    result["layout"] = {"sims": args.sims, "envs": args.envs, "slots": args.slots, "max_batch": args.max_batch,
-                        "batch_steps": args.batch_steps, "chunk": chunk, "max_staleness": args.max_staleness,
-                        "forward_ms": args.forward_ms, "cameras": sorted(job_spec(cfg).cameras)}
-    result["load"] = [load0, load_now()]
+    sps = {mode: round(modes[mode]["sps"], 1) for mode in MODES}
+    bottleneck = round(min(stages.values()), 1)
+    result: dict[str, Any] = {
+        "sim": args.sim, "window_s": args.window,
+        **{f"{mode}_sps": sps[mode] for mode in MODES}, **{f"{mode}_detail": modes[mode] for mode in MODES},
+        "stages_sps": {k: round(v, 1) for k, v in stages.items()},
+        "bottleneck_stage": min(stages, key=stages.get), "bottleneck_sps": bottleneck,
+        "trainer_sps": round(stages["trainer"], 1),
+        "train_cost_s": round(train_cost_s, 4), "train_cost_kind": "sleep" if train_cost_s > compute_s else "compute",
+        "train_compute_s": round(compute_s, 4),
+        "async_over_sync": round(sps["async"] / max(sps["sync"], 1e-9), 2),
+        "async_over_async_rollout": round(sps["async"] / max(sps["async_rollout"], 1e-9), 2),
+        "async_of_bottleneck": round(sps["async"] / max(bottleneck, 1e-9), 3),
+        "layout": {"sims": args.sims, "envs": args.envs, "slots": args.slots, "max_batch": args.max_batch,
+                   "batch_steps": args.batch_steps, "chunk": chunk, "max_staleness": args.max_staleness,
+                   "forward_ms": args.forward_ms, "cameras": sorted(job_spec(cfg).cameras)},
+        "load": [load0, load_now()],
+    }
     plot(result, out / f"ablation_{args.sim}.png")
     emit_to(out, f"ablation_{args.sim}.json", result)
 

@@ -44,6 +44,7 @@ from typing import Any
 import numpy as np
 
 from rlvla3.harness.bench import OUT_DIR, emit_to, parse_bench_args, save_figure, subplots
+from rlvla3.harness.jobs import json_lines
 from rlvla3.lifetime import launcher_env
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -73,7 +74,7 @@ def run_job(mode: str, seed: int, steps: int, run_dir: Path, overrides: list[str
             if time.monotonic() > deadline:
                 proc.send_signal(signal.SIGINT)
                 break
-            if target is not None and reached(read_rows(metrics), target) is not None:
+            if target is not None and reached(json_lines(metrics), target) is not None:
                 proc.send_signal(signal.SIGINT)
                 break
             time.sleep(0.25)  # watching a file a separate process writes
@@ -82,21 +83,9 @@ def run_job(mode: str, seed: int, steps: int, run_dir: Path, overrides: list[str
         if proc.poll() is None:
             proc.kill()
             proc.wait()
-    rows = read_rows(metrics)
+    rows = json_lines(metrics)
     if not rows and proc.stderr is not None:  # the job never started: say why
         print(f"{mode} seed={seed}: the job wrote no metrics; its stderr ends:\n{proc.stderr.read()[-2000:]}", file=sys.stderr)
-    return rows
-
-
-def read_rows(path: Path) -> list[dict[str, Any]]:
-    if not path.exists():
-        return []
-    rows = []
-    for line in path.read_text().splitlines():
-        try:
-            rows.append(json.loads(line))
-        except json.JSONDecodeError:
-            pass  # a line being written
     return rows
 
 
@@ -173,7 +162,6 @@ def plot(curves: dict[str, list[dict[str, np.ndarray]]], target: float, out: Pat
          evals: dict[str, list[dict[str, Any]]] | None = None) -> list[Path]:
     """Success and return against env steps and seconds; ``evals`` (``curve_json``'s) adds the
     eval slots' deterministic success as markers."""
-
     paths = []
     for metric in ("success", "return"):
         fig, axes = subplots(1, 2, figsize=(11, 4))
@@ -187,16 +175,13 @@ def plot(curves: dict[str, list[dict[str, np.ndarray]]], target: float, out: Pat
                     ax.plot(pts[:, col], pts[:, 3], "o--", color=color, ms=4, lw=0.8,
                             label=f"{mode} eval (deterministic)" if i == 0 else None)
         for ax, x in zip(axes, ("env steps", "wall-clock seconds (from first env step)")):
-            ax.set_xlabel(x)
-            ax.set_ylabel(metric)
+            ax.set(xlabel=x, ylabel=metric)
             if metric == "success":
                 ax.axhline(target, color="grey", ls="--", lw=0.8)
             ax.legend()
             ax.grid(alpha=0.3)
         fig.suptitle(f"{title}: sync vs async ({metric})")
-        p = out / f"learning_{metric}.png"
-        save_figure(fig, p, 110)
-        paths.append(p)
+        paths.append(save_figure(fig, out / f"learning_{metric}.png", 110))
     return paths
 
 
@@ -267,11 +252,7 @@ def main() -> None:
             return None
         return round(float(np.median(vals)), 1)
 
-    try:
-        pngs = [str(p) for p in plot(curves, args.target, out, Path(args.config).stem, curves_json)]
-    except ImportError as exc:
-        pngs = []
-        print(f"matplotlib missing, no PNG: {exc}", file=sys.stderr)
+    pngs = [str(p) for p in plot(curves, args.target, out, Path(args.config).stem, curves_json)]
     result = {
         "target_success": args.target, "seeds": seeds, "steps": steps,
         "sync_steps_to_target": median("sync", 0), "async_steps_to_target": median("async", 0),

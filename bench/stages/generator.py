@@ -18,40 +18,27 @@ import sys
 import time
 from pathlib import Path
 
-import numpy as np
 import torch
-import yaml
 
-from rlvla3.harness.bench import parse_bench_args, random_observation, save_figure, subplots
-from workers.envs.base import EnvSpec
-from workers.policies.base import make_policy
+from bench.gpu.models import bench_family
+from rlvla3.config import read_yaml
+from rlvla3.harness.bench import parse_bench_args, save_figure, subplots
+from workers.contract import EnvSpec
 
 ROOT = Path(__file__).resolve().parents[2]
 
 FAMILIES = ("openvla_oft", "pi0", "pi05", "gr00t_n15")
 
 
-def build(family: str, spec: EnvSpec):
-    model = yaml.safe_load((ROOT / "configs" / "models" / f"{family}_tiny.yaml").read_text())["model"]
-    opts = {**model.get("options", {}), "chunk_size": model["chunk_size"], "device": "cpu", "dtype": "float32"}
-    return make_policy(family, opts, spec)
-
-
-def time_act(policy, obs: dict, reps: int, warm_up: bool = True) -> float:
-    """Fastest of ``reps`` timed ``act`` calls after one warm-up (robust to a shared, busy CPU)."""
-    with torch.inference_mode():
-        if warm_up:
-            policy.act(obs)
-        times = []
-        for _ in range(reps):
-            t0 = time.perf_counter()
-            policy.act(obs)
-            times.append(time.perf_counter() - t0)
-    return min(times)
+def tiny_preset(family: str) -> tuple[str, int, dict]:
+    """The family's tiny config (``configs/models``) as ``bench/gpu/models.py`` takes a preset:
+    (size, chunk_size, its other options)."""
+    model = read_yaml(ROOT / "configs" / "models" / f"{family}_tiny.yaml")["model"]
+    options = dict(model.get("options", {}))
+    return options.pop("size"), model["chunk_size"], options
 
 
 def plot(results: dict, path: Path) -> None:
-
     fig, (ax1, ax2) = subplots(1, 2, figsize=(11, 4))
     for fam, rows in results.items():
         bs = sorted(int(b) for b in rows)
@@ -59,8 +46,7 @@ def plot(results: dict, path: Path) -> None:
         ax2.plot(bs, [rows[str(b)]["latency_ms"] for b in bs], marker="o", label=fam)
     for ax, yl in ((ax1, "samples / s"), (ax2, "latency per act (ms)")):
         ax.set_xscale("log", base=2)
-        ax.set_xlabel("batch size")
-        ax.set_ylabel(yl)
+        ax.set(xlabel="batch size", ylabel=yl)
         ax.grid(True, alpha=0.3)
         ax.legend()
     fig.suptitle("Generator act() on CPU, tiny configs")
@@ -76,26 +62,20 @@ def main() -> None:
 
     size = 64 if args.quick else 224
     reps = 3 if args.quick else 5
-    if args.smoke:  # every family still builds and acts (once per batch size: no warm-up)
+    if args.smoke:  # every family still builds and acts
         size, reps, args.max_batch = 32, 1, 2
     spec = EnvSpec(cameras={"front": (size, size), "wrist": (size, size)}, state_dim=8, action_dim=7,
                    max_episode_steps=100)
     batches = [2**i for i in range(0, 64) if 2**i <= args.max_batch]
-    rng = np.random.default_rng(0)
     torch.manual_seed(0)
     results: dict[str, dict[str, dict[str, float]]] = {}
     t_start = time.perf_counter()
     for fam in args.families.split(","):
-        policy = build(fam, spec)
-        results[fam] = {}
-        for b in batches:
-            lat = time_act(policy, random_observation(spec, b, rng, "pick up the red cup and put it in the sink"), reps, warm_up=not args.smoke)
-            results[fam][str(b)] = {"latency_ms": lat * 1e3, "samples_per_s": b / lat}
-            print(f"{fam:12s} batch {b:3d}: {b / lat:9.1f} samples/s  {lat * 1e3:8.1f} ms", file=sys.stderr)
+        row = bench_family(fam, tiny_preset(fam), spec, batches, torch.device("cpu"), "float32", reps)
+        results[fam] = {b: {k: r[k] for k in ("latency_ms", "samples_per_s")} for b, r in row["batches"].items()}
     out = Path(args.out)
-    out.mkdir(parents=True, exist_ok=True)
+    plot(results, out / "generator.png")  # the folder made
     (out / "generator.json").write_text(json.dumps({"images": size, "reps": reps, "results": results}, indent=2))
-    plot(results, out / "generator.png")
     print(f"total {time.perf_counter() - t_start:.1f} s; wrote {out / 'generator.png'}", file=sys.stderr)
     print(json.dumps({f: {b: round(r["samples_per_s"], 2) for b, r in rows.items()} for f, rows in results.items()}))
 

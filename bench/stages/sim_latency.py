@@ -23,7 +23,7 @@ os.environ.setdefault("MUJOCO_GL", "egl")
 
 import numpy as np
 
-from rlvla3.harness.bench import parse_bench_args, save_figure, subplots
+from rlvla3.harness.bench import new_hist, parse_bench_args, percentile_plot
 
 # case -> (adapter, python package it needs, adapter options)
 CASES: dict[str, tuple[str, str, dict[str, Any]]] = {
@@ -38,12 +38,6 @@ CASES: dict[str, tuple[str, str, dict[str, Any]]] = {
 }
 
 
-def _hist() -> Any:
-    from hdrh.histogram import HdrHistogram
-
-    return HdrHistogram(1, 600_000_000, 3)  # microseconds, 1 us .. 10 min
-
-
 def measure(adapter: str, options: dict[str, Any], num_envs: int, steps: int, chunk: int,
             budget_s: float) -> tuple[dict[str, Any], np.ndarray, Any]:
     """Step ``num_envs`` envs with random actions; per-call latency (s) and a summary."""
@@ -56,7 +50,7 @@ def measure(adapter: str, options: dict[str, Any], num_envs: int, steps: int, ch
         env.reset(ids, ids)
         build_s = time.perf_counter() - t0
         rng = np.random.default_rng(0)
-        hist, chunk_hist = _hist(), _hist()
+        hist, chunk_hist = new_hist(), new_hist()
         lat: list[float] = []
         deadline = time.perf_counter() + budget_s
         acc = 0.0
@@ -95,25 +89,6 @@ def measure(adapter: str, options: dict[str, Any], num_envs: int, steps: int, ch
     return summary, arr, hist
 
 
-def plot(samples: dict[str, np.ndarray], path: Path) -> None:
-    """Latency vs percentile, log axes (the tail is what matters)."""
-
-    fig, ax = subplots(figsize=(8, 5))
-    pct = np.array([0, 50, 75, 90, 95, 99, 99.5, 99.9])
-    for name, arr in samples.items():
-        ax.plot(1 / (1 - pct / 100.0), np.percentile(arr * 1e3, pct), marker="o", label=name)
-    ax.set_xscale("log")
-    ax.set_yscale("log")
-    ax.set_xticks(1 / (1 - pct / 100.0))
-    ax.set_xticklabels([f"p{p:g}" for p in pct])
-    ax.set_xlabel("percentile")
-    ax.set_ylabel("step latency (ms, one call over all envs)")
-    ax.set_title("Simulator step latency (CPU)")
-    ax.grid(True, which="both", alpha=0.3)
-    ax.legend(fontsize=8)
-    save_figure(fig, path, 120)
-
-
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--num-envs", type=int, default=4, help="N for the N-envs-per-worker run")
@@ -142,6 +117,7 @@ def main() -> int:
     wanted = [c for c in args.cases.split(",") if c] or (quick_cases if args.quick or args.smoke else list(CASES))
     results: dict[str, Any] = {}
     samples: dict[str, np.ndarray] = {}
+    hists: dict[str, Any] = {}
     for case in wanted:
         adapter, package, options = CASES[case]
         for n in counts:
@@ -158,10 +134,10 @@ def main() -> int:
                 results[key] = {"skipped": f"{type(exc).__name__}: {str(exc).splitlines()[0][:200]}"}
                 continue
             results[key] = summary
-            samples[key] = arr
+            samples[key], hists[key] = arr, hist
             (args.out / f"{key}.hdr").write_bytes(hist.encode())
     if samples:
-        plot(samples, args.out / "sim_latency.png")
+        percentile_plot(hists, args.out / "sim_latency.png", "simulator step latency (CPU; one call over all envs)")
     if args.save_profile is not None and samples:
         pick = args.profile_case or next((k for k in samples if "rgb" in k), next(iter(samples)))
         if pick in samples:

@@ -40,15 +40,11 @@ def record_us(h: HdrHistogram, ns: int) -> None:
 
 def summary(h: HdrHistogram) -> dict[str, Any]:
     """count, p50/p90/p99/p999, max and mean of a histogram (us)."""
-    n = h.get_total_count()
-    if not n:
+    if not h.get_total_count():
         return {"count": 0}
-    out: dict[str, Any] = {"count": n}
-    for key, p in (("p50", 50.0), ("p90", 90.0), ("p99", 99.0), ("p999", 99.9)):
-        out[key] = h.get_value_at_percentile(p)
-    out["max"] = h.get_max_value()
-    out["mean"] = round(h.get_mean_value(), 1)
-    return out
+    return {"count": h.get_total_count(),
+            **{key: h.get_value_at_percentile(p) for key, p in (("p50", 50.0), ("p90", 90.0), ("p99", 99.0), ("p999", 99.9))},
+            "max": h.get_max_value(), "mean": round(h.get_mean_value(), 1)}
 
 
 def merged(hists: Iterable[HdrHistogram]) -> HdrHistogram:
@@ -69,13 +65,8 @@ def percentile_plot(curves: dict[str, HdrHistogram], path: Path, title: str) -> 
             continue
         ys = [h.get_value_at_percentile(100.0 * (1 - 10 ** -x)) for x in xs]
         ax.plot(10 ** xs, ys, label=label)
-    ax.set_xscale("log")
-    ax.set_yscale("log")
-    ticks = [2, 10, 100, 1000, 10000]
-    ax.set_xticks(ticks)
-    ax.set_xticklabels(["50%", "90%", "99%", "99.9%", "99.99%"])
-    ax.set_xlabel("percentile")
-    ax.set_ylabel("latency (us)")
+    ax.set(xscale="log", yscale="log", xlabel="percentile", ylabel="latency (us)")
+    ax.set_xticks([2, 10, 100, 1000, 10000], ["50%", "90%", "99%", "99.9%", "99.99%"])
     ax.set_title(title, fontsize=10)
     ax.grid(True, which="both", alpha=0.3)
     ax.legend(fontsize=8)
@@ -202,6 +193,14 @@ def start_child(args: list[str], timeout_s: float = 30.0, talk: bool = False) ->
 
 
 def stop_child(proc: subprocess.Popen, timeout_s: float = 5.0) -> None:
+    """End a child. One that talks first sees the end of its stdin and may leave on its own (a
+    simulator frees its shared memory that way); then SIGTERM, then SIGKILL."""
+    if proc.stdin is not None:
+        proc.stdin.close()
+        try:
+            proc.wait(timeout_s)
+        except subprocess.TimeoutExpired:
+            pass
     if proc.poll() is None:
         proc.terminate()
         try:
@@ -209,9 +208,8 @@ def stop_child(proc: subprocess.Popen, timeout_s: float = 5.0) -> None:
         except subprocess.TimeoutExpired:
             proc.kill()
             proc.wait(5)
-    for pipe in (proc.stdout, proc.stdin):
-        if pipe is not None:
-            pipe.close()
+    if proc.stdout is not None:
+        proc.stdout.close()
 
 
 def bench_run_dir(name: str, curve: bool) -> tuple[Path, str | None]:

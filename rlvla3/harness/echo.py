@@ -4,6 +4,8 @@ of ``bench/broker/latency.py`` and ``bench/broker/capacity.py``):
     python -m rlvla3.harness.echo generator ENDPOINT [--credits 4] [--keys DIR]
         a generator-role peer on the real protocol: READY, heartbeats, and for every BATCH a
         RESULT of zero actions (no forward pass, nothing read from the observations);
+    python -m rlvla3.harness.echo echo
+        a ROUTER that returns every message to its sender: the floor with no hop in between;
     python -m rlvla3.harness.echo relay
         a ROUTER that forwards every simulator message to one echo DEALER and every echo reply
         back to the simulator it names: the broker's topology with pyzmq and nothing else;
@@ -24,7 +26,7 @@ import numpy as np
 import zmq
 
 from rlvla3 import protocol as P
-from rlvla3.harness.peer import Peer
+from rlvla3.harness.peer import Peer, zmq_socket
 from rlvla3.lifetime import follow_launcher
 
 ECHO = ["-m", "rlvla3.harness.echo"]
@@ -33,13 +35,6 @@ ACTION_SHAPE = (1, 7)
 """Per env: a chunk of one 7-dof action, what a small policy returns."""
 HELLO = b"echo"
 """The relay-echo's first message: the relay learns its identity from it."""
-
-
-def _socket(ctx: zmq.Context, kind: int) -> zmq.Socket:
-    sock = ctx.socket(kind)
-    for opt, value in ((zmq.LINGER, 0), (zmq.SNDHWM, P.SOCKET_HWM), (zmq.RCVHWM, P.SOCKET_HWM)):
-        sock.setsockopt(opt, value)
-    return sock
 
 
 def echo_result(batch: P.Message, zeros: dict[int, np.ndarray]) -> list[Any]:
@@ -72,10 +67,22 @@ def echo_generator(endpoint: str, credits: int, keys_dir: str | None) -> None:
                 gen.sock.send_multipart(echo_result(msg, zeros), copy=False)
 
 
+def echo_back() -> None:
+    """Every message straight back to the peer that sent it (its identity frame first)."""
+    sock = zmq_socket(zmq.Context(), zmq.ROUTER)
+    sock.bind("tcp://127.0.0.1:0")
+    print(sock.getsockopt(zmq.LAST_ENDPOINT).decode(), flush=True)
+    while True:
+        if not sock.poll(200):
+            continue
+        while sock.getsockopt(zmq.EVENTS) & zmq.POLLIN:
+            sock.send_multipart(sock.recv_multipart(copy=False), copy=False)
+
+
 def relay() -> None:
     """Simulator -> echo -> simulator through one ROUTER, routing by identity frames only."""
     ctx = zmq.Context()
-    sock = _socket(ctx, zmq.ROUTER)
+    sock = zmq_socket(ctx, zmq.ROUTER)
     sock.bind("tcp://127.0.0.1:0")
     print(sock.getsockopt(zmq.LAST_ENDPOINT).decode(), flush=True)
     echo: bytes | None = None
@@ -99,7 +106,7 @@ def relay() -> None:
 def relay_echo(endpoint: str) -> None:
     """The relay's far end: every message goes back as it came (simulator identity first)."""
     ctx = zmq.Context()
-    sock = _socket(ctx, zmq.DEALER)
+    sock = zmq_socket(ctx, zmq.DEALER)
     sock.connect(endpoint)
     sock.send(HELLO)
     if not sock.poll(30_000):
@@ -116,13 +123,15 @@ def relay_echo(endpoint: str) -> None:
 def main() -> None:
     follow_launcher()  # SIGTERM (default action: exit) when the benchmark dies
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("role", choices=("generator", "relay", "relay-echo"))
+    ap.add_argument("role", choices=("generator", "echo", "relay", "relay-echo"))
     ap.add_argument("endpoint", nargs="?")
     ap.add_argument("--credits", type=int, default=4)
     ap.add_argument("--keys", default=None, help="CURVE key folder (the generator joins as key 'generator')")
     args = ap.parse_args()
     if args.role == "generator":
         echo_generator(args.endpoint, args.credits, args.keys)
+    elif args.role == "echo":
+        echo_back()
     elif args.role == "relay":
         relay()
     else:

@@ -44,6 +44,20 @@ def last_json(stdout: str) -> Any:
     return json.loads(stdout.strip().splitlines()[-1])
 
 
+def json_lines(path: Path) -> list[dict[str, Any]]:
+    """The JSON objects of a file written a line at a time (``metrics.jsonl``, a JSON log); other
+    lines, the one being written included, are skipped."""
+    rows = []
+    for line in path.read_text(errors="replace").splitlines() if path.is_file() else []:
+        try:
+            row = json.loads(line)
+        except json.JSONDecodeError:
+            continue
+        if isinstance(row, dict):
+            rows.append(row)
+    return rows
+
+
 def rss_mb(pid: int) -> float | None:
     """Resident memory of process ``pid`` in MiB (None: it is gone)."""
     try:

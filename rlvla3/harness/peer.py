@@ -17,15 +17,21 @@ from rlvla3 import protocol as P
 from rlvla3.shm import host_id
 
 
+def zmq_socket(ctx: zmq.Context, kind: int) -> zmq.Socket:
+    """A socket set as the workers set theirs: no linger, the protocol's high-water marks."""
+    sock = ctx.socket(kind)
+    for opt, value in ((zmq.LINGER, 0), (zmq.SNDHWM, P.SOCKET_HWM), (zmq.RCVHWM, P.SOCKET_HWM)):
+        sock.setsockopt(opt, value)
+    return sock
+
+
 class Peer:
     """Joins ``endpoint`` as ``role`` at once (READY with ``fields``; host and pid are this
     process's unless given); with ``keys``, as that role's CURVE key."""
 
     def __init__(self, ctx: zmq.Context, endpoint: str, role: str, name: str, keys: str | None = None,
                  **fields: Any) -> None:
-        self.sock = ctx.socket(zmq.DEALER)
-        for opt, value in ((zmq.LINGER, 0), (zmq.SNDHWM, P.SOCKET_HWM), (zmq.RCVHWM, P.SOCKET_HWM)):
-            self.sock.setsockopt(opt, value)
+        self.sock = zmq_socket(ctx, zmq.DEALER)
         auth.configure_client(self.sock, keys, role)
         self.sock.connect(endpoint)
         self.send(P.READY, {"role": role, "host": host_id(), "pid": os.getpid(), "name": name, **fields})
