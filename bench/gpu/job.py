@@ -29,7 +29,7 @@ from datetime import datetime
 from pathlib import Path
 from typing import Any
 
-from bench.gpu.models import device_or_exit
+from rlvla3.harness.act_timing import device_or_exit
 from rlvla3.app.launch import LocalJob, stop_processes
 from rlvla3.config import from_dict, read_yaml
 from rlvla3.harness.bench import emit

@@ -16,14 +16,11 @@ from __future__ import annotations
 import argparse
 import json
 import sys
-import time
 
-import numpy as np
 import torch
 
-from rlvla3.harness.bench import random_observation
-from workers.envs.base import EnvSpec
-from workers.policies.base import make_policy
+from rlvla3.harness.act_timing import bench_family, device_or_exit
+from workers.contract import EnvSpec
 
 # family -> (size preset, chunk_size, extra options): release-like settings.
 REAL = {
@@ -33,68 +30,6 @@ REAL = {
     "openvla_oft": ("7b", 8, {"n_bins": 256}),
 }
 TINY = {f: ("tiny", 4, {}) for f in REAL}
-
-
-def sync(device: torch.device) -> None:
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
-
-
-def bench_family(family: str, preset: tuple, spec: EnvSpec, batches: list[int], device: torch.device,
-                 dtype: str, reps: int) -> dict:
-    size, chunk, extra = preset
-    opts = {"size": size, "chunk_size": chunk, "device": str(device), "dtype": dtype, **extra}
-    t0 = time.perf_counter()
-    prev = torch.get_default_dtype()
-    try:
-        # Create parameters on the device in the target dtype: no fp32 CPU copy of billions of weights.
-        if dtype == "bfloat16":
-            torch.set_default_dtype(torch.bfloat16)
-        with torch.device(device):
-            policy = make_policy(family, opts, spec)
-    finally:
-        torch.set_default_dtype(prev)
-    sync(device)
-    row: dict = {"size": size, "chunk_size": chunk, "build_s": round(time.perf_counter() - t0, 1),
-                 "params_b": round(sum(p.numel() for p in policy.parameters()) / 1e9, 3), "batches": {}}
-    print(f"{family}: {row['params_b']} B params, built in {row['build_s']} s", file=sys.stderr)
-    for b in batches:
-        obs = random_observation(spec, b, np.random.default_rng(b), "put the bowl on the plate and close the drawer")
-        try:
-            with torch.inference_mode():
-                policy.act(obs)  # warm-up (kernels, allocator)
-                sync(device)
-                if device.type == "cuda":
-                    torch.cuda.reset_peak_memory_stats(device)
-                times = []
-                for _ in range(reps):
-                    t = time.perf_counter()
-                    policy.act(obs)
-                    sync(device)
-                    times.append(time.perf_counter() - t)
-            lat = min(times)
-            peak = torch.cuda.max_memory_allocated(device) / 2**30 if device.type == "cuda" else None
-            row["batches"][str(b)] = {"samples_per_s": round(b / lat, 2), "latency_ms": round(lat * 1e3, 1),
-                                      "peak_mem_gib": None if peak is None else round(peak, 2)}
-        except torch.OutOfMemoryError:
-            row["batches"][str(b)] = {"error": "out of memory"}
-            torch.cuda.empty_cache()
-        print(f"  batch {b:3d}: {row['batches'][str(b)]}", file=sys.stderr)
-    del policy
-    if device.type == "cuda":
-        torch.cuda.empty_cache()
-    return row
-
-
-def device_or_exit(name: str, script: str) -> torch.device:
-    """The device to run on; without CUDA where CUDA was asked, a JSON error line and exit 2."""
-    device = torch.device(name)
-    if device.type == "cuda" and not torch.cuda.is_available():
-        print(f"{script}: CUDA is not available on this machine; run it where a GPU is (or --device cpu --tiny).",
-              file=sys.stderr)
-        print(json.dumps({"error": "CUDA not available"}))
-        sys.exit(2)
-    return device
 
 
 def main() -> None:

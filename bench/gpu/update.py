@@ -25,7 +25,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from bench.gpu.models import device_or_exit, sync
+from rlvla3.harness.act_timing import device_or_exit, sync
 from rlvla3.config import from_dict, read_yaml
 from rlvla3.harness.bench import random_observation
 from rlvla3.observation import Observation

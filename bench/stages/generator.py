@@ -20,7 +20,7 @@ from pathlib import Path
 
 import torch
 
-from bench.gpu.models import bench_family
+from rlvla3.harness.act_timing import bench_family
 from rlvla3.config import read_yaml
 from rlvla3.harness.bench import parse_bench_args, save_figure, subplots
 from workers.contract import EnvSpec
