@@ -45,7 +45,8 @@ class AdmissionController:
     they were admitted, it lands in batch ``ceil(k / B) - 1`` (0-based), which the trainer
     consumes at version ``ceil(k / B) - 1 <= max_staleness + v_s``; its staleness is therefore
     at most ``max_staleness``. Units that finish out of order (a slow episode overtaken by
-    later ones) can exceed it; the trainer drops those, and decisions inside a long episode
+    later ones, or a PPO fragment whose first steps wait for its last) can exceed it; the
+    trainer drops those, and decisions inside a long episode
     taken with newer weights are fresher than its start. The bound is relative to the version
     the generator held when the unit started: if generators lag the trainer's weights, their
     lag adds to it.

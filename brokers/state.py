@@ -231,9 +231,13 @@ class BrokerState:
         out, fates = self.trajs.on_ack(w, msg)  # counted once, in the ledger
         # e.g. zero-variance groups, memory gone with its writer, a copy of a fragment the trainer already held
         never_trained = fates["discarded"] + fates["unreadable"] + fates["duplicate"]
-        self.admission.on_discarded(fates["stale"] + never_trained)
-        # Stale samples were taken into a batch and masked there (GRPO groups pruned before
-        # that are covered by the trainer's TRAIN starved): only steps never taken count here.
+        # Stale steps an update took (and masked) left admission's ``finished`` at TRAIN begin;
+        # freeing them again would let admitted work outgrow the staleness bound, ever more as
+        # more is dropped. Only stale steps never taken (GRPO groups pruned whole) free it here.
+        taken = min(int(msg.get("stale_taken", 0)), fates["stale"])
+        self.admission.on_discarded(fates["stale"] - taken + never_trained)
+        # Pacing never counts stale steps: those pruned before a batch are covered by the
+        # trainer's TRAIN starved.
         self.pacing.on_given_up(never_trained)
         return out
 

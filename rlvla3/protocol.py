@@ -180,8 +180,8 @@ SCHEMA: dict[str, tuple[dict[str, Any], dict[str, Any]]] = {  # type -> (require
          "episode_returns": F.List(F.Num()), "episode_successes": F.List(F.Bool()), "eval": F.Bool(),
          "eval_version": _VERSION, "eval_round": _COUNT, "gid": _ID, "writer": _WRITER},
     ),
-    TRAJ_ACK: ({"traj_ids": F.List(_ID)}, {"dropped_stale": _STEPS, "discarded": _STEPS, "trained": _STEPS,
-                                           "unreadable": _STEPS, "duplicate": _STEPS}),
+    TRAJ_ACK: ({"traj_ids": F.List(_ID)}, {"dropped_stale": _STEPS, "stale_taken": _STEPS, "discarded": _STEPS,
+                                           "trained": _STEPS, "unreadable": _STEPS, "duplicate": _STEPS}),
     WEIGHTS: ({"version": _VERSION}, {"published_at": F.Int(0, 2**63, nullable=True), "manifest": F.Free(),
                                       "store": F.Free(), "stream": F.Free(), "ipc": F.Free()}),  # checked deep by rlvla3.weights
     SNAPSHOT: ({}, {}),

@@ -22,3 +22,25 @@ def test_slow_trainer_keeps_staleness_bounded(job_factory):
     assert st["p50"] - 1 <= 1 and st["max"] - 1 <= 2  # histogram values are staleness + 1
     # Stragglers that still arrive too stale are dropped, and only a few of them.
     assert fig["dropped_stale"] <= 0.25 * fig["decision_steps"]
+
+
+def test_stale_samples_masked_in_a_batch_free_no_admission_capacity(job_factory):
+    # Fast simulators, a trainer slowed to 0.3 s an update, S = 3: fragments that span versions
+    # get their oldest steps masked in the batch. Those steps left admission's count when the
+    # batch was taken; were they freed again, each drop would widen the window and the queue
+    # would grow past it, staler and staler, until most of the data is dropped.
+    job = job_factory("run.mode=async", "algo.max_staleness=3", "train.min_update_s=0.3")
+    window = (3 + 1) * 64  # (S + 1) batches, in steps
+    queued: list[int] = []  # fragments waiting at the broker for the trainer, from version 10 on
+
+    def watch(f: dict) -> bool:
+        if f["trainer_version"] >= 10:
+            queued.append(f["trajs_pending"])
+        return f["trainer_version"] >= 40
+
+    fig = job.wait(watch, 240, "40 slow updates")
+    assert fig["dropped_stale"] > 0, "nothing was masked: the case is not exercised"
+    # fragments are at most env.fragment_len = 8 steps: the queue stays within the window
+    assert max(queued) * 8 <= window, f"{max(queued)} fragments queued, the window is {window} steps"
+    led = fig["acked_steps"]
+    assert led["stale"] <= 0.15 * (led["trained"] + led["stale"]), led

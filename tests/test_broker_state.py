@@ -141,6 +141,16 @@ def test_admission_holds_work_until_the_trainer_takes_a_batch():
     assert len(of_type(s.tick(), P.BATCH)) == 1
     assert s.state.status(s.now)["admission"] == {"capacity": 2, "in_flight": 2, "finished": 0, "consumed": 4,
                                                   "version": 1, "max_staleness": 0}
+    # The batch's fates come back: stale steps the update took and masked (``stale_taken``) left
+    # ``finished`` when it began, and freeing them again would widen the window; stale steps never
+    # taken (GRPO groups pruned whole) do free it.
+    s.traj(SIM, 2, steps=2)
+    [first] = of_type(s.sent, P.TRAJ, TRAINER)
+    s.send(TRAINER, P.TRAJ_ACK, {"traj_ids": [first.fields["gid"]], "trained": 3, "dropped_stale": 1, "stale_taken": 1})
+    assert s.state.admission.finished == 2 and s.state.status(s.now)["dropped_stale"] == 1
+    [second] = of_type(s.tick(), P.TRAJ, TRAINER)
+    s.send(TRAINER, P.TRAJ_ACK, {"traj_ids": [second.fields["gid"]], "dropped_stale": 2})
+    assert s.state.admission.finished == 0
 
 
 def test_wire_headers_carry_no_admission_bookkeeping():

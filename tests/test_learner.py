@@ -64,7 +64,8 @@ def test_grpo_groups_assemble_score_and_drop_whole_when_stale():
     learner.add(_fragment(policy, 2, 0, env=2, seed=2, success=True))
     learner.add(_fragment(policy, 2, 0, env=3, seed=2, success=True))
     assert counters.groups_filtered_zero_variance == 1
-    assert learner.take_unreported() == {"dropped_stale": 0, "discarded": 4, "trained": 0, "unreadable": 0, "duplicate": 0}
+    assert learner.take_unreported() == {"dropped_stale": 0, "stale_taken": 0, "discarded": 4, "trained": 0, "unreadable": 0,
+                                         "duplicate": 0}
 
     # version 3 makes version-0 samples stale (max_staleness 2): the ready group and a waiting
     # episode's group go whole; a late episode of the dropped group is dropped on arrival
@@ -74,7 +75,8 @@ def test_grpo_groups_assemble_score_and_drop_whole_when_stale():
     assert learner.ready_steps == 0 and counters.groups_dropped_stale == 2
     assert set(learner.pending_groups) == {("reach", 4)}
     learner.add(_fragment(policy, 5, 3, env=5, seed=3))
-    assert learner.take_unreported()["dropped_stale"] == 9 + 3 + 5 and counters.dropped_stale == 17
+    fates = learner.take_unreported()  # dropped before any batch took them
+    assert fates["dropped_stale"] == 9 + 3 + 5 and fates["stale_taken"] == 0 and counters.dropped_stale == 17
 
 
 def test_ppo_batch_masks_stale_samples_and_update_reports_typed_result():
@@ -101,6 +103,9 @@ def test_ppo_batch_masks_stale_samples_and_update_reports_typed_result():
     assert any(not torch.equal(a, b) for a, b in zip(before, policy.parameters()))
     row = result.figures()
     assert row["samples"] == 3 and row["dropped_stale"] == 4 and "skipped" not in row
+    learner.count_update(result)  # the masked steps were taken: the broker must not free them twice
+    assert learner.take_unreported() == {"dropped_stale": 4, "stale_taken": 4, "discarded": 0, "trained": 3, "unreadable": 0,
+                                         "duplicate": 0}
 
     # train.min_update_s: the update lasts at least that long, and says how much was compute
     padded = update(state, batch, cfg.algo, min_s=0.3)

@@ -43,8 +43,10 @@ from workers.trajectory import fragment_observation
 
 FORGET_GROUPS = 100_000
 """Dropped GRPO groups remembered (so their late episodes are dropped too)."""
-UNREPORTED = ("dropped_stale", "discarded", "trained", "unreadable", "duplicate")
-"""TRAJ_ACK's fate fields, in steps."""
+UNREPORTED = ("dropped_stale", "stale_taken", "discarded", "trained", "unreadable", "duplicate")
+"""TRAJ_ACK's fields, in steps: each step's fate, and ``stale_taken``, the part of
+``dropped_stale`` that an update had taken (and masked): the broker's admission counted those
+consumed when the update began, so only the rest frees capacity."""
 RECENT_FRAGMENTS = 16_384
 """Fragments remembered (3.3 MB) for telling a re-sent copy from a new fragment. A copy
 reaches the trainer only through a new broker, among the first fragments it routes after the
@@ -115,7 +117,8 @@ class Learner:
         self.pending_groups: dict[tuple, list[list[Fragment]]] = {}
         self.dropped_groups: OrderedDict[tuple, None] = OrderedDict()  # their later episodes are discarded
         # Steps per fate (brokers/ledger.py) not yet reported to the broker in TRAJ_ACK: dropped
-        # as stale, discarded for another reason (zero-variance groups), trained, unreadable, a copy.
+        # as stale (and how many of those an update took), discarded for another reason
+        # (zero-variance groups), trained, unreadable, a copy.
         self.unreported = dict.fromkeys(UNREPORTED, 0)
         self.recent: OrderedDict[tuple, None] = OrderedDict()  # (host, pid, name, traj_id), oldest first
 
@@ -251,6 +254,7 @@ class Learner:
         """An update's :class:`UpdateResult`: the samples it masked as stale and those it trained
         on; when it stepped, one more update and its samples and env steps in the totals."""
         self._drop_steps(result.dropped_stale)
+        self.unreported["stale_taken"] += result.dropped_stale
         self.unreported["trained"] += result.samples
         if result.trained:
             self.counters.updates += 1
