@@ -23,11 +23,12 @@ from __future__ import annotations
 
 from typing import Any
 
-FATES = ("trained", "stale", "discarded", "unreadable", "duplicate")
-"""What a trainer reports in TRAJ_ACK."""
 FIELD_OF = {"trained": "trained", "stale": "dropped_stale", "discarded": "discarded", "unreadable": "unreadable",
             "duplicate": "duplicate"}
-"""Each fate's TRAJ_ACK field."""
+"""Each fate a trainer reports, and its TRAJ_ACK field."""
+FATES = tuple(FIELD_OF)
+ACKED_PARTS = ("evaluation", *FATES, "lost_with_trainer", "held_by_trainers")
+"""The figures (``AckLedger.figures``, STATUS ``acked_steps``) that add up to ``acked``."""
 
 
 class AckLedger:

@@ -18,6 +18,8 @@ from typing import Any, Callable
 
 import pytest
 
+from brokers.ledger import ACKED_PARTS
+
 from rlvla3.lifetime import launcher_env
 from tests.jobs import ProcessPool
 
@@ -157,8 +159,7 @@ def check_multihost(r: dict[str, Any], out: Path) -> None:
         assert all(f["shm"] == 0 < f["inline"] for f in stage["frames"].values()), stage
         assert len(stage["hosts"]) == stage["sim_hosts"]
     a = r["acked_steps"]
-    assert a["acked"] == sum(a[k] for k in ("evaluation", "trained", "stale", "discarded", "unreadable", "duplicate",
-                                            "lost_with_trainer", "held_by_trainers"))
+    assert a["acked"] == sum(a[k] for k in ACKED_PARTS)
 
 
 def check_partition(r: dict[str, Any], out: Path) -> None:

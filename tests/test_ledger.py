@@ -1,8 +1,6 @@
 """The ledger of acknowledged steps: a trainer's fates are capped at what it holds."""
 
-from brokers.ledger import AckLedger
-
-SUMMED = ("evaluation", "trained", "stale", "discarded", "unreadable", "duplicate", "lost_with_trainer", "held_by_trainers")
+from brokers.ledger import ACKED_PARTS, AckLedger
 
 
 def test_fates_are_capped_at_what_the_reporting_trainer_holds():
@@ -16,7 +14,7 @@ def test_fates_are_capped_at_what_the_reporting_trainer_holds():
     assert led.on_report(b"t1", {"trained": 1}) == {"trained": 0, "stale": 0, "discarded": 0, "unreadable": 0, "duplicate": 0}
     fig = led.figures()
     assert fig["over_reported"] == 5 + 4 + 1
-    assert fig["acked"] == sum(fig[k] for k in SUMMED) == 18
+    assert fig["acked"] == sum(fig[k] for k in ACKED_PARTS) == 18
     assert led.trainer_gone(b"t2") == 5 and led.figures()["lost_with_trainer"] == 5
 
 
@@ -26,4 +24,4 @@ def test_a_copy_the_trainer_already_held_is_acknowledged_with_the_fate_duplicate
     assert led.on_report(b"t1", {"duplicate": 8})["duplicate"] == 8
     fig = led.figures()
     assert fig["held_by_trainers"] == 0 and fig["over_reported"] == 0
-    assert fig["acked"] == sum(fig[k] for k in SUMMED) == 8
+    assert fig["acked"] == sum(fig[k] for k in ACKED_PARTS) == 8

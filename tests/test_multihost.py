@@ -21,6 +21,7 @@ from pathlib import Path
 
 import pytest
 
+from brokers.ledger import ACKED_PARTS
 from rlvla3.config import load
 from rlvla3.harness.jobs import SMALL_JOB, per_worker as per
 from rlvla3.harness.netns import NetnsJob, unavailable
@@ -29,7 +30,6 @@ REASON = unavailable()
 pytestmark = [pytest.mark.multihost, pytest.mark.timeout(900),
               pytest.mark.skipif(REASON is not None, reason=f"multihost: {REASON}")]
 
-FATES = ("evaluation", "trained", "stale", "discarded", "unreadable", "duplicate", "lost_with_trainer", "held_by_trainers")
 
 
 def test_job_across_namespace_hosts_with_curve(tmp_path: Path):
@@ -77,7 +77,7 @@ def test_job_across_namespace_hosts_with_curve(tmp_path: Path):
         acked = fig["acked_steps"]
         assert acked["acked"] > 0 and acked["trained"] > 0, acked
         assert acked["lost_with_trainer"] == 0 and acked["trainers_lost"] == 0, acked
-        assert acked["acked"] == sum(acked[k] for k in FATES), acked
+        assert acked["acked"] == sum(acked[k] for k in ACKED_PARTS), acked
         assert per(fig, "sim-late")["frames"]["inline"] > 0 and per(fig, "sim-late")["frames"]["shm"] == 0
     finally:
         c.close()

@@ -40,10 +40,10 @@ from pathlib import Path
 from typing import Any
 
 
+from brokers.ledger import ACKED_PARTS
 from rlvla3.app.launch import stop_processes
 from rlvla3.config import load
 from rlvla3.harness.bench import OUT_DIR, emit_to, save_figure, subplots
-from rlvla3.harness.faults import FATES
 from rlvla3.harness.jobs import rss_mb
 from rlvla3.harness.netns import NetnsJob, unavailable
 from rlvla3.status_client import DeadlinePassed, wait_until
@@ -258,7 +258,7 @@ def report(soak: Soak, brokers: list[dict[str, Any]], faults: list[dict[str, Any
            batch_steps: int, fragment_len: int, warm_s: float, slope_every: float, minutes: float,
            smoke: bool) -> dict[str, Any]:
     ledgers = [dict(b.get("acked_steps") or {}) for b in brokers]
-    acked = {k: sum(a.get(k, 0) for a in ledgers) for k in ("acked", *FATES, "over_reported")}
+    acked = {k: sum(a.get(k, 0) for a in ledgers) for k in ("acked", *ACKED_PARTS, "over_reported")}
     # What each trainer kill lost: lost_with_trainer moves when the broker lets go of the trainer,
     # measured until the next trainer kill or the end of that broker's life.
     losses = []
@@ -291,7 +291,7 @@ def report(soak: Soak, brokers: list[dict[str, Any]], faults: list[dict[str, Any
         "targets": {
             "kept_rss_slope_within_target": bool(kept) and all(v is not None and v["mb_per_10min"] <= RSS_SLOPE_MB_PER_10MIN
                                                                for v in kept.values()),
-            "fates_add_up": bool(ledgers) and all(a and a.get("acked") == sum(a.get(k, 0) for k in FATES) for a in ledgers),
+            "fates_add_up": bool(ledgers) and all(a and a.get("acked") == sum(a.get(k, 0) for k in ACKED_PARTS) for a in ledgers),
             "lost_per_trainer_kill_within_one_update": all(x <= update_max for x in losses),
         },
         "samples": len(timeline),

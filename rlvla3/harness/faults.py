@@ -44,6 +44,7 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
+from brokers.ledger import ACKED_PARTS
 from rlvla3.config import load
 from rlvla3.harness.jobs import SMALL_JOB, per_worker
 from rlvla3.harness.netns import NetnsJob
@@ -52,7 +53,6 @@ from rlvla3.status_client import DeadlinePassed, wait_until
 
 LIVENESS = ("broker.heartbeat_s=0.5", "broker.liveness=4")
 """A peer silent for 2 s is gone: a cut of a few seconds is a real partition, not a hiccup."""
-FATES = ("evaluation", "trained", "stale", "discarded", "unreadable", "duplicate", "lost_with_trainer", "held_by_trainers")
 FAULTS = ("simulator_host_cut", "generator_host_cut", "broker_host_cut", "broker_restart")
 """The faults of the one-rank job."""
 RANK_FAULTS = ("trainer_rank_cut",)
@@ -108,7 +108,7 @@ def ledger_problems(fig: dict[str, Any], old: dict[str, Any] | None = None) -> l
     :func:`counted_twice`."""
     a = fig["acked_steps"]
     out = []
-    if a["acked"] != sum(a[k] for k in FATES):
+    if a["acked"] != sum(a[k] for k in ACKED_PARTS):
         out.append(f"fates do not add up to the acknowledged steps: {a}")
     if twice := counted_twice(fig, old):
         out.append(f"{twice} steps acknowledged twice")
