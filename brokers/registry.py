@@ -90,10 +90,17 @@ class Registry:
         self._next_id += 1
         return self._next_id
 
-    def free_rank(self) -> int:
-        """The lowest trainer rank not taken."""
+    def trainer_rank(self, claimed: int | None, world: int) -> int:
+        """The rank a joining trainer gets: the one it names (a trainer of a formed group keeps
+        its rank through a broker restart, whichever rank comes back first), else the lowest free."""
         ranks = {w.rank for w in self.of_role("trainer")}
-        return next(r for r in range(len(ranks) + 1) if r not in ranks)
+        if claimed is None:
+            return next(r for r in range(len(ranks) + 1) if r not in ranks)
+        if claimed >= world or claimed in ranks:
+            raise P.ProtocolError(P.E_STATE, f"trainer rank {claimed} cannot join: "
+                                             + ("it has joined already" if claimed in ranks else
+                                                f"the group has {world} ranks (workers.trainers)"))
+        return claimed
 
     def add(self, w: Worker) -> None:
         self.workers[w.identity] = w

@@ -45,6 +45,7 @@ class BrokerState:
         self.mode = cfg.run.mode
         self.run_id, self.host, self.pid, self.pub = run_id, host, pid, pub
         self.hb_s = cfg.broker.heartbeat_s
+        self.world = max(1, cfg.workers.trainers)  # trainer ranks (0: the launcher starts none; one joins by hand)
         self.registry = Registry(cfg.broker.heartbeat_s * cfg.broker.liveness)
         self.stats = BrokerStats(started=now)
         # AReaL's capacity rule in decision steps; sync mode alternates and needs none.
@@ -55,7 +56,8 @@ class BrokerState:
         self.holdings = PeerHoldings(b.max_peer_requests, b.max_peer_trajs, b.max_peer_bytes)
         self.dispatcher = Dispatcher(cfg, self.registry, self.admission, self.bridge, self.stats, self.holdings)
         self.trajs = TrajectoryRouter(self.registry, self.bridge, self.stats, grpo=cfg.algo.name == "grpo",
-                                      admission=self.admission, hold_steps=cfg.algo.batch_steps, holdings=self.holdings)
+                                      admission=self.admission, hold_steps=cfg.algo.batch_steps, holdings=self.holdings,
+                                      world=self.world, group_envs=cfg.env.group_size if cfg.env.group_mode == "parallel" else 1)
         self.weights = WeightsAnnouncements()
         self.curve = bool(cfg.broker.keys_dir)  # roles bound to key names (brokers.access)
         self.model_spec: tuple | None = None  # the tensors of the first accepted manifest
@@ -144,8 +146,10 @@ class BrokerState:
             w.num_envs = int(msg.get("num_envs") or self.cfg.env.num_envs)
         elif role == "trainer":
             w.credits = int(msg.get("credits", 64))
-            w.rank = old.rank if old is not None else self.registry.free_rank()
-            world = max(1, self.cfg.workers.trainers)  # 0: the launcher starts none; one joins by hand
+            # A trainer of a formed group (rejoining a restarted broker) names its rank: fragments go
+            # by rank (``trajectories.home_rank``), and WEIGHTS only from rank 0.
+            w.rank = old.rank if old is not None else self.registry.trainer_rank(msg.get("rank"), self.world)
+            world = self.world
             if w.rank >= world:
                 return out + self.reject(identity, P.E_STATE, f"the trainer group is full: workers.trainers="
                                          f"{self.cfg.workers.trainers} ranks have joined (start the broker with a "

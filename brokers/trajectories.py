@@ -8,13 +8,19 @@ for: each fragment is known by its simulator (``Worker.same``, whatever socket i
 acks reach the simulator on its current socket. With PPO a trainer
 holds at most about one update's worth of training steps without a reported fate
 (``hold_steps``: it gets more once it holds fewer), so a trainer killed mid-run loses at most
-that (``brokers/ledger.py``). With GRPO and
-several trainer ranks, every fragment of one (simulator, env) goes to the same rank: a group is
-consecutive episodes of one env and must complete on one rank.
+that (``brokers/ledger.py``).
+
+Each fragment has a home rank among the trainer ranks (:func:`home_rank`), decided from what
+the fragment carries, so any broker, a restarted one too, sends it and every copy of it to the
+same rank: a copy re-sent after its ack died with a broker reaches the rank that took the
+original, which knows it (``workers.learner`` ``Learner.resent``) and never trains it twice. A
+fragment waits while its home rank is busy or absent (a group with a rank gone cannot update
+anyway); fragments for the other ranks go ahead.
 """
 
 from __future__ import annotations
 
+import zlib
 from collections import OrderedDict, deque
 from dataclasses import dataclass
 from typing import Any
@@ -39,6 +45,20 @@ SEEN_GONE_SIMULATORS = 64
 by a partition comes back within its back-off, while every killed one would otherwise stay."""
 
 
+def home_rank(writer: tuple, traj_id: int, env: int, world: int, group_envs: int | None) -> int:
+    """The trainer rank a fragment goes to, from its simulator (``Worker.same``: host, pid and name
+    survive a reconnect and a broker restart) and what it carries. PPO: by ``traj_id``, which a
+    simulator counts up, so its consecutive fragments take the ranks in turn and the ranks' shares
+    of every batch stay even. GRPO (``group_envs``: the envs one group spans, ``env.group_size``
+    neighbouring ones or one env): by the group's envs, so a group completes on one rank."""
+    if world == 1:
+        return 0
+    if group_envs is not None:
+        return env // group_envs % world
+    _, name, host, pid, _ = writer
+    return (zlib.crc32(f"{host}\0{pid}\0{name}".encode()) + traj_id) % world
+
+
 @dataclass
 class Trajectory:
     gid: int  # broker-wide id, what trainers ack
@@ -49,20 +69,22 @@ class Trajectory:
     steps: int
     nbytes: int = 0  # bytes its inline tensors hold here (``holdings.inline_bytes``; none with shared memory)
     writer: tuple = ()  # the simulator's ``Worker.same``: it survives a reconnect, ``sim`` does not
+    home: int = 0  # the trainer rank it goes to (``home_rank``)
 
 
 class TrajectoryRouter:
     def __init__(self, registry: Registry, bridge: ShmBridge, stats: BrokerStats, grpo: bool,
                  admission: AdmissionController | None = None, hold_steps: int | None = None,
-                 holdings: PeerHoldings | None = None) -> None:
+                 holdings: PeerHoldings | None = None, world: int = 1, group_envs: int = 1) -> None:
         self.registry = registry
         self.admission = admission
         self.bridge = bridge
         self.stats = stats
         self.grpo = grpo
+        self.world = world  # trainer ranks
+        self.group_envs = group_envs if grpo else None  # GRPO: the envs one group spans (``home_rank``)
         self.pending: deque[Trajectory] = deque()
         self.out: dict[int, tuple[bytes, Trajectory]] = {}  # gid -> (trainer, fragment)
-        self.owner: dict[tuple[bytes, Any], bytes] = {}  # GRPO: (simulator, env) -> trainer
         self._next_gid = 0
         self.ledger = AckLedger()  # the fate of every acknowledged step
         # Groups complete only with more fragments: GRPO trainers are not held back.
@@ -89,6 +111,7 @@ class TrajectoryRouter:
         return [Out(w.identity, P.TRAJ_ACK, {"traj_ids": [traj_id]})] if acked else []
 
     def on_traj(self, w: Worker, msg: P.Message, nbytes: int) -> None:
+        home = home_rank(w.same, msg["traj_id"], msg.get("env") or 0, self.world, self.group_envs)
         self._next_gid += 1
         w.count_frames(msg.tensors)
         seen = self._seen.get(w.same)
@@ -100,47 +123,36 @@ class TrajectoryRouter:
         while len(seen) > SEEN_PER_SIMULATOR:  # a simulator re-sends only what it holds unacked
             seen.popitem(last=False)
         self._enqueue(Trajectory(self._next_gid, w.identity, msg["traj_id"], msg.header, msg.tensors, msg["steps"],
-                                 nbytes, w.same))
+                                 nbytes, w.same, home))
 
     def deliver(self) -> list[Out]:
-        """Hand pending fragments to trainers with free credits, least loaded first."""
+        """Hand pending fragments to their home ranks, those with free credits."""
         if not self.pending:  # (a timer step of every loop turn)
             return []
-        trainers = {w.identity: w for w in self.registry.of_role("trainer")}
-        if not trainers:
+        ranks = {w.rank: w for w in self.registry.of_role("trainer")}
+        if not ranks:
             return []
-        sticky = self.grpo and len(trainers) > 1
         sends: list[Out] = []
         kept: deque[Trajectory] = deque()
         while self.pending:
             traj = self.pending.popleft()
             training = not traj.header.get("eval")
-            free = [w for w in trainers.values() if w.credits > len(w.trajs_inflight)]
-            if not free:
+            if all(w.credits <= len(w.trajs_inflight) for w in ranks.values()):
                 kept.append(traj)
                 break
-            if training and self.hold_steps is not None:
-                # A GRPO trainer (its heartbeat says so) holds incomplete groups by design: no bound.
-                free = [w for w in free if w.info.get("algo") == "grpo" or self.holding(w.identity) < self.hold_steps]
-                if not free:  # every trainer holds an update's worth: it reports fates first
-                    kept.append(traj)
-                    continue
             if self.registry.current(traj.writer) is None and any(isinstance(v, P.ShmRef) for v in traj.tensors.values()):
                 self._left(traj)
                 self._drop(traj)  # its writer died before a trainer took it
                 log.warning("traj_dropped_writer_gone", traj_id=traj.traj_id)
                 continue
-            t = min(free, key=lambda w: len(w.trajs_inflight) - w.credits)
-            if sticky:
-                key = (traj.writer, traj.header.get("env"))
-                owner = trainers.get(self.owner.get(key, b""))
-                if owner is None:
-                    self.owner[key] = t.identity
-                elif owner.credits <= len(owner.trajs_inflight):
-                    kept.append(traj)  # its rank is busy: wait, others may go ahead
-                    continue
-                else:
-                    t = owner
+            t = ranks.get(traj.home)
+            # A rank holding an update's worth reports fates first; a GRPO trainer (its heartbeat
+            # says so) holds incomplete groups by design: no bound.
+            if (t is None or t.credits <= len(t.trajs_inflight)
+                    or (training and self.hold_steps is not None and t.info.get("algo") != "grpo"
+                        and self.holding(t.identity) >= self.hold_steps)):
+                kept.append(traj)  # its rank is busy or absent: it waits, others go ahead
+                continue
             try:
                 tensors = {k: self.bridge.for_host(v, t.host) for k, v in traj.tensors.items()}
             except (KeyError, ValueError) as err:  # ProtocolError is a ValueError
@@ -235,7 +247,6 @@ class TrajectoryRouter:
         lost = self.ledger.trainer_gone(w.identity)
         if self.admission is not None:  # never to be trained: free their capacity (at most what is finished)
             self.admission.on_discarded(lost)
-        self.owner = {k: v for k, v in self.owner.items() if v != w.identity}
         for gid in sorted(w.trajs_inflight, reverse=True):
             entry = self.out.pop(gid, None)
             if entry is not None:

@@ -224,6 +224,35 @@ def test_a_fragment_names_its_registered_simulator_and_a_copy_the_trainer_held_i
     assert ledger["acked"] == ledger["duplicate"] == 4 and ledger["held_by_trainers"] == ledger["over_reported"] == 0
 
 
+def _routed(s: Script, trainers: tuple[bytes, ...], ids: range) -> dict[bytes, list[int]]:
+    for i in ids:
+        s.traj(SIM, i, steps=4)
+    out = s.tick()
+    return {t: [f.fields["traj_id"] for f in of_type(out, P.TRAJ, t)] for t in trainers}
+
+
+def test_each_fragment_goes_to_its_home_rank_at_every_broker():
+    """Two ranks: a simulator's consecutive fragments take the ranks in turn, and a restarted
+    broker, which the ranks rejoin in the other order (naming their ranks), sends each copy to
+    the rank that took the original; a rank that is not there is waited for."""
+    s = Script("workers.trainers=2")
+    s.simulator(SIM)
+    assert [s.trainer(t).fields["rank"] for t in (b"t0", b"t1")] == [0, 1]
+    before = _routed(s, (b"t0", b"t1"), range(100, 108))
+    assert sorted(before[b"t0"] + before[b"t1"]) == list(range(100, 108))
+    assert len(before[b"t0"]) == 4 and all((i + 1) not in before[b"t0"] for i in before[b"t0"])  # in turn
+
+    new = Script("workers.trainers=2")
+    new.simulator(SIM)
+    assert new.ready(b"t1-new", "trainer", rank=1).fields["rank"] == 1  # rank 1 back first
+    waiting = _routed(new, (b"t1-new",), range(100, 108))
+    assert waiting[b"t1-new"] == before[b"t1"] and len(new.state.trajs.pending) == 4  # rank 0's wait for it
+    assert new.ready(b"t0-new", "trainer", rank=0).fields["rank"] == 0
+    assert [f.fields["traj_id"] for f in of_type(new.tick(), P.TRAJ, b"t0-new")] == before[b"t0"]
+    [refused] = new.send(b"t2", P.READY, {"role": "trainer", "host": "h", "pid": 2, "name": "t2", "rank": 1})
+    assert refused.type == P.ERROR and "rank 1" in refused.fields["reason"]
+
+
 def test_unsent_batches_and_fragments_return_to_their_queues():
     s = Script("batching.max_batch=2")
     s.simulator(SIM)

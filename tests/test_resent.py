@@ -29,13 +29,13 @@ let go on, reads what the old broker sent before it finds the broker silent and 
 socket (which would drop those messages)."""
 
 
-def _stopped_holding_unacked(job: Job, trainer: int, tries: int = 8) -> dict:
+def _stopped_holding_unacked(job: Job, trainer: int, name: str = "trainer0", tries: int = 8) -> dict:
     """The trainer SIGSTOPped with fragments delivered to it (so never acked); the broker's
     figures then. A trainer that holds an update's worth gets nothing more until it reports fates
     (``brokers/trajectories.py`` ``hold_steps``): then it goes on until its next update and is
     stopped again."""
     def delivered(f: dict) -> bool:
-        return (per_worker(f, "trainer0").get("inflight") or 0) >= 1
+        return (per_worker(f, name).get("inflight") or 0) >= 1
 
     for _ in range(tries):
         os.kill(trainer, signal.SIGSTOP)
@@ -71,3 +71,38 @@ def test_a_fragment_resent_after_a_broker_restart_is_acked_as_a_duplicate_not_tr
     assert not ledger_problems(fig, old), (ledger_problems(fig, old), fig["acked_steps"], old["acked_steps"])
     assert not ledger_problems(old), old["acked_steps"]
     assert "traj_duplicate" in (job.run_dir / "trainer0.log").read_text()
+
+
+TWO_RANKS = ("workers.trainers=2", "broker.heartbeat_s=0.5", "broker.liveness=20")
+"""Silence is noticed after 10 s: one rank stays stopped through the whole restart and still reads
+what the old broker sent it before it finds the broker silent and reopens its socket."""
+
+
+def test_a_copy_goes_to_the_rank_that_took_the_original(job_factory):
+    """Two trainer ranks. One is stopped holding fragments; the broker is killed, and a new one
+    started while that rank is still stopped, until the other rank has rejoined and the
+    simulator's copies are in. Routed by load, the copies would go to the rank that is there,
+    which never saw them and trains them a second time. Each fragment has a home rank
+    (``brokers/trajectories.py`` ``home_rank``), the same at every broker: the copies wait for the
+    stopped rank, which took the originals, and it acks them as ``duplicate``. Both ledgers add up."""
+    job = job_factory(*TWO_RANKS)
+    fig = job.wait(lambda f: f["trainer_version"] >= 1 and f["workers"]["simulator"] == 1
+                   and f["workers"]["trainer"] == 2, 90, "the two ranks training")
+    stopped = per_worker(fig, "trainer1")["pid"]
+    old = _stopped_holding_unacked(job, stopped, "trainer1")
+    held = per_worker(old, "trainer1")["inflight"]
+    try:
+        job.broker_proc.send_signal(signal.SIGKILL)
+        job.broker_proc.wait(10)
+        job.start_broker(job.endpoint, "tcp://127.0.0.1:0")
+        job.wait(lambda f: f["workers"]["trainer"] == 1 and f["workers"]["simulator"] == 1
+                 and f["traj"]["received"] >= held, 20, "the other rank and the simulator's copies at the new broker")
+        job.status()  # answered in a later loop turn than the copies' arrival: they have been routed
+    finally:
+        os.kill(stopped, signal.SIGCONT)
+    log1 = job.run_dir / "trainer1.log"
+    fig = job.wait(lambda f: f["workers"]["trainer"] == 2 and f["acked_steps"].get("duplicate", 0) > 0
+                   and "traj_duplicate" in log1.read_text(), 20,
+                   "the stopped rank to know the copies of what it took (otherwise the other rank trains them again)")
+    assert not ledger_problems(fig, old), (ledger_problems(fig, old), fig["acked_steps"], old["acked_steps"])
+    assert not ledger_problems(old), old["acked_steps"]

@@ -81,8 +81,10 @@ class TrainerWorker(WorkerBase):
 
     def ready_fields(self) -> dict[str, Any]:
         # Every trainer offers a rendezvous address; the broker passes rank 0's to the others.
-        # Our version too: a restarted broker rebuilds its trainer version from it.
-        return {"credits": self.credits, "info": {"dist": self.dist_info, "version": self.version}}
+        # Our version too: a restarted broker rebuilds its trainer version from it. Once in a
+        # group, our rank: a restarted broker keeps it (it routes fragments by rank).
+        rank = {"rank": self.rank} if self.learner is not None else {}
+        return {"credits": self.credits, "info": {"dist": self.dist_info, "version": self.version}, **rank}
 
     def heartbeat_fields(self) -> dict[str, Any]:
         algo = {"info": {"algo": self.cfg.algo.name}} if self.cfg is not None else {}  # GRPO holds groups
