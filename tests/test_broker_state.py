@@ -253,6 +253,22 @@ def test_each_fragment_goes_to_its_home_rank_at_every_broker():
     assert refused.type == P.ERROR and "rank 1" in refused.fields["reason"]
 
 
+def test_a_grpo_group_completes_on_one_rank():
+    """GRPO, two ranks: a group's envs (neighbours with ``group_mode: parallel``, one env with
+    ``sequential``) send every fragment to one rank, and the groups take the ranks in turn."""
+    for mode, envs_of_group in (("parallel", [[0, 1], [2, 3]]), ("sequential", [[0], [1], [2], [3]])):
+        s = Script("workers.trainers=2", "algo.name=grpo", "env.group_size=2", f"env.group_mode={mode}")
+        s.simulator(SIM)
+        s.trainer(b"t0"), s.trainer(b"t1")
+        for i in range(8):
+            s.traj(SIM, i, steps=4, env=i % 4)
+        out = s.tick()
+        rank_of = {f.fields["env"]: f.to for f in of_type(out, P.TRAJ) if f.fields["traj_id"] < 4}
+        assert all(rank_of[f.fields["env"]] == f.to for f in of_type(out, P.TRAJ)), mode  # every episode of an env
+        assert [len({rank_of[e] for e in group}) for group in envs_of_group] == [1] * len(envs_of_group), mode
+        assert len(set(rank_of.values())) == 2, mode
+
+
 def test_unsent_batches_and_fragments_return_to_their_queues():
     s = Script("batching.max_batch=2")
     s.simulator(SIM)
