@@ -149,8 +149,7 @@ class BrokerState:
             # A trainer of a formed group (rejoining a restarted broker) names its rank: fragments go
             # by rank (``trajectories.home_rank``), and WEIGHTS only from rank 0.
             w.rank = old.rank if old is not None else self.registry.trainer_rank(msg.get("rank"), self.world)
-            world = self.world
-            if w.rank >= world:
+            if w.rank >= self.world:
                 return out + self.reject(identity, P.E_STATE, f"the trainer group is full: workers.trainers="
                                          f"{self.cfg.workers.trainers} ranks have joined (start the broker with a "
                                          "larger workers.trainers)", P.READY, now)
@@ -158,7 +157,7 @@ class BrokerState:
                 self.trainer_version = max(self.trainer_version, w.info["version"])
                 self.admission.on_train(self.trainer_version, None)
             master = next((x for x in self.registry.of_role("trainer") if x.rank == 0), None)
-            reply.update(rank=w.rank, world_size=world, trainer_version=self.trainer_version)
+            reply.update(rank=w.rank, world_size=self.world, trainer_version=self.trainer_version)
             if master is not None:
                 reply["dist"] = master.info.get("dist")
         if role == "generator":
