@@ -40,10 +40,12 @@ def _stopped_holding_unacked(job: Job, trainer: int, name: str = "trainer0", tri
     for _ in range(tries):
         os.kill(trainer, signal.SIGSTOP)
         try:
-            job.wait(delivered, 1.0, "fragments delivered to the stopped trainer")
-            # asked again: the broker answers in a later loop turn, so the turn that delivered
-            # them has handed its sends to the sockets (a kill may otherwise take them with it)
-            return job.wait(delivered, 0.5, "fragments still out at the stopped trainer")
+            first = job.wait(delivered, 1.0, "fragments delivered to the stopped trainer")
+            # asked again, for figures built later (STATUS figures are cached for up to 0.25 s):
+            # the sends of the turn that delivered them have had that long to leave the broker (a
+            # kill may otherwise take them with it); a stopped trainer acks nothing, so what it
+            # holds only grows
+            return job.wait(lambda f: f["uptime_s"] > first["uptime_s"], 1.0, "figures built later")
         except DeadlinePassed:
             os.kill(trainer, signal.SIGCONT)
             version = job.status()["trainer_version"]
@@ -83,8 +85,9 @@ def test_a_copy_goes_to_the_rank_that_took_the_original(job_factory):
     started while that rank is still stopped, until the other rank has rejoined and the
     simulator's copies are in. Routed by load, the copies would go to the rank that is there,
     which never saw them and trains them a second time. Each fragment has a home rank
-    (``brokers/trajectories.py`` ``home_rank``), the same at every broker: the copies wait for the
-    stopped rank, which took the originals, and it acks them as ``duplicate``. Both ledgers add up."""
+    (``brokers/trajectories.py`` ``home_rank``), the same at every broker: the copies wait at the
+    new broker for the stopped rank, which took the originals, and it acks them as ``duplicate``.
+    Both ledgers add up."""
     job = job_factory(*TWO_RANKS)
     fig = job.wait(lambda f: f["trainer_version"] >= 1 and f["workers"]["simulator"] == 1
                    and f["workers"]["trainer"] == 2, 90, "the two ranks training")
@@ -95,9 +98,12 @@ def test_a_copy_goes_to_the_rank_that_took_the_original(job_factory):
         job.broker_proc.send_signal(signal.SIGKILL)
         job.broker_proc.wait(10)
         job.start_broker(job.endpoint, "tcp://127.0.0.1:0")
-        job.wait(lambda f: f["workers"]["trainer"] == 1 and f["workers"]["simulator"] == 1
-                 and f["traj"]["received"] >= held, 20, "the other rank and the simulator's copies at the new broker")
-        job.status()  # answered in a later loop turn than the copies' arrival: they have been routed
+        arrived = job.wait(lambda f: f["workers"]["trainer"] == 1 and f["workers"]["simulator"] == 1
+                           and f["traj"]["received"] >= held, 20, "the other rank and the simulator's copies at the new broker")
+        # figures built after the copies' loop turn, whose timers routed what they could: the
+        # copies wait for the stopped rank, where routing by load gave them to the rank that is there
+        later = job.wait(lambda f: f["uptime_s"] > arrived["uptime_s"], 5, "figures built after the copies came")
+        assert later["trajs_pending"] >= held, (later["trajs_pending"], held, later["traj"])
     finally:
         os.kill(stopped, signal.SIGCONT)
     log1 = job.run_dir / "trainer1.log"
