@@ -16,7 +16,7 @@ def test_slow_trainer_keeps_staleness_bounded(job_factory):
     adm = fig["admission"]
     assert fig["admission_waits"] > 0, "admission control never held work back"
     # The capacity rule: admitted-but-untrained work never exceeds (S + 1) batches.
-    assert adm["in_flight"] + adm["finished"] <= (adm["max_staleness"] + 1) * 64 + 8
+    assert adm["in_flight"] + adm["finished"] <= (adm["lag"] + 1) * 64 + 8
     st = fig["staleness"]
     assert st["count"] > 0
     assert st["p50"] - 1 <= 1 and st["max"] - 1 <= 2  # histogram values are staleness + 1

@@ -48,6 +48,9 @@ def test_config_errors_name_the_key():
         load("synthetic.yaml", ["broker.max_peer_msgs_per_s=0"])
     with pytest.raises(ConfigError, match="train.collective_timeout_s"):
         load("synthetic.yaml", ["train.collective_timeout_s=0"])
+    with pytest.raises(ConfigError, match="algo.admission_lag"):  # ahead of the filter: made only to be dropped
+        load("synthetic.yaml", ["algo.admission_lag=5", "algo.max_staleness=4"])
+    assert load("synthetic.yaml", ["algo.admission_lag=null"]).algo.admission_lag is None
 
 
 def test_removed_keys_name_their_replacement():
