@@ -20,6 +20,12 @@ class Admissible(Protocol):
     header: dict
 
 
+def admission_lag(algo) -> int:
+    """Batches of rollout work admitted ahead of the trainer: ``algo.admission_lag``, by default
+    the staleness filter's bound ``algo.max_staleness``."""
+    return algo.max_staleness if algo.admission_lag is None else algo.admission_lag
+
+
 def _key(req: Admissible) -> tuple[bytes, int, int]:
     return (req.sim, req.slot, req.req_id)
 

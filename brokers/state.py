@@ -20,7 +20,7 @@ from typing import Any, Callable
 import structlog
 
 from brokers import access
-from brokers.admission import AdmissionController
+from brokers.admission import AdmissionController, admission_lag
 from brokers.dispatch import Dispatcher
 from brokers.holdings import PeerHoldings, inline_bytes
 from brokers.outgoing import E_INTERNAL, Out, ShmBridge, error
@@ -48,8 +48,7 @@ class BrokerState:
         self.registry = Registry(cfg.broker.heartbeat_s * cfg.broker.liveness)
         self.stats = BrokerStats(started=now)
         # AReaL's capacity rule in decision steps; sync mode alternates and needs none.
-        lag = cfg.algo.max_staleness if cfg.algo.admission_lag is None else cfg.algo.admission_lag
-        self.admission = AdmissionController(None if self.mode == "sync" else lag, cfg.algo.batch_steps)
+        self.admission = AdmissionController(None if self.mode == "sync" else admission_lag(cfg.algo), cfg.algo.batch_steps)
         self._obs_window = self.admission.window(cfg.batching.max_batch)  # the largest OBS it can ever admit
         self.bridge = bridge or ShmBridge(host)
         b = cfg.broker
