@@ -19,6 +19,14 @@ from rlvla3.lifetime import launcher_env
 from rlvla3.scale_config import parse_gpus
 
 
+def test_every_shipped_config_loads():
+    # A recipe whose keys drifted from the schema fails here, not when a user first runs it.
+    paths = sorted((Path(__file__).resolve().parents[1] / "configs").glob("*.yaml"))
+    assert len(paths) >= 20
+    for path in paths:
+        load(path)
+
+
 def test_parse_gpus():
     assert parse_gpus("0-3") == [0, 1, 2, 3]
     assert parse_gpus("0,2") == [0, 2]
