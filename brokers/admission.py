@@ -20,6 +20,12 @@ class Admissible(Protocol):
     header: dict
 
 
+def admission_lag(algo) -> int:
+    """Batches of rollout work admitted ahead of the trainer: ``algo.admission_lag``, by default
+    the staleness filter's bound ``algo.max_staleness``."""
+    return algo.max_staleness if algo.admission_lag is None else algo.admission_lag
+
+
 def _key(req: Admissible) -> tuple[bytes, int, int]:
     return (req.sim, req.slot, req.req_id)
 
@@ -35,33 +41,38 @@ class AdmissionController:
     ``admitted = consumed + finished (not yet trained) + in_flight``. A start of ``n`` more
     units is allowed iff
 
-        admitted + n <= (max_staleness + v + 1) * batch_size
+        admitted + n <= (lag + v + 1) * batch_size
 
-    equivalently ``finished + in_flight + n <= (max_staleness + 1) * batch_size`` once
-    ``consumed = v * batch_size``.
+    equivalently ``finished + in_flight + n <= (lag + 1) * batch_size`` once
+    ``consumed = v * batch_size``. ``lag`` is ``algo.admission_lag``, by default
+    ``algo.max_staleness``.
 
     Why it bounds staleness: the unit admitted as number ``k`` (1-based) while the version is
-    ``v_s`` satisfies ``k <= (max_staleness + v_s + 1) * B``. If units are trained in the order
+    ``v_s`` satisfies ``k <= (lag + v_s + 1) * B``. If units are trained in the order
     they were admitted, it lands in batch ``ceil(k / B) - 1`` (0-based), which the trainer
-    consumes at version ``ceil(k / B) - 1 <= max_staleness + v_s``; its staleness is therefore
-    at most ``max_staleness``. Units that finish out of order (a slow episode overtaken by
+    consumes at version ``ceil(k / B) - 1 <= lag + v_s``; its staleness is therefore
+    at most ``lag``. Units that finish out of order (a slow episode overtaken by
     later ones, or a PPO fragment whose first steps wait for its last) can exceed it; the
-    trainer drops those, and decisions inside a long episode
-    taken with newer weights are fresher than its start. The bound is relative to the version
-    the generator held when the unit started: if generators lag the trainer's weights, their
-    lag adds to it.
+    trainer keeps them up to ``max_staleness`` and drops the rest, and decisions inside a long
+    episode taken with newer weights are fresher than its start. The bound is relative to the
+    version the generator held when the unit started: if generators lag the trainer's weights,
+    their lag adds to it.
 
-    ``max_staleness=None`` (sync mode, which alternates instead) admits everything and keeps
+    A rule that only caps staleness is also its typical value once simulators outrun the
+    trainer: they fill every admitted unit, so each sample trains ``lag`` versions late. A lag
+    below ``max_staleness`` keeps those samples fresh while stragglers still count.
+
+    ``lag=None`` (sync mode, which alternates instead) admits everything and keeps
     no account. On resume the counters restart empty while the version does not:
     ``follow_trainer`` sets ``consumed`` to ``version * batch_size`` so the capacity resumes
     where it was instead of jumping by ``version`` batches.
     """
 
-    def __init__(self, max_staleness: int | None, batch_size: int, version: int = 0) -> None:
-        if (max_staleness is not None and max_staleness < 0) or batch_size < 1:
-            raise ValueError(f"need max_staleness >= 0 and batch_size >= 1, got {max_staleness}, {batch_size}")
-        self.enabled = max_staleness is not None
-        self.max_staleness = int(max_staleness or 0)
+    def __init__(self, lag: int | None, batch_size: int, version: int = 0) -> None:
+        if (lag is not None and lag < 0) or batch_size < 1:
+            raise ValueError(f"need lag >= 0 and batch_size >= 1, got {lag}, {batch_size}")
+        self.enabled = lag is not None
+        self.lag = int(lag or 0)
         self.batch_size = int(batch_size)
         self.version = int(version)
         self.consumed = self.version * self.batch_size
@@ -80,7 +91,7 @@ class AdmissionController:
 
     def capacity(self) -> int:
         """How many more units may start now (may be negative after a version rollback)."""
-        return (self.max_staleness + self.version + 1) * self.batch_size - self.admitted
+        return (self.lag + self.version + 1) * self.batch_size - self.admitted
 
     def grant(self, minimum: int) -> int | None:
         """How many units may start now (``None``: no limit). While fewer than a batch are
@@ -105,7 +116,7 @@ class AdmissionController:
     def window(self, minimum: int) -> int | None:
         """The most units any one grant can ever be (``None``: no limit): a request larger than
         this would wait forever, so the broker refuses it on arrival."""
-        return None if not self.enabled else max((self.max_staleness + 1) * self.batch_size, minimum)
+        return None if not self.enabled else max((self.lag + 1) * self.batch_size, minimum)
 
     def cost(self, req: Admissible) -> int:
         """Units a request takes from the grant: none when evaluating or already admitted."""
@@ -175,7 +186,7 @@ class AdmissionController:
         if not self.enabled:
             return None
         return {"capacity": self.capacity(), "in_flight": self.in_flight, "finished": self.finished,
-                "consumed": self.consumed, "version": self.version, "max_staleness": self.max_staleness}
+                "consumed": self.consumed, "version": self.version, "lag": self.lag}
 
     def _take(self, counter: str, n: int) -> None:
         value = getattr(self, counter)

@@ -20,7 +20,7 @@ from typing import Any, Callable
 import structlog
 
 from brokers import access
-from brokers.admission import AdmissionController
+from brokers.admission import AdmissionController, admission_lag
 from brokers.dispatch import Dispatcher
 from brokers.holdings import PeerHoldings, inline_bytes
 from brokers.outgoing import E_INTERNAL, Out, ShmBridge, error
@@ -49,7 +49,7 @@ class BrokerState:
         self.registry = Registry(cfg.broker.heartbeat_s * cfg.broker.liveness)
         self.stats = BrokerStats(started=now)
         # AReaL's capacity rule in decision steps; sync mode alternates and needs none.
-        self.admission = AdmissionController(None if self.mode == "sync" else cfg.algo.max_staleness, cfg.algo.batch_steps)
+        self.admission = AdmissionController(None if self.mode == "sync" else admission_lag(cfg.algo), cfg.algo.batch_steps)
         self._obs_window = self.admission.window(cfg.batching.max_batch)  # the largest OBS it can ever admit
         self.bridge = bridge or ShmBridge(host)
         b = cfg.broker
@@ -180,7 +180,7 @@ class BrokerState:
         window = self._obs_window
         if window is not None and h["n"] > window and not h.get("eval"):
             raise P.ProtocolError(P.E_LIMIT, f"OBS of {h['n']} envs: no admission window holds more than {window} "
-                                             "(algo.max_staleness + 1) * algo.batch_steps")
+                                             "(algo.admission_lag + 1) * algo.batch_steps")
         nbytes = inline_bytes(tensors)
         self.holdings.admit_obs(w.identity, len(w.blocks), nbytes)
         self.dispatcher.on_obs(w, msg, now, nbytes, tensors)

@@ -211,6 +211,12 @@ class AlgoConfig:
     (0: uncapped)."""
     max_staleness: int = 4
     """Samples from policies more than this many versions old are dropped."""
+    admission_lag: int | None = None
+    """Async: batches of rollout work the broker lets run ahead of the trainer (the capacity rule
+    with this in place of ``max_staleness``; None: ``max_staleness``). Simulators faster than the
+    trainer fill whatever is allowed, so their samples train this many versions stale; 1 already
+    overlaps one batch of rollouts with one update. Slow, long-tailed simulators want the full
+    ``max_staleness`` so stragglers do not hold the others back."""
     publish_every: int = 1
     """Publish a weight version every this many updates."""
     grpo_reward: str = "success"

@@ -115,6 +115,10 @@ def validate_algo(cfg: Any) -> None:
         raise ConfigError("algo.value_clip_eps and algo.reward_clip must be >= 0 and algo.max_grad_norm > 0")
     if a.max_staleness < 0:
         raise ConfigError(f"algo.max_staleness must be >= 0, got {a.max_staleness}")
+    if a.admission_lag is not None and not 0 <= a.admission_lag <= a.max_staleness:
+        # Work admitted further ahead than the filter allows would be generated only to be dropped.
+        raise ConfigError(f"algo.admission_lag must be in [0, algo.max_staleness={a.max_staleness}], "
+                          f"got {a.admission_lag}")
     if a.grpo_reward not in ("success", "return"):
         raise ConfigError(f"algo.grpo_reward: {a.grpo_reward!r} not in ('success', 'return')")
     if a.name == "grpo" and cfg.env.group_size < 2:

@@ -27,7 +27,7 @@ def start(ac: AdmissionController, unit: Unit) -> None:
 
 
 def test_capacity_rule_by_hand():
-    ac = AdmissionController(max_staleness=1, batch_size=4)
+    ac = AdmissionController(lag=1, batch_size=4)
     assert ac.capacity() == (1 + 0 + 1) * 4
     start(ac, Unit(b"a", 0, n=4))
     start(ac, Unit(b"b", 0, n=3))
@@ -47,7 +47,7 @@ def test_capacity_rule_by_hand():
 
 
 def test_requeued_and_eval_requests_are_counted_once():
-    ac = AdmissionController(max_staleness=0, batch_size=8)
+    ac = AdmissionController(lag=0, batch_size=8)
     unit = Unit(b"s", 7, n=3)
     assert ac.cost(unit) == 3
     ac.on_dispatched([unit])  # its batch failed or its generator died: re-queued, not settled
@@ -58,7 +58,7 @@ def test_requeued_and_eval_requests_are_counted_once():
 
 
 def test_held_back_work_counts_one_wait_per_stretch():
-    ac = AdmissionController(max_staleness=0, batch_size=2)
+    ac = AdmissionController(lag=0, batch_size=2)
     start(ac, Unit(b"s", 0, n=2))
     ac.on_trajectory(b"s", 2)  # a whole batch finished: no floor, capacity 0
     assert [ac.budget(1) for _ in range(3)] == [0, 0, 0] and ac.waits == 1
@@ -71,13 +71,13 @@ def test_held_back_work_counts_one_wait_per_stretch():
 
 
 def test_resume_does_not_open_the_floodgates():
-    ac = AdmissionController(max_staleness=2, batch_size=8)
+    ac = AdmissionController(lag=2, batch_size=8)
     ac.on_train(50, None)  # the broker meets a trainer resumed at version 50
     assert ac.capacity() == (2 + 1) * 8
 
 
 def test_sync_mode_admits_everything():
-    ac = AdmissionController(max_staleness=None, batch_size=8)
+    ac = AdmissionController(lag=None, batch_size=8)
     assert ac.grant(1) is None and ac.budget(1) is None and ac.cost(Unit(b"s", 0, n=4)) == 0
     start(ac, Unit(b"s", 0, n=4))
     ac.on_trajectory(b"s", 4)
@@ -122,7 +122,7 @@ def simulate(
             start(ac, unit)
             running.append((tick + rng.choice(durations), version, unit))
             if minimum == 0:
-                assert ac.admitted <= (ac.max_staleness + version + 1) * batch_size
+                assert ac.admitted <= (ac.lag + version + 1) * batch_size
         # ---- trainer
         if busy and tick >= busy:
             busy = 0

@@ -121,7 +121,8 @@ def test_async_mode_never_pauses():
 
 
 def test_admission_holds_work_until_the_trainer_takes_a_batch():
-    s = Script("run.mode=async", "algo.max_staleness=0", "algo.batch_steps=4", "batching.max_batch=2")
+    # The admission lag, not the staleness filter's bound, sizes the window.
+    s = Script("run.mode=async", "algo.max_staleness=4", "algo.admission_lag=0", "algo.batch_steps=4", "batching.max_batch=2")
     s.simulator(SIM, slots=2, num_envs=4)
     s.generator(GEN, credits=4)
     s.trainer(TRAINER)
@@ -140,7 +141,7 @@ def test_admission_holds_work_until_the_trainer_takes_a_batch():
     s.send(TRAINER, P.TRAIN, {"phase": "end", "version": 1})
     assert len(of_type(s.tick(), P.BATCH)) == 1
     assert s.state.status(s.now)["admission"] == {"capacity": 2, "in_flight": 2, "finished": 0, "consumed": 4,
-                                                  "version": 1, "max_staleness": 0}
+                                                  "version": 1, "lag": 0}
     # The batch's fates come back: stale steps the update took and masked (``stale_taken``) left
     # ``finished`` when it began, and freeing them again would widen the window; stale steps never
     # taken (GRPO groups pruned whole) do free it.

@@ -17,8 +17,9 @@ again (``--fresh`` reruns). Runs go one after the other, never at the same time.
 Output: ``parity.md`` (the table, the reference figures beside it, the commands), one PNG per env
 (curves per mode and seed, against env steps and against seconds), ``results.json``, and one JSON
 object last: ``final_return[env][mode]`` = ``{"per_seed": {seed: mean of the last 10% of
-episodes}, "mean": ...}`` and ``steps_per_s[env][mode]`` (mean over seeds of the run's env steps
-per second, from the first env step).
+episodes}, "mean": ...}``, ``steps_per_s[env][mode]`` (mean over seeds of the run's env steps
+per second, from the first env step) and ``agreement[env]``: async's mean return over seeds per
+tenth of the env steps against sync's mean +- 2 standard errors, and the final means' ratio.
 """
 
 from __future__ import annotations
@@ -131,6 +132,43 @@ def final_return(curve: dict[str, list]) -> float | None:
     return round(float((e * r).sum() / e.sum()), 2)
 
 
+def tenth_means(curve: dict[str, list], steps: int) -> list[float | None]:
+    """Episode-weighted mean return of each tenth of the env-step axis (the updates whose
+    consumed steps fall in it): one point per tenth, ``None`` where no episode ended."""
+    at = np.asarray(curve["steps"], float)
+    eps, rets = np.asarray(curve["episodes"], float), np.asarray(curve["returns"], float)
+    points: list[float | None] = []
+    for k in range(10):
+        inside = (at > k * steps / 10) & (at <= (k + 1) * steps / 10) & (eps > 0)
+        points.append(round(float((eps * rets)[inside].sum() / eps[inside].sum()), 2) if inside.any() else None)
+    return points
+
+
+def agreement(results: list[dict[str, Any]], steps: int) -> dict[str, Any] | None:
+    """Item 4's test of async against sync: at every tenth of the env-step axis after the first
+    20%, async's mean over seeds inside sync's mean +- 2 standard errors over seeds, and the final
+    means within 10%. ``None`` until both modes have at least two seeds."""
+    by_mode = {m: [tenth_means(r["curve"], steps) for r in results if r["mode"] == m] for m in MODES}
+    if min(len(v) for v in by_mode.values()) < 2:
+        return None
+    points = []
+    for k in range(2, 10):
+        sync = [c[k] for c in by_mode["sync"] if c[k] is not None]
+        asyn = [c[k] for c in by_mode["async"] if c[k] is not None]
+        if len(sync) < 2 or not asyn:
+            points.append({"tenth": k + 1, "within": None})
+            continue
+        mean, se = float(np.mean(sync)), float(np.std(sync, ddof=1) / np.sqrt(len(sync)))
+        a = float(np.mean(asyn))
+        points.append({"tenth": k + 1, "sync": round(mean, 1), "sync_2se": round(2 * se, 1), "async": round(a, 1),
+                       "within": bool(abs(a - mean) <= 2 * se)})
+    finals = {m: mean_or_none([r["final_return"] for r in results if r["mode"] == m]) for m in MODES}
+    ratio = finals["async"] / finals["sync"] if finals["sync"] and finals["async"] is not None else None
+    return {"points": points, "all_within": all(p["within"] for p in points),
+            "final_async_over_sync": None if ratio is None else round(ratio, 3),
+            "final_within_10pct": None if ratio is None else bool(abs(ratio - 1) <= 0.10)}
+
+
 def mean_or_none(xs: list[float | None]) -> float | None:
     vals = [x for x in xs if x is not None]
     return round(float(np.mean(vals)), 2) if vals else None
@@ -175,7 +213,7 @@ def smooth(ys: list[float], k: int = 5) -> np.ndarray:
     return np.convolve(np.pad(y, (k - 1, 0), mode="edge"), np.ones(k) / k, mode="valid")
 
 
-def table(results: list[dict[str, Any]], envs: list[str], modes: list[str], seeds: list[int]) -> str:
+def table(results: list[dict[str, Any]], envs: list[str], modes: list[str], seeds: list[int], steps: int) -> str:
     lines = ["| env | mode | seeds | final return per seed | mean | CleanRL (published) | env steps/s |",
              "|---|---|---|---|---|---|---|"]
     for env in envs:
@@ -187,6 +225,16 @@ def table(results: list[dict[str, Any]], envs: list[str], modes: list[str], seed
             sps = mean_or_none([rs[s].get("steps_per_s") for s in seeds if s in rs])
             lines.append(f"| {ENVS[env]} | {mode} | {len(rs)}/{len(seeds)} | {per} | "
                          f"{mean_or_none([rs[s]['final_return'] for s in seeds if s in rs])} | {ref} | {sps} |")
+    for env in envs:
+        agree = agreement([r for r in results if r["env"] == env], steps)
+        if agree is None:
+            continue
+        lines += ["", f"{ENVS[env]}, async against sync's mean ± 2 SE over seeds, per tenth of the env steps "
+                      f"(all within: {agree['all_within']}; final async/sync {agree['final_async_over_sync']}, "
+                      f"within 10%: {agree['final_within_10pct']}):", "",
+                  "| tenth | sync mean | ± 2 SE | async mean | within |", "|---|---|---|---|---|"]
+        lines += [f"| {p['tenth']} | {p.get('sync', '-')} | {p.get('sync_2se', '-')} | {p.get('async', '-')} | "
+                  f"{p['within']} |" for p in agree["points"]]
     lines += ["", "Commands:", ""] + [f"    {r['command']}" for r in results]
     return "\n".join(lines) + "\n"
 
@@ -222,7 +270,7 @@ def main() -> None:
         png = out / f"{env}.png"
         plot(env, [r for r in results if r["env"] == env], png)
         pngs.append(str(png))
-    (out / "parity.md").write_text(table(results, args.envs, args.modes, args.seeds))
+    (out / "parity.md").write_text(table(results, args.envs, args.modes, args.seeds, args.steps))
     final: dict[str, Any] = {}
     speed: dict[str, Any] = {}
     for env in args.envs:
@@ -231,7 +279,8 @@ def main() -> None:
             per = {str(r["seed"]): r["final_return"] for r in rs}
             final.setdefault(ENVS[env], {})[mode] = {"per_seed": per, "mean": mean_or_none(list(per.values()))}
             speed.setdefault(ENVS[env], {})[mode] = mean_or_none([r["steps_per_s"] for r in rs])
-    report = {"final_return": final, "steps_per_s": speed, "steps": args.steps, "seeds": args.seeds,
+    agree = {ENVS[env]: agreement([r for r in results if r["env"] == env], args.steps) for env in args.envs}
+    report = {"final_return": final, "steps_per_s": speed, "agreement": agree, "steps": args.steps, "seeds": args.seeds,
               "runs": [{k: v for k, v in r.items() if k != "curve"} for r in results],
               "png": pngs, "table": str(out / "parity.md"), "out": str(out)}
     (out / "results.json").write_text(json.dumps(report, indent=1))

@@ -25,7 +25,7 @@ A torch.distributed group cannot shrink, so a lost rank ends the group: the brok
 other ranks, every rank stops (rank 1, back after the heal, finds rank 0 gone), and a supervisor
 restarts them all from the run folder's latest checkpoint (``--run-dir``; here every 2 versions).
 The steps the ranks held are ``lost_with_trainer`` by the ledger's rule: at most the admission
-window, ``(algo.max_staleness + 1) * algo.batch_steps`` plus one batch.
+window, ``(algo.admission_lag + 1) * algo.batch_steps`` plus one batch.
 
 Per fault: the time to detect (the broker declares the cut worker gone; for the broker's faults
 the first far worker logs the silence), the time to recover (from the heal, or the new broker's
@@ -44,6 +44,7 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
+from brokers.admission import admission_lag
 from brokers.ledger import ACKED_PARTS
 from rlvla3.config import load
 from rlvla3.harness.jobs import SMALL_JOB, per_worker
@@ -141,7 +142,7 @@ def start_job(folder: Path, ranks: int = 1, overrides: tuple[str, ...] = ()) -> 
     cfg_path.write_text(cfg.to_yaml())
     job = FaultJob(folder, ranks)
     if ranks == 2:  # what the ranks can hold at most: the admission window (brokers/admission.py)
-        job.lost_allowed = (cfg.algo.max_staleness + 1) * cfg.algo.batch_steps + cfg.batching.max_batch
+        job.lost_allowed = (admission_lag(cfg.algo) + 1) * cfg.algo.batch_steps + cfg.batching.max_batch
     try:
         job.start_broker(cfg_path)
         job.start_trainer("trainer")
