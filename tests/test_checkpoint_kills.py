@@ -59,8 +59,10 @@ class Writer:
         return self.expect("exit", 120)[2] == "0"
 
     def close(self) -> None:
-        self.proc.stdin.close()
+        self.proc.kill()  # nothing left to write; torch's interpreter teardown takes seconds under load
         self.proc.wait(30)
+        self.proc.stdin.close()
+        self.proc.stdout.close()
 
 
 def model_like_the_writers() -> nn.Module:
