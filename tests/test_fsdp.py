@@ -182,9 +182,10 @@ def _lost_rank(rank: int, port: int, out_dir: str, sig: int) -> None:
             ended = "saved"
         except SystemExit as exc:
             ended = str(exc)
-    with open(f"{out_dir}/rank0.json", "w") as f:
+    with open(f"{out_dir}/rank0.json.tmp", "w") as f:
         json.dump({"ended": ended, "waited_s": time.monotonic() - t0, "group_lost": checkpoints.group_lost,
                    "events": [e["event"] for e in logs]}, f)
+    os.replace(f"{out_dir}/rank0.json.tmp", f"{out_dir}/rank0.json")  # the test reads it once it exists: whole
     os._exit(0)  # the group is broken: no teardown collective
 
 
