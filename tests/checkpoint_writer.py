@@ -1,10 +1,11 @@
-"""A checkpoint writer to kill: ``python -m tests.checkpoint_writer RUN_DIR FORMAT MB``.
+"""A checkpoint writer to kill: ``python -m tests.checkpoint_writer MB``.
 
-It builds a policy of about MB megabytes with Adam state once, then for each ``save V`` line on
-stdin forks a child that writes checkpoint V (``workers.checkpoint.save_checkpoint``) and prints
-``start V PID`` before and ``done V`` after; the writer prints ``exit V CODE`` when the child is
-gone. The test SIGKILLs children in the middle of their writes: forking keeps each round cheap
-(torch is imported and the model built once)."""
+It builds a policy of about MB megabytes with Adam state once, then for each ``save V FORMAT
+RUN_DIR`` line on stdin forks a child that writes checkpoint V in FORMAT into RUN_DIR
+(``workers.checkpoint.save_checkpoint``) and prints ``start V PID`` before and ``done V`` after;
+the writer prints ``exit V CODE`` when the child is gone. The test SIGKILLs children in the middle
+of their writes: forking keeps each round cheap (torch is imported and the model built once, for
+both formats)."""
 
 from __future__ import annotations
 
@@ -19,7 +20,7 @@ from workers.checkpoint import save_checkpoint
 
 
 def main() -> None:
-    run_dir, fmt, mb = sys.argv[1], sys.argv[2], float(sys.argv[3])
+    mb = float(sys.argv[1])
     torch.set_num_threads(1)  # no thread pool to inherit half-held across fork
     width = 1024
     layers = max(1, int(mb * 2**20 / 4 / (width * width)))
@@ -29,7 +30,8 @@ def main() -> None:
     opt.step()  # Adam state exists from here on: optimizer.pt is twice the model
     print("ready", flush=True)
     for line in sys.stdin:
-        version = int(line.split()[1])
+        _, v, fmt, run_dir = line.rstrip("\n").split(" ", 3)
+        version = int(v)
         pid = os.fork()
         if pid == 0:
             print(f"start {version} {os.getpid()}", flush=True)

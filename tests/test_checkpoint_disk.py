@@ -10,11 +10,14 @@ import os
 import subprocess
 from pathlib import Path
 
+import errno
+
 import pytest
+import torch
 from safetensors.torch import load_file
 
 from rlvla3.harness.jobs import Job
-from workers.checkpoint import latest_checkpoint
+from workers.checkpoint import CHECKPOINTS, latest_checkpoint, save_checkpoint
 
 pytestmark = pytest.mark.slow
 
@@ -33,15 +36,39 @@ def _fill(folder: Path) -> Path:
     return filler
 
 
-def _lines(job: Job, event: str) -> list[str]:
-    return [line for line in (job.run_dir / "trainer0.log").read_text().splitlines() if event in line]
-
-
-def test_a_full_disk_fails_checkpoints_loudly_and_training_goes_on(job_factory):
+def _need_root() -> None:
     if os.geteuid() != 0:
         if os.environ.get("CI") == "true":
             pytest.fail("CI runs as root: mounting a small tmpfs must work there")
         pytest.skip("needs root to mount a small tmpfs")
+
+
+def _lines(job: Job, event: str) -> list[str]:
+    return [line for line in (job.run_dir / "trainer0.log").read_text().splitlines() if event in line]
+
+
+def test_a_disk_that_fills_inside_the_optimizer_state_is_an_os_error(tmp_path: Path):
+    """The weights fit and the optimizer state does not: torch.save's own writer would raise a
+    RuntimeError with no errno, which a trainer does not take for a full disk."""
+    _need_root()
+    ckpts = tmp_path / CHECKPOINTS
+    ckpts.mkdir()
+    subprocess.run(["mount", "-t", "tmpfs", "-o", "size=1m", "tmpfs", str(ckpts)], check=True)
+    try:
+        model = torch.nn.Linear(256, 512)  # 0.5 MB of weights, 1 MB of Adam state
+        opt = torch.optim.Adam(model.parameters())
+        model(torch.zeros(1, 256)).sum().backward()
+        opt.step()
+        with pytest.raises(OSError) as exc:
+            save_checkpoint(tmp_path, model, opt, 1, {}, "run: {}\n")
+        assert exc.value.errno == errno.ENOSPC and "optimizer.pt" in str(exc.value), exc.value
+        assert list(ckpts.iterdir()) == []  # the refused save left nothing
+    finally:
+        subprocess.run(["umount", "-l", str(ckpts)], check=False)
+
+
+def test_a_full_disk_fails_checkpoints_loudly_and_training_goes_on(job_factory):
+    _need_root()
     job = job_factory("algo.checkpoint_every=1", "algo.keep_checkpoints=2", start=False)
     ckpts = job.run_dir / "checkpoints"
     ckpts.mkdir()

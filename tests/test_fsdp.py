@@ -182,10 +182,18 @@ def _lost_rank(rank: int, port: int, out_dir: str, sig: int) -> None:
             ended = "saved"
         except SystemExit as exc:
             ended = str(exc)
-    with open(f"{out_dir}/rank0.json", "w") as f:
+    with open(f"{out_dir}/rank0.json.tmp", "w") as f:
         json.dump({"ended": ended, "waited_s": time.monotonic() - t0, "group_lost": checkpoints.group_lost,
                    "events": [e["event"] for e in logs]}, f)
+    os.replace(f"{out_dir}/rank0.json.tmp", f"{out_dir}/rank0.json")  # the test reads it once it exists: whole
     os._exit(0)  # the group is broken: no teardown collective
+
+
+LOST_RANK_PRELOAD = [__name__, "workers.metrics", "workers.trainer_checkpoints", "workers.trainer_rounds",
+                     "structlog.testing", "torch.distributed.fsdp", "transformers.modeling_layers"]
+"""What a lost-rank case's ranks import (``wrap_fsdp`` imports the last two), imported once by the
+forkserver they fork from: a fresh interpreter per rank imports torch, DTensor and transformers
+again, for seconds each on two cores."""
 
 
 @pytest.mark.parametrize("sig", ["SIGKILL", "SIGSTOP"])  # a killed rank, and one whose host went silent
@@ -195,8 +203,9 @@ def test_a_rank_lost_during_a_collective_checkpoint_stops_the_other_within_the_t
     import signal
     import time
 
+    mp.get_context("forkserver").set_forkserver_preload(LOST_RANK_PRELOAD)
     ctx = mp.start_processes(_lost_rank, args=(_free_port(), str(tmp_path), int(getattr(signal, sig))), nprocs=2,
-                             join=False, start_method="spawn")
+                             join=False, start_method="forkserver")
     try:
         deadline = time.monotonic() + 120
         while not (tmp_path / "rank0.json").exists() and time.monotonic() < deadline and ctx.processes[0].is_alive():

@@ -14,6 +14,7 @@ import os
 import signal
 import subprocess
 import sys
+import threading
 import time
 from pathlib import Path
 
@@ -271,45 +272,79 @@ STOP_UNDER_LOAD_S = 15.0
 machine loaded (:func:`rlvla3.harness.load.machine_load`)."""
 
 
-@pytest.mark.parametrize("sig", [signal.SIGINT, signal.SIGTERM, signal.SIGHUP], ids=["SIGINT", "SIGTERM", "SIGHUP"])
-def test_stop_signals_end_run_cleanly_with_a_checkpoint_under_load(tmp_path: Path, sig: int):
-    """Under 4 busy processes per core and fsync'd 256 MB writes, as beside a package build, a
-    plot or the interpreter's teardown each take tens of seconds: the stop must wait for neither."""
-    run_dir = tmp_path / "run"
-    proc = start_run(run_dir, "algo.batch_steps=64", "algo.minibatch_size=32", "algo.epochs=1")
-    try:
-        info = broker_of(run_dir, proc)
+STOP_SIGNALS = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)
 
-        def trained() -> bool:
-            assert proc.poll() is None, proc.stderr.read()[-3000:]
+
+@pytest.fixture(scope="module")
+def stopped_under_load(tmp_path_factory) -> dict[int, dict]:
+    """One job per stop signal, started together and trained; then, under 4 busy processes per
+    core and fsync'd 256 MB writes (as beside a package build, a plot or the interpreter's
+    teardown each take tens of seconds: the stop must wait for neither), each job gets its signal
+    at the same moment. Per signal: the job's run folder, the broker's info, the processes it had,
+    how long it took to stop, its exit code and output, or why it did not stop. Started together,
+    the jobs share one start-up and one load; stopping together, each stops under more load than
+    one alone."""
+    base = tmp_path_factory.mktemp("stops")
+    jobs = {sig: {"run_dir": base / signal.Signals(sig).name} for sig in STOP_SIGNALS}
+    try:
+        for job in jobs.values():
+            job["proc"] = start_run(job["run_dir"], "algo.batch_steps=64", "algo.minibatch_size=32", "algo.epochs=1")
+        for job in jobs.values():
+            job["info"] = broker_of(job["run_dir"], job["proc"])
+
+        def trained(job: dict) -> bool:
+            assert job["proc"].poll() is None, job["proc"].stderr.read()[-3000:]
             try:
-                return request_status(info["bind"], timeout_s=2.0)["policy_version"] >= 1
+                return request_status(job["info"]["bind"], timeout_s=2.0)["policy_version"] >= 1
             except TimeoutError:
                 return False
 
-        wait_until(trained, 240, "a first policy version", 0.5)
-        procs = descendants(proc.pid)
+        for job in jobs.values():
+            wait_until(lambda: trained(job), 240, "a first policy version", 0.5)
+        for job in jobs.values():
+            job["procs"] = descendants(job["proc"].pid)
         with machine_load(STOP_UNDER_LOAD_S + 10):
             time.sleep(2.0)  # the load takes hold before the stop
             t0 = time.monotonic()
-            proc.send_signal(sig)
-            try:
-                out, err = proc.communicate(timeout=STOP_UNDER_LOAD_S)
-            except subprocess.TimeoutExpired:
-                raise AssertionError(f"rlvla3 run still running {STOP_UNDER_LOAD_S:.0f} s after {signal.Signals(sig).name} "
-                                     f"under load; threads: {_threads(proc.pid)}; still alive: "
-                                     f"{sorted(alive(procs).values())}; trainer log tail: "
-                                     f"{_tail(run_dir / 'trainer0.log')}") from None
-            took = time.monotonic() - t0
-            print(f"{signal.Signals(sig).name}: the job stopped {took:.1f} s after the signal, under load")
+            for sig, job in jobs.items():
+                job["proc"].send_signal(sig)
+
+            def stop(sig: int) -> None:
+                job = jobs[sig]
+                try:
+                    job["out"], job["err"] = job["proc"].communicate(timeout=max(0.0, t0 + STOP_UNDER_LOAD_S - time.monotonic()))
+                    job["took"] = time.monotonic() - t0
+                    sys.stdout.write(f"{signal.Signals(sig).name}: the job stopped {job['took']:.1f} s after the signal, under load\n")
+                except subprocess.TimeoutExpired:
+                    job["stuck"] = (f"rlvla3 run still running {STOP_UNDER_LOAD_S:.0f} s after {signal.Signals(sig).name} "
+                                    f"under load; threads: {_threads(job['proc'].pid)}; still alive: "
+                                    f"{sorted(alive(job['procs']).values())}; trainer log tail: "
+                                    f"{_tail(job['run_dir'] / 'trainer0.log')}")
+
+            threads = [threading.Thread(target=stop, args=(sig,)) for sig in jobs]  # each job's pipes drained at once
+            for t in threads:
+                t.start()
+            for t in threads:
+                t.join()
     finally:
-        kill_quietly(proc)
-    assert proc.returncode == 0, err[-3000:]
-    summary = json.loads(out.strip().splitlines()[-1])
+        for job in jobs.values():
+            if "proc" in job:
+                kill_quietly(job["proc"])
+    return jobs
+
+
+@pytest.mark.parametrize("sig", STOP_SIGNALS, ids=[signal.Signals(s).name for s in STOP_SIGNALS])
+def test_stop_signals_end_run_cleanly_with_a_checkpoint_under_load(stopped_under_load: dict[int, dict], sig: int):
+    job = stopped_under_load[sig]
+    if "stuck" in job:
+        raise AssertionError(job["stuck"])
+    run_dir, procs = job["run_dir"], job["procs"]
+    assert job["proc"].returncode == 0, job["err"][-3000:]
+    summary = json.loads(job["out"].strip().splitlines()[-1])
     assert summary["reason"] == "interrupted" and summary["shm_leftovers"] == 0, summary
     assert not alive(procs), sorted(alive(procs).values())
-    assert not segments_of_run(info["run_id"])
-    assert took < STOP_UNDER_LOAD_S
+    assert not segments_of_run(job["info"]["run_id"])
+    assert job["took"] < STOP_UNDER_LOAD_S
     # The trainer was told to stop (not killed) and checkpointed on its way out: --resume works.
     ckpt = latest_checkpoint(run_dir)
     assert ckpt is not None, (run_dir / "trainer0.log").read_text()[-3000:]

@@ -34,6 +34,7 @@ from __future__ import annotations
 
 import base64
 import errno
+import io
 import json
 import os
 import random
@@ -170,6 +171,35 @@ def _safetensors(write: Any, *args: Any, **kw: Any) -> None:
         raise OSError(int(code.group(1)) if code else errno.EIO, f"{args[1]}: {exc}") from exc
 
 
+class _WholeWrites(io.FileIO):
+    """A file whose ``write`` writes every byte or raises the ``OSError`` that stopped it, and
+    keeps that error: torch's writer turns a short write or a raised one into a RuntimeError
+    without an errno ("basic_ios::clear", "unexpected pos")."""
+
+    error: OSError | None = None
+
+    def write(self, data: Any) -> int:
+        view, done = memoryview(data).cast("B"), 0
+        try:
+            while done < len(view):
+                done += super().write(view[done:])  # a short write, then ENOSPC for the rest
+        except OSError as exc:
+            self.error = exc
+            raise
+        return done
+
+
+def _torch_save(obj: Any, path: Path) -> None:
+    """``torch.save`` whose I/O failure is an ``OSError`` with its errno, like every other write here."""
+    with _WholeWrites(path, "wb") as f:
+        try:
+            torch.save(obj, f)
+        except RuntimeError as exc:
+            if f.error is None:
+                raise
+            raise OSError(f.error.errno, f"{path}: {f.error.strerror}") from exc
+
+
 def _complete(folder: Path) -> bool:
     """A checkpoint folder renamed into place whole: its state reads and its weights are there."""
     try:
@@ -259,7 +289,7 @@ def save_checkpoint(
         if not lead:
             return final
         if fmt == "full" and optimizer is not None:
-            torch.save(osd, tmp / "optimizer.pt")
+            _torch_save(osd, tmp / "optimizer.pt")
         state = {"format": FORMAT_VERSION, "layout": fmt, "version": int(version), "counters": dict(step_counters)}
         _write_text(tmp / "state.json", json.dumps(state, indent=1, sort_keys=True))
         _write_text(tmp / "rng.json", json.dumps(rng_state()))
