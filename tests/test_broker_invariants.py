@@ -68,7 +68,7 @@ class Fabric:
     def tick(self, dt: float) -> None:
         adm = self.s.state.admission
         # The capacity rule written out, and the no-deadlock floor while less than a batch is in.
-        bound = (adm.max_staleness + adm.version + 1) * adm.batch_size - adm.admitted
+        bound = (adm.lag + adm.version + 1) * adm.batch_size - adm.admitted
         if adm.finished < adm.batch_size:
             bound = max(bound, MAX_BATCH)
         before = adm.in_flight
