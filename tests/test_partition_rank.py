@@ -8,16 +8,13 @@ from pathlib import Path
 
 import pytest
 
-from rlvla3.harness.faults import RANK_FAULTS, run_fault, start_job
+from rlvla3.harness.faults import CI_CUT_S, RANK_FAULTS, run_fault, start_job
 from rlvla3.harness.netns import unavailable
 
 REASON = unavailable()
 pytestmark = [pytest.mark.multihost, pytest.mark.timeout(900),
               pytest.mark.skipif(REASON is not None, reason=f"multihost: {REASON}")]
 
-CUT_S = 4.0
-"""Twice the broker's liveness window (``LIVENESS``: 2 s): long enough to be a real partition, with
-room to detect it before the heal on a loaded machine."""
 
 
 def test_one_trainer_rank_of_two_cut_off(tmp_path: Path):
@@ -25,11 +22,11 @@ def test_one_trainer_rank_of_two_cut_off(tmp_path: Path):
     on, and what they held is lost by the ledger's rule, within the admission window."""
     job = start_job(tmp_path, ranks=2)
     try:
-        out = run_fault(job, RANK_FAULTS[0], CUT_S, rate_window_s=0.5)
+        out = run_fault(job, RANK_FAULTS[0], CI_CUT_S, rate_window_s=0.5)
         print(out.row())
         assert not out.problems, (out.row(), job.logs())
         assert out.duplicated == 0 and out.lost <= job.lost_allowed, out.row()
-        assert out.detect_s is not None and out.detect_s < CUT_S, out.row()
+        assert out.detect_s is not None and out.detect_s < CI_CUT_S, out.row()
         assert out.version_after > out.version_before, out.row()
     finally:
         job.close()

@@ -54,6 +54,9 @@ from rlvla3.status_client import DeadlinePassed, wait_until
 
 LIVENESS = ("broker.heartbeat_s=0.5", "broker.liveness=4")
 """A peer silent for 2 s is gone: a cut of a few seconds is a real partition, not a hiccup."""
+CI_CUT_S = 4.0
+"""The tests' cut: twice the broker's liveness window (``LIVENESS``: 2 s), long enough to be a real
+partition, with room to detect it before the heal on a loaded machine."""
 FAULTS = ("simulator_host_cut", "generator_host_cut", "broker_host_cut", "broker_restart")
 """The faults of the one-rank job."""
 RANK_FAULTS = ("trainer_rank_cut",)
