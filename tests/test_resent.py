@@ -68,7 +68,7 @@ def test_a_fragment_resent_after_a_broker_restart_is_acked_as_a_duplicate_not_tr
     fig = job.wait(lambda f: f["workers"] == whole, 30, "the workers to rejoin the new broker")
     # The simulator re-sends on its rejoin; the trainer's next metrics row counts the copies it knew,
     # and their acks reach the new broker with the fate duplicate.
-    fig = job.wait(lambda f: f["trainer"].get("duplicates", 0) >= 1 and f["acked_steps"].get("duplicate", 0) > 0, 20,
+    fig = job.wait(lambda f: f["trainer"].get("duplicates", 0) >= 1 and f["acked_steps"].get("duplicate", 0) > 0, 45,
                    "the trainer to know the re-sent fragments (otherwise it trains them twice)")
     assert not ledger_problems(fig, old), (ledger_problems(fig, old), fig["acked_steps"], old["acked_steps"])
     assert not ledger_problems(old), old["acked_steps"]
