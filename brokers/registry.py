@@ -90,16 +90,15 @@ class Registry:
         self._next_id += 1
         return self._next_id
 
-    def trainer_rank(self, claimed: int | None, world: int) -> int:
+    def trainer_rank(self, claimed: int | None) -> int:
         """The rank a joining trainer gets: the one it names (a trainer of a formed group keeps
-        its rank through a broker restart, whichever rank comes back first), else the lowest free."""
+        its rank through a broker restart, whichever rank comes back first), else the lowest free.
+        Whether it fits the group is the caller's rule (``workers.trainers``)."""
         ranks = {w.rank for w in self.of_role("trainer")}
         if claimed is None:
             return next(r for r in range(len(ranks) + 1) if r not in ranks)
-        if claimed >= world or claimed in ranks:
-            raise P.ProtocolError(P.E_STATE, f"trainer rank {claimed} cannot join: "
-                                             + ("it has joined already" if claimed in ranks else
-                                                f"the group has {world} ranks (workers.trainers)"))
+        if claimed in ranks:
+            raise P.ProtocolError(P.E_STATE, f"trainer rank {claimed} cannot join: it has joined already")
         return claimed
 
     def add(self, w: Worker) -> None:

@@ -148,7 +148,7 @@ class BrokerState:
             w.credits = int(msg.get("credits", 64))
             # A trainer of a formed group (rejoining a restarted broker) names its rank: fragments go
             # by rank (``trajectories.home_rank``), and WEIGHTS only from rank 0.
-            w.rank = old.rank if old is not None else self.registry.trainer_rank(msg.get("rank"), self.world)
+            w.rank = old.rank if old is not None else self.registry.trainer_rank(msg.get("rank"))
             if w.rank >= self.world:
                 return out + self.reject(identity, P.E_STATE, f"the trainer group is full: workers.trainers="
                                          f"{self.cfg.workers.trainers} ranks have joined (start the broker with a "
