@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import os
 import signal
+import time
 
 import pytest
 
@@ -23,10 +24,11 @@ from rlvla3.status_client import DeadlinePassed
 pytestmark = pytest.mark.timeout(120)
 
 LIVENESS = ("broker.heartbeat_s=0.5", "broker.liveness=6")
-"""A peer silent for 3 s is gone: the trainer's stop (at most 1.6 s, after at most 0.5 s since
-the broker's last message) stays inside it, so the broker keeps the trainer in, and the trainer,
-let go on, reads what the old broker sent before it finds the broker silent and reopens its
-socket (which would drop those messages)."""
+SILENT_S = 0.5 * 6
+"""A peer silent for 3 s is gone. The trainer stays stopped longer than that, as a paused or
+starved process may: let go on, it must read what the old broker sent before it finds that
+broker silent and reopens its socket, which would drop those messages (``workers/base.py``,
+the last call before the verdict)."""
 
 
 def _stopped_holding_unacked(job: Job, trainer: int, name: str = "trainer0", tries: int = 8) -> dict:
@@ -58,9 +60,11 @@ def test_a_fragment_resent_after_a_broker_restart_is_acked_as_a_duplicate_not_tr
     fig = job.wait(lambda f: f["trainer_version"] >= 1 and f["workers"]["simulator"] == 1, 90, "the job training")
     trainer = per_worker(fig, "trainer0")["pid"]
     old = _stopped_holding_unacked(job, trainer)
+    stopped_at = time.monotonic()
     try:
         job.broker_proc.send_signal(signal.SIGKILL)
         job.broker_proc.wait(10)
+        time.sleep(max(0.0, stopped_at + SILENT_S + 1.0 - time.monotonic()))  # the pause's length: the fault
     finally:
         os.kill(trainer, signal.SIGCONT)
     job.start_broker(job.endpoint, "tcp://127.0.0.1:0")

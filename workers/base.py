@@ -323,7 +323,11 @@ class WorkerBase:
                 if now - self._last_send >= self.hb_s:
                     self.send(P.HEARTBEAT, self.heartbeat_fields())
                 if now - self._last_recv > self.hb_s * self.liveness:
-                    self._reconnect()
+                    # A last call before the verdict: a worker that was paused or starved (SIGSTOP,
+                    # a loaded host) between turns may hold the broker's messages unread, and
+                    # reopening the socket would drop them.
+                    if not self.sock.poll(int(self.hb_s * 1000), zmq.POLLIN):
+                        self._reconnect()
                     continue
                 if self._started:
                     self.tick(now)
