@@ -26,19 +26,16 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import shlex
 import subprocess
-import sys
 import time
 from pathlib import Path
 from typing import Any
 
 import numpy as np
 
-from rlvla3.harness.bench import OUT_DIR, emit_to, parse_bench_args, save_figure, subplots
-from rlvla3.harness.jobs import json_lines
-from rlvla3.lifetime import launcher_env
+from rlvla3.harness.bench import OUT_DIR, emit_to, note, parse_bench_args, save_figure, subplots
+from rlvla3.harness.jobs import json_lines, start_cli
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -60,7 +57,7 @@ def run_one(env: str, mode: str, seed: int, steps: int, folder: Path, timeout_s:
         done = json.loads(result_path.read_text())
         if done.get("steps") == steps:
             return {**done, **summarise(job, steps)}  # figures read again from the run's own files
-    args = [sys.executable, "-m", "rlvla3", "run", f"configs/gym_{env}_ppo.yaml", "--steps", str(steps),
+    args = ["run", f"configs/gym_{env}_ppo.yaml", "--steps", str(steps),
             "--run-dir", str(job), "--set", f"run.mode={mode}", "--set", f"run.seed={seed}"]
     folder.mkdir(parents=True, exist_ok=True)
     if job.exists():
@@ -69,8 +66,7 @@ def run_one(env: str, mode: str, seed: int, steps: int, folder: Path, timeout_s:
         shutil.rmtree(job)  # an unfinished attempt's metrics must not count
     t0 = time.monotonic()
     with open(folder / "run.log", "w") as log:
-        proc = subprocess.Popen(args, cwd=ROOT, stdout=log, stderr=subprocess.STDOUT,
-                                env={**os.environ, **launcher_env()})
+        proc = start_cli(*args, cwd=ROOT, stdout=log, stderr=subprocess.STDOUT)
         try:
             rc = proc.wait(timeout_s)
         except subprocess.TimeoutExpired:
@@ -78,7 +74,7 @@ def run_one(env: str, mode: str, seed: int, steps: int, folder: Path, timeout_s:
             rc = proc.wait(120)
     out = summarise(job, steps)
     out.update(env=env, mode=mode, seed=seed, steps=steps, rc=rc, wall_s=round(time.monotonic() - t0, 1),
-               command=shlex.join(["python", "-m", "rlvla3", *args[3:]]))
+               command=shlex.join(["python", "-m", "rlvla3", *args]))
     if rc == 0 and out["episodes"] > 0 and (out["env_steps"] or 0) >= steps:  # a run stopped early reruns
         result_path.write_text(json.dumps(out))
     return out
@@ -242,8 +238,8 @@ def main() -> None:
         for seed in args.seeds:
             for mode in args.modes:  # alternating modes, one run at a time
                 r = run_one(env, mode, seed, args.steps, out / env / mode / f"seed{seed}", args.timeout, args.fresh)
-                print(f"{ENVS[env]} {mode} seed={seed}: final_return={r['final_return']} episodes={r['episodes']} "
-                      f"steps/s={r['steps_per_s']} rc={r['rc']}", file=sys.stderr)
+                note(f"{ENVS[env]} {mode} seed={seed}: final_return={r['final_return']} episodes={r['episodes']} "
+                     f"steps/s={r['steps_per_s']} rc={r['rc']}")
                 results.append(r)
     pngs = []
     for env in args.envs:
