@@ -4,11 +4,9 @@ One real job (broker + simulators + 1 generator + 1 trainer, separate processes)
 once; the sweep reconfigures it live (``rlvla3.app.launch.request_tune``: a TUNE from a ``client``)
 to each ``max_batch`` x ``max_wait_ms`` grid point and measures env steps/s over a window. Then
 it sets the worst grid point, turns ``batching.adaptive`` on with the grid's bounds, and measures
-what the controller reaches (median of ``--adaptive-runs`` runs, each from the worst point).
-With ``--change-profile P`` it then swaps the simulators for ones stepping on profile P, live,
-and follows how fast the controller settles (``--change-reference`` P's own sweep JSON: how close
-to P's best point it ends). Writes ``batching_sweep.png`` (the heat map) and
-``batching_sweep.json`` under ``--out``.
+what the controller reaches (median of ``--adaptive-runs`` runs, each from the worst point;
+how fast it re-adapts when the load changes is ``tests/test_adaptive.py``'s). Writes
+``batching_sweep.png`` (the heat map) and ``batching_sweep.json`` under ``--out``.
 
     python bench/broker/batching_sweep.py --quick                    # 3x3 grid + adaptive, < 3 min
     python bench/broker/batching_sweep.py --profile replay:bench/out/profile.json
@@ -24,13 +22,12 @@ so that a window holds hundreds of batches. Profiles: ``bimodal`` (configs/synth
 from __future__ import annotations
 
 import argparse
-import json
 import statistics
 import tempfile
 import time
 from pathlib import Path
 
-from rlvla3.app.launch import request_tune, stop_processes
+from rlvla3.app.launch import request_tune
 from rlvla3.config import load
 from rlvla3.harness.bench import emit_to, note, parse_bench_args, save_figure, subplots
 from rlvla3.harness.jobs import Job, start_job
@@ -101,26 +98,6 @@ def adaptive_run(job: Job, args: argparse.Namespace, worst: tuple[int, float]) -
             "controller": fig.get("controller"), "curve": curve}
 
 
-def profile_change(job: Job, args: argparse.Namespace) -> dict:
-    """Mid-run, the controller on: every simulator is replaced by one stepping on
-    ``--change-profile`` (the job goes on, the broker keeps its state); follow the rate. ``settle_s``:
-    when the 2 s rate first came within 5% of where it ends (the mean of the last three windows)."""
-    old = [p for p in job.workers if "simulator" in " ".join(map(str, p.args))]
-    lat = latency_option(args.change_profile)
-    for i in range(args.sims):
-        job.start_worker("simulator", f"simulator_changed{i}", ["--index", str(100 + i), "--set", f"env.options.latency={lat}"])
-    stop_processes(old)
-    curve = follow(job, args.change_follow)
-    end = statistics.mean(c["sps"] for c in curve[-3:])
-    settle = next(c["t_s"] for c in curve if c["sps"] >= 0.95 * end)
-    out = {"to": args.change_profile, "end_sps": round(end, 1), "settle_s": settle, "curve": curve}
-    if args.change_reference:  # that profile's own sweep: how close the controller came to its best point
-        ref = json.loads(Path(args.change_reference).read_text())
-        out.update(reference_best_sps=ref["best_grid_sps"], reference_best_grid=ref["best_grid"],
-                   end_vs_reference_best=round(end / ref["best_grid_sps"], 3))
-    return out
-
-
 def plot(grid: dict[str, float], batches: list[int], waits: list[float], adaptive_sps: float | None, path: Path) -> None:
     import numpy as np
 
@@ -153,9 +130,6 @@ def main() -> None:
     ap.add_argument("--adaptive-runs", type=int, default=3)
     ap.add_argument("--adaptive-window", type=float, default=2.0, help="batching.adaptive_window_s")
     ap.add_argument("--converge", type=float, default=24.0, help="seconds the controller gets before measuring")
-    ap.add_argument("--change-profile", default="", help="after the adaptive runs, switch the simulators to this profile live")
-    ap.add_argument("--change-follow", type=float, default=40.0, help="seconds followed after the switch")
-    ap.add_argument("--change-reference", default="", help="batching_sweep.json of the new profile (its best point)")
     args = parse_bench_args(ap, "3x3 grid, one adaptive run: under 3 minutes",
                             smoke_help="tiny run for CI (no timing value): 2x1 grid, short windows")
     if args.quick:
@@ -178,7 +152,6 @@ def main() -> None:
             worst_key = min(grid, key=grid.get)
             b, w = worst_key.split("x")
             runs = [adaptive_run(job, args, (int(b), float(w))) for _ in range(args.adaptive_runs)]
-            change = profile_change(job, args) if args.change_profile else None
         finally:
             job.stop()
     adaptive_sps = statistics.median(r["sps"] for r in runs)
@@ -192,7 +165,7 @@ def main() -> None:
         "best_grid_sps": grid[best_key], "worst_grid": {"max_batch": int(b), "max_wait_ms": float(w)},
         "worst_grid_sps": grid[worst_key], "spread": round(grid[best_key] / max(grid[worst_key], 1e-9), 3),
         "adaptive_sps": adaptive_sps, "adaptive_vs_best": round(adaptive_sps / max(grid[best_key], 1e-9), 3),
-        "adaptive_runs": runs, "profile_change": change, "window_s": args.window, "elapsed_s": round(time.monotonic() - t_start, 1),
+        "adaptive_runs": runs, "window_s": args.window, "elapsed_s": round(time.monotonic() - t_start, 1),
     }
     emit_to(out, "batching_sweep.json", result)
 

@@ -2,12 +2,12 @@
 beside two floors measured in the same run: a raw pyzmq DEALER<->ROUTER echo, and a raw relay
 of the same topology (simulator -> relay -> echo -> relay -> simulator, pyzmq and no logic).
 
-    python bench/broker/latency.py --quick     # --rate 150 --transport shm|inline --generator echo|policy --curve
+    python bench/broker/latency.py --quick     # --rate 150 --curve
 
-What runs: a real broker (16x16 images, ``max_batch`` 1, ``max_wait_ms`` 0) with one generator:
-by default the echo peer (``rlvla3/harness/echo.py``: zeros for each BATCH, no forward pass, so
-the figure is the broker's own cost), with ``--generator policy`` a real generator worker with a
-small mlp. This process is a simulator with many slots. Request ``i`` is due at ``t0 + i/rate``
+What runs: a real broker (16x16 images, ``max_batch`` 1, ``max_wait_ms`` 0) with one generator,
+the echo peer (``rlvla3/harness/echo.py``: zeros for each BATCH, no forward pass, so the figure
+is the broker's own cost). This process is a simulator with many slots whose observations lie in
+shared memory, as a same-host simulator's do. Request ``i`` is due at ``t0 + i/rate``
 and goes out on a free slot (waiting for one is part of its latency); latency counts from when
 it was *due* (wrk2's cure for coordinated omission), in an HdrHistogram in us. Both floors run the
 same client code and frames; rounds alternate raw, relay and broker so that a noisy neighbour
@@ -42,48 +42,38 @@ from rlvla3.harness.bench import (
 from rlvla3.harness.echo import ECHO
 from rlvla3.harness.jobs import Job, generator_serving, start_job
 from rlvla3.harness.peer import Peer, zmq_socket
-from rlvla3.observation import IMAGES, STATE, Observation
-from rlvla3.shm import ShmPool, host_id
+from rlvla3.observation import IMAGES, STATE
+from rlvla3.shm import ShmPool
 
 IMAGE = 16
 STATE_DIM = 4
 
 
 class Client:
-    """Builds OBS frames the way the simulator worker does (shm blocks per slot, or inline)."""
+    """Builds OBS frames the way the simulator worker does (a shared-memory block per slot)."""
 
-    def __init__(self, slots: int, n: int, transport: str, run_id: str, seed: int = 0) -> None:
+    def __init__(self, slots: int, n: int, run_id: str, seed: int = 0) -> None:
         self.slots = slots
         self.n = n
-        self.transport = transport
         rng = np.random.default_rng(seed)
         self.images = rng.integers(0, 256, (slots, n, IMAGE, IMAGE, 3), dtype=np.uint8)
         self.state = rng.standard_normal((slots, n, STATE_DIM)).astype(np.float32)
-        self.pool: ShmPool | None = None
-        self.blocks: list[tuple[int, int]] = []
-        if transport == "shm":
-            per = n * IMAGE * IMAGE * 3 + n * STATE_DIM * 4 + 128
-            self.pool = ShmPool(run_id, per * slots + 4096)
-            for _ in range(slots):
-                self.blocks.append((self.pool.alloc(n * IMAGE * IMAGE * 3), self.pool.alloc(n * STATE_DIM * 4)))
+        self.pool = ShmPool(run_id, (n * IMAGE * IMAGE * 3 + n * STATE_DIM * 4 + 128) * slots + 4096)
+        self.blocks = [(self.pool.alloc(n * IMAGE * IMAGE * 3), self.pool.alloc(n * STATE_DIM * 4)) for _ in range(slots)]
 
     def obs_frames(self, slot: int, req_id: int) -> list[Any]:
         img, st = self.images[slot], self.state[slot]
-        if self.pool is not None:
-            oi, os_ = self.blocks[slot]
-            self.pool.view(oi, "uint8", img.shape)[...] = img
-            self.pool.view(os_, "float32", st.shape)[...] = st
-            tensors = {names.tensor_name(IMAGES, "top"): self.pool.ref(oi, "uint8", img.shape),
-                       STATE: self.pool.ref(os_, "float32", st.shape)}
-        else:
-            tensors = Observation({"top": img}, st, ["reach the goal"] * self.n).to_tensors()
+        oi, os_ = self.blocks[slot]
+        self.pool.view(oi, "uint8", img.shape)[...] = img
+        self.pool.view(os_, "float32", st.shape)[...] = st
+        tensors = {names.tensor_name(IMAGES, "top"): self.pool.ref(oi, "uint8", img.shape),
+                   STATE: self.pool.ref(os_, "float32", st.shape)}
         fields = {"slot": slot, "req_id": req_id, "n": self.n, "instruction": ["reach the goal"] * self.n,
                   "episode_step": [1] * self.n, "env_steps": 0}
         return P.encode(P.OBS, fields, tensors)
 
     def close(self) -> None:
-        if self.pool is not None:
-            self.pool.close()
+        self.pool.close()
 
 
 class PhaseResult:
@@ -178,8 +168,7 @@ def open_loop(sock: zmq.Socket, client: Client, rate: float, duration_s: float, 
 
 
 def start_broker(args: argparse.Namespace, run_dir: Path, keys: str | None) -> Job:
-    """The broker, configured for one generator: the echo peer or, with ``--generator policy``,
-    a real generator worker with a small policy (state only: the image still travels)."""
+    """The broker, configured for one generator: the echo peer."""
     overrides = [
         "env.name=synthetic", f"env.options.image_size={IMAGE}", "env.num_envs=1", "env.slots=1",
         "model.family=mlp", "model.options.hidden=64", "model.chunk_size=1", "model.options.use_images=false",
@@ -198,11 +187,6 @@ def main() -> None:
     ap.add_argument("--rounds", type=int, default=8, help="raw/relay/broker rounds, alternating")
     ap.add_argument("--slots", type=int, default=64)
     ap.add_argument("--n", type=int, default=1, help="envs per request")
-    ap.add_argument("--transport", choices=("shm", "inline"), default="shm",
-                    help="observation tensors by shared memory (what a same-host simulator does) or inline")
-    ap.add_argument("--generator", choices=("echo", "policy"), default="echo",
-                    help="echo: a generator peer that answers zeros without a forward pass (the broker's own "
-                         "cost); policy: a real generator worker with a small mlp")
     ap.add_argument("--curve", action="store_true", help="CURVE on: the broker gets a key folder, every peer a key")
     ap.add_argument("--max-batch", type=int, default=1)
     ap.add_argument("--max-wait-ms", type=float, default=0.0)
@@ -229,11 +213,8 @@ def main() -> None:
     try:
         # -- start-up: broker + generator, echo server, relay + its echo; join as a simulator --
         job = start_broker(args, run_dir, keys)
-        if args.generator == "policy":
-            job.start_worker("generator", "generator0")
-        else:  # the broker's own cost: a peer that answers zeros without a forward pass
-            children.append(start_child([*ECHO, "generator", job.endpoint, "--credits", str(args.credits),
-                                         *(["--keys", keys] if keys else [])])[0])
+        children.append(start_child([*ECHO, "generator", job.endpoint, "--credits", str(args.credits),
+                                     *(["--keys", keys] if keys else [])])[0])
         echo, echo_ep = start_child([*ECHO, "echo"])
         children.append(echo)
         relay, relay_ep = start_child([*ECHO, "relay"])
@@ -246,17 +227,13 @@ def main() -> None:
         for sk, ep in ((esock, echo_ep), (rsock, relay_ep)):
             sk.connect(ep)
             socks.append(sk)
-        transport = args.transport
-        if transport == "shm" and welcome.get("broker_host") != host_id():
-            note("broker is on another shared-memory host: sending inline")
-            transport = "inline"
-        client = Client(args.slots, args.n, transport, str(welcome.get("run_id", "bench")))
+        client = Client(args.slots, args.n, str(welcome.get("run_id", "bench")))
 
         def drain_broker() -> None:
             sim.keepalive(every_s=0.0)  # the broker expires a silent worker after 3 x 1 s
 
         job.wait(lambda f: drain_broker() or generator_serving(f), 60, "the generator to serve")
-        note(f"fabric up in {time.monotonic() - t_start:.1f} s; generator={args.generator}, transport={transport}, "
+        note(f"fabric up in {time.monotonic() - t_start:.1f} s; echo generator, shm, "
              f"curve={bool(keys)}, rate={args.rate}/s, {args.rounds} x {args.duration} s per phase")
 
         # -- warm-up, then alternating rounds: raw echo, raw relay, broker ----------------------
@@ -307,24 +284,24 @@ def main() -> None:
             "p50_over_relay_by_round": [round(b.latency.get_value_at_percentile(50) / max(1, r.latency.get_value_at_percentile(50)), 2)
                                         for b, r in zip(rounds["broker"], rounds["relay"])],
             "target_p50_over_relay": 1.5, "target_p99_over_relay": 2.0,
-            "generator": args.generator, "curve": bool(keys),
+            "generator": "echo", "curve": bool(keys),
             "target_rate": args.rate,
             "achieved_rate": rate("broker"), "raw_achieved_rate": rate("raw"), "relay_achieved_rate": rate("relay"),
             "requests": done, "raw_requests": sum(x.done for x in rounds["raw"]),
             "relay_requests": sum(x.done for x in rounds["relay"]),
             "errors": sum(x.errors for x in rounds["broker"]),
             "rounds": args.rounds, "duration_s": args.duration, "slots": args.slots, "n": args.n,
-            "transport": transport, "spin_us": args.spin_us, "max_batch": args.max_batch, "max_wait_ms": args.max_wait_ms,
+            "transport": "shm", "spin_us": args.spin_us, "max_batch": args.max_batch, "max_wait_ms": args.max_wait_ms,
             "requests_seen_by_broker": status.get("requests", 0) - status0.get("requests", 0),
             "parts": parts,
             "wall_s": round(time.monotonic() - t_start, 1),
         }
         png = percentile_plot(
-            {f"broker, {args.generator} generator (p50 {s.get('p50')} us)": lat,
+            {f"broker, echo generator (p50 {s.get('p50')} us)": lat,
              f"raw pyzmq relay (p50 {ls.get('p50')} us)": relay_lat,
              f"raw pyzmq echo (p50 {rs.get('p50')} us)": raw_lat},
             out / "latency.png",
-            f"open-loop {args.rate:.0f} req/s, {transport}, max_batch {args.max_batch}, "
+            f"open-loop {args.rate:.0f} req/s, shm, max_batch {args.max_batch}, "
             f"max_wait {args.max_wait_ms} ms, CURVE {'on' if keys else 'off'} (latency from due time)",
         )
         result["png"] = str(png)

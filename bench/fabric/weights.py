@@ -121,7 +121,8 @@ def params_m(m: torch.nn.Module) -> float:
 
 
 def reader(args: argparse.Namespace) -> None:
-    """A serving loop with a WeightReceiver; reports swaps and serving figures over PUSH."""
+    """A serving loop with a WeightReceiver; reports swaps and serving figures over PUSH. ``args``:
+    the settings :meth:`Bench.run` hands it (``--child JSON``)."""
     torch.set_num_threads(1)
     sys.setswitchinterval(0.0005)  # as the workers do
     model = build_model(args.size, init=False, dtype=args.dtype).eval()
@@ -293,10 +294,9 @@ class Bench:
         self.events = []
         rid = "wb" + os.urandom(4).hex()
         names = [f"{size}-{n_readers}-{i}" for i in range(n_readers)]
-        procs = [start_child([__file__, "--child", "reader", "--size", size, "--name", n, "--pub", self.pub_ep,
-                              "--copy-threads", str(self.copy_threads), "--dtype", self.dtype,
-                              "--report", self.pull.getsockopt_string(zmq.LAST_ENDPOINT),
-                              *(["--host", "another-host"] if self.delta else [])], timeout_s=120, talk=True)[0]
+        settings = {"size": size, "pub": self.pub_ep, "report": self.pull.getsockopt_string(zmq.LAST_ENDPOINT),
+                    "copy_threads": self.copy_threads, "dtype": self.dtype, "host": "another-host" if self.delta else ""}
+        procs = [start_child([__file__, "--child", json.dumps({**settings, "name": n})], timeout_s=120, talk=True)[0]
                  for n in names]
         pub = WeightPublisher(model, rid, stream_bind="tcp://127.0.0.1:0" if self.delta else "", copy_threads=self.copy_threads,
                               delta=self.delta or "none")
@@ -382,22 +382,17 @@ class Bench:
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--child", choices=["reader"])
-    ap.add_argument("--size", default="tiny")
-    ap.add_argument("--name", default="")
-    ap.add_argument("--pub", default="")
-    ap.add_argument("--report", default="")
+    ap.add_argument("--child", help=argparse.SUPPRESS)  # a reader: its settings as JSON (Bench.run)
     ap.add_argument("--sizes", default="tiny,medium")
     ap.add_argument("--readers", default="1,2")
     ap.add_argument("--versions", type=int, default=4)
     ap.add_argument("--copy-threads", type=int, default=2, help="weights.copy_threads, both sides")
     ap.add_argument("--delta", choices=["none", "bf16"], help="readers on 'another host' read the stream; weights.delta")
     ap.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float32"], help="the model's parameters")
-    ap.add_argument("--host", default="", help="(reader) the host it claims to be on")
     args = parse_bench_args(ap, "the last of --sizes only, 1 reader, 2 versions (about a minute)",
                             smoke_help="tiny, 1 reader, 2 versions (seconds)")
-    if args.child == "reader":
-        return reader(args)
+    if args.child:
+        return reader(argparse.Namespace(**json.loads(args.child)))
     sizes = ["tiny"] if args.smoke else args.sizes.split(",")[-1:] if args.quick else args.sizes.split(",")
     readers = [1] if (args.smoke or args.quick) else [int(r) for r in args.readers.split(",")]
     versions = 2 if (args.quick or args.smoke) else args.versions

@@ -19,7 +19,7 @@ Simulators (``--sim``; each has its own default layout, flags override it):
 * ``metaworld``: ML1 pick-place, two cameras (corner, gripperPOV) at 128x128, chunks of 4.
 * ``libero``: LIBERO-Spatial, two cameras (agentview, wrist) at 128x128, chunks of 8. Its real
   resets (set the init state, then settle for 10 rendered steps: 1-3 s) are the long tail;
-  episodes are cut at ``--episode-steps`` so they recur within a window.
+  episodes are cut at 64 steps so they recur within a window.
 * ``maniskill``: PickCube, one camera at 128x128, chunks of 4.
 
 Stand-ins for a VLA's cost on 2 CPU cores: the generator's forward pass sleeps ``--forward-ms``
@@ -85,10 +85,7 @@ LAYOUTS = {
 
 def job_config(args: argparse.Namespace, mode: str = "async", train_cost_s: float = 0.0) -> JobConfig:
     layout = LAYOUTS[args.sim]
-    options = dict(layout.env_options)
-    if args.episode_steps:
-        options["max_episode_steps"] = args.episode_steps
-    sets = [f"env.options.{k}={v}" for k, v in options.items()]
+    sets = [f"env.options.{k}={v}" for k, v in layout.env_options.items()]
     return load(layout.config, [
         *sets, f"env.num_envs={args.envs}", f"env.slots={args.slots}", "env.fragment_len=16",
         "model.family=mlp", f"model.options={{forward_delay_ms: {args.forward_ms}, hidden: 64}}",
@@ -281,7 +278,6 @@ def parse_args() -> argparse.Namespace:
     ap.add_argument("--max-batch", type=int)
     ap.add_argument("--batch-steps", type=int, help="decisions per update")
     ap.add_argument("--max-staleness", type=int, default=4)
-    ap.add_argument("--episode-steps", type=int, help="env.options.max_episode_steps (default: the simulator's)")
     ap.add_argument("--forward-ms", type=float, default=20.0, help="generator forward time per batch")
     args = parse_bench_args(ap, "short windows: under 60 s in all (synthetic)")
     layout = LAYOUTS[args.sim]

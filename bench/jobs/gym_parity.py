@@ -26,18 +26,16 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import shlex
 import subprocess
-import sys
 import time
 from pathlib import Path
 from typing import Any
 
 import numpy as np
 
-from rlvla3.harness.bench import OUT_DIR
-from rlvla3.lifetime import launcher_env
+from rlvla3.harness.bench import OUT_DIR, emit_to, note, parse_bench_args, save_figure, subplots
+from rlvla3.harness.jobs import json_lines, start_cli
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -59,7 +57,7 @@ def run_one(env: str, mode: str, seed: int, steps: int, folder: Path, timeout_s:
         done = json.loads(result_path.read_text())
         if done.get("steps") == steps:
             return {**done, **summarise(job, steps)}  # figures read again from the run's own files
-    args = [sys.executable, "-m", "rlvla3", "run", f"configs/gym_{env}_ppo.yaml", "--steps", str(steps),
+    args = ["run", f"configs/gym_{env}_ppo.yaml", "--steps", str(steps),
             "--run-dir", str(job), "--set", f"run.mode={mode}", "--set", f"run.seed={seed}"]
     folder.mkdir(parents=True, exist_ok=True)
     if job.exists():
@@ -68,8 +66,7 @@ def run_one(env: str, mode: str, seed: int, steps: int, folder: Path, timeout_s:
         shutil.rmtree(job)  # an unfinished attempt's metrics must not count
     t0 = time.monotonic()
     with open(folder / "run.log", "w") as log:
-        proc = subprocess.Popen(args, cwd=ROOT, stdout=log, stderr=subprocess.STDOUT,
-                                env={**os.environ, **launcher_env()})
+        proc = start_cli(*args, cwd=ROOT, stdout=log, stderr=subprocess.STDOUT)
         try:
             rc = proc.wait(timeout_s)
         except subprocess.TimeoutExpired:
@@ -77,7 +74,7 @@ def run_one(env: str, mode: str, seed: int, steps: int, folder: Path, timeout_s:
             rc = proc.wait(120)
     out = summarise(job, steps)
     out.update(env=env, mode=mode, seed=seed, steps=steps, rc=rc, wall_s=round(time.monotonic() - t0, 1),
-               command=shlex.join(["python", "-m", "rlvla3", *args[3:]]))
+               command=shlex.join(["python", "-m", "rlvla3", *args]))
     if rc == 0 and out["episodes"] > 0 and (out["env_steps"] or 0) >= steps:  # a run stopped early reruns
         result_path.write_text(json.dumps(out))
     return out
@@ -85,14 +82,8 @@ def run_one(env: str, mode: str, seed: int, steps: int, folder: Path, timeout_s:
 
 def summarise(job: Path, steps: int) -> dict[str, Any]:
     """Curve points and figures from the trainer's per-update lines."""
-    rows = []
-    path = job / "trainer_metrics.jsonl"
-    for line in (path.read_text().splitlines() if path.is_file() else []):
-        try:
-            rows.append(json.loads(line))
-        except json.JSONDecodeError:
-            pass
-    rows = [r for r in rows if r.get("episodes", 0) > 0 and np.isfinite(r.get("return_mean_batch", np.nan))]
+    rows = [r for r in json_lines(job / "trainer_metrics.jsonl")
+            if r.get("episodes", 0) > 0 and np.isfinite(r.get("return_mean_batch", np.nan))]
     t0 = rows[0]["elapsed_s"] if rows else 0.0
     curve = {"steps": [int(r["env_steps_consumed"]) for r in rows],
              "seconds": [round(r["elapsed_s"] - t0, 2) for r in rows],
@@ -105,13 +96,7 @@ def summarise(job: Path, steps: int) -> dict[str, Any]:
 def throughput(path: Path) -> dict[str, Any]:
     """Env steps and env steps per second over the whole run, from its first env step (the
     launcher's progress lines; process start-up is not charged)."""
-    rows = []
-    for line in (path.read_text().splitlines() if path.is_file() else []):
-        try:
-            rows.append(json.loads(line))
-        except json.JSONDecodeError:
-            pass
-    stepped = [r for r in rows if r.get("env_steps", 0) > 0]
+    stepped = [r for r in json_lines(path) if r.get("env_steps", 0) > 0]
     if len(stepped) < 2:
         return {"env_steps": stepped[-1]["env_steps"] if stepped else 0, "steps_per_s": None}
     a, b = stepped[0], stepped[-1]
@@ -175,12 +160,7 @@ def mean_or_none(xs: list[float | None]) -> float | None:
 
 
 def plot(env: str, results: list[dict[str, Any]], path: Path) -> None:
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    fig, axes = plt.subplots(1, 2, figsize=(11, 4))
+    fig, axes = subplots(1, 2, figsize=(11, 4))
     colours = {"sync": "tab:blue", "async": "tab:orange"}
     for r in results:
         c = r["curve"]
@@ -201,9 +181,7 @@ def plot(env: str, results: list[dict[str, Any]], path: Path) -> None:
         ax.grid(alpha=0.3)
     axes[0].legend(fontsize=7)
     fig.suptitle(f"{ENVS[env]}: rlvla3 PPO, sync vs async")
-    fig.tight_layout()
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
+    save_figure(fig, path, 110)
 
 
 def smooth(ys: list[float], k: int = 5) -> np.ndarray:
@@ -247,10 +225,8 @@ def main() -> None:
     ap.add_argument("--steps", type=int, default=1_000_000, help="env steps per run")
     ap.add_argument("--timeout", type=float, default=7200.0, help="seconds per run before it is stopped")
     ap.add_argument("--fresh", action="store_true", help="rerun runs that already left a result")
-    ap.add_argument("--quick", action="store_true", help="Hopper-v4, seed 0, 10k steps per mode")
-    ap.add_argument("--smoke", action="store_true", help="tiny run for CI (no learning value)")
-    ap.add_argument("--out", default=f"{OUT_DIR}/gym_parity")
-    args = ap.parse_args()
+    args = parse_bench_args(ap, "Hopper-v4, seed 0, 10k steps per mode", smoke_help="tiny run for CI (no learning value)",
+                            out=f"{OUT_DIR}/gym_parity")
     if args.quick or args.smoke:
         args.envs, args.seeds = ["hopper"], [0]
         args.steps = 4096 if args.smoke else 10_240
@@ -262,8 +238,8 @@ def main() -> None:
         for seed in args.seeds:
             for mode in args.modes:  # alternating modes, one run at a time
                 r = run_one(env, mode, seed, args.steps, out / env / mode / f"seed{seed}", args.timeout, args.fresh)
-                print(f"{ENVS[env]} {mode} seed={seed}: final_return={r['final_return']} episodes={r['episodes']} "
-                      f"steps/s={r['steps_per_s']} rc={r['rc']}", file=sys.stderr)
+                note(f"{ENVS[env]} {mode} seed={seed}: final_return={r['final_return']} episodes={r['episodes']} "
+                     f"steps/s={r['steps_per_s']} rc={r['rc']}")
                 results.append(r)
     pngs = []
     for env in args.envs:
@@ -283,8 +259,7 @@ def main() -> None:
     report = {"final_return": final, "steps_per_s": speed, "agreement": agree, "steps": args.steps, "seeds": args.seeds,
               "runs": [{k: v for k, v in r.items() if k != "curve"} for r in results],
               "png": pngs, "table": str(out / "parity.md"), "out": str(out)}
-    (out / "results.json").write_text(json.dumps(report, indent=1))
-    print(json.dumps(report))
+    emit_to(out, "results.json", report)
 
 
 if __name__ == "__main__":

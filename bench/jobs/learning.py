@@ -32,7 +32,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import shutil
 import signal
 import subprocess
@@ -44,8 +43,7 @@ from typing import Any
 import numpy as np
 
 from rlvla3.harness.bench import OUT_DIR, emit_to, parse_bench_args, save_figure, subplots
-from rlvla3.harness.jobs import json_lines
-from rlvla3.lifetime import launcher_env
+from rlvla3.harness.jobs import json_lines, run_cli, start_cli
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -60,13 +58,11 @@ def run_job(mode: str, seed: int, steps: int, run_dir: Path, overrides: list[str
     """One ``rlvla3 run``; with ``target``, interrupted (SIGINT, a clean stop) once it is reached."""
     if run_dir.exists():
         shutil.rmtree(run_dir)  # a previous job's metrics must not count
-    args = [sys.executable, "-m", "rlvla3", "run", config, "--steps", str(steps), "--run-dir", str(run_dir),
+    args = ["run", config, "--steps", str(steps), "--run-dir", str(run_dir),
             "--set", f"run.mode={mode}", "--set", f"run.seed={seed}", "--set", "run.progress_every_s=0.5"]
     for o in overrides:
         args += ["--set", o]
-    # The job ends with this script (rlvla3/lifetime.py), also when it is killed.
-    proc = subprocess.Popen(args, cwd=ROOT, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True,
-                            env={**os.environ, **launcher_env()})
+    proc = start_cli(*args, cwd=ROOT, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
     metrics = run_dir / "metrics.jsonl"
     deadline = time.monotonic() + timeout_s
     try:
@@ -96,11 +92,13 @@ the same starts, so its figure extends the eval curve's last point to more episo
 
 def warm_start(config: str, seed: int, out: Path, overrides: list[str], episodes: int, epochs: int, lr: float) -> dict[str, Any]:
     """``rlvla3 sft`` once for a seed; returns its figures (``sft.json``)."""
-    args = [sys.executable, "-m", "rlvla3", "sft", config, "--out", str(out), "--episodes", str(episodes),
+    args = ["sft", config, "--out", str(out), "--episodes", str(episodes),
             "--epochs", str(epochs), "--lr", str(lr), "--eval-episodes", "0", "--set", f"run.seed={seed}"]
     for o in overrides:
         args += ["--set", o]
-    subprocess.run(args, cwd=ROOT, check=True, stdout=subprocess.DEVNULL, env={**os.environ, **launcher_env()})
+    done = run_cli(*args, timeout=None, cwd=ROOT)
+    if done.returncode:
+        raise RuntimeError(f"rlvla3 sft exited with {done.returncode}; its stderr ends:\n{done.stderr[-2000:]}")
     return json.loads((out / "sft.json").read_text())
 
 

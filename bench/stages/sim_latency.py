@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import argparse
 import importlib.util
-import json
 import os
 import time
 from pathlib import Path
@@ -23,7 +22,12 @@ os.environ.setdefault("MUJOCO_GL", "egl")
 
 import numpy as np
 
-from rlvla3.harness.bench import new_hist, parse_bench_args, percentile_plot
+from rlvla3.harness.bench import emit_to, new_hist, parse_bench_args, percentile_plot
+
+CHUNK = 8
+"""Action chunk length of the per-chunk latency (``chunk_p50_ms``): steps summed per chunk."""
+CASE_BUDGET_S = 20.0
+"""Most seconds measured per case (without ``--quick``)."""
 
 # case -> (adapter, python package it needs, adapter options)
 CASES: dict[str, tuple[str, str, dict[str, Any]]] = {
@@ -38,8 +42,7 @@ CASES: dict[str, tuple[str, str, dict[str, Any]]] = {
 }
 
 
-def measure(adapter: str, options: dict[str, Any], num_envs: int, steps: int, chunk: int,
-            budget_s: float) -> tuple[dict[str, Any], np.ndarray, Any]:
+def measure(adapter: str, options: dict[str, Any], num_envs: int, steps: int, budget_s: float) -> tuple[dict[str, Any], np.ndarray, Any]:
     """Step ``num_envs`` envs with random actions; per-call latency (s) and a summary."""
     from workers.envs.base import make_env
 
@@ -63,7 +66,7 @@ def measure(adapter: str, options: dict[str, Any], num_envs: int, steps: int, ch
             lat.append(dt)
             hist.record_value(max(1, int(dt * 1e6)))
             acc += dt
-            if (k + 1) % chunk == 0:
+            if (k + 1) % CHUNK == 0:
                 chunk_hist.record_value(max(1, int(acc * 1e6)))
                 acc = 0.0
             done = [i for i, d in zip(ids, res.terminated | res.truncated) if d]
@@ -93,11 +96,8 @@ def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--num-envs", type=int, default=4, help="N for the N-envs-per-worker run")
     ap.add_argument("--steps", type=int, default=300, help="step calls per case (time-capped)")
-    ap.add_argument("--chunk", type=int, default=8, help="action chunk length for per-chunk latency")
-    ap.add_argument("--case-budget-s", type=float, default=20.0, help="max measuring time per case")
-    ap.add_argument("--cases", default="", help="comma list of cases (default: all)")
-    ap.add_argument("--save-profile", type=Path, default=None, help="write per-step latencies for the synthetic env")
-    ap.add_argument("--profile-case", default="", help="case saved by --save-profile (default: first measured rgb)")
+    ap.add_argument("--save-profile", type=Path, default=None,
+                    help="write the first measured rgb case's per-step latencies for the synthetic env")
     args = parse_bench_args(ap, "few steps, 1 env, state + Meta-World rgb; < 60 s",
                             smoke_help="tiny run for CI (no timing value): one case, a dozen steps")
     args.out = Path(args.out)
@@ -108,13 +108,13 @@ def main() -> int:
     t_start = time.perf_counter()
     total_budget = 35.0 if args.quick else float("inf")
     steps = 60 if args.quick else args.steps
-    budget = 3.0 if args.quick else args.case_budget_s
+    budget = 3.0 if args.quick else CASE_BUDGET_S
     counts = [1] if args.quick else sorted({1, args.num_envs})
     quick_cases = ["metaworld_state", "metaworld_rgb", "maniskill_state", "libero_state"]
     if args.smoke:  # the first quick case only, a dozen steps: the script end to end
         total_budget, steps, budget, counts = 20.0, 12, 1.0, [1]
         quick_cases = quick_cases[:1]
-    wanted = [c for c in args.cases.split(",") if c] or (quick_cases if args.quick or args.smoke else list(CASES))
+    wanted = quick_cases if args.quick or args.smoke else list(CASES)
     results: dict[str, Any] = {}
     samples: dict[str, np.ndarray] = {}
     hists: dict[str, Any] = {}
@@ -129,7 +129,7 @@ def main() -> int:
                 results[key] = {"skipped": "--quick time budget"}
                 continue
             try:
-                summary, arr, hist = measure(adapter, options, n, steps, args.chunk, budget)
+                summary, arr, hist = measure(adapter, options, n, steps, budget)
             except Exception as exc:  # noqa: BLE001 - one broken simulator must not hide the others
                 results[key] = {"skipped": f"{type(exc).__name__}: {str(exc).splitlines()[0][:200]}"}
                 continue
@@ -139,12 +139,10 @@ def main() -> int:
     if samples:
         percentile_plot(hists, args.out / "sim_latency.png", "simulator step latency (CPU; one call over all envs)")
     if args.save_profile is not None and samples:
-        pick = args.profile_case or next((k for k in samples if "rgb" in k), next(iter(samples)))
-        if pick in samples:
-            save_latency_profile(args.save_profile, samples[pick], sim=pick, **{
-                k: v for k, v in results[pick].items() if k in ("num_envs", "p50_ms", "p99_ms")})
-    (args.out / "sim_latency.json").write_text(json.dumps(results, indent=2))
-    print(json.dumps(results))
+        pick = next((k for k in samples if "rgb" in k), next(iter(samples)))
+        save_latency_profile(args.save_profile, samples[pick], sim=pick, **{
+            k: v for k, v in results[pick].items() if k in ("num_envs", "p50_ms", "p99_ms")})
+    emit_to(args.out, "sim_latency.json", results)
     return 0
 
 

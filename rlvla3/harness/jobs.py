@@ -26,7 +26,7 @@ SMALL_JOB = (
 per role: quick on a 2-core machine."""
 
 
-def run_command(argv: list[str], timeout: float = 240, env: dict[str, str] | None = None,
+def run_command(argv: list[str], timeout: float | None = 240, env: dict[str, str] | None = None,
                 **popen: Any) -> subprocess.CompletedProcess:
     """``argv`` run to its end as a user runs it, but ending with this process
     (``rlvla3/lifetime.py``); stdout and stderr captured as text. ``env`` adds to this one's."""
@@ -34,9 +34,14 @@ def run_command(argv: list[str], timeout: float = 240, env: dict[str, str] | Non
                           env={**os.environ, **(env or {}), **launcher_env()}, **popen)
 
 
-def run_cli(*args: str, timeout: float = 240, **popen: Any) -> subprocess.CompletedProcess:
+def run_cli(*args: str, timeout: float | None = 240, **popen: Any) -> subprocess.CompletedProcess:
     """``python -m rlvla3 ARGS`` through :func:`run_command`: the real entry point."""
     return run_command([sys.executable, "-m", "rlvla3", *args], timeout, **popen)
+
+
+def start_cli(*args: str, **popen: Any) -> subprocess.Popen:
+    """``python -m rlvla3 ARGS`` started, not waited for; it ends with this process, also when this one is killed."""
+    return subprocess.Popen([sys.executable, "-m", "rlvla3", *args], env={**os.environ, **launcher_env()}, **popen)
 
 
 def last_json(stdout: str) -> Any:
