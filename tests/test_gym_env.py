@@ -7,6 +7,7 @@ family must judge whatever a user registers, so the test registers what a user m
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import subprocess
 import sys
@@ -109,17 +110,12 @@ def test_time_limit_is_a_truncation_and_nan_ends_the_episode_counted() -> None:
     bad.close()
 
 
-def test_truncated_fragment_bootstraps_from_the_value_of_its_last_observation() -> None:
-    """Adapter -> trajectory fragment -> learner -> GAE: a time-limit end is bootstrapped with
-    V(final observation), a termination is not."""
-    from rlvla3.observation import Observation
-    from workers.algorithms.update import TrainState, _gae
+def _cartpole_batch(cfg, policy):
+    """Two 3-step CartPole fragments through adapter -> trajectory fragment -> learner: the first
+    ends at the time limit (truncated), the second is ended as a termination."""
     from workers.learner import Fragment, Learner, build_batch
-    from workers.model import build_policy
     from workers.trajectory import EnvTrajectory, StepRecord
 
-    cfg = gym_cfg("CartPole-v1", "env.options.max_episode_steps=3", "algo.lam=1.0")
-    policy = build_policy(cfg)
     env = make_env("gymnasium", 1, seed=0, options=cfg.env.options)
     obs = env.reset([0], [7])
     learner = Learner(cfg)
@@ -140,14 +136,48 @@ def test_truncated_fragment_bootstraps_from_the_value_of_its_last_observation() 
         header, tensors = tr.fragment(obs, False)
         learner.add(Fragment(header, tensors))
         obs = env.reset([0], [7])
-    batch = build_batch(learner.take(6), 0, cfg)
-    _adv, ret = _gae(TrainState.build(policy, cfg.algo), batch, cfg.algo)
+    env.close()
+    return build_batch(learner.take(6), 0, cfg)
+
+
+def test_truncated_fragment_bootstraps_from_the_value_of_its_last_observation() -> None:
+    """A time-limit end is bootstrapped with V(final observation), a termination is not."""
+    from rlvla3.observation import Observation
+    from workers.algorithms.update import TrainState, _gae
+    from workers.model import build_policy
+
+    cfg = gym_cfg("CartPole-v1", "env.options.max_episode_steps=3", "algo.lam=1.0")
+    policy = build_policy(cfg)
+    batch = _cartpole_batch(cfg, policy)
+    _adv, ret = _gae(TrainState.build(policy, cfg.algo), batch, batch.samples["values"], cfg.algo)
     with torch.no_grad():
         v_last = float(policy.evaluate(Observation.concat([batch.bootstrap["obs"].select([0])]),
                                        batch.bootstrap["actions"][:1], {}).value[0])
     assert ret[2].item() == pytest.approx(1.0 + cfg.algo.gamma * v_last, abs=1e-4)  # truncated: bootstrapped
     assert ret[5].item() == pytest.approx(1.0, abs=1e-5)  # terminated: nothing after it
-    env.close()
+
+
+def test_an_update_scores_advantages_with_the_critic_it_starts_from_not_the_behaviour_values() -> None:
+    """GAE, the value targets and the value clip read the values of the critic the update starts
+    from, as the bootstrap does, never the (possibly stale) values the generator sent: an update
+    on a batch whose behaviour values are wrong steps exactly as one on the right values."""
+    import copy
+
+    from workers.algorithms.update import TrainState, update
+    from workers.model import build_policy
+
+    cfg = gym_cfg("CartPole-v1", "env.options.max_episode_steps=3", "algo.minibatch_size=3")
+    policy = build_policy(cfg)
+    batch = _cartpole_batch(cfg, policy)
+    params = []
+    for values in (batch.samples["values"], torch.full_like(batch.samples["values"], 1000.0)):
+        torch.manual_seed(0)
+        mine = copy.deepcopy(policy)
+        update(TrainState.build(mine, cfg.algo), dataclasses.replace(batch, samples={**batch.samples, "values": values}),
+               cfg.algo)
+        params.append(torch.cat([p.detach().flatten() for p in mine.parameters()]))
+    assert not torch.equal(params[0], torch.cat([p.detach().flatten() for p in policy.parameters()]))  # it stepped
+    assert torch.equal(params[0], params[1])
 
 
 def test_observation_statistics_travel_with_versions_and_checkpoints(tmp_path: Path) -> None:

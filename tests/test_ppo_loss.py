@@ -11,7 +11,7 @@ from rlvla3.observation import Observation
 
 from rlvla3.config import AlgoConfig, ConfigError, from_dict
 from workers.algorithms.ppo import (
-    compute_proximal_logprobs,
+    proximal_pass,
     index_batch,
     make_optimizer,
     ppo_loss,
@@ -208,7 +208,7 @@ def test_proximal_logprobs_match_behaviour_for_an_unchanged_policy():
     torch.manual_seed(0)
     policy = TinyPolicy()
     batch = make_batch(policy, 10)
-    prox = compute_proximal_logprobs(policy, batch, chunk=3)
+    prox = proximal_pass(policy, batch, chunk=3)[0]
     assert prox.shape == (10, 2) and not prox.requires_grad
     assert torch.allclose(prox, batch["behav_logprob"], atol=1e-5)
 

@@ -16,7 +16,7 @@ lets stale data pull the policy as far as the staleness already moved it. Decoup
 
 When the samples are fresh (``prox == behav``), ``w = 1`` and this is exactly standard PPO.
 The proximal log-probs are *recomputed* with one forward pass of the policy before the first
-optimizer step (:func:`compute_proximal_logprobs`), never interpolated between versions.
+optimizer step (:func:`proximal_pass`), never interpolated between versions.
 
 Log-prob tensors are ``[B, L]`` with L the policy's units (``token`` / ``action`` / ``chunk``,
 see ``workers.policies.base``). ``ratio_level="unit"`` clips a ratio per unit with the sample's
@@ -201,7 +201,7 @@ def ppo_loss(
 #       "obs": an rlvla3.observation.Observation of N rows,
 #       "actions": [N,T,A], "replay": {name: [N,...]},
 #       "behav_logprob": [N,L], "prox_logprob": [N,L] (optional: recomputed when absent),
-#       "advantages": [N], "returns": [N], "values": [N] (behaviour values; returns/values
+#       "advantages": [N], "returns": [N], "values": [N] (the critic's at the update's start; returns/values
 #       optional when vf_coef == 0), "mask": [N] or [N,L] (optional),
 #   }
 
@@ -244,10 +244,11 @@ def _to_device(x: Any, device: torch.device) -> Any:
 
 
 @torch.no_grad()
-def compute_proximal_logprobs(
+def proximal_pass(
     policy: nn.Module, batch: dict[str, Any], chunk: int = 256, evaluate_fn: EvaluateFn | None = None
-) -> torch.Tensor:
-    """``[N, L]`` log-probs of the batch's actions under the current weights, ``chunk`` samples a pass.
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """``[N, L]`` log-probs of the batch's actions and ``[N]`` values under the current weights,
+    ``chunk`` samples a pass.
 
     Call before the first optimizer step of the update. The policy's train/eval mode is left as
     it is: evaluate in the same mode the loss will, or the ratio starts away from 1.
@@ -255,13 +256,15 @@ def compute_proximal_logprobs(
     evaluate = evaluate_fn or policy.evaluate
     device = next(policy.parameters()).device
     n = _batch_len(batch)
-    parts = []
+    logprobs, values = [], []
     for start in range(0, n, chunk):
         idx = torch.arange(start, min(start + chunk, n))
         mb = index_batch({k: batch[k] for k in ("obs", "actions", "replay")}, idx)
         out = evaluate(mb["obs"], _to_device(mb["actions"], device), _to_device(mb["replay"], device))
-        parts.append(out.logprob.detach().float())
-    return torch.cat(parts).to(batch["behav_logprob"].device)
+        logprobs.append(out.logprob.detach().float())
+        values.append(out.value.detach().float().reshape(-1))
+    at = batch["behav_logprob"].device
+    return torch.cat(logprobs).to(at), torch.cat(values).to(at)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -292,7 +295,7 @@ def ppo_update(
 
     # ---- Phase 1: proximal log-probs, recomputed before any weight changes ------------------
     if batch.get("prox_logprob") is None:
-        batch = {**batch, "prox_logprob": compute_proximal_logprobs(policy, batch, cfg.minibatch_size, evaluate)}
+        batch = {**batch, "prox_logprob": proximal_pass(policy, batch, cfg.minibatch_size, evaluate)[0]}
 
     # ---- Phase 2: advantage normalization over the valid samples of the whole batch -------
     advantages = batch["advantages"].float()

@@ -2,8 +2,9 @@
 PPO (or GRPO through it), diagnostics. Typed in (:class:`TrainBatch`, :class:`TrainState`) and
 typed out (:class:`UpdateResult`); no sockets, no counters, no versions to bump.
 
-  1. advantages: GAE on behaviour values, bootstrapped from the observation after each fragment
-     (PPO), or the group-relative scores the learner computed when the group completed (GRPO);
+  1. advantages: PPO's GAE on the values of the critic the update starts from (one forward pass
+     gives them with the proximal log-probs), bootstrapped from the observation after each
+     fragment; or the group-relative scores the learner computed when the group completed (GRPO);
   2. several ranks: pad every rank's batch to the same length with masked samples, so all ranks
      run the same number of minibatches (DDP all-reduces gradients in each one);
   3. ``ppo_update``: proximal log-probs recomputed, decoupled clipped loss, epochs x minibatches
@@ -26,7 +27,7 @@ from torch import nn
 
 from rlvla3.config import AlgoConfig
 from workers.algorithms.gae import compute_gae_batch
-from workers.algorithms.ppo import explained_variance, index_batch, make_optimizer, ppo_update
+from workers.algorithms.ppo import explained_variance, index_batch, make_optimizer, ppo_update, proximal_pass
 
 
 @dataclass
@@ -157,8 +158,12 @@ def update(state: TrainState, batch: TrainBatch, algo: AlgoConfig, critic_warmup
     samples = dict(batch.samples)
     if batch.advantages is not None:  # GRPO: group-relative scores, broadcast to every step
         samples["advantages"] = batch.advantages.float()
-    else:  # PPO: GAE on behaviour values, bootstrapped where a fragment was cut
-        samples["advantages"], samples["returns"] = _gae(state, batch, algo)
+    else:
+        # PPO: the values GAE, the value targets and the value clip read are the critic's as
+        # the update starts, as the bootstrap values are: a generator's values are as stale as
+        # its weights, and GAE would then mix two critics in one sum.
+        samples["prox_logprob"], samples["values"] = proximal_pass(state.model, samples, algo.minibatch_size)
+        samples["advantages"], samples["returns"] = _gae(state, batch, samples["values"], algo)
     samples["mask"] = torch.as_tensor(batch.keep)
     samples["fresh"] = torch.as_tensor(batch.staleness == 0)  # for the training-inference gap
     n = len(batch.keep)
@@ -212,7 +217,7 @@ def update(state: TrainState, batch: TrainBatch, algo: AlgoConfig, critic_warmup
     return result
 
 
-def _gae(state: TrainState, batch: TrainBatch, algo: AlgoConfig) -> tuple[torch.Tensor, torch.Tensor]:
+def _gae(state: TrainState, batch: TrainBatch, values: torch.Tensor, algo: AlgoConfig) -> tuple[torch.Tensor, torch.Tensor]:
     """Advantages and returns ``[N]``, fragment by fragment."""
     from workers.algorithms.distributed import is_sharded
 
@@ -229,6 +234,6 @@ def _gae(state: TrainState, batch: TrainBatch, algo: AlgoConfig) -> tuple[torch.
     lengths = list(batch.lengths)
     terminated = torch.split(batch.terminated, lengths)
     adv, ret = compute_gae_batch(torch.split(batch.rewards, lengths),
-                                 torch.split(batch.samples["values"], lengths), terminated,
+                                 torch.split(values, lengths), terminated,
                                  [0.0 if bool(t[-1]) else bv for t, bv in zip(terminated, boot)], algo.gamma, algo.lam)
     return adv.float(), ret.float()
