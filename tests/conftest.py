@@ -10,7 +10,16 @@ import zmq
 
 from rlvla3.config import load
 from rlvla3.harness.jobs import Job, SMALL_JOB
+from rlvla3.harness.load import machine_folder, machine_shared
 from tests.jobs import start_job
+
+
+@pytest.fixture(autouse=True)
+def _machine_shared(tmp_path_factory):
+    """Every test shares the machine with the others, except while one loads it on purpose
+    (``rlvla3.harness.load.machine_alone``)."""
+    with machine_shared(machine_folder(tmp_path_factory)):
+        yield
 
 
 @pytest.fixture

@@ -22,7 +22,7 @@ import pytest
 
 from rlvla3.app.launch import request_status
 from rlvla3.harness.jobs import per_worker
-from rlvla3.harness.load import machine_load
+from rlvla3.harness.load import machine_alone, machine_folder, machine_load
 from rlvla3.lifetime import LAUNCHER_ENV, launcher_env
 from rlvla3.shm import SHM_DIR, segments_of_run
 from rlvla3.status_client import wait_until
@@ -286,6 +286,11 @@ def stopped_under_load(tmp_path_factory) -> dict[int, dict]:
     one alone."""
     base = tmp_path_factory.mktemp("stops")
     jobs = {sig: {"run_dir": base / signal.Signals(sig).name} for sig in STOP_SIGNALS}
+    with machine_alone(machine_folder(tmp_path_factory)):  # no test beside this one is starved
+        return _stop_under_load(jobs)
+
+
+def _stop_under_load(jobs: dict[int, dict]) -> dict[int, dict]:
     try:
         for job in jobs.values():
             job["proc"] = start_run(job["run_dir"], "algo.batch_steps=64", "algo.minibatch_size=32", "algo.epochs=1")
