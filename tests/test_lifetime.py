@@ -286,11 +286,6 @@ def stopped_under_load(tmp_path_factory) -> dict[int, dict]:
     one alone."""
     base = tmp_path_factory.mktemp("stops")
     jobs = {sig: {"run_dir": base / signal.Signals(sig).name} for sig in STOP_SIGNALS}
-    with machine_alone(machine_folder(tmp_path_factory)):  # no test beside this one is starved
-        return _stop_under_load(jobs)
-
-
-def _stop_under_load(jobs: dict[int, dict]) -> dict[int, dict]:
     try:
         for job in jobs.values():
             job["proc"] = start_run(job["run_dir"], "algo.batch_steps=64", "algo.minibatch_size=32", "algo.epochs=1")
@@ -308,7 +303,8 @@ def _stop_under_load(jobs: dict[int, dict]) -> dict[int, dict]:
             wait_until(lambda: trained(job), 240, "a first policy version", 0.5)
         for job in jobs.values():
             job["procs"] = descendants(job["proc"].pid)
-        with machine_load(STOP_UNDER_LOAD_S + 10):
+        # the load, with the machine to ourselves: it would starve a test beside it
+        with machine_alone(machine_folder(tmp_path_factory)), machine_load(STOP_UNDER_LOAD_S + 10):
             time.sleep(2.0)  # the load takes hold before the stop
             t0 = time.monotonic()
             for sig, job in jobs.items():
