@@ -23,8 +23,9 @@ from rlvla3.status_client import DeadlinePassed
 
 pytestmark = pytest.mark.timeout(120)
 
-LIVENESS = ("broker.heartbeat_s=0.5", "broker.liveness=6")
-SILENT_S = 0.5 * 6
+HEARTBEAT_S, BEATS = 0.5, 6
+LIVENESS = (f"broker.heartbeat_s={HEARTBEAT_S}", f"broker.liveness={BEATS}")
+SILENT_S = HEARTBEAT_S * BEATS
 """A peer silent for 3 s is gone. The trainer stays stopped longer than that, as a paused or
 starved process may: let go on, it must read what the old broker sent before it finds that
 broker silent and reopens its socket, which would drop those messages (``workers/base.py``,
