@@ -242,9 +242,23 @@ def test_cartpole_trains_through_the_fabric_in_async(tmp_path: Path) -> None:
 def test_hopper_trains_through_the_fabric_in_sync_with_its_statistics_in_the_checkpoint(tmp_path: Path) -> None:
     from safetensors.torch import load_file
 
+    from workers.algorithms.update import TrainState
     from workers.checkpoint import latest_checkpoint
+    from workers.learner import Learner
+    from workers.model import build_policy
+    from workers.trainer_checkpoints import Checkpoints
 
     job = run_job(HOPPER, tmp_path, "sync", 1500, "algo.batch_steps=512", "algo.epochs=2", "env.fragment_len=32")
     assert job["summary"]["env_steps"] >= 1500 and job["summary"]["policy_version"] >= 2
-    weights = load_file(str(latest_checkpoint(job["run"]) / "model.safetensors"))
+    ckpt = latest_checkpoint(job["run"])
+    weights = load_file(str(ckpt / "model.safetensors"))
     assert weights["obs_norm.count"].item() > 1000 and weights["obs_norm.mean"].abs().sum() > 0
+    # The reward normaliser's moments too: a resumed trainer divides by the std it had, not by 1.
+    saved = json.loads((ckpt / "state.json").read_text())["learner"]["reward_norm"]
+    assert saved["count"] > 1000 and saved["var"] != 1.0, saved
+    cfg = load(HOPPER, ["run.mode=sync"])
+    policy = build_policy(cfg)
+    learner = Learner(cfg)
+    version, path = Checkpoints(cfg, None, str(job["run"]), 0, 1).resume(TrainState.build(policy, cfg.algo, policy), 0, learner)
+    assert path == str(ckpt) and version >= 2
+    assert learner.reward_norm.moments() == saved

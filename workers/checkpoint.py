@@ -239,6 +239,7 @@ def save_checkpoint(
     config_yaml: str,
     keep_last: int | None = None,
     fmt: str = "full",
+    learner: dict[str, Any] | None = None,
 ) -> Path:
     """Write checkpoint ``version`` into ``run_dir`` and point ``latest`` at it; returns its folder.
 
@@ -290,7 +291,8 @@ def save_checkpoint(
             return final
         if fmt == "full" and optimizer is not None:
             _torch_save(osd, tmp / "optimizer.pt")
-        state = {"format": FORMAT_VERSION, "layout": fmt, "version": int(version), "counters": dict(step_counters)}
+        state = {"format": FORMAT_VERSION, "layout": fmt, "version": int(version), "counters": dict(step_counters),
+                 "learner": dict(learner or {})}
         _write_text(tmp / "state.json", json.dumps(state, indent=1, sort_keys=True))
         _write_text(tmp / "rng.json", json.dumps(rng_state()))
         _write_text(tmp / "config.yaml", config_yaml)
@@ -359,7 +361,7 @@ def load_checkpoint(
     Weights go into ``policy`` on its current device, the optimizer state into ``optimizer``,
     and the RNGs are reset so random draws continue as they would have. Either layout loads
     into a sharded or an unsharded policy, on any number of ranks (a ``sharded`` checkpoint, or
-    an FSDP-sharded policy: every rank calls it). Returns ``{"version", "counters",
+    an FSDP-sharded policy: every rank calls it). Returns ``{"version", "counters", "learner",
     "config_yaml", "path"}``.
     """
     path = checkpoint_folder(run_dir)
@@ -410,6 +412,7 @@ def load_checkpoint(
     return {
         "version": int(state["version"]),
         "counters": state["counters"],
+        "learner": state.get("learner", {}),
         "config_yaml": (path / "config.yaml").read_text(encoding="utf-8"),
         "path": path,
     }

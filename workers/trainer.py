@@ -114,7 +114,7 @@ class TrainerWorker(WorkerBase):
         self.learner = Learner(cfg)
         self.version = int(self.welcome.get("trainer_version", 0))
         self.checkpoints = Checkpoints(cfg, self.run_dir, self.resume, self.rank, self.world)
-        self.version, self.resumed_from = self.checkpoints.resume(self.state, self.version, self.learner.counters)
+        self.version, self.resumed_from = self.checkpoints.resume(self.state, self.version, self.learner)
         if self.rank == 0:
             # A version the broker already announced may name another store's bytes (a trainer
             # that restarted): publish past it, so generators fetch this trainer's weights whole.
@@ -271,7 +271,7 @@ class TrainerWorker(WorkerBase):
             self.version += 1
 
     def _checkpoint(self) -> None:
-        self.checkpoints.save(self.state, self.version, self.learner.counters)
+        self.checkpoints.save(self.state, self.version, self.learner)
 
     def _report(self, result: UpdateResult, to_broker: bool = True) -> None:
         """One metrics row: to the broker (rank 0's figures), the log, JSONL and TensorBoard."""

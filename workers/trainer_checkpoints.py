@@ -16,13 +16,15 @@ from __future__ import annotations
 
 import shutil
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import structlog
 import torch
 
 from rlvla3.config import JobConfig
-from workers.metrics import Counters
+
+if TYPE_CHECKING:
+    from workers.learner import Learner
 
 log = structlog.get_logger()
 
@@ -51,9 +53,10 @@ class Checkpoints:
         every = self.cfg.algo.checkpoint_every
         return every > 0 and version % every == 0 and self.saves
 
-    def resume(self, state: Any, version: int, counters: Counters) -> tuple[int, str | None]:
-        """Load the checkpoint this rank resumes from, if any, into ``state`` and ``counters``;
-        returns the version to continue from and the checkpoint's path (None: nothing loaded)."""
+    def resume(self, state: Any, version: int, learner: Learner) -> tuple[int, str | None]:
+        """Load the checkpoint this rank resumes from, if any, into ``state`` and ``learner`` (its
+        counters and reward normaliser); returns the version to continue from and the
+        checkpoint's path (None: nothing loaded). Every rank takes rank 0's normaliser moments."""
         from workers.checkpoint import latest_checkpoint, load_checkpoint
 
         src = self.resume_from
@@ -75,11 +78,14 @@ class Checkpoints:
         elif self.rank > 0 and not found:
             return version, None  # another host: rank 0's weights arrive by broadcast
         saved = load_checkpoint(src, state.policy, state.optimizer)
-        counters.restore(saved["counters"])
+        learner.counters.restore(saved["counters"])
+        if learner.reward_norm is not None and "reward_norm" in saved["learner"]:
+            learner.reward_norm.restore(saved["learner"]["reward_norm"])
         return max(version, saved["version"]), str(saved["path"])
 
-    def save(self, state: Any, version: int, counters: Counters) -> None:
-        """Write ``version`` (weights, optimizer, counters, config) into the run folder. A write
+    def save(self, state: Any, version: int, learner: Learner) -> None:
+        """Write ``version`` (weights, optimizer, counters, reward normaliser, config) into the run
+        folder. A write
         the disk refuses (full, read-only) is one ``checkpoint_failed`` line, not the end of the
         job: the previous checkpoints are untouched, and the next due version tries again."""
         if self.run_dir is None or self.group_lost:
@@ -91,8 +97,9 @@ class Checkpoints:
         keep = self.cfg.algo.keep_checkpoints or None
         fmt = self.cfg.train.checkpoint_format
         try:
-            path = save_checkpoint(self.run_dir, state.policy, state.optimizer, version,
-                                   counters.as_dict(), self.cfg.to_yaml(), keep_last=keep, fmt=fmt)
+            stats = {"reward_norm": learner.reward_norm.moments()} if learner.reward_norm is not None else {}
+            path = save_checkpoint(self.run_dir, state.policy, state.optimizer, version, learner.counters.as_dict(),
+                                   self.cfg.to_yaml(), keep_last=keep, fmt=fmt, learner=stats)
         except OSError as exc:  # a full or failing disk: the older checkpoints stay whole, training goes on
             where = next((d for d in (self.run_dir / CHECKPOINTS, self.run_dir) if d.exists()), None)
             free = shutil.disk_usage(where).free if where is not None else None

@@ -7,6 +7,10 @@ uses): per env a discounted return ``G = gamma * G + r``, reset when an episode 
 ``G`` goes into a running variance, and each reward is divided by the std as it stands when that
 reward arrives. Fragments of one env reach the trainer in order, so the trainer can keep ``G``
 per env exactly as an env wrapper would. Episode returns reported anywhere stay raw.
+
+The running moments are checkpointed (:meth:`ReturnNormalizer.moments`), so a resumed trainer
+divides by the std it had, not by 1. The per-env ``G`` is not: after a resume each env's ``G``
+starts again at 0, as it does at an episode's start.
 """
 
 from __future__ import annotations
@@ -25,6 +29,13 @@ class ReturnNormalizer:
         self.gamma = float(gamma)
         self.returns: dict[object, float] = {}
         self.mean, self.var, self.count = 0.0, 1.0, 1e-4
+
+    def moments(self) -> dict[str, float]:
+        """What a checkpoint keeps (``state.json``'s ``reward_norm``)."""
+        return {"mean": self.mean, "var": self.var, "count": self.count}
+
+    def restore(self, saved: dict[str, float]) -> None:
+        self.mean, self.var, self.count = float(saved["mean"]), float(saved["var"]), float(saved["count"])
 
     def _fold(self, g: float) -> None:
         self.count += 1.0
