@@ -114,6 +114,12 @@ class Registry:
     def expired(self, now: float) -> list[Worker]:
         return [w for w in self.workers.values() if now - w.last_seen > self.expiry_s]
 
+    def overlook(self, gap_s: float) -> None:
+        """The broker did not look for ``gap_s`` (its loop paused or starved): that silence is
+        not held against any worker, whose messages from it may still wait unread."""
+        for w in self.workers.values():
+            w.last_seen += gap_s
+
     def counts(self) -> dict[str, int]:
         by_role = {r: 0 for r in ("simulator", "generator", "trainer")}
         for w in self.workers.values():

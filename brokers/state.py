@@ -66,7 +66,7 @@ class BrokerState:
         # Pacing: the alternating modes pause rollouts while a batch waits or a trainer updates.
         self.trainer_version = 0
         self.pacing = Alternation(cfg.algo.batch_steps, enabled=self.mode != "async")
-        self._last_hb = now
+        self._last_hb = self._last_tick = now
         self.status_cache = StatusCache()
 
     # =========================================================================================
@@ -326,7 +326,16 @@ class BrokerState:
 
     def tick(self, now: float) -> list[Out]:
         """Dispatch due batches, deliver pending fragments, and heartbeat once per interval. Each
-        step runs under a catch-all: a bug logs its traceback and the loop goes on."""
+        step runs under a catch-all: a bug logs its traceback and the loop goes on.
+
+        The loop ticks at least once per heartbeat interval (:meth:`wait_s`). A longer gap is time
+        the broker itself was paused or starved, with its peers' heartbeats still unread in its
+        socket: past one interval, the gap is not counted toward any peer's expiry."""
+        gap = now - self._last_tick
+        self._last_tick = now
+        if gap > 2 * self.hb_s:
+            self.registry.overlook(gap - self.hb_s)
+            log.warning("broker_loop_late", gap_s=round(gap, 3), heartbeat_s=self.hb_s)
         out: list[Out] = []
         for step in (self.dispatcher.expire, self.dispatcher.adapt, self._dispatch, lambda _: self.trajs.deliver(), self._heartbeat):
             try:

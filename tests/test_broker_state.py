@@ -197,6 +197,19 @@ def test_a_dead_generators_batches_are_served_by_another():
     assert [a.fields["req_id"] for a in s.result(again)] == [1]
 
 
+def test_a_broker_loop_that_was_paused_does_not_expire_peers_for_the_silence_it_did_not_watch():
+    s = Script("broker.heartbeat_s=1", "broker.liveness=3")
+    s.simulator(SIM)
+    s.generator(GEN, credits=1)
+    s.tick(0.9)
+    s.tick(3.5)  # the loop paused (SIGSTOP, a starved host) past the 3 s window: heartbeats wait unread
+    assert SIM in s.state.registry and GEN in s.state.registry
+    for _ in range(4):  # awake again: SIM's heartbeats are read, GEN stays silent
+        s.send(SIM, P.HEARTBEAT)
+        s.tick(0.9)
+    assert SIM in s.state.registry and GEN not in s.state.registry
+
+
 def test_a_dead_trainers_fragments_go_to_the_next_trainer():
     s = Script()
     s.simulator(SIM)
