@@ -170,7 +170,7 @@ SCHEMA: dict[str, tuple[dict[str, Any], dict[str, Any]]] = {  # type -> (require
          "eval": F.Bool(), "deterministic": F.List(F.Bool()), "block": F.Int(0, 2 * F.MAX_COUNT)},  # two per slot
     ),
     ACT: ({"slot": _SLOT, "req_id": _ID, "version": _VERSION}, {"queue_us": _US, "forward_us": _US, "error": _REASON}),
-    BATCH: ({"batch_id": _ID, "requests": F.List(_REQUEST)}, {"queue_us": F.List(_US)}),
+    BATCH: ({"batch_id": _ID, "requests": F.List(_REQUEST)}, {"queue_us": F.List(_US), "min_version": _VERSION}),
     RESULT: ({"batch_id": _ID, "version": _VERSION}, {"error": _REASON, "forward_us": _US, "queue_us": F.List(_US),
                                                        "dropped": F.List(_COUNT)}),
     TRAJ: (

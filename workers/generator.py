@@ -14,6 +14,11 @@ A WEIGHTS announcement (version + manifest + where the bytes are) goes to a
 version beside the served weights (from the trainer's shared-memory store on this host, or its
 stream), and the loop swaps it in at the next gap between batches. A torn or corrupt version is
 fetched again; one that cannot be loaded leaves the served weights as they are.
+
+In sync mode a BATCH names the version it must be served with (``min_version``: the newest the
+broker announced), so the rollout after an update is on-policy: a batch that arrives before that
+version is fetched waits for it, at most half of ``batching.batch_timeout_s``, after which it is
+served with what is in (``batch_served_behind``).
 """
 
 from __future__ import annotations
@@ -184,6 +189,7 @@ class GeneratorWorker(WorkerBase):
 
     def tick(self, now: float) -> None:
         self._fetch_next()  # a retry whose back-off has passed
+        self._next_batch()  # a batch held for a version that is late
 
     def teardown(self) -> None:
         if self.receiver is not None:
@@ -238,7 +244,8 @@ class GeneratorWorker(WorkerBase):
             if obs is None:
                 self.send(P.RESULT, {"batch_id": msg["batch_id"], "version": self.version, "dropped": sorted(dropped)})
                 return
-            self.batches.append((msg["batch_id"], obs, det, msg.get("queue_us"), sorted(dropped)))
+            self.batches.append((msg["batch_id"], obs, det, msg.get("queue_us"), sorted(dropped),
+                                 msg.get("min_version", -1), time.monotonic()))
             self._next_batch()
 
     def _next_batch(self) -> None:
@@ -246,7 +253,14 @@ class GeneratorWorker(WorkerBase):
             return
         if self._weights_waiting():
             self._swap_weights()
-        batch_id, obs, det, queue_us, dropped = self.batches.popleft()
+        batch_id, obs, det, queue_us, dropped, min_version, arrived = self.batches[0]
+        if self.version < min_version:
+            waited = time.monotonic() - arrived
+            if waited < self.cfg.batching.batch_timeout_s / 2:
+                return  # the version is on its way: a fetch that ends calls this again, and so does tick
+            log.warning("batch_served_behind", batch_id=batch_id, version=self.version, min_version=min_version,
+                        waited_s=round(waited, 1))
+        self.batches.popleft()
         self.busy = True
         version = self.version
         tag = (batch_id, version, queue_us, dropped)
@@ -289,6 +303,7 @@ class GeneratorWorker(WorkerBase):
             self.receiver.fetched(tag[1], result, error, time.monotonic())
             if self.receiver.staged is not None and not self.busy:
                 self._swap_weights()
+                self._next_batch()  # one held for this version
             if self.serve_from is not None and self.receiver.newest() < self.serve_from:
                 self.serve_from = 0  # the snapshot's version was dropped: serve any version we get
                 self._maybe_serve()

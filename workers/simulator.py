@@ -151,6 +151,7 @@ class SimulatorWorker(WorkerBase):
         used = [sd if sd is not None else 0 for sd in seeds]
         for tr, sd in zip(slot.trajs, used):
             tr.records = []
+        slot.decisions = 0
         slot.runner.submit(lambda: (slot.adapter.reset(ids, used, into=slot.back), used), ("eval_reset", slot.index))
 
     # -- slot work (runs on the slot's thread) ------------------------------------------------
@@ -255,6 +256,7 @@ class SimulatorWorker(WorkerBase):
             slot.waiting = False
             for tr in slot.trajs:
                 tr.records = []
+            slot.decisions = 0
             slot.runner.submit(lambda: self._reset_all(slot), ("reset", s))
             return
         slot.waiting = False
@@ -273,6 +275,13 @@ class SimulatorWorker(WorkerBase):
         self.env_steps += int(outcome.steps.sum())
         self.restarts_unreported += outcome.restarts
         reset_row = {i: j for j, i in enumerate(outcome.done_ids)}
+        # Every env of the slot cuts its fragment at the same decision, every fragment_len: a sync
+        # round of fragment_len decisions is then exactly the slot's envs x fragment_len steps,
+        # whatever episodes ended inside it (an episode's end also cuts that env's fragment).
+        slot.decisions += 1
+        cut_all = slot.decisions >= frag_len
+        if cut_all:
+            slot.decisions = 0
         for i, tr in enumerate(slot.trajs):
             if slot.frozen is not None and slot.frozen[i]:
                 continue
@@ -283,7 +292,7 @@ class SimulatorWorker(WorkerBase):
                 terminated=bool(outcome.terminated[i]), truncated=bool(outcome.truncated[i]),
             ))
             done = i in reset_row
-            if done or len(tr.records) >= frag_len:
+            if done or cut_all:
                 last = (outcome.terminal_obs.select([reset_row[i]]) if done and outcome.terminal_obs is not None
                         else outcome.next_obs.select([i]))
                 header, tensors = tr.fragment(last, bool(outcome.success[i]))

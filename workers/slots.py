@@ -66,6 +66,7 @@ class Slot:
     eval: bool = False  # an evaluation slot: deterministic actions, held-out starts, never trained on
     frozen: np.ndarray | None = None  # eval: envs whose episode of this round is over
     eval_version: int = -1  # eval: the policy version this round evaluates
+    decisions: int = 0  # decisions since the slot's fragments were last cut together (every env.fragment_len)
 
     @property
     def obs(self) -> Observation:

@@ -3,7 +3,8 @@
 A decision step is one observation, the action chunk taken from it, the policy's log-prob /
 value / replay for that chunk, the summed reward of the env steps actually executed (an episode
 may end mid-chunk), and whether the episode terminated or was truncated there. A fragment is
-shipped when the episode ends or ``fragment_len`` decision steps have accumulated; it carries
+shipped when the episode ends, and every ``fragment_len`` decisions of its slot, when all the
+slot's envs ship what they hold together (``workers/simulator.py``); it carries
 one extra observation - the one after its last step - so the trainer can bootstrap a value
 where the fragment was cut or truncated.
 
