@@ -46,15 +46,15 @@ from rlvla3 import bundle, names
 from rlvla3 import protocol as P
 from rlvla3.config import load
 from rlvla3.harness.bench import (
-    bench_run_dir, cpu_seconds, emit_to, keep_logs_unless, new_hist, note, parse_bench_args, read_line, record_us,
-    save_figure, start_child, stop_child, subplots, summary, thread_cpu_seconds, wait_readable,
+    bench_run_dir, cpu_seconds, emit_to, keep_logs_unless, load_avg, new_hist, note, parse_bench_args, read_line, record_us,
+    save_figure, shm_slots, start_child, stop_child, subplots, summary, thread_cpu_seconds, wait_readable,
 )
 from rlvla3.harness.echo import ECHO
 from rlvla3.harness.jobs import Job, generator_serving, start_job
 from rlvla3.harness.peer import Peer
 from rlvla3.lifetime import follow_launcher
 from rlvla3.observation import IMAGES, STATE
-from rlvla3.shm import ShmPool, host_id
+from rlvla3.shm import host_id
 
 IMAGE = 16
 STATE_DIM = 4
@@ -77,22 +77,19 @@ class FakeSimulator:
                          num_envs=slots * envs, bundles=bundles)
         self.sock, self.slots, self.bundles = self.peer.sock, slots, bundles
         welcome = self.peer.expect(P.READY, 30.0)
-        self.pool = ShmPool(str(welcome.get("run_id", "bench")), slots * (envs * (IMAGE * IMAGE * 3 + STATE_DIM * 4) + 256) + 4096)
+        self.pool, blocks, refs = shm_slots(str(welcome.get("run_id", "bench")), slots, envs, {"top": (IMAGE, IMAGE)}, STATE_DIM)
         # Per slot, encoded once with a fixed-width req_id patched per request (``request``): the
         # broker serves each (slot, req_id) once, and the load generator spends its CPU on
         # sending, not encoding. Two versions, as a simulator worker sends them: the first OBS of a
         # slot carries its block's descriptors, the later ones name the block.
         self.frames: list[tuple[list[Any], list[Any]]] = []
-        for slot in range(slots):
-            oi, os_ = self.pool.alloc(envs * IMAGE * IMAGE * 3), self.pool.alloc(envs * STATE_DIM * 4)
-            self.pool.view(oi, "uint8", (envs, IMAGE, IMAGE, 3))[...] = 7
-            self.pool.view(os_, "float32", (envs, STATE_DIM))[...] = 0.5
-            tensors = {names.tensor_name(IMAGES, "top"): self.pool.ref(oi, "uint8", (envs, IMAGE, IMAGE, 3)),
-                       STATE: self.pool.ref(os_, "float32", (envs, STATE_DIM))}
+        for slot, block in enumerate(blocks):
+            block.images["top"][...], block.state[...] = 7, 0.5
             fields = {"slot": slot, "req_id": REQ_ID_MARK, "n": envs, "instruction": ["reach the goal"] * envs,
                       "episode_step": [1] * envs, "env_steps": envs, "block": slot}
-            full, named = P.encode(P.OBS, fields, tensors), P.encode(P.OBS, fields)
+            full, named = P.encode(P.OBS, fields, refs[slot]), P.encode(P.OBS, fields)
             self.frames.append(([bytearray(full[0]), *full[1:]], [bytearray(named[0]), *named[1:]]))
+        blocks.clear()  # views of the pool, which ``close`` closes
         # Where each header's req_id bytes are: per header, since a slot number from 128 on takes
         # one more byte than those before it.
         self.at = [tuple(frames[0].index(_MARK_BYTES) + 1 for frames in versions) for versions in self.frames]
@@ -412,7 +409,7 @@ def main() -> None:
             "broker_batch_size": status.get("batch_size"),
             "ramp": ramp, "at_80pct": at80,
             "reference_obs_decode_us": [ref_before, reference_us(ref_frames)],
-            "cpus": os.cpu_count(), "load_avg": [round(x, 2) for x in os.getloadavg()],
+            "cpus": os.cpu_count(), "load_avg": load_avg(),
             "wall_s": round(time.monotonic() - t_start, 1),
         }
         result["png"] = str(plot(ramp, out / "broker_capacity.png",

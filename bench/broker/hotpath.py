@@ -30,14 +30,12 @@ from typing import Any
 import numpy as np
 
 from brokers.state import BrokerState
-from rlvla3 import names
 from rlvla3 import protocol as P
 from rlvla3.config import load
-from rlvla3.harness.bench import emit_to, parse_bench_args
+from rlvla3.harness.bench import emit_to, load_avg, parse_bench_args, shm_slots
 from rlvla3.harness.echo import echo_result
 from rlvla3.logging import configure
-from rlvla3.observation import IMAGES, STATE
-from rlvla3.shm import ShmPool, host_id
+from rlvla3.shm import host_id
 
 SIM, GEN = b"\x00sim", b"\x00gen"
 STAGES = ("decode_obs", "handle_obs", "tick_and_encode_batch", "decode_result", "handle_result", "encode_act")
@@ -54,14 +52,10 @@ class HotPath:
                                                            "slots": slots, "num_envs": slots})), now)
         self.state.handle(GEN, P.decode(P.encode(P.READY, {"role": "generator", "host": host_id(), "pid": os.getpid(),
                                                            "credits": 1})), now)
-        self.pool = ShmPool("hotpath", slots * 1024 + 4096)
-        self.obs = []
-        for s in range(slots):
-            oi, os_ = self.pool.alloc(16 * 16 * 3), self.pool.alloc(16)
-            tensors = {names.tensor_name(IMAGES, "top"): self.pool.ref(oi, "uint8", (1, 16, 16, 3)),
-                       STATE: self.pool.ref(os_, "float32", (1, 4))}
-            self.obs.append(({"slot": s, "req_id": 0, "n": 1, "instruction": ["reach the goal"],
-                              "episode_step": [1], "env_steps": 1, "block": s}, tensors))
+        self.pool, blocks, refs = shm_slots("hotpath", slots, 1, {"top": (16, 16)}, 4)
+        blocks.clear()  # the broker reads only the descriptors
+        self.obs = [({"slot": s, "req_id": 0, "n": 1, "instruction": ["reach the goal"], "episode_step": [1],
+                      "env_steps": 1, "block": s}, tensors) for s, tensors in enumerate(refs)]
         self.zeros: dict[int, np.ndarray] = {}  # the echo's actions by envs in the batch
         self.slots = slots
         self.ns = dict.fromkeys(STAGES, 0)
@@ -145,7 +139,7 @@ def main() -> None:
             "untimed_us_per_request": round(cpu / done * 1e6 - broker_us, 2),
             "stages_us": {k: round(v / 1000 / done, 2) for k, v in hot.ns.items()},
             "requests": done, "max_batch": args.max_batch, "slots": args.slots, "backlog": args.backlog,
-            "load_avg": [round(x, 2) for x in os.getloadavg()],
+            "load_avg": load_avg(),
         }
         if args.profile:
             prof = cProfile.Profile()

@@ -32,18 +32,15 @@ from typing import Any, Callable
 import numpy as np
 import zmq
 
-from rlvla3 import names
 from rlvla3 import protocol as P
 from rlvla3.config import load
 from rlvla3.harness.bench import (
     bench_run_dir, emit_to, keep_logs_unless, merged, new_hist, note, parse_bench_args, percentile_plot, record_us,
-    start_child, stop_child, summary, wait_readable,
+    shm_slots, start_child, stop_child, summary, wait_readable,
 )
 from rlvla3.harness.echo import ECHO
 from rlvla3.harness.jobs import Job, generator_serving, start_job
 from rlvla3.harness.peer import Peer, zmq_socket
-from rlvla3.observation import IMAGES, STATE
-from rlvla3.shm import ShmPool
 
 IMAGE = 16
 STATE_DIM = 4
@@ -58,21 +55,17 @@ class Client:
         rng = np.random.default_rng(seed)
         self.images = rng.integers(0, 256, (slots, n, IMAGE, IMAGE, 3), dtype=np.uint8)
         self.state = rng.standard_normal((slots, n, STATE_DIM)).astype(np.float32)
-        self.pool = ShmPool(run_id, (n * IMAGE * IMAGE * 3 + n * STATE_DIM * 4 + 128) * slots + 4096)
-        self.blocks = [(self.pool.alloc(n * IMAGE * IMAGE * 3), self.pool.alloc(n * STATE_DIM * 4)) for _ in range(slots)]
+        self.pool, self.blocks, self.refs = shm_slots(run_id, slots, n, {"top": (IMAGE, IMAGE)}, STATE_DIM)
 
     def obs_frames(self, slot: int, req_id: int) -> list[Any]:
-        img, st = self.images[slot], self.state[slot]
-        oi, os_ = self.blocks[slot]
-        self.pool.view(oi, "uint8", img.shape)[...] = img
-        self.pool.view(os_, "float32", st.shape)[...] = st
-        tensors = {names.tensor_name(IMAGES, "top"): self.pool.ref(oi, "uint8", img.shape),
-                   STATE: self.pool.ref(os_, "float32", st.shape)}
+        np.copyto(self.blocks[slot].images["top"], self.images[slot])
+        np.copyto(self.blocks[slot].state, self.state[slot])
         fields = {"slot": slot, "req_id": req_id, "n": self.n, "instruction": ["reach the goal"] * self.n,
                   "episode_step": [1] * self.n, "env_steps": 0}
-        return P.encode(P.OBS, fields, tensors)
+        return P.encode(P.OBS, fields, self.refs[slot])
 
     def close(self) -> None:
+        self.blocks.clear()
         self.pool.close()
 
 

@@ -28,7 +28,6 @@ import argparse
 import os
 import threading
 import time
-from pathlib import Path
 
 import zmq
 
@@ -36,7 +35,7 @@ from brokers.stats import STALL_WINDOW_S
 from rlvla3 import protocol as P
 from rlvla3.app.launch import request_status
 from rlvla3.config import load
-from rlvla3.harness.bench import bench_run_dir, emit_to, keep_logs_unless, note, parse_bench_args
+from rlvla3.harness.bench import bench_run_dir, emit_to, keep_logs_unless, load_avg, note, parse_bench_args
 from rlvla3.harness.jobs import SMALL_JOB, start_job
 from rlvla3.harness.peer import Peer, zmq_socket
 
@@ -131,7 +130,7 @@ def main() -> None:
             "window_covers_flood_only": bool(late),
             "loop_stall_ms_before": before["loop_stall_ms_recent"],
             "loop_stall_cpu_ms_before": before["loop_stall_cpu_ms_recent"],
-            "load_avg_1m": float(Path("/proc/loadavg").read_text().split()[0]),
+            "load_avg_1m": load_avg()[0],
             "cpus": os.cpu_count(),
             "max_loop_stall_ms": after["max_loop_stall_ms"],
             "status_answer_cpu_us": {k: answer.get(k) for k in ("count", "p50", "p99", "max", "mean")},

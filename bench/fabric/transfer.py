@@ -38,10 +38,11 @@ import zmq
 
 from rlvla3 import names
 from rlvla3 import protocol as P
-from rlvla3.harness.bench import emit, note, parse_bench_args, save_figure, start_child, stop_child, subplots
+from rlvla3.harness.bench import emit, note, parse_bench_args, save_figure, shm_slots, start_child, stop_child, subplots
+from rlvla3.harness.peer import zmq_socket
 from rlvla3.lifetime import follow_launcher
 from rlvla3.observation import Observation
-from rlvla3.shm import ShmAttachments, ShmPool, locate, observation_block
+from rlvla3.shm import ShmAttachments
 
 MODES = ("shm", "shm_copy", "inline")
 STATE_DIM = 8
@@ -56,8 +57,7 @@ def receiver(device_opt: str) -> None:
 
     device = "cuda" if device_opt == "auto" and torch.cuda.is_available() else "cpu"
     ctx = zmq.Context()
-    sock = ctx.socket(zmq.ROUTER)
-    sock.setsockopt(zmq.LINGER, 0)
+    sock = zmq_socket(ctx, zmq.ROUTER)
     sock.setsockopt(zmq.MAXMSGSIZE, P.MAX_MESSAGE_BYTES)
     sock.bind("tcp://127.0.0.1:0")
     print(sock.getsockopt(zmq.LAST_ENDPOINT).decode(), flush=True)
@@ -140,20 +140,17 @@ def main() -> None:
 
     k, s = args.images // args.requests, args.size
     cams = {"front": (s, s)}
-    pool = ShmPool(f"bench{os.getpid()}", args.requests * (k * (s * s * 3 + STATE_DIM * 4) + 256) + 4096)
-    blocks = [observation_block(pool, cams, STATE_DIM, k) for _ in range(args.requests)]
+    pool, blocks, refs = shm_slots(f"bench{os.getpid()}", args.requests, k, cams, STATE_DIM)  # refs: as a slot keeps them
     rng = np.random.default_rng(0)
     # Two renderer outputs per slot, alternated by rep (so no rep reads what the last one left).
     rendered = [rng.integers(0, 256, (args.requests, k, s, s, 3), dtype=np.uint8) for _ in range(2)]
     for b in blocks:
         b.state[:] = rng.standard_normal(b.state.shape)
         b.instruction[:] = ["pick up the cube"] * k
-    refs = [{name: locate(arr) for name, arr in b.to_tensors().items()} for b in blocks]  # as a slot keeps them
     nbytes = args.images * s * s * 3
     proc, ep = start_child([__file__, "--child", "--device", args.device])
     ctx = zmq.Context()
-    sock = ctx.socket(zmq.DEALER)
-    sock.setsockopt(zmq.LINGER, 0)
+    sock = zmq_socket(ctx, zmq.DEALER)
     sock.connect(ep)
     times: dict[str, list[int]] = {m: [] for m in MODES}
     parts: dict[str, dict[str, list[int]]] = {m: {st: [] for st in STAGES} for m in MODES}

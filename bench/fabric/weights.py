@@ -32,13 +32,10 @@ import argparse
 import json
 import os
 import select
-import shutil
 import statistics
 import sys
-import tempfile
 import time
 from concurrent.futures import ThreadPoolExecutor
-from pathlib import Path
 from typing import Any
 
 import numpy as np
@@ -48,7 +45,7 @@ import zmq
 
 from rlvla3 import protocol as P
 from rlvla3.config import load
-from rlvla3.harness.bench import emit_to, note, parse_bench_args, start_child, stop_child
+from rlvla3.harness.bench import bench_run_dir, emit_to, keep_logs_unless, note, parse_bench_args, start_child, stop_child
 from rlvla3.harness.jobs import rss_mb, start_job
 from rlvla3.harness.peer import Peer
 from rlvla3.shm import host_id, segments_of_run
@@ -236,7 +233,7 @@ class Bench:
     def __init__(self, copy_threads: int, delta: str | None = None, dtype: str = "bfloat16") -> None:
         self.delta, self.dtype = delta, dtype
         self.ctx = zmq.Context()
-        self.tmp = Path(tempfile.mkdtemp(prefix="rlvla3_weights_bench_"))
+        self.tmp, _ = bench_run_dir("weights", False)
         cfg = load("synthetic.yaml", ["broker.liveness=600"])  # the bench trainer is busy publishing at times
         self.job = start_job(cfg, self.tmp, workers=False)
         self.trainer = Peer(self.ctx, self.job.endpoint, "trainer", "bench")
@@ -371,13 +368,13 @@ class Bench:
             "source": sorted({e["source"] for e in self.events if e["event"] == "swapped"}),
         }
 
-    def close(self) -> None:
+    def close(self, ok: bool) -> None:
         self.broker.send_multipart(P.encode(P.DISCONNECT, {}))
         self.job.stop()
         for s in (self.broker, self.pull):
             s.close(linger=0)
         self.ctx.term()
-        shutil.rmtree(self.tmp, ignore_errors=True)
+        keep_logs_unless(ok, self.tmp)
 
 
 def main() -> None:
@@ -410,7 +407,7 @@ def main() -> None:
                 runs.append(r)
             del model
     finally:
-        bench.close()
+        bench.close(len(runs) == len(sizes) * len(readers))
     head = dict(runs[-1])
     result = {**head, "runs": runs, "host_cpus": os.cpu_count(),
               "note": "broker_rss_mb: RSS of the real broker process (rlvla3 broker) that relays every "

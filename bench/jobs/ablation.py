@@ -46,7 +46,7 @@ import numpy as np
 os.environ.setdefault("MUJOCO_GL", "egl")
 
 from rlvla3.config import JobConfig, load
-from rlvla3.harness.bench import emit_to, note, parse_bench_args, random_observation, save_figure, subplots
+from rlvla3.harness.bench import emit_to, load_avg, note, parse_bench_args, random_observation, save_figure, subplots
 from rlvla3.harness.jobs import start_job
 
 MODES = ("sync", "async_rollout", "async")
@@ -97,16 +97,11 @@ def job_config(args: argparse.Namespace, mode: str = "async", train_cost_s: floa
     ])
 
 
-def load_now() -> float:
-    """The machine's 1-minute load average (it is shared: every figure carries it)."""
-    return round(os.getloadavg()[0], 2)
-
-
 def measure_mode(mode: str, job: Any, args: argparse.Namespace) -> dict[str, Any]:
     """Wait until the trainer made its first update (every process up, the loop has turned
     once), then count env steps over ``args.window`` seconds."""
     job.wait(lambda f: f.get("trainer_version", 0) >= 1, args.warmup_s, f"{mode}: a first update")
-    load0 = load_now()
+    load0 = load_avg()[0]
     window = job.rate(args.window)
     fig = window["last"]
     trainer = fig.get("trainer") or {}
@@ -116,7 +111,7 @@ def measure_mode(mode: str, job: Any, args: argparse.Namespace) -> dict[str, Any
         "queue_wait_p50_us": fig["queue_wait_us"].get("p50"), "generate_p50_us": fig["generate_us"].get("p50"),
         "update_s": trainer.get("update_s"), "compute_s": trainer.get("compute_s"),
         "admission_waits": fig.get("admission_waits"), "dropped_stale": fig.get("dropped_stale"),
-        "load": [load0, load_now()],
+        "load": [load0, load_avg()[0]],
     }
 
 
@@ -300,7 +295,7 @@ def main() -> None:
     import torch
 
     torch.set_num_threads(1)  # as every worker process runs (workers.torch_threads)
-    load0 = load_now()
+    load0 = load_avg()[0]
     cfg = job_config(args)
     chunk = cfg.model.chunk_size
 
@@ -333,7 +328,7 @@ def main() -> None:
         "layout": {"sims": args.sims, "envs": args.envs, "slots": args.slots, "max_batch": args.max_batch,
                    "batch_steps": args.batch_steps, "chunk": chunk, "max_staleness": args.max_staleness,
                    "forward_ms": args.forward_ms, "cameras": sorted(job_spec(cfg).cameras)},
-        "load": [load0, load_now()],
+        "load": [load0, load_avg()[0]],
     }
     plot(result, out / f"ablation_{args.sim}.png")
     emit_to(out, f"ablation_{args.sim}.json", result)

@@ -236,6 +236,22 @@ def keep_logs_unless(ok: bool, run_dir: Path) -> None:
         note(f"logs kept in {run_dir}")
 
 
+def shm_slots(run_id: str, slots: int, n: int, cameras: dict[str, tuple[int, int]],
+              state_dim: int) -> tuple[Any, list[Any], list[dict[str, Any]]]:
+    """A pool with an observation block of ``n`` envs per slot, as a simulator keeps them: the
+    pool, the blocks (views: clear them before closing the pool) and each one's descriptors."""
+    from rlvla3.shm import ShmPool, locate, observation_block
+
+    pool = ShmPool(run_id, slots * (n * (sum(h * w * 3 for h, w in cameras.values()) + state_dim * 4) + 256) + 4096)
+    blocks = [observation_block(pool, cameras, state_dim, n) for _ in range(slots)]
+    return pool, blocks, [{name: locate(a) for name, a in b.to_tensors().items()} for b in blocks]
+
+
+def load_avg() -> list[float]:
+    """The machine's 1, 5 and 15-minute load averages: a shared machine's figures carry them."""
+    return [round(x, 2) for x in os.getloadavg()]
+
+
 def random_observation(spec: Any, n: int, rng: Any, instruction: str = "reach") -> Any:
     """``n`` envs of random camera images and proprio state for an env spec: a policy's input."""
     import numpy as np
