@@ -161,7 +161,7 @@ def _lost_rank(rank: int, port: int, out_dir: str, sig: int) -> None:
 
     from structlog.testing import capture_logs
 
-    from workers.metrics import Counters
+    from workers.learner import Learner
     from workers.trainer_checkpoints import Checkpoints
     from workers.trainer_rounds import join_group
 
@@ -178,7 +178,7 @@ def _lost_rank(rank: int, port: int, out_dir: str, sig: int) -> None:
     t0 = time.monotonic()
     with capture_logs() as logs:
         try:
-            checkpoints.save(state, 1, Counters())
+            checkpoints.save(state, 1, Learner(cfg))
             ended = "saved"
         except SystemExit as exc:
             ended = str(exc)
@@ -189,7 +189,7 @@ def _lost_rank(rank: int, port: int, out_dir: str, sig: int) -> None:
     os._exit(0)  # the group is broken: no teardown collective
 
 
-LOST_RANK_PRELOAD = [__name__, "workers.metrics", "workers.trainer_checkpoints", "workers.trainer_rounds",
+LOST_RANK_PRELOAD = [__name__, "workers.learner", "workers.trainer_checkpoints", "workers.trainer_rounds",
                      "structlog.testing", "torch.distributed.fsdp", "transformers.modeling_layers"]
 """What a lost-rank case's ranks import (``wrap_fsdp`` imports the last two), imported once by the
 forkserver they fork from: a fresh interpreter per rank imports torch, DTensor and transformers
