@@ -105,10 +105,11 @@ class Dispatcher:
 
     # ---- batches out -------------------------------------------------------------------------
 
-    def dispatch(self, now: float, force: bool, budget: int | None) -> list[Out]:
+    def dispatch(self, now: float, force: bool, budget: int | None, min_version: int | None) -> list[Out]:
         """Form the batches that are due and address them to generators. A request that cannot
         go out (its shared memory is unreadable from the generator, or anything else raises) is
-        answered with an error ACT; the rest of its batch goes."""
+        answered with an error ACT; the rest of its batch goes. ``min_version``: the weights
+        version each batch must be served with (sync mode), or None."""
         formed = form_batches(self.queue, list(self.generators.values()), self.rule, now, self.sticky,
                               force=force, budget=budget, cost=self.admission.cost)
         out = []
@@ -129,10 +130,11 @@ class Dispatcher:
             if ready:
                 for _, tensors in ready:
                     gen_worker.count_frames(tensors)
-                out.append(self._batch(gen, ready, now))
+                out.append(self._batch(gen, ready, now, min_version))
         return out
 
-    def _batch(self, gen: GeneratorState, ready: list[tuple[PendingRequest, dict[str, Any]]], now: float) -> Out:
+    def _batch(self, gen: GeneratorState, ready: list[tuple[PendingRequest, dict[str, Any]]], now: float,
+               min_version: int | None) -> Out:
         self._next_batch += 1
         batch_id = self._next_batch
         reqs = [r for r, _ in ready]
@@ -157,7 +159,10 @@ class Dispatcher:
         self.stats.record("batch_size", [envs])
         if self.adaptive is not None:
             self.adaptive.on_batch(envs, sum(waits) / 1e6 / len(reqs))
-        return Out(gen.identity, P.BATCH, {"batch_id": batch_id, "requests": meta, "queue_us": waits}, tensors)
+        fields = {"batch_id": batch_id, "requests": meta, "queue_us": waits}
+        if min_version is not None:
+            fields["min_version"] = min_version
+        return Out(gen.identity, P.BATCH, fields, tensors)
 
     def unsent(self, batch_id: int) -> None:
         """The shell could not send a batch (its generator is gone or full): queue it again."""

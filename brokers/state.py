@@ -357,14 +357,10 @@ class BrokerState:
         budget = self.admission.budget(self.dispatcher.rule.max_batch)
         if budget is not None and budget <= 0:
             return []
-        out = self.dispatcher.dispatch(now, force, budget)
-        if self.mode == "sync" and self.weights.version >= 0:
-            # On-policy: each batch is served with the newest announced weights, which the
-            # generator may still be fetching when the batch arrives (workers/generator.py).
-            for o in out:
-                if o.type == P.BATCH:
-                    o.fields["min_version"] = self.weights.version
-        return out
+        # Sync is on-policy: each batch is served with the newest announced weights, which the
+        # generator may still be fetching when the batch arrives (workers/generator.py).
+        min_version = self.weights.version if self.mode == "sync" and self.weights.version >= 0 else None
+        return self.dispatcher.dispatch(now, force, budget, min_version)
 
     def _barrier_reached(self) -> bool:
         """Sync mode's barrier: every live training slot has its request queued and nothing is

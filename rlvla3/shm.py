@@ -266,6 +266,12 @@ def observation_block(pool: ShmPool, cameras: dict[str, tuple[int, int]], state_
     return Observation.from_tensors(views, [""] * n)
 
 
+def block_refs(block: Observation) -> dict[str, ShmRef | None]:
+    """The descriptors of an :func:`observation_block`'s arrays, by tensor name: what an OBS
+    names instead of carrying the bytes."""
+    return {name: locate(a) for name, a in block.to_tensors().items()}
+
+
 def locate(arr: np.ndarray) -> ShmRef | None:
     """The descriptor of a C-contiguous array that lies in a pool this process owns (so another
     process can write or read it in place), or None for private memory."""

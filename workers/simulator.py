@@ -25,7 +25,7 @@ import structlog
 from rlvla3 import names
 from rlvla3 import protocol as P
 from rlvla3.observation import Observation
-from rlvla3.shm import ShmPool, locate, observation_block, sweep_leftovers
+from rlvla3.shm import ShmPool, block_refs, observation_block, sweep_leftovers
 from workers.base import WorkerBase
 from workers.recorder import EpisodeRecorder
 from workers.slots import ChunkOutcome, Slot, episode_seed, slot_adapter
@@ -96,7 +96,7 @@ class SimulatorWorker(WorkerBase):
                       observation_block(self.obs_pool, spec.cameras, spec.state_dim, k))
             slot = Slot(index=s, envs=envs, adapter=adapter, runner=self.new_runner(f"slot{s}"),
                         trajs=[EnvTrajectory(env=self.index * 100_000 + e) for e in envs], blocks=blocks,
-                        refs=tuple({name: locate(a) for name, a in b.to_tensors().items()} for b in blocks),
+                        refs=tuple(block_refs(b) for b in blocks),
                         eval=s >= n_slots - cfg.env.eval_slots)
             self.slots.append(slot)
         if self.use_shm:

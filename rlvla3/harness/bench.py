@@ -240,11 +240,11 @@ def shm_slots(run_id: str, slots: int, n: int, cameras: dict[str, tuple[int, int
               state_dim: int) -> tuple[Any, list[Any], list[dict[str, Any]]]:
     """A pool with an observation block of ``n`` envs per slot, as a simulator keeps them: the
     pool, the blocks (views: clear them before closing the pool) and each one's descriptors."""
-    from rlvla3.shm import ShmPool, locate, observation_block
+    from rlvla3.shm import ShmPool, block_refs, observation_block
 
     pool = ShmPool(run_id, slots * (n * (sum(h * w * 3 for h, w in cameras.values()) + state_dim * 4) + 256) + 4096)
     blocks = [observation_block(pool, cameras, state_dim, n) for _ in range(slots)]
-    return pool, blocks, [{name: locate(a) for name, a in b.to_tensors().items()} for b in blocks]
+    return pool, blocks, [block_refs(b) for b in blocks]
 
 
 def load_avg() -> list[float]:

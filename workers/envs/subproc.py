@@ -8,7 +8,7 @@ with a fresh reset observation (``info["restarted"]``), a restart counter goes u
 caller goes on.
 
 The child writes its observations straight into the caller's rows of shared memory (the
-simulator's slot block, located with :func:`rlvla3.shm.locate`); only rewards, flags and
+simulator's slot block, located with :func:`rlvla3.shm.block_refs`); only rewards, flags and
 instructions cross the pipe. A caller without a shared-memory block gets a copy out of this
 env's own block.
 
@@ -34,7 +34,7 @@ import structlog
 
 from rlvla3.observation import Observation
 from rlvla3.protocol import ShmRef
-from rlvla3.shm import ShmAttachments, ShmPool, locate, observation_block
+from rlvla3.shm import ShmAttachments, ShmPool, block_refs, observation_block
 from workers.envs.base import EnvAdapter, EnvSpec, StepResult, make_env
 
 log = structlog.get_logger()
@@ -336,7 +336,7 @@ class SubprocEnv(EnvAdapter):
                 continue
             hit = self._located.get(id(block))
             if hit is None:
-                refs = {name: locate(a) for name, a in block.to_tensors().items()}
+                refs = block_refs(block)
                 if not all(refs.values()):
                     continue  # private memory: the child cannot write it
                 if len(self._located) >= 8:
