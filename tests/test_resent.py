@@ -1,12 +1,15 @@
 """A fragment re-sent after a broker restart is never trained twice.
 
-The window, made certain: the trainer is stopped (SIGSTOP) while the broker delivers it fragments,
+The window, made as certain as figures can: the trainer is stopped (SIGSTOP) while the broker delivers it fragments,
 so their acks never reach that broker; the broker is killed, the trainer goes on (SIGCONT) and a
 new broker starts on the old one's address. The trainer reads the fragments the old broker sent
 and acks them into the void; the simulator, which has no ack for them, sends them again to the
 new broker, which routes them to the trainer again. The trainer knows them by their simulator and ``traj_id``: it acks
 them with the fate ``duplicate`` and never trains them again, and both brokers' ledgers add up
-with no step acknowledged twice (``rlvla3/harness/faults.py`` ``ledger_problems``).
+with no step acknowledged twice (``rlvla3/harness/faults.py`` ``ledger_problems``). One part of
+the window no figure shows: a send the broker counted may still sit in its I/O thread when it is
+killed (seen once on a loaded CI machine). Then no copy is a duplicate, the ledger still adds up,
+and the fault is tried again.
 """
 
 from __future__ import annotations
@@ -21,7 +24,7 @@ from rlvla3.harness.faults import ledger_problems
 from rlvla3.harness.jobs import Job, per_worker
 from rlvla3.status_client import DeadlinePassed
 
-pytestmark = pytest.mark.timeout(120)
+pytestmark = pytest.mark.timeout(300)
 
 HEARTBEAT_S, BEATS = 0.5, 6
 LIVENESS = (f"broker.heartbeat_s={HEARTBEAT_S}", f"broker.liveness={BEATS}")
@@ -56,10 +59,11 @@ def _stopped_holding_unacked(job: Job, trainer: int, name: str = "trainer0", tri
     raise AssertionError(f"no fragment was delivered to the stopped trainer in {tries} tries")
 
 
-def test_a_fragment_resent_after_a_broker_restart_is_acked_as_a_duplicate_not_trained(job_factory):
-    job = job_factory(*LIVENESS)
-    fig = job.wait(lambda f: f["trainer_version"] >= 1 and f["workers"]["simulator"] == 1, 90, "the job training")
-    trainer = per_worker(fig, "trainer0")["pid"]
+def _broker_killed_under_the_stopped_trainer(job: Job, trainer: int) -> tuple[dict, dict | None]:
+    """One try of the fault: the figures of the killed broker, and the new broker's once the
+    trainer has known a copy (None: no copy came back to it, because the originals died in the
+    killed broker's send queue before they reached the trainer's socket, a window no figure
+    shows; the ledger must add up all the same)."""
     old = _stopped_holding_unacked(job, trainer)
     stopped_at = time.monotonic()
     try:
@@ -73,8 +77,26 @@ def test_a_fragment_resent_after_a_broker_restart_is_acked_as_a_duplicate_not_tr
     fig = job.wait(lambda f: f["workers"] == whole, 30, "the workers to rejoin the new broker")
     # The simulator re-sends on its rejoin; the trainer's next metrics row counts the copies it knew,
     # and their acks reach the new broker with the fate duplicate.
-    fig = job.wait(lambda f: f["trainer"].get("duplicates", 0) >= 1 and f["acked_steps"].get("duplicate", 0) > 0, 45,
-                   "the trainer to know the re-sent fragments (otherwise it trains them twice)")
+    try:
+        known = job.wait(lambda f: f["trainer"].get("duplicates", 0) >= 1 and f["acked_steps"].get("duplicate", 0) > 0,
+                         20, "the trainer to know the re-sent fragments (otherwise it trains them twice)")
+    except DeadlinePassed:
+        fig = job.wait(lambda f: f["trainer_version"] >= fig["trainer_version"] + 2, 30, "two updates at the new broker")
+        assert not ledger_problems(fig, old), (ledger_problems(fig, old), fig["acked_steps"], old["acked_steps"])
+        return old, None
+    return old, known
+
+
+def test_a_fragment_resent_after_a_broker_restart_is_acked_as_a_duplicate_not_trained(job_factory):
+    job = job_factory(*LIVENESS)
+    fig = job.wait(lambda f: f["trainer_version"] >= 1 and f["workers"]["simulator"] == 1, 90, "the job training")
+    trainer = per_worker(fig, "trainer0")["pid"]
+    for _ in range(3):
+        old, fig = _broker_killed_under_the_stopped_trainer(job, trainer)
+        if fig is not None:
+            break
+    else:
+        raise AssertionError("in 3 broker restarts the trainer never knew a re-sent fragment")
     assert not ledger_problems(fig, old), (ledger_problems(fig, old), fig["acked_steps"], old["acked_steps"])
     assert not ledger_problems(old), old["acked_steps"]
     assert "traj_duplicate" in (job.run_dir / "trainer0.log").read_text()

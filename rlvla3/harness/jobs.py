@@ -13,7 +13,7 @@ from typing import Any, Callable
 
 from rlvla3.app.launch import LocalJob
 from rlvla3.lifetime import launcher_env
-from rlvla3.status_client import rate_over, wait_until
+from rlvla3.status_client import DeadlinePassed, rate_over, wait_until
 
 SMALL_JOB = (
     "env.num_envs=4", "env.slots=2", "env.fragment_len=8",
@@ -84,17 +84,29 @@ def generator_serving(fig: dict[str, Any]) -> bool:
     return any(w["role"] == "generator" and (w.get("credits") or 0) > 0 for w in fig.get("per_worker", []))
 
 
+_SHOWN = ("uptime_s", "trainer_version", "workers", "env_steps", "acked_steps", "traj", "trajs_pending", "trainer")
+"""The figures a failed wait shows."""
+
+
 class Job(LocalJob):
     """A LocalJob watched from outside; any process that dies with an error fails a wait at once."""
 
     def wait(self, pred: Callable[[dict[str, Any]], bool], timeout: float, what: str) -> dict[str, Any]:
-        """STATUS until ``pred(figures)`` holds (those figures), or fail naming ``what``."""
+        """STATUS until ``pred(figures)`` holds (those figures), or fail naming ``what`` with the
+        last figures seen and the logs' tails (a failure on a loaded CI machine is then readable)."""
+        seen: list[dict[str, Any]] = []
+
         def check() -> dict[str, Any] | None:
             self.assert_alive()
             f = self.status()
+            seen[:] = [f]
             return f if pred(f) else None
 
-        return wait_until(check, timeout, what, interval=0.1)
+        try:
+            return wait_until(check, timeout, what, interval=0.1)
+        except DeadlinePassed as err:
+            last = {k: seen[0].get(k) for k in _SHOWN} if seen else None
+            raise DeadlinePassed(f"{err}\nlast figures: {last}\n{self.logs(1500)}") from None
 
     def assert_alive(self) -> None:
         for p in [self.broker_proc, *self.workers]:
