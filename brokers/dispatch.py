@@ -297,6 +297,12 @@ class Dispatcher:
                                     f"no RESULT within batching.batch_timeout_s={self.timeout_s}")
         return out
 
+    def overlook(self, gap_s: float) -> None:
+        """The broker did not look for ``gap_s`` (its loop paused or starved): batches out then
+        keep that much more time, as their RESULTs may wait unread in the broker's socket."""
+        for batch in self.batches.values():
+            batch.sent_at += gap_s
+
     # ---- workers joining and leaving ---------------------------------------------------------
 
     def add_generator(self, identity: bytes, credits: int) -> None:

@@ -330,11 +330,13 @@ class BrokerState:
 
         The loop ticks at least once per heartbeat interval (:meth:`wait_s`). A longer gap is time
         the broker itself was paused or starved, with its peers' heartbeats still unread in its
-        socket: past one interval, the gap is not counted toward any peer's expiry."""
+        socket: past one interval, the gap is not counted toward any peer's expiry or any batch's
+        deadline."""
         gap = now - self._last_tick
         self._last_tick = now
         if gap > 2 * self.hb_s:
             self.registry.overlook(gap - self.hb_s)
+            self.dispatcher.overlook(gap - self.hb_s)
             log.warning("broker_loop_late", gap_s=round(gap, 3), heartbeat_s=self.hb_s)
         out: list[Out] = []
         for step in (self.dispatcher.expire, self.dispatcher.adapt, self._dispatch, lambda _: self.trajs.deliver(), self._heartbeat):

@@ -210,6 +210,17 @@ def test_a_broker_loop_that_was_paused_does_not_expire_peers_for_the_silence_it_
     assert SIM in s.state.registry and GEN not in s.state.registry
 
 
+def test_a_broker_loop_that_was_paused_keeps_the_batches_it_had_out():
+    s, batch = one_batch_out("broker.heartbeat_s=1", "broker.liveness=60", "batching.batch_timeout_s=5")
+    s.tick(8.0)  # paused past the batch's deadline: its RESULT may wait unread in the socket
+    assert s.state.status(s.now)["requeued"] == 0 and of_type(s.sent, P.BATCH, GEN2) == []
+    assert [a.fields["req_id"] for a in s.result(batch)] == [1]  # answered, not refused as late
+    s2, _ = one_batch_out("broker.heartbeat_s=1", "broker.liveness=60", "batching.batch_timeout_s=5")
+    for _ in range(6):  # the loop awake and looking: the deadline holds
+        s2.tick(1.0)
+    assert s2.state.status(s2.now)["requeued"] == 1
+
+
 def test_a_dead_trainers_fragments_go_to_the_next_trainer():
     s = Script()
     s.simulator(SIM)
