@@ -33,6 +33,22 @@ def check_renamed(data: dict[str, Any]) -> None:
             raise ConfigError(f"{old} was removed: set {new} instead")
 
 
+def sync_off_policy(cfg: Any) -> str | None:
+    """Why a sync job's updates will train some steps one version late (None: they will not).
+    A sync round ships every training env's fragment of ``env.fragment_len`` decisions at once;
+    a batch that is not a whole number of rounds leaves a remainder that the next version's
+    update takes (docs/architecture.md, Modes). Simulators added at run time change the round."""
+    if cfg.run.mode != "sync":
+        return None
+    training_envs = cfg.env.num_envs - cfg.env.eval_slots * (cfg.env.num_envs // cfg.env.slots)
+    round_steps = cfg.workers.simulators * training_envs * cfg.env.fragment_len
+    if cfg.algo.batch_steps % round_steps == 0:
+        return None
+    return (f"algo.batch_steps ({cfg.algo.batch_steps}) is not a whole number of sync rounds of {round_steps} "
+            f"decisions (workers.simulators x training envs x env.fragment_len): part of each update "
+            f"will be one version stale")
+
+
 def validate_job(cfg: Any) -> None:
     """Every rule of the job's config."""
     validate_scale(cfg.model.lora, cfg.train, cfg.placement, cfg.workers.generators, cfg.workers.trainers)

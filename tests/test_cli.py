@@ -154,3 +154,16 @@ def test_run_controller_refuses_before_it_starts_anything(tmp_path):
     with pytest.raises(RunRefused, match="batching.max_bach"):
         RunController.prepare(RunOptions(config="synthetic.yaml", overrides=("batching.max_bach=3",), run_dir=str(tmp_path / "r")))
     assert not (tmp_path / "r").exists()
+
+
+def test_a_sync_batch_that_is_not_whole_rounds_is_named_before_the_run(tmp_path):
+    """Sync trains every step at the version that acted it only when a batch is whole rounds
+    (2 simulators x 8 envs x 16 decisions = 256 in synthetic.yaml); otherwise ``rlvla3 run``
+    says so before it starts."""
+    from rlvla3.app.run import RunController, RunOptions
+
+    for batch_steps, noted in ((100, True), (512, False)):
+        lines: list[str] = []
+        RunController.prepare(RunOptions(config="synthetic.yaml", overrides=("run.mode=sync", f"algo.batch_steps={batch_steps}"),
+                                         run_dir=str(tmp_path / str(batch_steps))), echo=lines.append)
+        assert any("not a whole number of sync rounds of 256" in line for line in lines) == noted, lines

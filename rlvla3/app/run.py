@@ -22,6 +22,7 @@ from rlvla3.app.launch import JobInterrupted, LocalJob
 from rlvla3.app.progress import STEPS_CHECK_EVERY_S, RunRecord
 from rlvla3.auth import AuthError, check_bind
 from rlvla3.config import ConfigError, JobConfig, load
+from rlvla3.config_rules import sync_off_policy
 from rlvla3.lifetime import on_stop_signals
 from rlvla3.scale_config import gpu_overrides
 
@@ -117,6 +118,9 @@ class RunController:
                 check_bind([opts.bind, opts.pub], cfg.broker.keys_dir, False, False)
             except AuthError as exc:
                 raise RunRefused(str(exc)) from None
+        if (why := sync_off_policy(cfg)) is not None:
+            log.warning("sync_not_on_policy", reason=why)
+            echo(f"note: {why}")
         folder.mkdir(parents=True, exist_ok=True)
         controller = cls(cfg, folder, opts, echo)
         if not opts.resume and cfg.run.sft_episodes > 0 and not cfg.model.checkpoint:
