@@ -46,8 +46,8 @@ from rlvla3 import bundle, names
 from rlvla3 import protocol as P
 from rlvla3.config import load
 from rlvla3.harness.bench import (
-    bench_run_dir, cpu_seconds, emit_to, keep_logs_unless, load_avg, new_hist, note, parse_bench_args, read_line, record_us,
-    save_figure, shm_slots, start_child, stop_child, subplots, summary, thread_cpu_seconds, wait_readable,
+    BenchRun, cpu_seconds, emit_to, load_avg, new_hist, note, parse_bench_args, read_line, record_us, save_figure, shm_slots,
+    start_child, subplots, summary, thread_cpu_seconds, wait_readable,
 )
 from rlvla3.harness.echo import ECHO
 from rlvla3.harness.jobs import Job, generator_serving, start_job
@@ -331,18 +331,14 @@ def main() -> None:
     out = Path(args.out)
 
     t_start = time.monotonic()
-    run_dir, keys = bench_run_dir("capacity", args.curve)
-    overrides = [
-        "env.name=synthetic", f"env.options.image_size={IMAGE}", "workers.simulators=0", "workers.generators=1",
-        "workers.trainers=0", "run.mode=async", f"batching.max_batch={args.max_batch}",
-        f"batching.max_wait_ms={args.max_wait_ms}", f"batching.credits={args.credits}",
-        *([f"broker.keys_dir={keys}"] if keys else []),
-    ]
-    job = None
-    children: list[Any] = []
-    ok = False
-    try:
-        cfg = load("synthetic.yaml", overrides)
+    with BenchRun("capacity", args.curve) as run:
+        run_dir, keys = run.dir, run.keys
+        cfg = load("synthetic.yaml", [
+            "env.name=synthetic", f"env.options.image_size={IMAGE}", "workers.simulators=0", "workers.generators=1",
+            "workers.trainers=0", "run.mode=async", f"batching.max_batch={args.max_batch}",
+            f"batching.max_wait_ms={args.max_wait_ms}", f"batching.credits={args.credits}",
+            *([f"broker.keys_dir={keys}"] if keys else []),
+        ])
         if args.profile:  # the broker is this script's child, under cProfile
             (run_dir / "config.yaml").write_text(cfg.to_yaml())
             job = Job(cfg, run_dir, run_dir / "config.yaml")
@@ -351,17 +347,12 @@ def main() -> None:
                                                          str(run_dir), str(prof_path)])
         else:
             job = start_job(cfg, run_dir, False, f"ipc://{run_dir}/broker", f"ipc://{run_dir}/pub")
+        run.callback(job.stop)
         key_args = ["--keys", keys] if keys else []
-        gen, _ = start_child([*ECHO, "generator", job.endpoint, "--credits", str(args.credits), *key_args])
-        children.append(gen)
+        gen, _ = run.child([*ECHO, "generator", job.endpoint, "--credits", str(args.credits), *key_args])
         job.wait(generator_serving, 60.0, "the echo generator")
-        sims = []
-        for _ in range(args.sims):
-            proc, _ = start_child([__file__, "--child", "--endpoint", job.endpoint, "--slots", str(args.slots),
-                                   "--envs", str(args.envs), *key_args, *(["--no-bundles"] if args.no_bundles else [])],
-                                  talk=True)
-            children.append(proc)
-            sims.append(proc)
+        sims = [run.child([__file__, "--child", "--endpoint", job.endpoint, "--slots", str(args.slots), "--envs", str(args.envs),
+                           *key_args, *(["--no-bundles"] if args.no_bundles else [])], talk=True)[0] for _ in range(args.sims)]
         procs = {"broker": [job.broker_proc.pid], "generator": [gen.pid],
                  "simulators": [s.pid for s in sims]}
         note(f"up in {time.monotonic() - t_start:.1f} s: {args.sims} simulators x {args.slots} slots x {args.envs} envs, "
@@ -415,17 +406,11 @@ def main() -> None:
         result["png"] = str(plot(ramp, out / "broker_capacity.png",
                                  f"one broker, echo generator, {args.sims} x {args.slots} slots x {args.envs} envs, max_batch "
                                  f"{args.max_batch}, CURVE {'on' if keys else 'off'}"))
-        ok = True
-        emit_to(out, "broker_capacity.json", result)
-    finally:
-        for child in children:
-            stop_child(child)
-        if job is not None:
-            job.stop()
-        if ok and args.profile:
-            result_note = out / "broker_capacity.prof.txt"
-            note(f"broker profile (own CPU time): {result_note}" if result_note.is_file() else "no broker profile written")
-        keep_logs_unless(ok, run_dir)
+        run.ok = True
+    if args.profile:  # written when the broker stopped
+        prof = out / "broker_capacity.prof.txt"
+        note(f"broker profile (own CPU time): {prof}" if prof.is_file() else "no broker profile written")
+    emit_to(out, "broker_capacity.json", result)
 
 
 if __name__ == "__main__":

@@ -35,8 +35,7 @@ import zmq
 from rlvla3 import protocol as P
 from rlvla3.config import load
 from rlvla3.harness.bench import (
-    bench_run_dir, emit_to, keep_logs_unless, merged, new_hist, note, parse_bench_args, percentile_plot, record_us,
-    shm_slots, start_child, stop_child, summary, wait_readable,
+    BenchRun, emit_to, merged, new_hist, note, parse_bench_args, percentile_plot, record_us, shm_slots, summary, wait_readable,
 )
 from rlvla3.harness.echo import ECHO
 from rlvla3.harness.jobs import Job, generator_serving, start_job
@@ -187,8 +186,6 @@ def main() -> None:
     ap.add_argument("--spin-us", type=float, default=200.0,
                     help="spin (instead of sleeping) this long before each due time: timer wake-ups on a VM are late")
     args = parse_bench_args(ap, "short run (under 60 s with start-up)")
-    if args is None:
-        return
     if args.quick:  # many short rounds: on a shared machine the noise then falls on all three alike
         args.rate, args.duration, args.rounds = min(args.rate, 100.0), 1.0, 6
     if args.smoke:
@@ -196,31 +193,24 @@ def main() -> None:
     out = Path(args.out)
 
     t_start = time.monotonic()
-    run_dir, keys = bench_run_dir("latency", args.curve)
-    ctx = zmq.Context()
-    job: Job | None = None
-    children: list[Any] = []
-    client: Client | None = None
-    socks: list[zmq.Socket] = []
-    ok = False
-    try:
+    with BenchRun("latency", args.curve) as run:
         # -- start-up: broker + generator, echo server, relay + its echo; join as a simulator --
-        job = start_broker(args, run_dir, keys)
-        children.append(start_child([*ECHO, "generator", job.endpoint, "--credits", str(args.credits),
-                                     *(["--keys", keys] if keys else [])])[0])
-        echo, echo_ep = start_child([*ECHO, "echo"])
-        children.append(echo)
-        relay, relay_ep = start_child([*ECHO, "relay"])
-        children.append(relay)
-        children.append(start_child([*ECHO, "relay-echo", relay_ep])[0])
+        keys, ctx = run.keys, zmq.Context()
+        run.callback(ctx.term)
+        job = start_broker(args, run.dir, keys)
+        run.callback(job.stop)
+        run.child([*ECHO, "generator", job.endpoint, "--credits", str(args.credits), *(["--keys", keys] if keys else [])])
+        echo_ep, relay_ep = run.child([*ECHO, "echo"])[1], run.child([*ECHO, "relay"])[1]
+        run.child([*ECHO, "relay-echo", relay_ep])
         sim = Peer(ctx, job.endpoint, "simulator", "bench-latency", keys, slots=args.slots, num_envs=args.slots * args.n)
+        run.callback(sim.close)
         welcome, bsock = sim.expect(P.READY, 20.0).header, sim.sock
-        socks.append(bsock)
         esock, rsock = zmq_socket(ctx, zmq.DEALER), zmq_socket(ctx, zmq.DEALER)
         for sk, ep in ((esock, echo_ep), (rsock, relay_ep)):
             sk.connect(ep)
-            socks.append(sk)
+            run.callback(sk.close, 0)
         client = Client(args.slots, args.n, str(welcome.get("run_id", "bench")))
+        run.callback(client.close)
 
         def drain_broker() -> None:
             sim.keepalive(every_s=0.0)  # the broker expires a silent worker after 3 x 1 s
@@ -298,21 +288,8 @@ def main() -> None:
             f"max_wait {args.max_wait_ms} ms, CURVE {'on' if keys else 'off'} (latency from due time)",
         )
         result["png"] = str(png)
-        ok = True
-        emit_to(out, "latency.json", result)
-    finally:
-        for sk in socks[1:]:
-            sk.close(0)
-        if socks:
-            sim.close()
-        if client is not None:
-            client.close()
-        for child in children:
-            stop_child(child)
-        if job is not None:
-            job.stop()
-        ctx.term()
-        keep_logs_unless(ok, run_dir)
+        run.ok = True
+    emit_to(out, "latency.json", result)
 
 
 if __name__ == "__main__":

@@ -35,7 +35,7 @@ from brokers.stats import STALL_WINDOW_S
 from rlvla3 import protocol as P
 from rlvla3.app.launch import request_status
 from rlvla3.config import load
-from rlvla3.harness.bench import bench_run_dir, emit_to, keep_logs_unless, load_avg, note, parse_bench_args
+from rlvla3.harness.bench import BenchRun, emit_to, load_avg, note, parse_bench_args
 from rlvla3.harness.jobs import SMALL_JOB, start_job
 from rlvla3.harness.peer import Peer, zmq_socket
 
@@ -100,11 +100,11 @@ def main() -> None:
     seconds = 1.0 if args.smoke else 12.0 if args.quick else args.seconds
     fakes = 8 if args.smoke else args.fake_sims
 
-    root, _ = bench_run_dir("status_flood", False)
-    job = start_job(load("synthetic.yaml", SMALL_JOB), root)
-    ctx = zmq.Context()
-    result: dict = {}
-    try:
+    with BenchRun("status_flood") as run:
+        job = start_job(load("synthetic.yaml", SMALL_JOB), run.dir)
+        run.callback(job.stop)
+        ctx = zmq.Context()
+        run.callback(ctx.term)
         job.wait_status(lambda f: f["env_steps"] > 0 and (args.smoke or f["policy_version"] >= 1), 300.0,
                         "the job to step and train once")
         sims = FakeSimulators(ctx, job.endpoint, fakes, args.slots)
@@ -147,10 +147,7 @@ def main() -> None:
         result["note"] = ("wall-clock figures count the time the scheduler kept the broker off a crowded machine "
                           "(see load_avg_1m, cpus, and the same figures before the flood); the cpu figures count "
                           "the broker loop's own work")
-    finally:
-        ctx.term()
-        job.stop()
-    keep_logs_unless(bool(result.get("broker_alive")), root)
+        run.ok = result["broker_alive"]
     emit_to(args.out, "status_flood.json", result)
 
 

@@ -45,7 +45,7 @@ import zmq
 
 from rlvla3 import protocol as P
 from rlvla3.config import load
-from rlvla3.harness.bench import bench_run_dir, emit_to, keep_logs_unless, note, parse_bench_args, start_child, stop_child
+from rlvla3.harness.bench import BenchRun, emit_to, note, parse_bench_args, start_child, stop_child
 from rlvla3.harness.jobs import rss_mb, start_job
 from rlvla3.harness.peer import Peer
 from rlvla3.shm import host_id, segments_of_run
@@ -230,17 +230,20 @@ class Baseline:
 
 
 class Bench:
-    def __init__(self, copy_threads: int, delta: str | None = None, dtype: str = "bfloat16") -> None:
+    def __init__(self, run: BenchRun, copy_threads: int, delta: str | None = None, dtype: str = "bfloat16") -> None:
         self.delta, self.dtype = delta, dtype
         self.ctx = zmq.Context()
-        self.tmp, _ = bench_run_dir("weights", False)
+        run.callback(self.ctx.term)
         cfg = load("synthetic.yaml", ["broker.liveness=600"])  # the bench trainer is busy publishing at times
-        self.job = start_job(cfg, self.tmp, workers=False)
+        self.job = start_job(cfg, run.dir, workers=False)
+        run.callback(self.job.stop)
         self.trainer = Peer(self.ctx, self.job.endpoint, "trainer", "bench")
+        run.callback(self.trainer.close)
         self.broker = self.trainer.sock
         self.pub_ep = self.trainer.expect(P.READY, 30.0)["pub"]
         self.broker_rss_start = rss_mb(self.job.broker_proc.pid)
         self.pull = self.ctx.socket(zmq.PULL)
+        run.callback(self.pull.close, 0)
         self.pull.bind("tcp://127.0.0.1:*")
         self.events: list[dict[str, Any]] = []
         self.broker_rss: list[float] = []
@@ -368,14 +371,6 @@ class Bench:
             "source": sorted({e["source"] for e in self.events if e["event"] == "swapped"}),
         }
 
-    def close(self, ok: bool) -> None:
-        self.broker.send_multipart(P.encode(P.DISCONNECT, {}))
-        self.job.stop()
-        for s in (self.broker, self.pull):
-            s.close(linger=0)
-        self.ctx.term()
-        keep_logs_unless(ok, self.tmp)
-
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -394,9 +389,9 @@ def main() -> None:
     readers = [1] if (args.smoke or args.quick) else [int(r) for r in args.readers.split(",")]
     versions = 2 if (args.quick or args.smoke) else args.versions
     torch.set_num_threads(1)
-    bench = Bench(args.copy_threads, args.delta, args.dtype)
     runs = []
-    try:
+    with BenchRun("weights") as run:
+        bench = Bench(run, args.copy_threads, args.delta, args.dtype)
         for size in sizes:
             t = time.perf_counter()
             model = build_model(size, init=True, dtype=args.dtype)
@@ -406,8 +401,7 @@ def main() -> None:
                 note(json.dumps(r))
                 runs.append(r)
             del model
-    finally:
-        bench.close(len(runs) == len(sizes) * len(readers))
+        run.ok = True
     head = dict(runs[-1])
     result = {**head, "runs": runs, "host_cpus": os.cpu_count(),
               "note": "broker_rss_mb: RSS of the real broker process (rlvla3 broker) that relays every "

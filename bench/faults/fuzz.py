@@ -33,7 +33,7 @@ from rlvla3 import auth, bundle
 from rlvla3 import protocol as P
 from rlvla3.app.launch import request_status
 from rlvla3.config import load
-from rlvla3.harness.bench import bench_run_dir, emit_to, keep_logs_unless, note, parse_bench_args
+from rlvla3.harness.bench import BenchRun, emit_to, note, parse_bench_args
 from rlvla3.harness.jobs import SMALL_JOB, rss_mb, start_job
 
 VALID = {  # one valid header per message type a peer may send to the broker
@@ -201,10 +201,10 @@ def main() -> None:
     args = parse_bench_args(ap, "5,000 messages: a short run", smoke_help="1,000 messages: checks the script runs")
     total = 1_000 if args.smoke else 5_000 if args.quick else args.messages
 
-    root, keys = bench_run_dir("fuzz", args.curve)
-    job = start_job(load("synthetic.yaml", [*SMALL_JOB, *([f"broker.keys_dir={keys}"] if keys else [])]), root)
-    result: dict = {}
-    try:
+    with BenchRun("fuzz", args.curve) as run:
+        root, keys = run.dir, run.keys
+        job = start_job(load("synthetic.yaml", [*SMALL_JOB, *([f"broker.keys_dir={keys}"] if keys else [])]), root)
+        run.callback(job.stop)
         endpoint = job.endpoint
         before = job.wait_status(lambda f: f["env_steps"] > 0 and f["policy_version"] >= 1, 300.0, "the job to train once")
         rss0 = rss_mb(job.broker_proc.pid)
@@ -258,9 +258,7 @@ def main() -> None:
             "keyless_answered": keyless,  # with CURVE: a peer without an allowlisted key gets nothing back
             "targets": {"broker_alive": True, "job_advanced": True, "rss_growth_mb_max": 64, "peer_turn_us_p99_max": 1000},
         }
-    finally:
-        job.stop()
-    keep_logs_unless(bool(result.get("broker_alive") and result.get("job_advanced") and result.get("workers_alive")), root)
+        run.ok = result["broker_alive"] and result["job_advanced"] and result["workers_alive"]
     emit_to(args.out, "fuzz.json", result)
 
 

@@ -9,6 +9,7 @@ JSON object as the last line of stdout.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import select
@@ -212,28 +213,41 @@ def stop_child(proc: subprocess.Popen, timeout_s: float = 5.0) -> None:
         proc.stdout.close()
 
 
-def bench_run_dir(name: str, curve: bool) -> tuple[Path, str | None]:
-    """A fresh temporary run folder for bench ``name``, and with ``curve`` a key folder in it
-    (``rlvla3 keys``: the broker's pair and one per role), else None."""
-    import tempfile
+class BenchRun(contextlib.ExitStack):
+    """A benchmark's run, as ``with BenchRun(name, curve) as run``: a fresh temporary folder
+    (``dir``), with ``curve`` a key folder in it (``keys``: ``rlvla3 keys``, the broker's pair and
+    one per role; else None). On the way out, what was pushed on it is undone (last first: the
+    children of :meth:`child`, a job's ``stop``, sockets); then the folder goes when ``ok`` was
+    set, else stays and a note says where."""
 
-    from rlvla3 import auth
+    def __init__(self, name: str, curve: bool = False) -> None:
+        import tempfile
 
-    run_dir = Path(tempfile.mkdtemp(prefix=f"rlvla3_bench_{name}_"))
-    keys = str(run_dir / "keys") if curve else None
-    if keys:
-        auth.make_keys(keys)
-    return run_dir, keys
+        from rlvla3 import auth
 
+        super().__init__()
+        self.dir = Path(tempfile.mkdtemp(prefix=f"rlvla3_bench_{name}_"))
+        self.keys = str(self.dir / "keys") if curve else None
+        if self.keys:
+            auth.make_keys(self.keys)
+        self.ok = False
 
-def keep_logs_unless(ok: bool, run_dir: Path) -> None:
-    """A run's folder goes when it went well; otherwise it stays, and the note says where."""
-    import shutil
+    def child(self, args: list[str], **kw: Any) -> tuple[subprocess.Popen, str]:
+        """:func:`start_child`, stopped with the run."""
+        proc, line = start_child(args, **kw)
+        self.callback(stop_child, proc)
+        return proc, line
 
-    if ok:
-        shutil.rmtree(run_dir, ignore_errors=True)
-    else:
-        note(f"logs kept in {run_dir}")
+    def __exit__(self, *exc: Any) -> bool:
+        import shutil
+
+        try:
+            return super().__exit__(*exc)
+        finally:
+            if self.ok:
+                shutil.rmtree(self.dir, ignore_errors=True)
+            else:
+                note(f"logs kept in {self.dir}")
 
 
 def shm_slots(run_id: str, slots: int, n: int, cameras: dict[str, tuple[int, int]],
