@@ -1,26 +1,20 @@
-"""A soak run: a job over two network-namespace hosts whose workers are SIGKILLed, whose far host
-is cut off and whose broker is killed and restarted on the same address, at random intervals, for
-``--minutes``; every killed process is restarted (``rlvla3 worker``, as a supervisor would).
+"""A soak run: a job over two network-namespace hosts, faults at random intervals for
+``--minutes``, every killed process restarted (``rlvla3 worker``, as a supervisor would).
 
     head  broker, trainer, simulator sim0, generator gen0 (sim0 and gen0: never killed or cut)
     far   simulator sim1, generator gen1
 
-The fault mix, one at a time: a generator, simulator or trainer SIGKILLed (sim0 and gen0 are
-kept off the list), the far host cut off for ``--cut-s`` (``rlvla3/harness/netns.py``), the broker
-SIGKILLed and a new one started on the same address ``--cut-s`` later (``NetnsJob.restart_broker``).
+One fault at a time: a generator, simulator or trainer SIGKILLed; the far host cut off for
+``--cut-s`` (``rlvla3/harness/netns.py``); the broker SIGKILLed and a new one started on the same
+address ``--cut-s`` later (``NetnsJob.restart_broker``).
 
-Reports the RSS of every process over time, the env steps done, and the fate of every acknowledged
-trajectory step (``brokers/ledger.py``) summed over the broker's incarnations (each broker's last
-figures before it was killed, and the last one's at the end): each is exactly one of evaluation,
-trained, stale, discarded, unreadable, lost with a killed trainer, or held by the live trainer.
-
-Targets (``targets`` in the JSON): each broker's fates add up to its acknowledged steps exactly;
-each trainer kill loses at most one update's worth of steps (an update takes whole fragments
-until it holds ``algo.batch_steps``: at most ``batch_steps + env.fragment_len - 1``); the kept
-processes (one simulator, one generator) grow their RSS by at most ``RSS_SLOPE_MB_PER_10MIN``: a
-least-squares slope over one sample a minute after their first ``--warmup`` seconds (5 minutes).
-The job has one trainer and one broker, so those roles have no process to keep: their RSS is
-reported per incarnation.
+Reports every process's RSS over time, the env steps done, and the fate of every acknowledged
+trajectory step (``brokers/ledger.py``), summed over the broker's incarnations. Targets
+(``targets`` in the JSON): each broker's fates add up to its acknowledged steps exactly; a trainer
+kill loses at most one update (whole fragments until ``batch_steps``: ``batch_steps +
+env.fragment_len - 1`` steps); the kept processes grow their RSS by at most
+``RSS_SLOPE_MB_PER_10MIN`` (least squares, one sample a minute after their first ``--warmup``
+seconds). The one trainer and one broker have no process to keep: their RSS is per incarnation.
 
     python bench/faults/soak.py --minutes 3      # --smoke: seconds of faults after start-up, no soak
 Needs root and iproute2; prints one JSON object last and writes soak.json and soak_rss.png under --out.
@@ -39,6 +33,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+import numpy as np
 
 from brokers.ledger import ACKED_PARTS
 from rlvla3.app.launch import stop_processes
@@ -82,10 +77,8 @@ def slope(p: Proc, warm_s: float, every_s: float) -> dict[str, Any] | None:
     points = [(sum(t for t, _ in b) / len(b), sum(r for _, r in b) / len(b)) for b in bins.values()]
     if len(points) < 2:
         return None
-    mt = sum(t for t, _ in points) / len(points)
-    mr = sum(r for _, r in points) / len(points)
-    k = sum((t - mt) * (r - mr) for t, r in points) / max(1e-9, sum((t - mt) ** 2 for t, _ in points))
-    return {"mb_per_10min": round(k * 600, 3), "samples": len(points), "rss_mb": round(points[-1][1], 1),
+    k = np.polyfit(*np.array(points).T, 1)[0]
+    return {"mb_per_10min": round(float(k) * 600, 3), "samples": len(points), "rss_mb": round(points[-1][1], 1),
             "lived_s": round(p.rss[-1][0] - p.started, 1)}
 
 
