@@ -1,29 +1,27 @@
 """How many requests per second one broker routes: fake simulator slots and an echo generator,
-the offered rate ramped until the broker saturates.
+the offered rate ramped until the broker saturates (docs/scaling.md).
 
     python bench/broker/capacity.py --quick     # --sims 2 --slots 256 --envs 1 --max-batch 32 --curve ...
 
-What runs: a real broker (bound on ipc://), the echo generator (``rlvla3/harness/echo.py``: a
-generator-role peer that answers each BATCH with zeros) and ``--sims`` simulator processes with
-``--slots`` slots each. A request is one OBS whose observation (a 16x16 image and a state) lies
-in the simulator's shared memory, counted when its ACT comes back; ``--envs N`` makes each OBS
-carry N envs (``env_obs_per_broker_core``: env observations a broker core routes that way,
-``docs/scaling.md``). A simulator sends what is due at once as one BUNDLE and reads BUNDLEs of
-ACTs, as a simulator worker does (``--no-bundles``: one message per request). Open-loop: request
-``i`` is due at ``t0 + i/rate``; latency counts from then (HdrHistogram, us).
+A real broker (on ipc://), the echo generator (``rlvla3/harness/echo.py``) and ``--sims``
+simulator processes of ``--slots`` slots. A request is one OBS whose observation (a 16x16 image
+and a state) lies in the simulator's shared memory, counted when its ACT comes back; ``--envs N``:
+N envs per OBS (``env_obs_per_broker_core``). What is due goes as one BUNDLE and ACTs come in
+BUNDLEs, as with a simulator worker (``--no-bundles``: one message per request). Open-loop:
+request ``i`` is due at ``t0 + i/rate``; latency counts from then (HdrHistogram, us).
 
 The ramp: steps of ``--duration`` s, the offered rate growing by ``--factor`` from
-``--start-rate`` until the broker saturates (achieved < 85% of offered, or 90% of a core used)
-or ``--steps``; ``max_rps`` is the best achieved rate, then one step at 80% of it gives
+``--start-rate`` until saturation (achieved < 85% of offered, or 90% of a core used) or
+``--steps``; ``max_rps`` is the best achieved rate; one step at 80% of it gives
 ``p99_us_at_80pct``. The load generators share the cores with the broker, so
 ``rps_per_broker_core`` divides the rate by the broker process's own CPU over the same window
-(user + system from /proc, zmq's I/O thread included; ``broker_threads_cpu_pct`` splits it).
-Target: >= 20,000 requests/s per broker core. ``reference_obs_decode_us`` (one OBS decode's CPU
-time here, before and after) is the yardstick between runs under different loads. ``errors``:
-an overloaded step leaves requests outstanding that the broker may refuse as ``over_limit``.
+(``broker_threads_cpu_pct`` splits it). Target: >= 20,000 requests/s per broker core.
+``reference_obs_decode_us`` (one OBS decode's CPU time here, before and after) is the yardstick
+between runs under different loads. ``errors``: an overloaded step leaves requests outstanding
+that the broker may refuse as ``over_limit``.
 
-Writes ``broker_capacity.png`` and ``broker_capacity.json`` under ``--out``; ``--profile`` runs
-the broker under cProfile (its thread's CPU clock): ``broker_capacity.prof.txt``.
+Writes ``broker_capacity.png`` and ``.json`` under ``--out``; ``--profile`` runs the broker under
+cProfile (its thread's CPU clock): ``broker_capacity.prof.txt``.
 """
 
 from __future__ import annotations

@@ -4,21 +4,17 @@ of the same topology (simulator -> relay -> echo -> relay -> simulator, pyzmq an
 
     python bench/broker/latency.py --quick     # --rate 150 --curve
 
-What runs: a real broker (16x16 images, ``max_batch`` 1, ``max_wait_ms`` 0) with one generator,
-the echo peer (``rlvla3/harness/echo.py``: zeros for each BATCH, no forward pass, so the figure
-is the broker's own cost). This process is a simulator with many slots whose observations lie in
-shared memory, as a same-host simulator's do. Request ``i`` is due at ``t0 + i/rate``
-and goes out on a free slot (waiting for one is part of its latency); latency counts from when
-it was *due* (wrk2's cure for coordinated omission), in an HdrHistogram in us. Both floors run the
-same client code and frames; rounds alternate raw, relay and broker so that a noisy neighbour
-hits all alike. Targets: broker p50 <= 1.5x the relay's, p99 <= 2x.
+A real broker (16x16 images, ``max_batch`` 1, ``max_wait_ms`` 0) with the echo generator
+(``rlvla3/harness/echo.py``: no forward pass, so the figure is the broker's own cost). This
+process is a simulator whose slots' observations lie in shared memory. Request ``i`` is due at
+``t0 + i/rate`` and goes out on a free slot (waiting for one is part of its latency); latency
+counts from when it was *due* (wrk2's cure for coordinated omission). All three run the same
+client code and frames, in alternating rounds so that a noisy neighbour hits all alike.
+Targets: broker p50 <= 1.5x the relay's, p99 <= 2x.
 
-Latency in parts (``parts``, us): ``send_lag`` (due -> sent), ``queue_wait`` (ACT.queue_us),
-``forward`` (ACT.forward_us), the broker's ``generate`` and ``batch_form`` (STATUS), and what
-remains: the hops and the Python on them. Last line of stdout: one JSON object (``p50_us``,
-``p99_us``, ``raw_p50_us``, ``relay_p50_us``, ``p50_over_relay``, ``p99_over_relay``,
-``achieved_rate``, ``ratio_p50`` over the raw echo, ``parts`` ...); ``latency.png`` and
-``latency.json`` under ``--out``.
+``parts`` (us): ``send_lag`` (due -> sent), ``queue_wait`` (ACT.queue_us), ``forward``
+(ACT.forward_us), the broker's ``generate`` and ``batch_form`` (STATUS), and what remains: the
+hops and the Python on them. Writes ``latency.png`` and ``latency.json`` under ``--out``.
 """
 
 from __future__ import annotations

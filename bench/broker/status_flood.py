@@ -1,21 +1,18 @@
 """Flood a running job with STATUS and measure what it costs the broker's loop.
 
-A synthetic job (broker, simulator, generator, trainer: real processes on tcp://127.0.0.1) is
-made large on paper: ``--fake-sims`` extra simulators (``--slots`` slots each) join and heartbeat
-but never send work, so STATUS covers hundreds of workers and thousands of slots. Then
-``--clients`` clients keep ``--window`` STATUS requests each in flight for ``--seconds``.
+A synthetic job (real processes on tcp://127.0.0.1) made large on paper: ``--fake-sims`` extra
+simulators of ``--slots`` slots join and heartbeat but never send work, so STATUS covers hundreds
+of workers and thousands of slots. Then ``--clients`` clients keep ``--window`` STATUS requests
+each in flight for ``--seconds``. From the broker's own figures (STATUS):
 
-Reported from the broker's own figures (STATUS):
-
-- ``loop_stall_ms_flood``: the longest turn of the broker's loop (read messages, run timers)
-  during the flood: ``loop_stall_ms_recent`` (the last 10 s) read from replies at least 10 s
-  into the flood; a shorter flood reads it at the end, and its window then covers some of the
-  time before (``window_covers_flood_only`` says which). Wall time: on a crowded machine it also
-  counts the time the broker was kept off the CPU, so the bench reports the turn's CPU time too
-  (``loop_stall_cpu_ms_flood``, target <= 5 ms) and both figures before the flood.
+- ``loop_stall_ms_flood``: the longest turn of the broker's loop during the flood:
+  ``loop_stall_ms_recent`` (the last 10 s) from replies at least 10 s into the flood; a shorter
+  flood reads it at the end, its window then covering some time before
+  (``window_covers_flood_only``). Wall time counts the time a crowded machine kept the broker off
+  the CPU, so the turn's CPU time comes too (``loop_stall_cpu_ms_flood``, target <= 5 ms), and
+  both figures before the flood.
 - ``status_answer_cpu_us``: the loop's CPU time for one STATUS answer (building and encoding the
-  figures when they are due, sending), p50 / p99 / max over every answer. Target p99 <= 1000 us,
-  whatever the job size.
+  figures when due, sending) over every answer. Target p99 <= 1000 us, whatever the job size.
 - ``job_advanced``: env steps and the policy version grew during the flood.
 
     python bench/broker/status_flood.py            # 20 s, 256 fake simulators x 64 slots

@@ -1,29 +1,24 @@
 """Publish -> every reader swapped: weight versions through the shared-memory store, against a
-plain memcpy of the same bytes measured in the same run.
+plain memcpy of the same bytes measured in the same run (docs/architecture.md, "Weights off the broker").
 
     python bench/fabric/weights.py --quick      # --sizes tiny,medium --readers 1,2 --versions 4 ...
 
-All on this host: this process plays trainer rank 0, a :class:`WeightPublisher` over a
-transformer-shaped bf16 model (``medium``: Qwen2-0.5B's shapes, 494M parameters, the embedding
-frozen; built on the meta device, never as an fp32 copy) whose every trainable tensor changes
-per version; a real broker (``rlvla3 broker``) that this process joins as the trainer, keeps
-the newest announcement and publishes it (its RSS after each is ``broker_rss_mb``, before the
-first ``broker_rss_mb_start``); 1 or 2 readers, each a :class:`WeightReceiver` beside a loop of
-bf16 "forward passes" that swaps between two passes.
+This process plays trainer rank 0: a :class:`WeightPublisher` over a transformer-shaped bf16
+model (``medium``: Qwen2-0.5B's shapes, the embedding frozen; built on the meta device, never as
+an fp32 copy) whose every trainable tensor changes per version, announced through a real broker
+(its RSS: ``broker_rss_mb``, before the first ``broker_rss_mb_start``). 1 or 2 readers, each a
+:class:`WeightReceiver` beside a loop of bf16 "forward passes" that swaps between two passes.
 
-Per version: ``publish_to_swap_ms`` from the start of ``publish()`` to the last reader's swap
-(CLOCK_MONOTONIC; median over versions 1..; version 0 also carries the frozen tensors:
-``first_version_ms``). ``copies`` = 2 (model -> store -> the reader's staging; the swap re-points
-parameters). ``memcpy_ms``: ``np.copyto`` of as many bytes between pre-touched buffers, one
-thread, right after each swap; ``hash_ms``: xxh3-64 over them; ``ratio`` = publish_to_swap /
-(memcpy x copies), from the medians. ``max_serving_gap_ms``: the longest time between two
-forward passes of a reader after its first swap (``max_swap_ms`` the swap itself,
-``max_serving_gap_idle_ms`` the same with no version under way: the host's own noise).
-``--sizes 3gb``: a 3.0 GB bf16 version (about 16 GB of RAM with 1 reader). ``--copy-threads``:
-``weights.copy_threads`` on both sides.
+Per version: ``publish_to_swap_ms`` from ``publish()`` to the last reader's swap (median over
+versions 1..; version 0 also carries the frozen tensors: ``first_version_ms``). ``copies`` = 2
+(model -> store -> the reader's staging; the swap re-points parameters). ``memcpy_ms``:
+``np.copyto`` of as many bytes, one thread, right after each swap; ``hash_ms``: xxh3-64 over them;
+``ratio`` = publish_to_swap / (memcpy x copies). ``max_serving_gap_ms``: the longest time between
+two forward passes of a reader after its first swap (``max_swap_ms`` the swap itself,
+``max_serving_gap_idle_ms`` with no version under way: the host's own noise). ``--sizes 3gb``: a
+3.0 GB bf16 version (about 16 GB of RAM with 1 reader).
 
-Last line of stdout: one JSON object, the largest size's and most readers' run plus ``runs``
-(every size x readers). The machine may be shared and noisy.
+Last line of stdout: the largest size's and most readers' run plus ``runs`` (every size x readers).
 """
 
 from __future__ import annotations

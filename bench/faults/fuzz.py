@@ -2,21 +2,19 @@
 
     python bench/faults/fuzz.py --quick    # 5,000 messages; --curve: a broker with CURVE keys
 
-A synthetic job (real processes on tcp://127.0.0.1) runs while a few fuzzing clients send, as
-fast as the broker takes them: frames that are not msgpack, not a map or of a wrong version;
-a real message type with one field (every field of SCHEMA in turn) replaced by a list, a map, a
-bool, inf, NaN, a huge or negative int, a 5,000-character string; BUNDLEs of those, and bundles
-whose part counts lie; valid but hostile messages (unknown batch ids, re-READY as another role,
-extreme counters, SNAPSHOT, DISCONNECT and join again). The clients join as roles that cannot
-feed the job's workers (a generator with no credits, a simulator whose OBS are all malformed, a
-``client``) plus a stranger that never joins; each ends with a STATUS whose reply proves the
-broker read everything (``all_read``).
+A synthetic job (real processes on tcp://127.0.0.1) runs while a few clients send as fast as the
+broker takes them: frames that are not msgpack, not a map or of a wrong version; a real message
+type with one field (every field of SCHEMA in turn) made hostile (``HOSTILE``); BUNDLEs of those,
+and bundles whose part counts lie; valid but hostile messages (unknown batch ids, re-READY as
+another role, extreme counters, SNAPSHOT, DISCONNECT and join again). The clients join as roles
+that cannot feed the job's workers (a generator with no credits, a simulator whose OBS are all
+malformed, a ``client``) plus a stranger that never joins; each ends with a STATUS whose reply
+proves the broker read everything (``all_read``).
 
-Last line of stdout: one JSON object with ``sent``, ``errors`` (answered with ERROR, the broker's
-own count), ``broker_alive``, ``job_advanced`` (env steps and policy version grew while fuzzing)
-``rss_growth_mb`` (the broker's) and ``peer_turn_us`` (count, p50, p99, max: the broker loop's time
-per turn on one peer's messages, bundles included, from STATUS). Targets: alive, advancing, RSS
-growth <= 64 MB, ``peer_turn_us`` p99 <= 1,000 us.
+The JSON: ``sent``, ``errors`` (answered with ERROR, the broker's count), ``broker_alive``,
+``job_advanced`` (env steps and policy version grew while fuzzing), ``rss_growth_mb`` (the
+broker's) and ``peer_turn_us`` (the broker loop's time per turn on one peer's messages, from
+STATUS). Targets: alive, advancing, RSS growth <= 64 MB, ``peer_turn_us`` p99 <= 1,000 us.
 """
 
 from __future__ import annotations

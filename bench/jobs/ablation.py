@@ -1,33 +1,26 @@
 """The paper's Table 1 on this machine: sync vs async_rollout vs async, side by side on one
 simulator, plus each stage alone (simulators, generator, trainer).
 
-Each mode is a real job (broker, simulators, one generator, one trainer: separate processes).
-Throughput is env steps per second (the paper's samples/s) over a window that starts once the
-trainer has made its first update. ``stages_sps`` are the three stages alone, each in env steps
-per second: the simulator slots stepping random actions (resets included) with no policy; the
-generator's batched forward with no env; the trainer's update with no I/O. The slowest of them,
-``bottleneck_sps``, is what a perfectly overlapped pipeline reaches.
+Each mode is a real job (broker, simulators, one generator, one trainer: separate processes);
+throughput is env steps per second (the paper's samples/s) over a window that starts once the
+trainer has made its first update. ``stages_sps``, each in env steps/s: the simulator slots
+stepping random actions (resets included) with no policy; the generator's batched forward with
+no env; the trainer's update with no I/O. The slowest, ``bottleneck_sps``, is what a perfectly
+overlapped pipeline reaches.
 
     python bench/jobs/ablation.py --quick                 # synthetic, < 60 s
-    python bench/jobs/ablation.py                         # synthetic, 20 s per mode
     python bench/jobs/ablation.py --sim libero --window 60
 
-Simulators (``--sim``; each has its own default layout, flags override it):
-
-* ``synthetic``: 2 simulators x 48 envs in slots of 2, long-tailed step times (4 ms, 5% at
-  80 ms). Enough envs are in flight for the slowest stage to always find a full batch.
-* ``metaworld``: ML1 pick-place, two cameras (corner, gripperPOV) at 128x128, chunks of 4.
-* ``libero``: LIBERO-Spatial, two cameras (agentview, wrist) at 128x128, chunks of 8. Its real
-  resets (set the init state, then settle for 10 rendered steps: 1-3 s) are the long tail;
-  episodes are cut at 64 steps so they recur within a window.
-* ``maniskill``: PickCube, one camera at 128x128, chunks of 4.
+Each ``--sim`` has its own default layout (``LAYOUTS``; flags override it). ``synthetic``'s long
+step-time tail (4 ms, 5% at 80 ms) with enough envs in flight keeps a full batch for the slowest
+stage; LIBERO's real resets (1-3 s) are its long tail, its episodes cut at 64 steps so that they
+recur within a window.
 
 Stand-ins for a VLA's cost on 2 CPU cores: the generator's forward pass sleeps ``--forward-ms``
-per batch (``model.options.forward_delay_ms``), and every update lasts at least
-``--train-cost`` seconds (``train.min_update_s``). Its default follows one rule: an update
-takes as long as the generator alone needs to produce one training batch (``batch_steps``
-decisions at ``max_batch`` per forward), measured in the same run. The JSON says whether the
-update was padded with a sleep or its real compute was already longer (``train_cost_kind``).
+per batch (``model.options.forward_delay_ms``), and every update lasts at least ``--train-cost``
+seconds (``train.min_update_s``); by default as long as the generator alone needs to produce one
+training batch, measured in the same run. ``train_cost_kind`` says whether the update was padded
+with a sleep or its real compute was already longer.
 """
 
 from __future__ import annotations
