@@ -23,7 +23,6 @@ loaded machine). Writes ``transfer.png`` and ``transfer.json`` under ``--out``. 
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import time
 from pathlib import Path
@@ -35,7 +34,7 @@ import zmq
 
 from rlvla3 import names
 from rlvla3 import protocol as P
-from rlvla3.harness.bench import emit, note, parse_bench_args, save_figure, shm_slots, start_child, stop_child, subplots
+from rlvla3.harness.bench import emit_to, note, parse_bench_args, save_figure, shm_slots, start_child, stop_child, subplots
 from rlvla3.harness.peer import zmq_socket
 from rlvla3.lifetime import follow_launcher
 from rlvla3.observation import Observation
@@ -227,11 +226,9 @@ def main() -> None:
         "wall_s": round(time.monotonic() - t_start, 1),
     })
     res["png"] = str(bar_chart(res, out / "transfer.png"))
-    (out / "transfer.json").write_text(json.dumps(res, indent=1))
-    res.pop("per_rep_mb_s")
     note(f"shm {res['shm_mb_s']} MB/s, shm_copy {res['shm_copy_mb_s']} MB/s, inline {res['inline_mb_s']} MB/s, "
          f"ratio {res['ratio']} (copy {res['ratio_copy']})")
-    emit(res)
+    emit_to(out, "transfer.json", res, per_rep_mb_s=res.pop("per_rep_mb_s"))
 
 
 if __name__ == "__main__":

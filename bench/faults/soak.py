@@ -23,7 +23,6 @@ Needs root and iproute2; prints one JSON object last and writes soak.json and so
 from __future__ import annotations
 
 import argparse
-import json
 import random
 import signal
 import subprocess
@@ -242,9 +241,8 @@ def main() -> None:
         soak.job.close()
     result = report(soak, [*ledgers, last or {}], faults, timeline, cfg.algo.batch_steps, cfg.env.fragment_len,
                     warm_s, slope_every, minutes, args.smoke)
-    plot_rss(soak, out / "soak_rss.png")  # the folder made
-    (out / "soak.json").write_text(json.dumps({**result, "timeline": timeline}, indent=1))
-    print(json.dumps(result))
+    plot_rss(soak, out / "soak_rss.png")
+    emit_to(out, "soak.json", result, timeline=timeline)
 
 
 def report(soak: Soak, brokers: list[dict[str, Any]], faults: list[dict[str, Any]], timeline: list[dict[str, Any]],

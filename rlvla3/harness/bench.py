@@ -25,9 +25,8 @@ from hdrh.histogram import HdrHistogram
 from rlvla3.lifetime import launcher_env
 
 OUT_DIR = "bench/out"
-"""Where every benchmark writes its PNGs and JSON unless ``--out`` says otherwise: relative to
-the current folder, so the README's commands (run from the repository root) write into the
-git-ignored ``bench/out/``."""
+"""Where a benchmark writes unless ``--out`` says otherwise: relative to the current folder, so the
+README's commands (run from the repository root) write into the git-ignored ``bench/out/``."""
 
 
 def new_hist() -> HdrHistogram:
@@ -121,16 +120,11 @@ def thread_cpu_seconds(pid: int) -> dict[str, float]:
 
 
 def wait_readable(sock: zmq.Socket, timeout_s: float, spin_s: float = 0.0) -> bool:
-    """Wait until ``sock`` has a message, at most ``timeout_s`` (sub-millisecond resolution).
-
-    ``zmq_poll`` counts in whole milliseconds, too coarse for round trips of ~100 us. The
-    socket's ZMQ_FD is edge-triggered: always ask ZMQ_EVENTS first (which also resets the edge),
-    and only then sleep in ``select`` on the fd.
-
-    The last ``spin_s`` before the timeout are spent spinning instead: on a virtual machine a
-    timer wake-up from idle overshoots by 100-300 us, which an open-loop client would otherwise
-    add to every request it sends late.
-    """
+    """Wait until ``sock`` has a message, at most ``timeout_s``, to the sub-millisecond (``zmq_poll``
+    counts whole milliseconds, too coarse for ~100 us round trips). ZMQ_FD is edge-triggered: ask
+    ZMQ_EVENTS first (it also resets the edge), only then sleep in ``select`` on the fd. The last
+    ``spin_s`` are spun instead: a VM's timer wake-up from idle overshoots by 100-300 us, which an
+    open-loop client would add to every request it sends late."""
     if sock.getsockopt(zmq.EVENTS) & zmq.POLLIN:
         return True
     end = time.perf_counter() + timeout_s
@@ -282,11 +276,11 @@ def emit(result: dict[str, Any]) -> None:
     print(json.dumps(result, sort_keys=False), flush=True)
 
 
-def emit_to(out: str | Path, name: str, result: dict[str, Any]) -> None:
-    """Write ``result`` to ``out/name`` (the folder made), then :func:`emit` it."""
+def emit_to(out: str | Path, name: str, result: dict[str, Any], **file_only: Any) -> None:
+    """Write ``result`` and ``file_only`` to ``out/name`` (the folder made), then :func:`emit` the result."""
     out = Path(out)
     out.mkdir(parents=True, exist_ok=True)
-    (out / name).write_text(json.dumps(result, indent=1))
+    (out / name).write_text(json.dumps({**result, **file_only}, indent=1))
     emit(result)
 
 
