@@ -22,13 +22,12 @@ from __future__ import annotations
 
 import argparse
 import statistics
-import tempfile
 import time
 from pathlib import Path
 
 from rlvla3.app.launch import request_tune
 from rlvla3.config import load
-from rlvla3.harness.bench import emit_to, note, parse_bench_args, save_figure, subplots
+from rlvla3.harness.bench import BenchRun, emit_to, note, parse_bench_args, save_figure, subplots
 from rlvla3.harness.jobs import Job, start_job
 
 PROFILES = {
@@ -141,18 +140,17 @@ def main() -> None:
 
     t_start = time.monotonic()
     cfg = load("synthetic.yaml", job_overrides(args))
-    with tempfile.TemporaryDirectory(prefix="batching_sweep_") as tmp:
-        job = start_job(cfg, Path(tmp))
-        try:
-            warm_steps = 100 if args.smoke else 500
-            job.wait_status(lambda f: f["env_steps"] > warm_steps, 120.0, f"the job's first {warm_steps} env steps")
-            grid = sweep(job, args)
-            best_key = max(grid, key=grid.get)
-            worst_key = min(grid, key=grid.get)
-            b, w = worst_key.split("x")
-            runs = [adaptive_run(job, args, (int(b), float(w))) for _ in range(args.adaptive_runs)]
-        finally:
-            job.stop()
+    with BenchRun("batching_sweep") as run:
+        job = start_job(cfg, run.dir)
+        run.callback(job.stop)
+        warm_steps = 100 if args.smoke else 500
+        job.wait_status(lambda f: f["env_steps"] > warm_steps, 120.0, f"the job's first {warm_steps} env steps")
+        grid = sweep(job, args)
+        best_key = max(grid, key=grid.get)
+        worst_key = min(grid, key=grid.get)
+        b, w = worst_key.split("x")
+        runs = [adaptive_run(job, args, (int(b), float(w))) for _ in range(args.adaptive_runs)]
+        run.ok = True
     adaptive_sps = statistics.median(r["sps"] for r in runs)
     out = Path(args.out)
     plot(grid, args.batches, args.waits, adaptive_sps, out / "batching_sweep.png")

@@ -72,9 +72,7 @@ class PhaseResult:
         self.queue_wait = new_hist()  # ACT.queue_us
         self.forward = new_hist()  # ACT.forward_us
         self.hops_and_python = new_hist()  # sent -> reply, minus queue_wait and forward
-        self.sent = 0
-        self.done = 0
-        self.errors = 0
+        self.sent = self.done = self.errors = 0
         self.elapsed_s = 0.0
 
 

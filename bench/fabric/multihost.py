@@ -59,9 +59,7 @@ def main() -> None:
     warm_s, window_s = (0.2, 0.5) if args.smoke else (3.0, 10.0) if args.quick else (10.0, 30.0)
     reason = unavailable()
     if reason is not None:
-        result = {"skipped": reason, "note": NOTE}
-        emit_to(args.out, "multihost.json", result)
-        return
+        return emit_to(args.out, "multihost.json", {"skipped": reason, "note": NOTE})
 
     folder = Path(tempfile.mkdtemp(prefix="rlvla3-multihost-"))
     cfg = load("synthetic.yaml", SMALL)

@@ -267,18 +267,14 @@ class Bench:
                 return
         raise RuntimeError("the broker did not answer STATUS")
 
-    def keep_alive(self) -> None:
-        """Heartbeat the broker (it expires a silent trainer) and drop what it sends us."""
-        while self.broker.poll(0, zmq.POLLIN):
-            msg = P.decode(self.broker.recv_multipart())
-            if msg.type == P.ERROR:
-                raise RuntimeError(f"the broker sent ERROR: {msg['reason']}")
-        self.trainer.keepalive(drain=False)
-
     def drain(self, until: Any, timeout: float, what: str) -> None:
+        """Reader events until ``until()``, heartbeating the broker (it expires a silent trainer)."""
         deadline = time.monotonic() + timeout
         while not until():
-            self.keep_alive()
+            while self.broker.poll(0, zmq.POLLIN):  # what the broker sends us is dropped
+                if (msg := P.decode(self.broker.recv_multipart())).type == P.ERROR:
+                    raise RuntimeError(f"the broker sent ERROR: {msg['reason']}")
+            self.trainer.keepalive(drain=False)
             if time.monotonic() > deadline:
                 raise RuntimeError(f"timed out waiting for {what}")
             if self.pull.poll(100, zmq.POLLIN):

@@ -145,8 +145,7 @@ def main() -> None:
     out = Path(args.out)
     reason = unavailable()
     if reason is not None:
-        emit_to(out, "soak.json", {"skipped": reason, "mode": "smoke" if args.smoke else "soak"})
-        return
+        return emit_to(out, "soak.json", {"skipped": reason, "mode": "smoke" if args.smoke else "soak"})
     rng = random.Random(args.seed)
 
     folder = Path(tempfile.mkdtemp(prefix="rlvla3-soak-"))
