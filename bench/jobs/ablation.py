@@ -30,7 +30,6 @@ import os
 import tempfile
 import threading
 import time
-from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -48,38 +47,23 @@ WARM_STEPS = 3
 """Steps each simulator slot takes before the stage's clock starts."""
 
 
-@dataclass
-class Layout:
-    """One simulator's default job for the ablation (every field has a command-line flag)."""
-
-    config: str
-    sims: int
-    envs: int
-    slots: int
-    max_batch: int
-    batch_steps: int
-    window: float
-    stage_s: float
-    env_options: dict[str, Any] = field(default_factory=dict)
-
-
 BIMODAL = {"kind": "bimodal", "mean_ms": 4.0, "slow_ms": 80.0, "slow_prob": 0.05}
-LAYOUTS = {
-    "synthetic": Layout("synthetic.yaml", sims=2, envs=48, slots=24, max_batch=32, batch_steps=512, window=20.0,
-                        stage_s=5.0, env_options={"latency": BIMODAL, "image_size": 16}),
-    "metaworld": Layout("metaworld_ml1_pickplace_rgb.yaml", sims=1, envs=4, slots=4, max_batch=4, batch_steps=32,
-                        window=60.0, stage_s=30.0),
-    "libero": Layout("libero_spatial_rgb.yaml", sims=1, envs=4, slots=4, max_batch=4, batch_steps=8, window=60.0,
-                     stage_s=30.0, env_options={"max_episode_steps": 64}),
-    "maniskill": Layout("maniskill_pickcube_rgb.yaml", sims=1, envs=2, slots=2, max_batch=2, batch_steps=16,
-                        window=60.0, stage_s=30.0),
+LAYOUTS: dict[str, dict[str, Any]] = {  # each simulator's config and its defaults (flags of those names override them)
+    "synthetic": dict(config="synthetic.yaml", sims=2, envs=48, slots=24, max_batch=32, batch_steps=512, window=20.0,
+                      stage_s=5.0, env_options={"latency": BIMODAL, "image_size": 16}),
+    "metaworld": dict(config="metaworld_ml1_pickplace_rgb.yaml", sims=1, envs=4, slots=4, max_batch=4, batch_steps=32,
+                      window=60.0, stage_s=30.0),
+    "libero": dict(config="libero_spatial_rgb.yaml", sims=1, envs=4, slots=4, max_batch=4, batch_steps=8, window=60.0,
+                   stage_s=30.0, env_options={"max_episode_steps": 64}),
+    "maniskill": dict(config="maniskill_pickcube_rgb.yaml", sims=1, envs=2, slots=2, max_batch=2, batch_steps=16,
+                      window=60.0, stage_s=30.0),
 }
 
 
 def job_config(args: argparse.Namespace, mode: str = "async", train_cost_s: float = 0.0) -> JobConfig:
     layout = LAYOUTS[args.sim]
-    sets = [f"env.options.{k}={v}" for k, v in layout.env_options.items()]
-    return load(layout.config, [
+    sets = [f"env.options.{k}={v}" for k, v in layout.get("env_options", {}).items()]
+    return load(layout["config"], [
         *sets, f"env.num_envs={args.envs}", f"env.slots={args.slots}", "env.fragment_len=16",
         "model.family=mlp", f"model.options={{forward_delay_ms: {args.forward_ms}, hidden: 64}}",
         f"batching.max_batch={args.max_batch}", "batching.max_wait_ms=5", "batching.credits=2",
@@ -268,10 +252,9 @@ def parse_args() -> argparse.Namespace:
     ap.add_argument("--max-staleness", type=int, default=4)
     ap.add_argument("--forward-ms", type=float, default=20.0, help="generator forward time per batch")
     args = parse_bench_args(ap, "short windows: under 60 s in all (synthetic)")
-    layout = LAYOUTS[args.sim]
     for key in ("window", "stage_s", "sims", "envs", "slots", "max_batch", "batch_steps"):
         if getattr(args, key) is None:
-            setattr(args, key, getattr(layout, key))
+            setattr(args, key, LAYOUTS[args.sim][key])
     if args.quick:
         args.window, args.stage_s = 5.0, 1.5
     if args.smoke:  # one small simulator, a short window: every mode and stage still runs

@@ -190,19 +190,15 @@ def start_child(args: list[str], timeout_s: float = 30.0, talk: bool = False) ->
 def stop_child(proc: subprocess.Popen, timeout_s: float = 5.0) -> None:
     """End a child. One that talks first sees the end of its stdin and may leave on its own (a
     simulator frees its shared memory that way); then SIGTERM, then SIGKILL."""
+    from rlvla3.app.launch import stop_processes
+
     if proc.stdin is not None:
         proc.stdin.close()
         try:
             proc.wait(timeout_s)
         except subprocess.TimeoutExpired:
             pass
-    if proc.poll() is None:
-        proc.terminate()
-        try:
-            proc.wait(timeout_s)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-            proc.wait(5)
+    stop_processes([proc], timeout_s)
     if proc.stdout is not None:
         proc.stdout.close()
 
