@@ -44,8 +44,8 @@ from rlvla3 import bundle, names
 from rlvla3 import protocol as P
 from rlvla3.config import load
 from rlvla3.harness.bench import (
-    BenchRun, cpu_seconds, emit_to, load_avg, new_hist, note, parse_bench_args, read_line, record_us, save_figure, shm_slots,
-    start_child, subplots, summary, thread_cpu_seconds, wait_readable,
+    BenchRun, cpu_seconds, emit_to, load_avg, merged, new_hist, note, parse_bench_args, read_line, record_us, save_figure,
+    shm_slots, start_child, subplots, summary, thread_cpu_seconds, wait_readable,
 )
 from rlvla3.harness.echo import ECHO
 from rlvla3.harness.jobs import Job, generator_serving, start_job
@@ -244,9 +244,7 @@ def run_step(sims: list[Any], procs: dict[str, list[int]], rate: float, duration
     if None in lines:
         raise TimeoutError(f"a simulator gave no figures within {duration_s + 30.0} s")
     answers = [json.loads(line) for line in lines]
-    hist = new_hist()
-    for a in answers:
-        hist.add(HdrHistogram.decode(a["hist"]))
+    hist = merged(HdrHistogram.decode(a["hist"]) for a in answers)
     done = sum(a["done"] for a in answers)
     achieved = done / duration_s
     cpu = {k: round(100.0 * (cpu1[k] - cpu0[k]) / duration_s, 1) for k in procs}

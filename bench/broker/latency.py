@@ -251,7 +251,6 @@ def main() -> None:
             **{f"broker_{key}": status.get(key) for key in ("queue_wait_us", "generate_us", "batch_form_us", "batch_size")},
             **{f"{floor}_{part}_us": summary(mg(floor, part)) for floor in ("raw", "relay") for part in ("send_lag", "service")},
         }
-        done = sum(x.done for x in rounds["broker"])
         result = {
             **{f"{prefix}{p}_us": summ.get(p) for prefix, summ in (("", s), ("raw_", rs), ("relay_", ls))
                for p in ("p50", "p90", "p99", "p999")},
@@ -264,7 +263,7 @@ def main() -> None:
             "generator": "echo", "curve": bool(keys),
             "target_rate": args.rate,
             "achieved_rate": rate("broker"), "raw_achieved_rate": rate("raw"), "relay_achieved_rate": rate("relay"),
-            "requests": done, "raw_requests": sum(x.done for x in rounds["raw"]),
+            "requests": sum(x.done for x in rounds["broker"]), "raw_requests": sum(x.done for x in rounds["raw"]),
             "relay_requests": sum(x.done for x in rounds["relay"]),
             "errors": sum(x.errors for x in rounds["broker"]),
             "rounds": args.rounds, "duration_s": args.duration, "slots": args.slots, "n": args.n,
@@ -273,15 +272,14 @@ def main() -> None:
             "parts": parts,
             "wall_s": round(time.monotonic() - t_start, 1),
         }
-        png = percentile_plot(
+        result["png"] = str(percentile_plot(
             {f"broker, echo generator (p50 {s.get('p50')} us)": lat,
              f"raw pyzmq relay (p50 {ls.get('p50')} us)": relay_lat,
              f"raw pyzmq echo (p50 {rs.get('p50')} us)": raw_lat},
             out / "latency.png",
             f"open-loop {args.rate:.0f} req/s, shm, max_batch {args.max_batch}, "
             f"max_wait {args.max_wait_ms} ms, CURVE {'on' if keys else 'off'} (latency from due time)",
-        )
-        result["png"] = str(png)
+        ))
         run.ok = True
     emit_to(out, "latency.json", result)
 

@@ -37,7 +37,7 @@ import numpy as np
 from brokers.ledger import ACKED_PARTS
 from rlvla3.app.launch import stop_processes
 from rlvla3.config import load
-from rlvla3.harness.bench import OUT_DIR, emit_to, save_figure, subplots
+from rlvla3.harness.bench import emit_to, parse_bench_args, save_figure, subplots
 from rlvla3.harness.jobs import rss_mb
 from rlvla3.harness.netns import NetnsJob, unavailable
 from rlvla3.status_client import DeadlinePassed, wait_until
@@ -128,14 +128,12 @@ class Soak:
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--minutes", type=float, default=30.0, help="how long to run")
-    ap.add_argument("--smoke", action="store_true", help="a few seconds of frequent faults after start-up (the README test)")
     ap.add_argument("--kill-every", type=float, default=None, help="mean seconds between faults (default: 20; smoke: 2)")
     ap.add_argument("--cut-s", type=float, default=None, help="how long a cut or a broker's absence lasts (default: 10; smoke: 3)")
     ap.add_argument("--warmup", type=float, default=None, help="seconds of a process's life before its RSS slope counts "
                                                                "(default: 300, or a third of a shorter run; smoke: 2)")
     ap.add_argument("--seed", type=int, default=0)
-    ap.add_argument("--out", default=OUT_DIR, help="folder for soak.json and soak_rss.png")
-    args = ap.parse_args()
+    args = parse_bench_args(ap, None, smoke_help="a few seconds of frequent faults after start-up (the README test)")
     minutes = 0.1 if args.smoke else args.minutes
     kill_every = args.kill_every or (2.0 if args.smoke else 20.0)
     cut_s = args.cut_s or (3.0 if args.smoke else 10.0)

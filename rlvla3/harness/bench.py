@@ -139,13 +139,14 @@ def wait_readable(sock: zmq.Socket, timeout_s: float, spin_s: float = 0.0) -> bo
     return bool(sock.getsockopt(zmq.EVENTS) & zmq.POLLIN)
 
 
-def parse_bench_args(ap: argparse.ArgumentParser, quick_help: str, child: Callable[[argparse.Namespace], None] | None = None,
+def parse_bench_args(ap: argparse.ArgumentParser, quick_help: str | None, child: Callable[[argparse.Namespace], None] | None = None,
                      smoke_help: str = "tiny run for CI (no timing value)", out: str = OUT_DIR) -> argparse.Namespace | None:
-    """Add the options every benchmark takes (``--out``, ``--quick``, ``--smoke``) and parse the
-    command line. With ``child``, a hidden ``--child`` too: a process started with it (by
+    """Add the options every benchmark takes (``--out``, ``--quick`` unless ``quick_help`` is None,
+    ``--smoke``) and parse the command line. With ``child``, a hidden ``--child`` too: a process started with it (by
     :func:`start_child`) runs ``child(args)`` and gets None: it is the benchmark's helper."""
     ap.add_argument("--out", default=out, help=f"folder for what it writes (default: ./{out})")
-    ap.add_argument("--quick", action="store_true", help=quick_help)
+    if quick_help is not None:
+        ap.add_argument("--quick", action="store_true", help=quick_help)
     ap.add_argument("--smoke", action="store_true", help=smoke_help)
     if child is not None:
         ap.add_argument("--child", action="store_true", help=argparse.SUPPRESS)
