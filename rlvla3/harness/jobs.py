@@ -123,13 +123,13 @@ class Job(LocalJob):
 
 
 def start_job(cfg: Any, run_dir: Path, workers: bool = True, bind: str = "tcp://127.0.0.1:0",
-              pub: str = "tcp://127.0.0.1:0") -> Job:
+              pub: str = "tcp://127.0.0.1:0", log_json: bool = False) -> Job:
     """``cfg`` written into ``run_dir`` (made), its broker up on ``bind``/``pub`` (by default free
     loopback ports) and, with ``workers``, the config's workers started. Stopped again if any of
     that fails; otherwise the caller stops it."""
     run_dir.mkdir(parents=True, exist_ok=True)
     (run_dir / "config.yaml").write_text(cfg.to_yaml())
-    job = Job(cfg, run_dir, run_dir / "config.yaml")
+    job = Job(cfg, run_dir, run_dir / "config.yaml", log_json=log_json)
     try:
         job.start_broker(bind, pub)
         if workers:

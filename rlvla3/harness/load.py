@@ -1,11 +1,13 @@
 """A bounded load on this machine: busy processes and an fsync'd writer, as a stop must survive.
+
 Each load process ends by itself after its deadline, and the context manager kills whatever is
 left, so a failing test never leaves the machine loaded.
 
-A test that loads the machine has it to itself (:func:`machine_alone`); every other test holds
-it shared (:func:`machine_shared`, the suite's autouse fixture), so the load never starves a test
-on another pytest worker into missing its heartbeats. Two ``flock`` files make a writer-first
-lock: the gate stops new tests from starting while the loader waits for the running ones."""
+A test that loads the machine on purpose has it to itself (:func:`machine_alone`): every other
+test holds the machine shared while it runs (:func:`machine_shared`, the test suite's autouse
+fixture), so the load never starves a test beside it on another pytest worker into missing its
+heartbeats. Two ``flock`` files make a writer-first lock: the gate stops new tests from starting
+while the loader waits for the running ones to end."""
 
 from __future__ import annotations
 
