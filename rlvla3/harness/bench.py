@@ -139,7 +139,8 @@ def wait_readable(sock: zmq.Socket, timeout_s: float, spin_s: float = 0.0) -> bo
     return bool(sock.getsockopt(zmq.EVENTS) & zmq.POLLIN)
 
 
-def parse_bench_args(ap: argparse.ArgumentParser, quick_help: str | None, child: Callable[[argparse.Namespace], None] | None = None,
+def parse_bench_args(ap: argparse.ArgumentParser, quick_help: str | None,
+                     child: Callable[[argparse.Namespace], None] | None = None,
                      smoke_help: str = "tiny run for CI (no timing value)", out: str = OUT_DIR) -> argparse.Namespace | None:
     """Add the options every benchmark takes (``--out``, ``--quick`` unless ``quick_help`` is None,
     ``--smoke``) and parse the command line. With ``child``, a hidden ``--child`` too: a process started with it (by
