@@ -1,35 +1,33 @@
 """The paper's Fig. 8 on this machine, then the adaptive controller on the same job.
 
-One real job (broker + simulators + 1 generator + 1 trainer, separate processes) is started
-once; the sweep reconfigures it live (``rlvla3.app.launch.request_tune``: a TUNE from a ``client``)
-to each ``max_batch`` x ``max_wait_ms`` grid point and measures env steps/s over a window. Then
-it sets the worst grid point, turns ``batching.adaptive`` on with the grid's bounds, and measures
-what the controller reaches (median of ``--adaptive-runs`` runs, each from the worst point;
-how fast it re-adapts when the load changes is ``tests/test_adaptive.py``'s). Writes
-``batching_sweep.png`` (the heat map) and ``batching_sweep.json`` under ``--out``.
+One real job (separate processes) is started once; the sweep reconfigures it live
+(``rlvla3.app.launch.request_tune``: a TUNE from a ``client``) to each ``max_batch`` x
+``max_wait_ms`` grid point and measures env steps/s over a window. Then it sets the worst grid
+point, turns ``batching.adaptive`` on within the grid's bounds, and measures what the controller
+reaches (median of ``--adaptive-runs`` runs, each from the worst point; how fast it re-adapts when
+the load changes is ``tests/test_adaptive.py``'s). Writes ``batching_sweep.png`` (the heat map)
+and ``batching_sweep.json`` under ``--out``.
 
     python bench/broker/batching_sweep.py --quick                    # 3x3 grid + adaptive, < 3 min
     python bench/broker/batching_sweep.py --profile replay:bench/out/profile.json
 
-The generator's forward pass costs ``a + c*b`` ms for a batch of b envs (``--fwd-a``, ``--fwd-c``;
-``model.options.forward_delay_ms`` / ``forward_per_env_ms``): the shape ``bench/stages/generator.py``
-measures. Defaults: pi0's tiny config on this CPU measured ~126 ms + 22 ms/env for batches 2-8
-(before the 2 cores saturate); the sweep keeps that ratio at a tenth of the scale (12 + 2*b ms)
-so that a window holds hundreds of batches. Profiles: ``bimodal`` (configs/synthetic.yaml's),
-``constant``, ``lognormal``, or ``replay:FILE`` (``bench/stages/sim_latency.py --save-profile FILE``).
+The generator's forward pass costs ``a + c*b`` ms for a batch of b envs (``--fwd-a``, ``--fwd-c``),
+the shape ``bench/stages/generator.py`` measures: pi0's tiny config on this CPU took ~126 ms +
+22 ms/env for batches 2-8; the defaults keep that ratio at a tenth of the scale so that a window
+holds hundreds of batches. ``--profile``: ``bimodal`` (configs/synthetic.yaml's), ``constant``,
+``lognormal``, or ``replay:FILE`` (``bench/stages/sim_latency.py --save-profile FILE``).
 """
 
 from __future__ import annotations
 
 import argparse
 import statistics
-import tempfile
 import time
 from pathlib import Path
 
 from rlvla3.app.launch import request_tune
 from rlvla3.config import load
-from rlvla3.harness.bench import emit_to, note, parse_bench_args, save_figure, subplots
+from rlvla3.harness.bench import BenchRun, emit_to, note, parse_bench_args, save_figure, subplots
 from rlvla3.harness.jobs import Job, start_job
 
 PROFILES = {
@@ -142,18 +140,17 @@ def main() -> None:
 
     t_start = time.monotonic()
     cfg = load("synthetic.yaml", job_overrides(args))
-    with tempfile.TemporaryDirectory(prefix="batching_sweep_") as tmp:
-        job = start_job(cfg, Path(tmp))
-        try:
-            warm_steps = 100 if args.smoke else 500
-            job.wait_status(lambda f: f["env_steps"] > warm_steps, 120.0, f"the job's first {warm_steps} env steps")
-            grid = sweep(job, args)
-            best_key = max(grid, key=grid.get)
-            worst_key = min(grid, key=grid.get)
-            b, w = worst_key.split("x")
-            runs = [adaptive_run(job, args, (int(b), float(w))) for _ in range(args.adaptive_runs)]
-        finally:
-            job.stop()
+    with BenchRun("batching_sweep") as run:
+        job = start_job(cfg, run.dir)
+        run.callback(job.stop)
+        warm_steps = 100 if args.smoke else 500
+        job.wait_status(lambda f: f["env_steps"] > warm_steps, 120.0, f"the job's first {warm_steps} env steps")
+        grid = sweep(job, args)
+        best_key = max(grid, key=grid.get)
+        worst_key = min(grid, key=grid.get)
+        b, w = worst_key.split("x")
+        runs = [adaptive_run(job, args, (int(b), float(w))) for _ in range(args.adaptive_runs)]
+        run.ok = True
     adaptive_sps = statistics.median(r["sps"] for r in runs)
     out = Path(args.out)
     plot(grid, args.batches, args.waits, adaptive_sps, out / "batching_sweep.png")

@@ -1,29 +1,27 @@
 """How many requests per second one broker routes: fake simulator slots and an echo generator,
-the offered rate ramped until the broker saturates.
+the offered rate ramped until the broker saturates (docs/scaling.md).
 
     python bench/broker/capacity.py --quick     # --sims 2 --slots 256 --envs 1 --max-batch 32 --curve ...
 
-What runs: a real broker (bound on ipc://), the echo generator (``rlvla3/harness/echo.py``: a
-generator-role peer that answers each BATCH with zeros) and ``--sims`` simulator processes with
-``--slots`` slots each. A request is one OBS whose observation (a 16x16 image and a state) lies
-in the simulator's shared memory, counted when its ACT comes back; ``--envs N`` makes each OBS
-carry N envs (``env_obs_per_broker_core``: env observations a broker core routes that way,
-``docs/scaling.md``). A simulator sends what is due at once as one BUNDLE and reads BUNDLEs of
-ACTs, as a simulator worker does (``--no-bundles``: one message per request). Open-loop: request
-``i`` is due at ``t0 + i/rate``; latency counts from then (HdrHistogram, us).
+A real broker (on ipc://), the echo generator (``rlvla3/harness/echo.py``) and ``--sims``
+simulator processes of ``--slots`` slots. A request is one OBS whose observation (a 16x16 image
+and a state) lies in the simulator's shared memory, counted when its ACT comes back; ``--envs N``:
+N envs per OBS (``env_obs_per_broker_core``). What is due goes as one BUNDLE and ACTs come in
+BUNDLEs, as with a simulator worker (``--no-bundles``: one message per request). Open-loop:
+request ``i`` is due at ``t0 + i/rate``; latency counts from then (HdrHistogram, us).
 
 The ramp: steps of ``--duration`` s, the offered rate growing by ``--factor`` from
-``--start-rate`` until the broker saturates (achieved < 85% of offered, or 90% of a core used)
-or ``--steps``; ``max_rps`` is the best achieved rate, then one step at 80% of it gives
+``--start-rate`` until saturation (achieved < 85% of offered, or 90% of a core used) or
+``--steps``; ``max_rps`` is the best achieved rate; one step at 80% of it gives
 ``p99_us_at_80pct``. The load generators share the cores with the broker, so
 ``rps_per_broker_core`` divides the rate by the broker process's own CPU over the same window
-(user + system from /proc, zmq's I/O thread included; ``broker_threads_cpu_pct`` splits it).
-Target: >= 20,000 requests/s per broker core. ``reference_obs_decode_us`` (one OBS decode's CPU
-time here, before and after) is the yardstick between runs under different loads. ``errors``:
-an overloaded step leaves requests outstanding that the broker may refuse as ``over_limit``.
+(``broker_threads_cpu_pct`` splits it). Target: >= 20,000 requests/s per broker core.
+``reference_obs_decode_us`` (one OBS decode's CPU time here, before and after) is the yardstick
+between runs under different loads. ``errors``: an overloaded step leaves requests outstanding
+that the broker may refuse as ``over_limit``.
 
-Writes ``broker_capacity.png`` and ``broker_capacity.json`` under ``--out``; ``--profile`` runs
-the broker under cProfile (its thread's CPU clock): ``broker_capacity.prof.txt``.
+Writes ``broker_capacity.png`` and ``.json`` under ``--out``; ``--profile`` runs the broker under
+cProfile (its thread's CPU clock): ``broker_capacity.prof.txt``.
 """
 
 from __future__ import annotations
@@ -46,8 +44,8 @@ from rlvla3 import bundle, names
 from rlvla3 import protocol as P
 from rlvla3.config import load
 from rlvla3.harness.bench import (
-    bench_run_dir, cpu_seconds, emit_to, keep_logs_unless, load_avg, new_hist, note, parse_bench_args, read_line, record_us,
-    save_figure, shm_slots, start_child, stop_child, subplots, summary, thread_cpu_seconds, wait_readable,
+    BenchRun, cpu_seconds, emit_to, load_avg, merged, new_hist, note, parse_bench_args, read_line, record_us, save_figure,
+    shm_slots, start_child, subplots, summary, thread_cpu_seconds, wait_readable,
 )
 from rlvla3.harness.echo import ECHO
 from rlvla3.harness.jobs import Job, generator_serving, start_job
@@ -246,9 +244,7 @@ def run_step(sims: list[Any], procs: dict[str, list[int]], rate: float, duration
     if None in lines:
         raise TimeoutError(f"a simulator gave no figures within {duration_s + 30.0} s")
     answers = [json.loads(line) for line in lines]
-    hist = new_hist()
-    for a in answers:
-        hist.add(HdrHistogram.decode(a["hist"]))
+    hist = merged(HdrHistogram.decode(a["hist"]) for a in answers)
     done = sum(a["done"] for a in answers)
     achieved = done / duration_s
     cpu = {k: round(100.0 * (cpu1[k] - cpu0[k]) / duration_s, 1) for k in procs}
@@ -331,18 +327,14 @@ def main() -> None:
     out = Path(args.out)
 
     t_start = time.monotonic()
-    run_dir, keys = bench_run_dir("capacity", args.curve)
-    overrides = [
-        "env.name=synthetic", f"env.options.image_size={IMAGE}", "workers.simulators=0", "workers.generators=1",
-        "workers.trainers=0", "run.mode=async", f"batching.max_batch={args.max_batch}",
-        f"batching.max_wait_ms={args.max_wait_ms}", f"batching.credits={args.credits}",
-        *([f"broker.keys_dir={keys}"] if keys else []),
-    ]
-    job = None
-    children: list[Any] = []
-    ok = False
-    try:
-        cfg = load("synthetic.yaml", overrides)
+    with BenchRun("capacity", args.curve) as run:
+        run_dir, keys = run.dir, run.keys
+        cfg = load("synthetic.yaml", [
+            "env.name=synthetic", f"env.options.image_size={IMAGE}", "workers.simulators=0", "workers.generators=1",
+            "workers.trainers=0", "run.mode=async", f"batching.max_batch={args.max_batch}",
+            f"batching.max_wait_ms={args.max_wait_ms}", f"batching.credits={args.credits}",
+            *([f"broker.keys_dir={keys}"] if keys else []),
+        ])
         if args.profile:  # the broker is this script's child, under cProfile
             (run_dir / "config.yaml").write_text(cfg.to_yaml())
             job = Job(cfg, run_dir, run_dir / "config.yaml")
@@ -351,17 +343,12 @@ def main() -> None:
                                                          str(run_dir), str(prof_path)])
         else:
             job = start_job(cfg, run_dir, False, f"ipc://{run_dir}/broker", f"ipc://{run_dir}/pub")
+        run.callback(job.stop)
         key_args = ["--keys", keys] if keys else []
-        gen, _ = start_child([*ECHO, "generator", job.endpoint, "--credits", str(args.credits), *key_args])
-        children.append(gen)
+        gen, _ = run.child([*ECHO, "generator", job.endpoint, "--credits", str(args.credits), *key_args])
         job.wait(generator_serving, 60.0, "the echo generator")
-        sims = []
-        for _ in range(args.sims):
-            proc, _ = start_child([__file__, "--child", "--endpoint", job.endpoint, "--slots", str(args.slots),
-                                   "--envs", str(args.envs), *key_args, *(["--no-bundles"] if args.no_bundles else [])],
-                                  talk=True)
-            children.append(proc)
-            sims.append(proc)
+        sims = [run.child([__file__, "--child", "--endpoint", job.endpoint, "--slots", str(args.slots), "--envs", str(args.envs),
+                           *key_args, *(["--no-bundles"] if args.no_bundles else [])], talk=True)[0] for _ in range(args.sims)]
         procs = {"broker": [job.broker_proc.pid], "generator": [gen.pid],
                  "simulators": [s.pid for s in sims]}
         note(f"up in {time.monotonic() - t_start:.1f} s: {args.sims} simulators x {args.slots} slots x {args.envs} envs, "
@@ -415,17 +402,11 @@ def main() -> None:
         result["png"] = str(plot(ramp, out / "broker_capacity.png",
                                  f"one broker, echo generator, {args.sims} x {args.slots} slots x {args.envs} envs, max_batch "
                                  f"{args.max_batch}, CURVE {'on' if keys else 'off'}"))
-        ok = True
-        emit_to(out, "broker_capacity.json", result)
-    finally:
-        for child in children:
-            stop_child(child)
-        if job is not None:
-            job.stop()
-        if ok and args.profile:
-            result_note = out / "broker_capacity.prof.txt"
-            note(f"broker profile (own CPU time): {result_note}" if result_note.is_file() else "no broker profile written")
-        keep_logs_unless(ok, run_dir)
+        run.ok = True
+    if args.profile:  # written when the broker stopped
+        prof = out / "broker_capacity.prof.txt"
+        note(f"broker profile (own CPU time): {prof}" if prof.is_file() else "no broker profile written")
+    emit_to(out, "broker_capacity.json", result)
 
 
 if __name__ == "__main__":

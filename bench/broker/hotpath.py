@@ -1,5 +1,5 @@
 """The broker's Python cost per request, stage by stage, with no sockets: what
-``bench/broker/capacity.py`` is bounded by, and where to cut.
+``bench/broker/capacity.py`` is bounded by, and where to cut (docs/scaling.md).
 
     python bench/broker/hotpath.py --quick     # --max-batch 32 --requests 20000 --backlog 0 --profile
 
@@ -8,12 +8,9 @@ observations sent as a simulator worker sends them) and one generator, joined th
 Each request goes the way the broker's shell takes it, minus the sockets: ``protocol.decode``
 of the OBS, ``state.handle``; every ``--max-batch`` requests ``state.tick`` forms the BATCH and
 ``Out.encode`` encodes it; the generator's RESULT (encoded untimed) is decoded and handled, and
-every ACT encoded. Times are this process's CPU time per request, in us. ``--profile``: the 30
-functions with the most own time, in ``broker_hotpath.prof.txt`` under ``--out``.
-
-Last line of stdout: one JSON object (``us_per_request``, ``requests_per_cpu_s``, ``stages_us``
-per request: ``decode_obs``, ``handle_obs``, ``tick_and_encode_batch``, ``decode_result``,
-``handle_result``, ``encode_act``; ``untimed_us_per_request``: the generator's side and the loop).
+every ACT encoded. Times are this process's CPU time per request, in us (``stages_us`` by stage;
+``untimed_us_per_request``: the generator's side and the loop). ``--profile``: the 30 functions
+with the most own time, in ``broker_hotpath.prof.txt`` under ``--out``.
 """
 
 from __future__ import annotations

@@ -4,21 +4,17 @@ of the same topology (simulator -> relay -> echo -> relay -> simulator, pyzmq an
 
     python bench/broker/latency.py --quick     # --rate 150 --curve
 
-What runs: a real broker (16x16 images, ``max_batch`` 1, ``max_wait_ms`` 0) with one generator,
-the echo peer (``rlvla3/harness/echo.py``: zeros for each BATCH, no forward pass, so the figure
-is the broker's own cost). This process is a simulator with many slots whose observations lie in
-shared memory, as a same-host simulator's do. Request ``i`` is due at ``t0 + i/rate``
-and goes out on a free slot (waiting for one is part of its latency); latency counts from when
-it was *due* (wrk2's cure for coordinated omission), in an HdrHistogram in us. Both floors run the
-same client code and frames; rounds alternate raw, relay and broker so that a noisy neighbour
-hits all alike. Targets: broker p50 <= 1.5x the relay's, p99 <= 2x.
+A real broker (16x16 images, ``max_batch`` 1, ``max_wait_ms`` 0) with the echo generator
+(``rlvla3/harness/echo.py``: no forward pass, so the figure is the broker's own cost). This
+process is a simulator whose slots' observations lie in shared memory. Request ``i`` is due at
+``t0 + i/rate`` and goes out on a free slot (waiting for one is part of its latency); latency
+counts from when it was *due* (wrk2's cure for coordinated omission). All three run the same
+client code and frames, in alternating rounds so that a noisy neighbour hits all alike.
+Targets: broker p50 <= 1.5x the relay's, p99 <= 2x.
 
-Latency in parts (``parts``, us): ``send_lag`` (due -> sent), ``queue_wait`` (ACT.queue_us),
-``forward`` (ACT.forward_us), the broker's ``generate`` and ``batch_form`` (STATUS), and what
-remains: the hops and the Python on them. Last line of stdout: one JSON object (``p50_us``,
-``p99_us``, ``raw_p50_us``, ``relay_p50_us``, ``p50_over_relay``, ``p99_over_relay``,
-``achieved_rate``, ``ratio_p50`` over the raw echo, ``parts`` ...); ``latency.png`` and
-``latency.json`` under ``--out``.
+``parts`` (us): ``send_lag`` (due -> sent), ``queue_wait`` (ACT.queue_us), ``forward``
+(ACT.forward_us), the broker's ``generate`` and ``batch_form`` (STATUS), and what remains: the
+hops and the Python on them. Writes ``latency.png`` and ``latency.json`` under ``--out``.
 """
 
 from __future__ import annotations
@@ -35,8 +31,7 @@ import zmq
 from rlvla3 import protocol as P
 from rlvla3.config import load
 from rlvla3.harness.bench import (
-    bench_run_dir, emit_to, keep_logs_unless, merged, new_hist, note, parse_bench_args, percentile_plot, record_us,
-    shm_slots, start_child, stop_child, summary, wait_readable,
+    BenchRun, emit_to, merged, new_hist, note, parse_bench_args, percentile_plot, record_us, shm_slots, summary, wait_readable,
 )
 from rlvla3.harness.echo import ECHO
 from rlvla3.harness.jobs import Job, generator_serving, start_job
@@ -77,9 +72,7 @@ class PhaseResult:
         self.queue_wait = new_hist()  # ACT.queue_us
         self.forward = new_hist()  # ACT.forward_us
         self.hops_and_python = new_hist()  # sent -> reply, minus queue_wait and forward
-        self.sent = 0
-        self.done = 0
-        self.errors = 0
+        self.sent = self.done = self.errors = 0
         self.elapsed_s = 0.0
 
 
@@ -187,8 +180,6 @@ def main() -> None:
     ap.add_argument("--spin-us", type=float, default=200.0,
                     help="spin (instead of sleeping) this long before each due time: timer wake-ups on a VM are late")
     args = parse_bench_args(ap, "short run (under 60 s with start-up)")
-    if args is None:
-        return
     if args.quick:  # many short rounds: on a shared machine the noise then falls on all three alike
         args.rate, args.duration, args.rounds = min(args.rate, 100.0), 1.0, 6
     if args.smoke:
@@ -196,31 +187,24 @@ def main() -> None:
     out = Path(args.out)
 
     t_start = time.monotonic()
-    run_dir, keys = bench_run_dir("latency", args.curve)
-    ctx = zmq.Context()
-    job: Job | None = None
-    children: list[Any] = []
-    client: Client | None = None
-    socks: list[zmq.Socket] = []
-    ok = False
-    try:
+    with BenchRun("latency", args.curve) as run:
         # -- start-up: broker + generator, echo server, relay + its echo; join as a simulator --
-        job = start_broker(args, run_dir, keys)
-        children.append(start_child([*ECHO, "generator", job.endpoint, "--credits", str(args.credits),
-                                     *(["--keys", keys] if keys else [])])[0])
-        echo, echo_ep = start_child([*ECHO, "echo"])
-        children.append(echo)
-        relay, relay_ep = start_child([*ECHO, "relay"])
-        children.append(relay)
-        children.append(start_child([*ECHO, "relay-echo", relay_ep])[0])
+        keys, ctx = run.keys, zmq.Context()
+        run.callback(ctx.term)
+        job = start_broker(args, run.dir, keys)
+        run.callback(job.stop)
+        run.child([*ECHO, "generator", job.endpoint, "--credits", str(args.credits), *(["--keys", keys] if keys else [])])
+        echo_ep, relay_ep = run.child([*ECHO, "echo"])[1], run.child([*ECHO, "relay"])[1]
+        run.child([*ECHO, "relay-echo", relay_ep])
         sim = Peer(ctx, job.endpoint, "simulator", "bench-latency", keys, slots=args.slots, num_envs=args.slots * args.n)
+        run.callback(sim.close)
         welcome, bsock = sim.expect(P.READY, 20.0).header, sim.sock
-        socks.append(bsock)
         esock, rsock = zmq_socket(ctx, zmq.DEALER), zmq_socket(ctx, zmq.DEALER)
         for sk, ep in ((esock, echo_ep), (rsock, relay_ep)):
             sk.connect(ep)
-            socks.append(sk)
+            run.callback(sk.close, 0)
         client = Client(args.slots, args.n, str(welcome.get("run_id", "bench")))
+        run.callback(client.close)
 
         def drain_broker() -> None:
             sim.keepalive(every_s=0.0)  # the broker expires a silent worker after 3 x 1 s
@@ -267,7 +251,6 @@ def main() -> None:
             **{f"broker_{key}": status.get(key) for key in ("queue_wait_us", "generate_us", "batch_form_us", "batch_size")},
             **{f"{floor}_{part}_us": summary(mg(floor, part)) for floor in ("raw", "relay") for part in ("send_lag", "service")},
         }
-        done = sum(x.done for x in rounds["broker"])
         result = {
             **{f"{prefix}{p}_us": summ.get(p) for prefix, summ in (("", s), ("raw_", rs), ("relay_", ls))
                for p in ("p50", "p90", "p99", "p999")},
@@ -280,7 +263,7 @@ def main() -> None:
             "generator": "echo", "curve": bool(keys),
             "target_rate": args.rate,
             "achieved_rate": rate("broker"), "raw_achieved_rate": rate("raw"), "relay_achieved_rate": rate("relay"),
-            "requests": done, "raw_requests": sum(x.done for x in rounds["raw"]),
+            "requests": sum(x.done for x in rounds["broker"]), "raw_requests": sum(x.done for x in rounds["raw"]),
             "relay_requests": sum(x.done for x in rounds["relay"]),
             "errors": sum(x.errors for x in rounds["broker"]),
             "rounds": args.rounds, "duration_s": args.duration, "slots": args.slots, "n": args.n,
@@ -289,30 +272,16 @@ def main() -> None:
             "parts": parts,
             "wall_s": round(time.monotonic() - t_start, 1),
         }
-        png = percentile_plot(
+        result["png"] = str(percentile_plot(
             {f"broker, echo generator (p50 {s.get('p50')} us)": lat,
              f"raw pyzmq relay (p50 {ls.get('p50')} us)": relay_lat,
              f"raw pyzmq echo (p50 {rs.get('p50')} us)": raw_lat},
             out / "latency.png",
             f"open-loop {args.rate:.0f} req/s, shm, max_batch {args.max_batch}, "
             f"max_wait {args.max_wait_ms} ms, CURVE {'on' if keys else 'off'} (latency from due time)",
-        )
-        result["png"] = str(png)
-        ok = True
-        emit_to(out, "latency.json", result)
-    finally:
-        for sk in socks[1:]:
-            sk.close(0)
-        if socks:
-            sim.close()
-        if client is not None:
-            client.close()
-        for child in children:
-            stop_child(child)
-        if job is not None:
-            job.stop()
-        ctx.term()
-        keep_logs_unless(ok, run_dir)
+        ))
+        run.ok = True
+    emit_to(out, "latency.json", result)
 
 
 if __name__ == "__main__":

@@ -1,21 +1,18 @@
 """Flood a running job with STATUS and measure what it costs the broker's loop.
 
-A synthetic job (broker, simulator, generator, trainer: real processes on tcp://127.0.0.1) is
-made large on paper: ``--fake-sims`` extra simulators (``--slots`` slots each) join and heartbeat
-but never send work, so STATUS covers hundreds of workers and thousands of slots. Then
-``--clients`` clients keep ``--window`` STATUS requests each in flight for ``--seconds``.
+A synthetic job (real processes on tcp://127.0.0.1) made large on paper: ``--fake-sims`` extra
+simulators of ``--slots`` slots join and heartbeat but never send work, so STATUS covers hundreds
+of workers and thousands of slots. Then ``--clients`` clients keep ``--window`` STATUS requests
+each in flight for ``--seconds``. From the broker's own figures (STATUS):
 
-Reported from the broker's own figures (STATUS):
-
-- ``loop_stall_ms_flood``: the longest turn of the broker's loop (read messages, run timers)
-  during the flood: ``loop_stall_ms_recent`` (the last 10 s) read from replies at least 10 s
-  into the flood; a shorter flood reads it at the end, and its window then covers some of the
-  time before (``window_covers_flood_only`` says which). Wall time: on a crowded machine it also
-  counts the time the broker was kept off the CPU, so the bench reports the turn's CPU time too
-  (``loop_stall_cpu_ms_flood``, target <= 5 ms) and both figures before the flood.
+- ``loop_stall_ms_flood``: the longest turn of the broker's loop during the flood:
+  ``loop_stall_ms_recent`` (the last 10 s) from replies at least 10 s into the flood; a shorter
+  flood reads it at the end, its window then covering some time before
+  (``window_covers_flood_only``). Wall time counts the time a crowded machine kept the broker off
+  the CPU, so the turn's CPU time comes too (``loop_stall_cpu_ms_flood``, target <= 5 ms), and
+  both figures before the flood.
 - ``status_answer_cpu_us``: the loop's CPU time for one STATUS answer (building and encoding the
-  figures when they are due, sending), p50 / p99 / max over every answer. Target p99 <= 1000 us,
-  whatever the job size.
+  figures when due, sending) over every answer. Target p99 <= 1000 us, whatever the job size.
 - ``job_advanced``: env steps and the policy version grew during the flood.
 
     python bench/broker/status_flood.py            # 20 s, 256 fake simulators x 64 slots
@@ -35,7 +32,7 @@ from brokers.stats import STALL_WINDOW_S
 from rlvla3 import protocol as P
 from rlvla3.app.launch import request_status
 from rlvla3.config import load
-from rlvla3.harness.bench import bench_run_dir, emit_to, keep_logs_unless, load_avg, note, parse_bench_args
+from rlvla3.harness.bench import BenchRun, emit_to, load_avg, note, parse_bench_args
 from rlvla3.harness.jobs import SMALL_JOB, start_job
 from rlvla3.harness.peer import Peer, zmq_socket
 
@@ -100,11 +97,11 @@ def main() -> None:
     seconds = 1.0 if args.smoke else 12.0 if args.quick else args.seconds
     fakes = 8 if args.smoke else args.fake_sims
 
-    root, _ = bench_run_dir("status_flood", False)
-    job = start_job(load("synthetic.yaml", SMALL_JOB), root)
-    ctx = zmq.Context()
-    result: dict = {}
-    try:
+    with BenchRun("status_flood") as run:
+        job = start_job(load("synthetic.yaml", SMALL_JOB), run.dir)
+        run.callback(job.stop)
+        ctx = zmq.Context()
+        run.callback(ctx.term)
         job.wait_status(lambda f: f["env_steps"] > 0 and (args.smoke or f["policy_version"] >= 1), 300.0,
                         "the job to step and train once")
         sims = FakeSimulators(ctx, job.endpoint, fakes, args.slots)
@@ -147,10 +144,7 @@ def main() -> None:
         result["note"] = ("wall-clock figures count the time the scheduler kept the broker off a crowded machine "
                           "(see load_avg_1m, cpus, and the same figures before the flood); the cpu figures count "
                           "the broker loop's own work")
-    finally:
-        ctx.term()
-        job.stop()
-    keep_logs_unless(bool(result.get("broker_alive")), root)
+        run.ok = result["broker_alive"]
     emit_to(args.out, "status_flood.json", result)
 
 

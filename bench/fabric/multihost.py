@@ -1,14 +1,12 @@
 """Env steps/s with simulators on 1, 2 and 3 other hosts, against the same job on one host.
 
-Hosts are network namespaces with their own hostname and /dev/shm (``rlvla3/harness/netns.py``), so a
-simulator on another host than the broker sends its observations and trajectories as inline
-frames over TCP (veth pairs, one bridge) and the job runs with CURVE on, as across machines.
-One job: broker, generator and trainer on the head host; first one simulator on the head host
-(shared memory, the baseline), then it leaves and simulator hosts join one by one; each stage
-measures env steps/s from the broker's STATUS over a window after a warm-up.
-
+Hosts are network namespaces with their own hostname and /dev/shm (``rlvla3/harness/netns.py``):
+a simulator on another host than the broker sends inline frames over TCP (veth pairs, one
+bridge), CURVE on, as across machines. One job (broker, generator, trainer on the head host):
+first one simulator on the head host (shared memory, the baseline), then it leaves and simulator
+hosts join one by one; each stage measures env steps/s from STATUS over a window after a warm-up.
 On one small machine every host shares the same cores: the figures measure what the cross-host
-path costs (inline copies, TCP, CURVE), not how a job scales with machines; the JSON says so.
+path costs, not how a job scales with machines; the JSON says so.
 
     python bench/fabric/multihost.py --quick     # ~1.5 min; --smoke: a few seconds per stage
 Needs root and iproute2 (network namespaces); prints one JSON object last.
@@ -61,9 +59,7 @@ def main() -> None:
     warm_s, window_s = (0.2, 0.5) if args.smoke else (3.0, 10.0) if args.quick else (10.0, 30.0)
     reason = unavailable()
     if reason is not None:
-        result = {"skipped": reason, "note": NOTE}
-        emit_to(args.out, "multihost.json", result)
-        return
+        return emit_to(args.out, "multihost.json", {"skipped": reason, "note": NOTE})
 
     folder = Path(tempfile.mkdtemp(prefix="rlvla3-multihost-"))
     cfg = load("synthetic.yaml", SMALL)

@@ -1,12 +1,12 @@
 """Camera images from the renderer's output in a simulator to a tensor ready in a generator:
-shared memory vs inline frames.
+shared memory vs inline frames (docs/architecture.md's steps 1-6 of an observation's path).
 
     python bench/fabric/transfer.py --quick     # --images 32 --size 224 --requests 1 --reps 30 --device cpu|auto
 
-This process plays the simulator, a child process the generator, over tcp://127.0.0.1. The batch
+This process plays the simulator, a child process the generator, over tcp://127.0.0.1: the batch
 is ``--requests`` slots' observations (``--images`` uint8 images in all, with their states) sent
-as the BATCH the broker forwards (its own hop is ``bench/broker/latency.py``'s). Each repetition
-runs from the renderer's output to the generator's tensor; three ways, interleaved rep by rep:
+as the BATCH the broker forwards (its own hop is ``bench/broker/latency.py``'s). Three ways,
+interleaved rep by rep:
 
 - ``shm``: the production path. The renderer wrote each slot's images into its shared-memory
   block; the BATCH names the blocks; the generator maps them, gathers with the real
@@ -16,17 +16,13 @@ runs from the renderer's output to the generator's tensor; three ways, interleav
 - ``inline``: the generator is on another host: the BATCH carries the bytes as zero-copy frames.
 
 ``--device auto`` with CUDA: the gather goes into pinned memory and the tensor to the GPU.
-
-Last line of stdout: one JSON object (``shm_mb_s``, ``inline_mb_s``, ``ratio`` = shm/inline,
-``shm_copy_mb_s``, ``ratio_copy``, ``<way>_cpu_median_ms`` (CPU time of both processes: robust
-to a loaded machine), ``ratio_cpu``, ``parts_median_us`` per way and stage ...). Writes
-``transfer.png`` and ``transfer.json`` under ``--out``. MB = 10^6 bytes.
+``ratio`` = shm/inline MB/s; ``<way>_cpu_median_ms``: CPU time of both processes (robust to a
+loaded machine). Writes ``transfer.png`` and ``transfer.json`` under ``--out``. MB = 10^6 bytes.
 """
 
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import time
 from pathlib import Path
@@ -38,7 +34,7 @@ import zmq
 
 from rlvla3 import names
 from rlvla3 import protocol as P
-from rlvla3.harness.bench import emit, note, parse_bench_args, save_figure, shm_slots, start_child, stop_child, subplots
+from rlvla3.harness.bench import emit_to, note, parse_bench_args, save_figure, shm_slots, start_child, stop_child, subplots
 from rlvla3.harness.peer import zmq_socket
 from rlvla3.lifetime import follow_launcher
 from rlvla3.observation import Observation
@@ -230,11 +226,9 @@ def main() -> None:
         "wall_s": round(time.monotonic() - t_start, 1),
     })
     res["png"] = str(bar_chart(res, out / "transfer.png"))
-    (out / "transfer.json").write_text(json.dumps(res, indent=1))
-    res.pop("per_rep_mb_s")
     note(f"shm {res['shm_mb_s']} MB/s, shm_copy {res['shm_copy_mb_s']} MB/s, inline {res['inline_mb_s']} MB/s, "
          f"ratio {res['ratio']} (copy {res['ratio_copy']})")
-    emit(res)
+    emit_to(out, "transfer.json", res, per_rep_mb_s=res.pop("per_rep_mb_s"))
 
 
 if __name__ == "__main__":

@@ -1,29 +1,24 @@
 """Publish -> every reader swapped: weight versions through the shared-memory store, against a
-plain memcpy of the same bytes measured in the same run.
+plain memcpy of the same bytes measured in the same run (docs/architecture.md, "Weights off the broker").
 
     python bench/fabric/weights.py --quick      # --sizes tiny,medium --readers 1,2 --versions 4 ...
 
-All on this host: this process plays trainer rank 0, a :class:`WeightPublisher` over a
-transformer-shaped bf16 model (``medium``: Qwen2-0.5B's shapes, 494M parameters, the embedding
-frozen; built on the meta device, never as an fp32 copy) whose every trainable tensor changes
-per version; a real broker (``rlvla3 broker``) that this process joins as the trainer, keeps
-the newest announcement and publishes it (its RSS after each is ``broker_rss_mb``, before the
-first ``broker_rss_mb_start``); 1 or 2 readers, each a :class:`WeightReceiver` beside a loop of
-bf16 "forward passes" that swaps between two passes.
+This process plays trainer rank 0: a :class:`WeightPublisher` over a transformer-shaped bf16
+model (``medium``: Qwen2-0.5B's shapes, the embedding frozen; built on the meta device, never as
+an fp32 copy) whose every trainable tensor changes per version, announced through a real broker
+(its RSS: ``broker_rss_mb``, before the first ``broker_rss_mb_start``). 1 or 2 readers, each a
+:class:`WeightReceiver` beside a loop of bf16 "forward passes" that swaps between two passes.
 
-Per version: ``publish_to_swap_ms`` from the start of ``publish()`` to the last reader's swap
-(CLOCK_MONOTONIC; median over versions 1..; version 0 also carries the frozen tensors:
-``first_version_ms``). ``copies`` = 2 (model -> store -> the reader's staging; the swap re-points
-parameters). ``memcpy_ms``: ``np.copyto`` of as many bytes between pre-touched buffers, one
-thread, right after each swap; ``hash_ms``: xxh3-64 over them; ``ratio`` = publish_to_swap /
-(memcpy x copies), from the medians. ``max_serving_gap_ms``: the longest time between two
-forward passes of a reader after its first swap (``max_swap_ms`` the swap itself,
-``max_serving_gap_idle_ms`` the same with no version under way: the host's own noise).
-``--sizes 3gb``: a 3.0 GB bf16 version (about 16 GB of RAM with 1 reader). ``--copy-threads``:
-``weights.copy_threads`` on both sides.
+Per version: ``publish_to_swap_ms`` from ``publish()`` to the last reader's swap (median over
+versions 1..; version 0 also carries the frozen tensors: ``first_version_ms``). ``copies`` = 2
+(model -> store -> the reader's staging; the swap re-points parameters). ``memcpy_ms``:
+``np.copyto`` of as many bytes, one thread, right after each swap; ``hash_ms``: xxh3-64 over them;
+``ratio`` = publish_to_swap / (memcpy x copies). ``max_serving_gap_ms``: the longest time between
+two forward passes of a reader after its first swap (``max_swap_ms`` the swap itself,
+``max_serving_gap_idle_ms`` with no version under way: the host's own noise). ``--sizes 3gb``: a
+3.0 GB bf16 version (about 16 GB of RAM with 1 reader).
 
-Last line of stdout: one JSON object, the largest size's and most readers' run plus ``runs``
-(every size x readers). The machine may be shared and noisy.
+Last line of stdout: the largest size's and most readers' run plus ``runs`` (every size x readers).
 """
 
 from __future__ import annotations
@@ -45,7 +40,7 @@ import zmq
 
 from rlvla3 import protocol as P
 from rlvla3.config import load
-from rlvla3.harness.bench import bench_run_dir, emit_to, keep_logs_unless, note, parse_bench_args, start_child, stop_child
+from rlvla3.harness.bench import BenchRun, emit_to, note, parse_bench_args, start_child, stop_child
 from rlvla3.harness.jobs import rss_mb, start_job
 from rlvla3.harness.peer import Peer
 from rlvla3.shm import host_id, segments_of_run
@@ -230,17 +225,20 @@ class Baseline:
 
 
 class Bench:
-    def __init__(self, copy_threads: int, delta: str | None = None, dtype: str = "bfloat16") -> None:
+    def __init__(self, run: BenchRun, copy_threads: int, delta: str | None = None, dtype: str = "bfloat16") -> None:
         self.delta, self.dtype = delta, dtype
         self.ctx = zmq.Context()
-        self.tmp, _ = bench_run_dir("weights", False)
+        run.callback(self.ctx.term)
         cfg = load("synthetic.yaml", ["broker.liveness=600"])  # the bench trainer is busy publishing at times
-        self.job = start_job(cfg, self.tmp, workers=False)
+        self.job = start_job(cfg, run.dir, workers=False)
+        run.callback(self.job.stop)
         self.trainer = Peer(self.ctx, self.job.endpoint, "trainer", "bench")
+        run.callback(self.trainer.close)
         self.broker = self.trainer.sock
         self.pub_ep = self.trainer.expect(P.READY, 30.0)["pub"]
         self.broker_rss_start = rss_mb(self.job.broker_proc.pid)
         self.pull = self.ctx.socket(zmq.PULL)
+        run.callback(self.pull.close, 0)
         self.pull.bind("tcp://127.0.0.1:*")
         self.events: list[dict[str, Any]] = []
         self.broker_rss: list[float] = []
@@ -269,18 +267,14 @@ class Bench:
                 return
         raise RuntimeError("the broker did not answer STATUS")
 
-    def keep_alive(self) -> None:
-        """Heartbeat the broker (it expires a silent trainer) and drop what it sends us."""
-        while self.broker.poll(0, zmq.POLLIN):
-            msg = P.decode(self.broker.recv_multipart())
-            if msg.type == P.ERROR:
-                raise RuntimeError(f"the broker sent ERROR: {msg['reason']}")
-        self.trainer.keepalive(drain=False)
-
     def drain(self, until: Any, timeout: float, what: str) -> None:
+        """Reader events until ``until()``, heartbeating the broker (it expires a silent trainer)."""
         deadline = time.monotonic() + timeout
         while not until():
-            self.keep_alive()
+            while self.broker.poll(0, zmq.POLLIN):  # what the broker sends us is dropped
+                if (msg := P.decode(self.broker.recv_multipart())).type == P.ERROR:
+                    raise RuntimeError(f"the broker sent ERROR: {msg['reason']}")
+            self.trainer.keepalive(drain=False)
             if time.monotonic() > deadline:
                 raise RuntimeError(f"timed out waiting for {what}")
             if self.pull.poll(100, zmq.POLLIN):
@@ -368,14 +362,6 @@ class Bench:
             "source": sorted({e["source"] for e in self.events if e["event"] == "swapped"}),
         }
 
-    def close(self, ok: bool) -> None:
-        self.broker.send_multipart(P.encode(P.DISCONNECT, {}))
-        self.job.stop()
-        for s in (self.broker, self.pull):
-            s.close(linger=0)
-        self.ctx.term()
-        keep_logs_unless(ok, self.tmp)
-
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -394,9 +380,9 @@ def main() -> None:
     readers = [1] if (args.smoke or args.quick) else [int(r) for r in args.readers.split(",")]
     versions = 2 if (args.quick or args.smoke) else args.versions
     torch.set_num_threads(1)
-    bench = Bench(args.copy_threads, args.delta, args.dtype)
     runs = []
-    try:
+    with BenchRun("weights") as run:
+        bench = Bench(run, args.copy_threads, args.delta, args.dtype)
         for size in sizes:
             t = time.perf_counter()
             model = build_model(size, init=True, dtype=args.dtype)
@@ -406,8 +392,7 @@ def main() -> None:
                 note(json.dumps(r))
                 runs.append(r)
             del model
-    finally:
-        bench.close(len(runs) == len(sizes) * len(readers))
+        run.ok = True
     head = dict(runs[-1])
     result = {**head, "runs": runs, "host_cpus": os.cpu_count(),
               "note": "broker_rss_mb: RSS of the real broker process (rlvla3 broker) that relays every "

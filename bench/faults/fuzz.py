@@ -2,21 +2,19 @@
 
     python bench/faults/fuzz.py --quick    # 5,000 messages; --curve: a broker with CURVE keys
 
-A synthetic job (real processes on tcp://127.0.0.1) runs while a few fuzzing clients send, as
-fast as the broker takes them: frames that are not msgpack, not a map or of a wrong version;
-a real message type with one field (every field of SCHEMA in turn) replaced by a list, a map, a
-bool, inf, NaN, a huge or negative int, a 5,000-character string; BUNDLEs of those, and bundles
-whose part counts lie; valid but hostile messages (unknown batch ids, re-READY as another role,
-extreme counters, SNAPSHOT, DISCONNECT and join again). The clients join as roles that cannot
-feed the job's workers (a generator with no credits, a simulator whose OBS are all malformed, a
-``client``) plus a stranger that never joins; each ends with a STATUS whose reply proves the
-broker read everything (``all_read``).
+A synthetic job (real processes on tcp://127.0.0.1) runs while a few clients send as fast as the
+broker takes them: frames that are not msgpack, not a map or of a wrong version; a real message
+type with one field (every field of SCHEMA in turn) made hostile (``HOSTILE``); BUNDLEs of those,
+and bundles whose part counts lie; valid but hostile messages (unknown batch ids, re-READY as
+another role, extreme counters, SNAPSHOT, DISCONNECT and join again). The clients join as roles
+that cannot feed the job's workers (a generator with no credits, a simulator whose OBS are all
+malformed, a ``client``) plus a stranger that never joins; each ends with a STATUS whose reply
+proves the broker read everything (``all_read``).
 
-Last line of stdout: one JSON object with ``sent``, ``errors`` (answered with ERROR, the broker's
-own count), ``broker_alive``, ``job_advanced`` (env steps and policy version grew while fuzzing)
-``rss_growth_mb`` (the broker's) and ``peer_turn_us`` (count, p50, p99, max: the broker loop's time
-per turn on one peer's messages, bundles included, from STATUS). Targets: alive, advancing, RSS
-growth <= 64 MB, ``peer_turn_us`` p99 <= 1,000 us.
+The JSON: ``sent``, ``errors`` (answered with ERROR, the broker's count), ``broker_alive``,
+``job_advanced`` (env steps and policy version grew while fuzzing), ``rss_growth_mb`` (the
+broker's) and ``peer_turn_us`` (the broker loop's time per turn on one peer's messages, from
+STATUS). Targets: alive, advancing, RSS growth <= 64 MB, ``peer_turn_us`` p99 <= 1,000 us.
 """
 
 from __future__ import annotations
@@ -33,7 +31,7 @@ from rlvla3 import auth, bundle
 from rlvla3 import protocol as P
 from rlvla3.app.launch import request_status
 from rlvla3.config import load
-from rlvla3.harness.bench import bench_run_dir, emit_to, keep_logs_unless, note, parse_bench_args
+from rlvla3.harness.bench import BenchRun, emit_to, note, parse_bench_args
 from rlvla3.harness.jobs import SMALL_JOB, rss_mb, start_job
 
 VALID = {  # one valid header per message type a peer may send to the broker
@@ -201,10 +199,10 @@ def main() -> None:
     args = parse_bench_args(ap, "5,000 messages: a short run", smoke_help="1,000 messages: checks the script runs")
     total = 1_000 if args.smoke else 5_000 if args.quick else args.messages
 
-    root, keys = bench_run_dir("fuzz", args.curve)
-    job = start_job(load("synthetic.yaml", [*SMALL_JOB, *([f"broker.keys_dir={keys}"] if keys else [])]), root)
-    result: dict = {}
-    try:
+    with BenchRun("fuzz", args.curve) as run:
+        root, keys = run.dir, run.keys
+        job = start_job(load("synthetic.yaml", [*SMALL_JOB, *([f"broker.keys_dir={keys}"] if keys else [])]), root)
+        run.callback(job.stop)
         endpoint = job.endpoint
         before = job.wait_status(lambda f: f["env_steps"] > 0 and f["policy_version"] >= 1, 300.0, "the job to train once")
         rss0 = rss_mb(job.broker_proc.pid)
@@ -258,9 +256,7 @@ def main() -> None:
             "keyless_answered": keyless,  # with CURVE: a peer without an allowlisted key gets nothing back
             "targets": {"broker_alive": True, "job_advanced": True, "rss_growth_mb_max": 64, "peer_turn_us_p99_max": 1000},
         }
-    finally:
-        job.stop()
-    keep_logs_unless(bool(result.get("broker_alive") and result.get("job_advanced") and result.get("workers_alive")), root)
+        run.ok = result["broker_alive"] and result["job_advanced"] and result["workers_alive"]
     emit_to(args.out, "fuzz.json", result)
 
 

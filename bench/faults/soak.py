@@ -1,26 +1,20 @@
-"""A soak run: a job over two network-namespace hosts whose workers are SIGKILLed, whose far host
-is cut off and whose broker is killed and restarted on the same address, at random intervals, for
-``--minutes``; every killed process is restarted (``rlvla3 worker``, as a supervisor would).
+"""A soak run: a job over two network-namespace hosts, faults at random intervals for
+``--minutes``, every killed process restarted (``rlvla3 worker``, as a supervisor would).
 
     head  broker, trainer, simulator sim0, generator gen0 (sim0 and gen0: never killed or cut)
     far   simulator sim1, generator gen1
 
-The fault mix, one at a time: a generator, simulator or trainer SIGKILLed (sim0 and gen0 are
-kept off the list), the far host cut off for ``--cut-s`` (``rlvla3/harness/netns.py``), the broker
-SIGKILLed and a new one started on the same address ``--cut-s`` later (``NetnsJob.restart_broker``).
+One fault at a time: a generator, simulator or trainer SIGKILLed; the far host cut off for
+``--cut-s`` (``rlvla3/harness/netns.py``); the broker SIGKILLed and a new one started on the same
+address ``--cut-s`` later (``NetnsJob.restart_broker``).
 
-Reports the RSS of every process over time, the env steps done, and the fate of every acknowledged
-trajectory step (``brokers/ledger.py``) summed over the broker's incarnations (each broker's last
-figures before it was killed, and the last one's at the end): each is exactly one of evaluation,
-trained, stale, discarded, unreadable, lost with a killed trainer, or held by the live trainer.
-
-Targets (``targets`` in the JSON): each broker's fates add up to its acknowledged steps exactly;
-each trainer kill loses at most one update's worth of steps (an update takes whole fragments
-until it holds ``algo.batch_steps``: at most ``batch_steps + env.fragment_len - 1``); the kept
-processes (one simulator, one generator) grow their RSS by at most ``RSS_SLOPE_MB_PER_10MIN``: a
-least-squares slope over one sample a minute after their first ``--warmup`` seconds (5 minutes).
-The job has one trainer and one broker, so those roles have no process to keep: their RSS is
-reported per incarnation.
+Reports every process's RSS over time, the env steps done, and the fate of every acknowledged
+trajectory step (``brokers/ledger.py``), summed over the broker's incarnations. Targets
+(``targets`` in the JSON): each broker's fates add up to its acknowledged steps exactly; a trainer
+kill loses at most one update (whole fragments until ``batch_steps``: ``batch_steps +
+env.fragment_len - 1`` steps); the kept processes grow their RSS by at most
+``RSS_SLOPE_MB_PER_10MIN`` (least squares, one sample a minute after their first ``--warmup``
+seconds). The one trainer and one broker have no process to keep: their RSS is per incarnation.
 
     python bench/faults/soak.py --minutes 3      # --smoke: seconds of faults after start-up, no soak
 Needs root and iproute2; prints one JSON object last and writes soak.json and soak_rss.png under --out.
@@ -29,7 +23,6 @@ Needs root and iproute2; prints one JSON object last and writes soak.json and so
 from __future__ import annotations
 
 import argparse
-import json
 import random
 import signal
 import subprocess
@@ -39,11 +32,12 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+import numpy as np
 
 from brokers.ledger import ACKED_PARTS
 from rlvla3.app.launch import stop_processes
 from rlvla3.config import load
-from rlvla3.harness.bench import OUT_DIR, emit_to, save_figure, subplots
+from rlvla3.harness.bench import emit_to, parse_bench_args, save_figure, subplots
 from rlvla3.harness.jobs import rss_mb
 from rlvla3.harness.netns import NetnsJob, unavailable
 from rlvla3.status_client import DeadlinePassed, wait_until
@@ -82,10 +76,8 @@ def slope(p: Proc, warm_s: float, every_s: float) -> dict[str, Any] | None:
     points = [(sum(t for t, _ in b) / len(b), sum(r for _, r in b) / len(b)) for b in bins.values()]
     if len(points) < 2:
         return None
-    mt = sum(t for t, _ in points) / len(points)
-    mr = sum(r for _, r in points) / len(points)
-    k = sum((t - mt) * (r - mr) for t, r in points) / max(1e-9, sum((t - mt) ** 2 for t, _ in points))
-    return {"mb_per_10min": round(k * 600, 3), "samples": len(points), "rss_mb": round(points[-1][1], 1),
+    k = np.polyfit(*np.array(points).T, 1)[0]
+    return {"mb_per_10min": round(float(k) * 600, 3), "samples": len(points), "rss_mb": round(points[-1][1], 1),
             "lived_s": round(p.rss[-1][0] - p.started, 1)}
 
 
@@ -136,14 +128,12 @@ class Soak:
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--minutes", type=float, default=30.0, help="how long to run")
-    ap.add_argument("--smoke", action="store_true", help="a few seconds of frequent faults after start-up (the README test)")
     ap.add_argument("--kill-every", type=float, default=None, help="mean seconds between faults (default: 20; smoke: 2)")
     ap.add_argument("--cut-s", type=float, default=None, help="how long a cut or a broker's absence lasts (default: 10; smoke: 3)")
     ap.add_argument("--warmup", type=float, default=None, help="seconds of a process's life before its RSS slope counts "
                                                                "(default: 300, or a third of a shorter run; smoke: 2)")
     ap.add_argument("--seed", type=int, default=0)
-    ap.add_argument("--out", default=OUT_DIR, help="folder for soak.json and soak_rss.png")
-    args = ap.parse_args()
+    args = parse_bench_args(ap, None, smoke_help="a few seconds of frequent faults after start-up (the README test)")
     minutes = 0.1 if args.smoke else args.minutes
     kill_every = args.kill_every or (2.0 if args.smoke else 20.0)
     cut_s = args.cut_s or (3.0 if args.smoke else 10.0)
@@ -153,8 +143,7 @@ def main() -> None:
     out = Path(args.out)
     reason = unavailable()
     if reason is not None:
-        emit_to(out, "soak.json", {"skipped": reason, "mode": "smoke" if args.smoke else "soak"})
-        return
+        return emit_to(out, "soak.json", {"skipped": reason, "mode": "smoke" if args.smoke else "soak"})
     rng = random.Random(args.seed)
 
     folder = Path(tempfile.mkdtemp(prefix="rlvla3-soak-"))
@@ -249,9 +238,8 @@ def main() -> None:
         soak.job.close()
     result = report(soak, [*ledgers, last or {}], faults, timeline, cfg.algo.batch_steps, cfg.env.fragment_len,
                     warm_s, slope_every, minutes, args.smoke)
-    plot_rss(soak, out / "soak_rss.png")  # the folder made
-    (out / "soak.json").write_text(json.dumps({**result, "timeline": timeline}, indent=1))
-    print(json.dumps(result))
+    plot_rss(soak, out / "soak_rss.png")
+    emit_to(out, "soak.json", result, timeline=timeline)
 
 
 def report(soak: Soak, brokers: list[dict[str, Any]], faults: list[dict[str, Any]], timeline: list[dict[str, Any]],

@@ -3,14 +3,12 @@ with no network, then check that everything the other stages import is there.
 
     python bench/gpu/install.py --carry gpu_carry --site /tmp/rlvla3-site [--dry-run]
 
-- ``CARRY/wheels/*.whl`` (made by ``bash bench/gpu/check.sh --prepare``): each wheel whose
-  distribution is not installed already goes into ``--site`` with ``pip install --no-index
-  --no-deps --no-compile`` (the image's own packages stay; the caller puts ``--site`` first on
-  ``PYTHONPATH`` for every later stage).
-- ``CARRY/gl/*.deb``: the GL loader libraries (libEGL, libglvnd, libOpenGL, libGL, libGLX) that
-  headless MuJoCo needs, unpacked into ``/`` with ``dpkg -x`` and registered with ``ldconfig``
-  when ``libEGL.so.1`` is missing (the device notes' recipe; never in ``--dry-run``, which
-  must not write outside its folders).
+- ``CARRY/wheels/*.whl`` (``bash bench/gpu/check.sh --prepare``): each wheel whose distribution is
+  not installed already goes into ``--site`` (``pip install --no-index --no-deps --no-compile``;
+  the caller puts ``--site`` first on ``PYTHONPATH`` for every later stage).
+- ``CARRY/gl/*.deb``: the GL loaders headless MuJoCo needs, unpacked into ``/`` (``dpkg -x``,
+  ``ldconfig``) when ``libEGL.so.1`` is missing; never in ``--dry-run``, which must not write
+  outside its folders.
 - then, in a fresh interpreter: every module the check needs imports (versions reported), and
   MuJoCo makes an EGL context (``MUJOCO_GL=egl``): Meta-World's camera needs it.
 

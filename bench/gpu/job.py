@@ -1,18 +1,15 @@
 """A real job on one GPU: Meta-World with one 224x224 camera x π0 at release size (3.3B, bf16),
 generator and trainer colocated on device 0, for a fixed time in one mode: the ``job_sync`` and
-``job_async`` stages of ``bench/gpu/check.sh`` (bench/gpu/README.md).
+``job_async`` stages of ``bench/gpu/check.sh`` (bench/gpu/README.md says how it runs and why).
 
     python bench/gpu/job.py --mode sync|async [--seconds 75] [--offload auto|always|never]
     python bench/gpu/job.py --mode async --tiny --device cpu --until-version 1   # the same code on CPU
 
-The job is what ``rlvla3 run`` starts (``LocalJob``, JSON logs); the bench polls STATUS and stops
-it ``--seconds`` after it started. ``startup_s``: start to the first env step; ``env_steps_per_s``
-from then to the end (``_after_v1``: from the first trained version); ``publish_to_swap_ms`` per
-version >= 1 from the trainer's ``weights_written`` line (less its ``ms``) to the generator's
-``weights_swapped`` line, one host clock (``first_version_ms``: version 0); ``staleness``: the
-broker's histogram (p50, p90, max, mean, count). The trainer is stopped with SIGKILL: at release
-size its shutdown checkpoint (~50 GB) would outlast the check. ``--tiny``: tiny π0 at 64x64 (the
-synthetic env where Meta-World is not installed).
+``startup_s``: start to the first env step; ``env_steps_per_s`` from then to the end
+(``_after_v1``: from the first trained version); ``publish_to_swap_ms`` per version >= 1 from the
+trainer's ``weights_written`` line (less its ``ms``) to the generator's ``weights_swapped`` line
+(``first_version_ms``: version 0); ``staleness``: the broker's histogram. ``--tiny``: tiny π0 at
+64x64 (the synthetic env where Meta-World is not installed).
 """
 
 from __future__ import annotations

@@ -1,14 +1,12 @@
 """Each VLA family at a realistic size (random weights) on one CUDA GPU: act() throughput and
-peak memory at batch 1, 8, 32, 64.
+peak memory at batch 1, 8, 32, 64. Weights are created directly on the GPU in bf16 (no download,
+no CPU copy of a 7B model).
 
     python bench/gpu/models.py [--batches 1,8,32,64] [--families pi0,pi05,gr00t_n15,openvla_oft]
 
-Weights are created directly on the GPU in bf16 (no download, no CPU copy of a 7B model).
-Prints one JSON object last: ``{family: {"params_b": .., "build_s": .., "batches": {batch:
-{"samples_per_s", "latency_ms", "peak_mem_gib"}}}}``, and the figures so far after each family
-(the last line wins: ``bench/gpu/check.sh`` keeps them when a run is cut short). Without CUDA
-it says so and exits 2.
-``--device cpu --tiny`` runs the same code on the tiny configs (a smoke test of this script).
+Prints the figures so far after each family (the last line wins: ``bench/gpu/check.sh`` keeps
+them when a run is cut short). Without CUDA it says so and exits 2; ``--device cpu --tiny`` runs
+the same code on the tiny configs (a smoke test of this script).
 """
 
 from __future__ import annotations

@@ -4,14 +4,11 @@
     python bench/gpu/report.py skip NAME REASON > OUT/NAME.json
     python bench/gpu/report.py summary OUT DRY_RUN CUDA TOTAL_S      # one JSON object (also OUT/summary.json)
 
-The summary holds every stage's JSON under ``stages`` and, under ``headline``, the figures a
-note quotes: act samples/s per family and batch, each update's time and peak memory, and per
-job mode env steps/s, publish -> swap (median), staleness p50/max.
-
-A stage's result is the last line of its stdout that parses as a JSON object: the stage scripts
-print their figures so far after each part, so one cut off by its timeout (``RC`` 124 or 137)
-still hands in what it measured. A stage is ``ok`` when it exited 0 and its result holds no
-``error`` (nor any family/case error inside). Standard library only: it runs before anything
+The summary holds every stage's JSON under ``stages`` and the figures a note quotes under
+``headline``. A stage's result is the last line of its stdout that parses as a JSON object (the
+stage scripts print their figures so far after each part, so one cut off by its timeout, ``RC``
+124 or 137, still hands in what it measured); it is ``ok`` when it exited 0 and its result holds
+no ``error`` (nor any family/case error inside). Standard library only: it runs before anything
 is installed.
 """
 

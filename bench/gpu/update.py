@@ -4,12 +4,10 @@ bench/gpu/README.md names each piece it runs).
 
     python bench/gpu/update.py --updates 1     # --families pi0,openvla_oft --algos ppo,grpo; --device cpu --tiny
 
-The policy's own ``act()`` makes ``batch_steps`` decisions, ``EnvTrajectory`` stacks them into
-fragments (GRPO: groups of ``--group-size`` episodes sharing a start), the ``Learner`` turns them
-into units, ``build_batch`` + ``update`` run the update. Per (family, algo): ``update_s`` of each
-update (the first also allocates the optimizer state), ``peak_mem_gib``, ``state_mem_gib``
-(weights + optimizer state after it), ``samples``. The figures so far are printed after each
-case; the last line is the complete result. Without CUDA (and no ``--device cpu``) it exits 2.
+Per (family, algo): ``update_s`` of each update (the first also allocates the optimizer state),
+``peak_mem_gib``, ``state_mem_gib`` (weights + optimizer state after it), ``samples``. The figures
+so far are printed after each case; the last line is the complete result. Without CUDA (and no
+``--device cpu``) it exits 2.
 """
 
 from __future__ import annotations

@@ -1,33 +1,26 @@
 """The paper's Table 1 on this machine: sync vs async_rollout vs async, side by side on one
 simulator, plus each stage alone (simulators, generator, trainer).
 
-Each mode is a real job (broker, simulators, one generator, one trainer: separate processes).
-Throughput is env steps per second (the paper's samples/s) over a window that starts once the
-trainer has made its first update. ``stages_sps`` are the three stages alone, each in env steps
-per second: the simulator slots stepping random actions (resets included) with no policy; the
-generator's batched forward with no env; the trainer's update with no I/O. The slowest of them,
-``bottleneck_sps``, is what a perfectly overlapped pipeline reaches.
+Each mode is a real job (broker, simulators, one generator, one trainer: separate processes);
+throughput is env steps per second (the paper's samples/s) over a window that starts once the
+trainer has made its first update. ``stages_sps``, each in env steps/s: the simulator slots
+stepping random actions (resets included) with no policy; the generator's batched forward with
+no env; the trainer's update with no I/O. The slowest, ``bottleneck_sps``, is what a perfectly
+overlapped pipeline reaches.
 
     python bench/jobs/ablation.py --quick                 # synthetic, < 60 s
-    python bench/jobs/ablation.py                         # synthetic, 20 s per mode
     python bench/jobs/ablation.py --sim libero --window 60
 
-Simulators (``--sim``; each has its own default layout, flags override it):
-
-* ``synthetic``: 2 simulators x 48 envs in slots of 2, long-tailed step times (4 ms, 5% at
-  80 ms). Enough envs are in flight for the slowest stage to always find a full batch.
-* ``metaworld``: ML1 pick-place, two cameras (corner, gripperPOV) at 128x128, chunks of 4.
-* ``libero``: LIBERO-Spatial, two cameras (agentview, wrist) at 128x128, chunks of 8. Its real
-  resets (set the init state, then settle for 10 rendered steps: 1-3 s) are the long tail;
-  episodes are cut at 64 steps so they recur within a window.
-* ``maniskill``: PickCube, one camera at 128x128, chunks of 4.
+Each ``--sim`` has its own default layout (``LAYOUTS``; flags override it). ``synthetic``'s long
+step-time tail (4 ms, 5% at 80 ms) with enough envs in flight keeps a full batch for the slowest
+stage; LIBERO's real resets (1-3 s) are its long tail, its episodes cut at 64 steps so that they
+recur within a window.
 
 Stand-ins for a VLA's cost on 2 CPU cores: the generator's forward pass sleeps ``--forward-ms``
-per batch (``model.options.forward_delay_ms``), and every update lasts at least
-``--train-cost`` seconds (``train.min_update_s``). Its default follows one rule: an update
-takes as long as the generator alone needs to produce one training batch (``batch_steps``
-decisions at ``max_batch`` per forward), measured in the same run. The JSON says whether the
-update was padded with a sleep or its real compute was already longer (``train_cost_kind``).
+per batch (``model.options.forward_delay_ms``), and every update lasts at least ``--train-cost``
+seconds (``train.min_update_s``); by default as long as the generator alone needs to produce one
+training batch, measured in the same run. ``train_cost_kind`` says whether the update was padded
+with a sleep or its real compute was already longer.
 """
 
 from __future__ import annotations
@@ -37,7 +30,6 @@ import os
 import tempfile
 import threading
 import time
-from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -55,38 +47,23 @@ WARM_STEPS = 3
 """Steps each simulator slot takes before the stage's clock starts."""
 
 
-@dataclass
-class Layout:
-    """One simulator's default job for the ablation (every field has a command-line flag)."""
-
-    config: str
-    sims: int
-    envs: int
-    slots: int
-    max_batch: int
-    batch_steps: int
-    window: float
-    stage_s: float
-    env_options: dict[str, Any] = field(default_factory=dict)
-
-
 BIMODAL = {"kind": "bimodal", "mean_ms": 4.0, "slow_ms": 80.0, "slow_prob": 0.05}
-LAYOUTS = {
-    "synthetic": Layout("synthetic.yaml", sims=2, envs=48, slots=24, max_batch=32, batch_steps=512, window=20.0,
-                        stage_s=5.0, env_options={"latency": BIMODAL, "image_size": 16}),
-    "metaworld": Layout("metaworld_ml1_pickplace_rgb.yaml", sims=1, envs=4, slots=4, max_batch=4, batch_steps=32,
-                        window=60.0, stage_s=30.0),
-    "libero": Layout("libero_spatial_rgb.yaml", sims=1, envs=4, slots=4, max_batch=4, batch_steps=8, window=60.0,
-                     stage_s=30.0, env_options={"max_episode_steps": 64}),
-    "maniskill": Layout("maniskill_pickcube_rgb.yaml", sims=1, envs=2, slots=2, max_batch=2, batch_steps=16,
-                        window=60.0, stage_s=30.0),
+LAYOUTS: dict[str, dict[str, Any]] = {  # each simulator's config and its defaults (flags of those names override them)
+    "synthetic": dict(config="synthetic.yaml", sims=2, envs=48, slots=24, max_batch=32, batch_steps=512, window=20.0,
+                      stage_s=5.0, env_options={"latency": BIMODAL, "image_size": 16}),
+    "metaworld": dict(config="metaworld_ml1_pickplace_rgb.yaml", sims=1, envs=4, slots=4, max_batch=4, batch_steps=32,
+                      window=60.0, stage_s=30.0),
+    "libero": dict(config="libero_spatial_rgb.yaml", sims=1, envs=4, slots=4, max_batch=4, batch_steps=8, window=60.0,
+                   stage_s=30.0, env_options={"max_episode_steps": 64}),
+    "maniskill": dict(config="maniskill_pickcube_rgb.yaml", sims=1, envs=2, slots=2, max_batch=2, batch_steps=16,
+                      window=60.0, stage_s=30.0),
 }
 
 
 def job_config(args: argparse.Namespace, mode: str = "async", train_cost_s: float = 0.0) -> JobConfig:
     layout = LAYOUTS[args.sim]
-    sets = [f"env.options.{k}={v}" for k, v in layout.env_options.items()]
-    return load(layout.config, [
+    sets = [f"env.options.{k}={v}" for k, v in layout.get("env_options", {}).items()]
+    return load(layout["config"], [
         *sets, f"env.num_envs={args.envs}", f"env.slots={args.slots}", "env.fragment_len=16",
         "model.family=mlp", f"model.options={{forward_delay_ms: {args.forward_ms}, hidden: 64}}",
         f"batching.max_batch={args.max_batch}", "batching.max_wait_ms=5", "batching.credits=2",
@@ -275,10 +252,9 @@ def parse_args() -> argparse.Namespace:
     ap.add_argument("--max-staleness", type=int, default=4)
     ap.add_argument("--forward-ms", type=float, default=20.0, help="generator forward time per batch")
     args = parse_bench_args(ap, "short windows: under 60 s in all (synthetic)")
-    layout = LAYOUTS[args.sim]
     for key in ("window", "stage_s", "sims", "envs", "slots", "max_batch", "batch_steps"):
         if getattr(args, key) is None:
-            setattr(args, key, getattr(layout, key))
+            setattr(args, key, LAYOUTS[args.sim][key])
     if args.quick:
         args.window, args.stage_s = 5.0, 1.5
     if args.smoke:  # one small simulator, a short window: every mode and stage still runs

@@ -1,31 +1,27 @@
 """Sample efficiency and wall-clock: sync vs async PPO on the synthetic task, several seeds.
 
-Each (mode, seed) is a real ``rlvla3 run`` job (broker + simulators + generator + trainer as
-separate processes), differing only in ``run.mode``. Its ``metrics.jsonl`` (one line per progress
-tick, from the broker's STATUS) gives success and return against env steps and wall-clock
-seconds. Seconds are counted from the first env step, so process start-up is not charged.
-
-The claim being checked (RL-VLA^3, AReaL): async reaches the same success per env step (within
-seed noise: staleness is corrected by decoupled PPO) and gets there sooner in seconds.
+Each (mode, seed) is a real ``rlvla3 run`` job, differing only in ``run.mode``; its
+``metrics.jsonl`` (a line per progress tick, from STATUS) gives success and return against env
+steps and seconds from the first env step (start-up is not charged). The claim checked
+(RL-VLA^3, AReaL): async reaches the same success per env step (within seed noise: decoupled PPO
+corrects staleness) and gets there sooner in seconds.
 
     python bench/jobs/learning.py --quick                 # synthetic, 1 seed, < 60 s, prints JSON last
     python bench/jobs/learning.py --seeds 0 1 2 --steps 12000 --out /tmp/learning
 
-``--quick`` stops each job once its success reaches the target, and prints one JSON object last:
-``sync_steps_to_target``, ``async_steps_to_target``, ``sync_seconds_to_target``,
-``async_seconds_to_target`` (medians over seeds; null if a mode never reached the target), and
-``curves``: per mode and seed, training success and the eval slots' deterministic success against
-env steps and wall-clock seconds.
+``--quick`` stops each job at the target. The JSON: ``sync_steps_to_target``,
+``async_steps_to_target``, ``sync_seconds_to_target``, ``async_seconds_to_target`` (medians over
+seeds; null if most never reached it), and ``curves``: per mode and seed, training success and the
+eval slots' deterministic success against env steps and seconds.
 
 Pixels (a tiny OpenVLA-OFT on Meta-World from a 64x64 camera, proprio state and the instruction):
 
     python bench/jobs/learning.py --config configs/metaworld_oft_rgb.yaml --seeds 0 1 --steps 60000 \
         --timeout 1800 --sft-episodes 120 --sft-epochs 20 --final-eval 100 [--blank-images]
 
-``--sft-episodes`` warm-starts once per seed with ``rlvla3 sft`` (not timed; sync and async start
-from the same checkpoint); ``--final-eval N`` scores the warm start and each job's last checkpoint
-deterministically on N held-out starts (the eval slots' seeds); ``--blank-images`` is the
-ablation: all-zero camera images, for the warm start and RL alike.
+``--sft-episodes`` warm-starts once per seed with ``rlvla3 sft`` (not timed; both modes start from
+it); ``--final-eval N`` scores the warm start and each job's last checkpoint on N held-out starts
+(the eval slots' seeds); ``--blank-images``, the ablation: all-zero camera images throughout.
 """
 
 from __future__ import annotations
@@ -53,15 +49,17 @@ MIN_EPISODES = 200
 biased towards the episodes that ended first (the quick successes), so a hit needs a full window."""
 
 
+def sets(*overrides: str) -> list[str]:
+    return [a for o in overrides for a in ("--set", o)]
+
+
 def run_job(mode: str, seed: int, steps: int, run_dir: Path, overrides: list[str], target: float | None,
             timeout_s: float, config: str = "synthetic.yaml") -> list[dict[str, Any]]:
     """One ``rlvla3 run``; with ``target``, interrupted (SIGINT, a clean stop) once it is reached."""
     if run_dir.exists():
         shutil.rmtree(run_dir)  # a previous job's metrics must not count
-    args = ["run", config, "--steps", str(steps), "--run-dir", str(run_dir),
-            "--set", f"run.mode={mode}", "--set", f"run.seed={seed}", "--set", "run.progress_every_s=0.5"]
-    for o in overrides:
-        args += ["--set", o]
+    args = ["run", config, "--steps", str(steps), "--run-dir", str(run_dir), *sets(f"run.mode={mode}", f"run.seed={seed}",
+                                                                              "run.progress_every_s=0.5", *overrides)]
     proc = start_cli(*args, cwd=ROOT, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
     metrics = run_dir / "metrics.jsonl"
     deadline = time.monotonic() + timeout_s
@@ -93,9 +91,7 @@ the same starts, so its figure extends the eval curve's last point to more episo
 def warm_start(config: str, seed: int, out: Path, overrides: list[str], episodes: int, epochs: int, lr: float) -> dict[str, Any]:
     """``rlvla3 sft`` once for a seed; returns its figures (``sft.json``)."""
     args = ["sft", config, "--out", str(out), "--episodes", str(episodes),
-            "--epochs", str(epochs), "--lr", str(lr), "--eval-episodes", "0", "--set", f"run.seed={seed}"]
-    for o in overrides:
-        args += ["--set", o]
+            "--epochs", str(epochs), "--lr", str(lr), "--eval-episodes", "0", *sets(f"run.seed={seed}", *overrides)]
     done = run_cli(*args, timeout=None, cwd=ROOT)
     if done.returncode:
         raise RuntimeError(f"rlvla3 sft exited with {done.returncode}; its stderr ends:\n{done.stderr[-2000:]}")

@@ -9,6 +9,7 @@ JSON object as the last line of stdout.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import select
@@ -24,9 +25,8 @@ from hdrh.histogram import HdrHistogram
 from rlvla3.lifetime import launcher_env
 
 OUT_DIR = "bench/out"
-"""Where every benchmark writes its PNGs and JSON unless ``--out`` says otherwise: relative to
-the current folder, so the README's commands (run from the repository root) write into the
-git-ignored ``bench/out/``."""
+"""Where a benchmark writes unless ``--out`` says otherwise: relative to the current folder, so the
+README's commands (run from the repository root) write into the git-ignored ``bench/out/``."""
 
 
 def new_hist() -> HdrHistogram:
@@ -120,16 +120,11 @@ def thread_cpu_seconds(pid: int) -> dict[str, float]:
 
 
 def wait_readable(sock: zmq.Socket, timeout_s: float, spin_s: float = 0.0) -> bool:
-    """Wait until ``sock`` has a message, at most ``timeout_s`` (sub-millisecond resolution).
-
-    ``zmq_poll`` counts in whole milliseconds, too coarse for round trips of ~100 us. The
-    socket's ZMQ_FD is edge-triggered: always ask ZMQ_EVENTS first (which also resets the edge),
-    and only then sleep in ``select`` on the fd.
-
-    The last ``spin_s`` before the timeout are spent spinning instead: on a virtual machine a
-    timer wake-up from idle overshoots by 100-300 us, which an open-loop client would otherwise
-    add to every request it sends late.
-    """
+    """Wait until ``sock`` has a message, at most ``timeout_s``, to the sub-millisecond (``zmq_poll``
+    counts whole milliseconds, too coarse for ~100 us round trips). ZMQ_FD is edge-triggered: ask
+    ZMQ_EVENTS first (it also resets the edge), only then sleep in ``select`` on the fd. The last
+    ``spin_s`` are spun instead: a VM's timer wake-up from idle overshoots by 100-300 us, which an
+    open-loop client would add to every request it sends late."""
     if sock.getsockopt(zmq.EVENTS) & zmq.POLLIN:
         return True
     end = time.perf_counter() + timeout_s
@@ -144,13 +139,15 @@ def wait_readable(sock: zmq.Socket, timeout_s: float, spin_s: float = 0.0) -> bo
     return bool(sock.getsockopt(zmq.EVENTS) & zmq.POLLIN)
 
 
-def parse_bench_args(ap: argparse.ArgumentParser, quick_help: str, child: Callable[[argparse.Namespace], None] | None = None,
+def parse_bench_args(ap: argparse.ArgumentParser, quick_help: str | None,
+                     child: Callable[[argparse.Namespace], None] | None = None,
                      smoke_help: str = "tiny run for CI (no timing value)", out: str = OUT_DIR) -> argparse.Namespace | None:
-    """Add the options every benchmark takes (``--out``, ``--quick``, ``--smoke``) and parse the
-    command line. With ``child``, a hidden ``--child`` too: a process started with it (by
+    """Add the options every benchmark takes (``--out``, ``--quick`` unless ``quick_help`` is None,
+    ``--smoke``) and parse the command line. With ``child``, a hidden ``--child`` too: a process started with it (by
     :func:`start_child`) runs ``child(args)`` and gets None: it is the benchmark's helper."""
     ap.add_argument("--out", default=out, help=f"folder for what it writes (default: ./{out})")
-    ap.add_argument("--quick", action="store_true", help=quick_help)
+    if quick_help is not None:
+        ap.add_argument("--quick", action="store_true", help=quick_help)
     ap.add_argument("--smoke", action="store_true", help=smoke_help)
     if child is not None:
         ap.add_argument("--child", action="store_true", help=argparse.SUPPRESS)
@@ -195,45 +192,54 @@ def start_child(args: list[str], timeout_s: float = 30.0, talk: bool = False) ->
 def stop_child(proc: subprocess.Popen, timeout_s: float = 5.0) -> None:
     """End a child. One that talks first sees the end of its stdin and may leave on its own (a
     simulator frees its shared memory that way); then SIGTERM, then SIGKILL."""
+    from rlvla3.app.launch import stop_processes
+
     if proc.stdin is not None:
         proc.stdin.close()
         try:
             proc.wait(timeout_s)
         except subprocess.TimeoutExpired:
             pass
-    if proc.poll() is None:
-        proc.terminate()
-        try:
-            proc.wait(timeout_s)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-            proc.wait(5)
+    stop_processes([proc], timeout_s)
     if proc.stdout is not None:
         proc.stdout.close()
 
 
-def bench_run_dir(name: str, curve: bool) -> tuple[Path, str | None]:
-    """A fresh temporary run folder for bench ``name``, and with ``curve`` a key folder in it
-    (``rlvla3 keys``: the broker's pair and one per role), else None."""
-    import tempfile
+class BenchRun(contextlib.ExitStack):
+    """A benchmark's run, as ``with BenchRun(name, curve) as run``: a fresh temporary folder
+    (``dir``), with ``curve`` a key folder in it (``keys``: ``rlvla3 keys``, the broker's pair and
+    one per role; else None). On the way out, what was pushed on it is undone (last first: the
+    children of :meth:`child`, a job's ``stop``, sockets); then the folder goes when ``ok`` was
+    set, else stays and a note says where."""
 
-    from rlvla3 import auth
+    def __init__(self, name: str, curve: bool = False) -> None:
+        import tempfile
 
-    run_dir = Path(tempfile.mkdtemp(prefix=f"rlvla3_bench_{name}_"))
-    keys = str(run_dir / "keys") if curve else None
-    if keys:
-        auth.make_keys(keys)
-    return run_dir, keys
+        from rlvla3 import auth
 
+        super().__init__()
+        self.dir = Path(tempfile.mkdtemp(prefix=f"rlvla3_bench_{name}_"))
+        self.keys = str(self.dir / "keys") if curve else None
+        if self.keys:
+            auth.make_keys(self.keys)
+        self.ok = False
 
-def keep_logs_unless(ok: bool, run_dir: Path) -> None:
-    """A run's folder goes when it went well; otherwise it stays, and the note says where."""
-    import shutil
+    def child(self, args: list[str], **kw: Any) -> tuple[subprocess.Popen, str]:
+        """:func:`start_child`, stopped with the run."""
+        proc, line = start_child(args, **kw)
+        self.callback(stop_child, proc)
+        return proc, line
 
-    if ok:
-        shutil.rmtree(run_dir, ignore_errors=True)
-    else:
-        note(f"logs kept in {run_dir}")
+    def __exit__(self, *exc: Any) -> bool:
+        import shutil
+
+        try:
+            return super().__exit__(*exc)
+        finally:
+            if self.ok:
+                shutil.rmtree(self.dir, ignore_errors=True)
+            else:
+                note(f"logs kept in {self.dir}")
 
 
 def shm_slots(run_id: str, slots: int, n: int, cameras: dict[str, tuple[int, int]],
@@ -268,11 +274,11 @@ def emit(result: dict[str, Any]) -> None:
     print(json.dumps(result, sort_keys=False), flush=True)
 
 
-def emit_to(out: str | Path, name: str, result: dict[str, Any]) -> None:
-    """Write ``result`` to ``out/name`` (the folder made), then :func:`emit` it."""
+def emit_to(out: str | Path, name: str, result: dict[str, Any], **file_only: Any) -> None:
+    """Write ``result`` and ``file_only`` to ``out/name`` (the folder made), then :func:`emit` the result."""
     out = Path(out)
     out.mkdir(parents=True, exist_ok=True)
-    (out / name).write_text(json.dumps(result, indent=1))
+    (out / name).write_text(json.dumps({**result, **file_only}, indent=1))
     emit(result)
 
 

@@ -2,25 +2,21 @@
 of ``bench/broker/latency.py`` and ``bench/broker/capacity.py``):
 
     python -m rlvla3.harness.echo generator ENDPOINT [--credits 4] [--keys DIR]
-        a generator-role peer on the real protocol: READY, heartbeats, and for every BATCH a
-        RESULT of zero actions (no forward pass, nothing read from the observations);
+        a generator-role peer on the real protocol: for every BATCH a RESULT of zero actions;
     python -m rlvla3.harness.echo echo
         a ROUTER that returns every message to its sender: the floor with no hop in between;
     python -m rlvla3.harness.echo relay
-        a ROUTER that forwards every simulator message to one echo DEALER and every echo reply
-        back to the simulator it names: the broker's topology with pyzmq and nothing else;
+        a ROUTER between simulators and one echo DEALER: the broker's topology in bare pyzmq;
     python -m rlvla3.harness.echo relay-echo ENDPOINT
         that echo: a DEALER that returns whatever it is sent.
 
-Each prints one line on stdout once it is up (its endpoint, or "ready"), as
-``rlvla3.harness.bench.start_child`` expects, and ends with its launcher (``follow_launcher``). Every loop
-drains what is ready before it polls again.
-"""
+Each prints one line once it is up (its endpoint, or "ready"), as ``start_child`` expects, and
+ends with its launcher (``follow_launcher``)."""
 
 from __future__ import annotations
 
 import argparse
-from typing import Any
+from typing import Any, Callable
 
 import numpy as np
 import zmq
@@ -67,24 +63,32 @@ def echo_generator(endpoint: str, credits: int, keys_dir: str | None) -> None:
                 gen.sock.send_multipart(echo_result(msg, zeros), copy=False)
 
 
-def echo_back() -> None:
-    """Every message straight back to the peer that sent it (its identity frame first)."""
-    sock = zmq_socket(zmq.Context(), zmq.ROUTER)
-    sock.bind("tcp://127.0.0.1:0")
-    print(sock.getsockopt(zmq.LAST_ENDPOINT).decode(), flush=True)
+def serve(sock: zmq.Socket, handle: Callable[[list[zmq.Frame]], None]) -> None:
+    """Forever: every message that is ready is handled before the socket is polled again."""
     while True:
         if not sock.poll(200):
             continue
         while sock.getsockopt(zmq.EVENTS) & zmq.POLLIN:
-            sock.send_multipart(sock.recv_multipart(copy=False), copy=False)
+            handle(sock.recv_multipart(copy=False))
+
+
+def bound_router() -> zmq.Socket:
+    """A ROUTER on a free loopback port, its endpoint printed."""
+    sock = zmq_socket(zmq.Context(), zmq.ROUTER)
+    sock.bind("tcp://127.0.0.1:0")
+    print(sock.getsockopt(zmq.LAST_ENDPOINT).decode(), flush=True)
+    return sock
+
+
+def echo_back() -> None:
+    """Every message straight back to the peer that sent it (its identity frame first)."""
+    sock = bound_router()
+    serve(sock, lambda frames: sock.send_multipart(frames, copy=False))
 
 
 def relay() -> None:
     """Simulator -> echo -> simulator through one ROUTER, routing by identity frames only."""
-    ctx = zmq.Context()
-    sock = zmq_socket(ctx, zmq.ROUTER)
-    sock.bind("tcp://127.0.0.1:0")
-    print(sock.getsockopt(zmq.LAST_ENDPOINT).decode(), flush=True)
+    sock = bound_router()
     echo: bytes | None = None
     while True:
         if not sock.poll(200):
@@ -105,19 +109,14 @@ def relay() -> None:
 
 def relay_echo(endpoint: str) -> None:
     """The relay's far end: every message goes back as it came (simulator identity first)."""
-    ctx = zmq.Context()
-    sock = zmq_socket(ctx, zmq.DEALER)
+    sock = zmq_socket(zmq.Context(), zmq.DEALER)
     sock.connect(endpoint)
     sock.send(HELLO)
     if not sock.poll(30_000):
         raise TimeoutError(f"relay at {endpoint} did not answer within 30 s")
     sock.recv()  # the relay knows us now
     print("ready", flush=True)
-    while True:
-        if not sock.poll(200):
-            continue
-        while sock.getsockopt(zmq.EVENTS) & zmq.POLLIN:
-            sock.send_multipart(sock.recv_multipart(copy=False), copy=False)
+    serve(sock, lambda frames: sock.send_multipart(frames, copy=False))
 
 
 def main() -> None:
