@@ -10,14 +10,14 @@ import zmq
 
 from rlvla3.config import load
 from rlvla3.harness.jobs import Job, SMALL_JOB
-from rlvla3.harness.load import machine_folder, machine_shared
 from tests.jobs import start_job
+from tests.machine_load import machine_folder, machine_shared
 
 
 @pytest.fixture(autouse=True)
 def _machine_shared(tmp_path_factory):
     """Every test shares the machine with the others, except while one loads it on purpose
-    (``rlvla3.harness.load.machine_alone``)."""
+    (``tests.machine_load.machine_alone``)."""
     with machine_shared(machine_folder(tmp_path_factory)):
         yield
 

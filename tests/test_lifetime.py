@@ -22,7 +22,7 @@ import pytest
 
 from rlvla3.app.launch import request_status
 from rlvla3.harness.jobs import per_worker
-from rlvla3.harness.load import machine_alone, machine_folder, machine_load
+from tests.machine_load import machine_alone, machine_folder, machine_load
 from rlvla3.lifetime import LAUNCHER_ENV, launcher_env
 from rlvla3.shm import SHM_DIR, segments_of_run
 from rlvla3.status_client import wait_until
@@ -269,7 +269,7 @@ def test_sigkill_bench_while_its_job_starts_leaves_nothing(tmp_path: Path):
 
 STOP_UNDER_LOAD_S = 15.0
 """Ctrl-C, SIGTERM and SIGHUP end the whole job, checkpoint written, within this, even with the
-machine loaded (:func:`rlvla3.harness.load.machine_load`)."""
+machine loaded (:func:`tests.machine_load.machine_load`)."""
 
 
 STOP_SIGNALS = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)
