@@ -22,10 +22,10 @@ import pytest
 
 from rlvla3.app.launch import request_status
 from rlvla3.harness.jobs import per_worker
-from tests.machine_load import machine_alone, machine_folder, machine_load
 from rlvla3.lifetime import LAUNCHER_ENV, launcher_env
 from rlvla3.shm import SHM_DIR, segments_of_run
 from rlvla3.status_client import wait_until
+from tests.machine_load import machine_alone, machine_folder, machine_load
 from workers.checkpoint import latest_checkpoint
 
 pytestmark = pytest.mark.slow
