@@ -33,6 +33,11 @@ def check_renamed(data: dict[str, Any]) -> None:
             raise ConfigError(f"{old} was removed: set {new} instead")
 
 
+def training_envs(env: Any) -> int:
+    """A simulator's envs that feed training: ``env.num_envs`` less the evaluation slots' envs."""
+    return env.num_envs - env.eval_slots * (env.num_envs // max(env.slots, 1))
+
+
 def sync_off_policy(cfg: Any) -> str | None:
     """Why a sync job's updates will train some steps one version late (None: they will not).
     A sync round ships every training env's fragment of ``env.fragment_len`` decisions at once;
@@ -40,8 +45,7 @@ def sync_off_policy(cfg: Any) -> str | None:
     update takes (docs/architecture.md, Modes). Simulators added at run time change the round."""
     if cfg.run.mode != "sync":
         return None
-    training_envs = cfg.env.num_envs - cfg.env.eval_slots * (cfg.env.num_envs // cfg.env.slots)
-    round_steps = cfg.workers.simulators * training_envs * cfg.env.fragment_len
+    round_steps = cfg.workers.simulators * training_envs(cfg.env) * cfg.env.fragment_len
     if cfg.algo.batch_steps % round_steps == 0:
         return None
     return (f"algo.batch_steps ({cfg.algo.batch_steps}) is not a whole number of sync rounds of {round_steps} "
@@ -64,11 +68,11 @@ def validate_job(cfg: Any) -> None:
         raise ConfigError(f"env.eval_slots ({cfg.env.eval_slots}) must leave at least one training slot of env.slots ({cfg.env.slots})")
     if cfg.env.group_mode not in ("parallel", "sequential"):
         raise ConfigError(f"env.group_mode: {cfg.env.group_mode!r} not in ('parallel', 'sequential')")
-    training_envs = cfg.env.num_envs - cfg.env.eval_slots * (cfg.env.num_envs // max(cfg.env.slots, 1))
-    if cfg.env.group_mode == "parallel" and cfg.env.group_size > 1 and training_envs % cfg.env.group_size:
+    n_training = training_envs(cfg.env)
+    if cfg.env.group_mode == "parallel" and cfg.env.group_size > 1 and n_training % cfg.env.group_size:
         # A group whose envs reach into an evaluation slot would never complete.
         raise ConfigError(f"the training envs of a simulator (env.num_envs minus the eval slots' envs: "
-                          f"{training_envs}) must be a multiple of env.group_size ({cfg.env.group_size}) "
+                          f"{n_training}) must be a multiple of env.group_size ({cfg.env.group_size}) "
                           f"with env.group_mode=parallel")
     if cfg.env.parallel not in ("thread", "process"):
         raise ConfigError(f"env.parallel: {cfg.env.parallel!r} not in ('thread', 'process')")
