@@ -41,8 +41,20 @@ def bench_family(family: str, preset: tuple, spec: EnvSpec, batches: list[int], 
     row: dict = {"size": size, "chunk_size": chunk, "build_s": round(time.perf_counter() - t0, 1),
                  "params_b": round(sum(p.numel() for p in policy.parameters()) / 1e9, 3), "batches": {}}
     print(f"{family}: {row['params_b']} B params, built in {row['build_s']} s", file=sys.stderr)
+    row["batches"] = time_act(policy, spec, batches, device, reps)
+    del policy
+    if device.type == "cuda":
+        torch.cuda.empty_cache()
+    return row
+
+
+def time_act(policy, spec: EnvSpec, batches: list[int], device: torch.device, reps: int,
+             instruction: str = "put the bowl on the plate and close the drawer") -> dict:
+    """``policy.act`` on random observations of ``spec`` at each batch size, after a warm-up:
+    the fastest of ``reps`` calls as samples/s and latency, and peak GPU memory."""
+    rows: dict = {}
     for b in batches:
-        obs = random_observation(spec, b, np.random.default_rng(b), "put the bowl on the plate and close the drawer")
+        obs = random_observation(spec, b, np.random.default_rng(b), instruction)
         try:
             with torch.inference_mode():
                 policy.act(obs)  # warm-up (kernels, allocator)
@@ -57,16 +69,13 @@ def bench_family(family: str, preset: tuple, spec: EnvSpec, batches: list[int], 
                     times.append(time.perf_counter() - t)
             lat = min(times)
             peak = torch.cuda.max_memory_allocated(device) / 2**30 if device.type == "cuda" else None
-            row["batches"][str(b)] = {"samples_per_s": round(b / lat, 2), "latency_ms": round(lat * 1e3, 1),
-                                      "peak_mem_gib": None if peak is None else round(peak, 2)}
+            rows[str(b)] = {"samples_per_s": round(b / lat, 2), "latency_ms": round(lat * 1e3, 1),
+                            "peak_mem_gib": None if peak is None else round(peak, 2)}
         except torch.OutOfMemoryError:
-            row["batches"][str(b)] = {"error": "out of memory"}
+            rows[str(b)] = {"error": "out of memory"}
             torch.cuda.empty_cache()
-        print(f"  batch {b:3d}: {row['batches'][str(b)]}", file=sys.stderr)
-    del policy
-    if device.type == "cuda":
-        torch.cuda.empty_cache()
-    return row
+        print(f"  batch {b:3d}: {rows[str(b)]}", file=sys.stderr)
+    return rows
 
 
 def device_or_exit(name: str, script: str) -> torch.device:
