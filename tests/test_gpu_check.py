@@ -19,7 +19,7 @@ import pytest
 from rlvla3.harness.jobs import last_json, run_command
 
 ROOT = Path(__file__).resolve().parents[1]
-STAGES = ("install", "models", "update", "job_sync", "job_async")
+STAGES = ("install", "models", "update", "job_sync", "job_async", "job_gr00t")
 FAMILIES = {"pi0", "pi05", "gr00t_n15", "openvla_oft"}
 
 
@@ -58,9 +58,9 @@ def test_gpu_check_dry_run_writes_every_stage(tmp_path: Path) -> None:
             case = update[fam][algo]
             assert case["update_s"][0] > 0 and case["samples"][0] > 0, (fam, algo, case)
 
-    for mode in ("sync", "async"):
-        job = stages[f"job_{mode}"]["result"]
-        assert job["mode"] == mode and job["placement"] == "colocated" and job["family"] == "pi0"
+    for stage, mode, family in (("job_sync", "sync", "pi0"), ("job_async", "async", "pi0"), ("job_gr00t", "async", "gr00t_n15")):
+        job = stages[stage]["result"]
+        assert job["mode"] == mode and job["placement"] == "colocated" and job["family"] == family
         assert job["env_steps"] > 0 and job["env_steps_per_s"] > 0 and job["versions"] >= 1
         assert job["publish_to_swap_ms"]["1"] > 0 and job["staleness"]["count"] > 0
         assert job["update_s"] and job["offloading"] is False  # auto on CPU keeps the state
@@ -68,6 +68,6 @@ def test_gpu_check_dry_run_writes_every_stage(tmp_path: Path) -> None:
     # already in flight ends under the version it started with and counts toward the next batch
     assert stages["job_sync"]["result"]["staleness"]["max"] <= 1
     head = summary["headline"]  # what a note quotes, picked out of the stages
-    assert set(head["act_samples_per_s"]) >= FAMILIES and set(head["jobs"]) == {"sync", "async"}
+    assert set(head["act_samples_per_s"]) >= FAMILIES and set(head["jobs"]) == {"sync", "async", "gr00t"}
     assert set(head["updates"]) == {f"{f}.{a}" for f in ("pi0", "openvla_oft") for a in ("ppo", "grpo")}
     assert head["jobs"]["async"]["publish_to_swap_ms_median"] == stages["job_async"]["result"]["publish_to_swap_ms_median"]

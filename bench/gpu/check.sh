@@ -8,7 +8,7 @@
 #   ... --stages update,job_async                            # only these (a rerun; the rest: "not selected")
 #
 # Stages, in order, each under its own timeout, each writing OUT/<stage>.json the moment it ends:
-# install, models, update, job_sync, job_async. The last line of stdout is one JSON object
+# install, models, update, job_sync, job_async, job_gr00t. The last line of stdout is one JSON object
 # summarising every stage (also OUT/summary.json).
 set -uo pipefail
 
@@ -19,7 +19,7 @@ DRY=0
 PREPARE=0
 OUT="bench/out/gpu_check"
 CARRY="gpu_carry"
-SELECTED="install,models,update,job_sync,job_async"
+SELECTED="install,models,update,job_sync,job_async,job_gr00t"
 while [[ $# -gt 0 ]]; do
   case "$1" in
     --dry-run|--tiny) DRY=1 ;;
@@ -110,6 +110,7 @@ if [[ $DRY == 1 ]]; then
             --fragment-len 4 --seconds 150)
   run_stage job_sync 180 "$PY" bench/gpu/job.py --mode sync "${tiny_job[@]}"
   run_stage job_async 180 "$PY" bench/gpu/job.py --mode async "${tiny_job[@]}"
+  run_stage job_gr00t 180 "$PY" bench/gpu/job.py --mode async --family gr00t_n15 "${tiny_job[@]}"
   CUDA=0
 else
   run_stage install "${GPU_CHECK_T_INSTALL:-45}" "$PY" bench/gpu/install.py --carry "$CARRY" --site "$SITE"
@@ -117,14 +118,16 @@ else
     CUDA=1
     run_stage models "${GPU_CHECK_T_MODELS:-60}" "$PY" bench/gpu/models.py --reps 2
     run_stage update "${GPU_CHECK_T_UPDATE:-75}" "$PY" bench/gpu/update.py --updates 1
-    t=$(job_budget 2)
+    t=$(job_budget 3)
     run_stage job_sync "$t" "$PY" bench/gpu/job.py --mode sync --seconds $((t - 15))
-    t=$(job_budget 1)
+    t=$(job_budget 2)
     run_stage job_async "$t" "$PY" bench/gpu/job.py --mode async --seconds $((t - 15))
+    t=$(job_budget 1)
+    run_stage job_gr00t "$t" "$PY" bench/gpu/job.py --mode async --family gr00t_n15 --seconds $((t - 15))
   else
     CUDA=0
     echo "gpu_check: CUDA is not available here; the GPU stages are skipped (--dry-run rehearses them on CPU)" >&2
-    for s in models update job_sync job_async; do
+    for s in models update job_sync job_async job_gr00t; do
       "$PY" "$HERE/report.py" skip "$s" "CUDA not available" >"$OUT/$s.json"
     done
   fi

@@ -1,8 +1,10 @@
 """A real job on one GPU: Meta-World with one 224x224 camera x π0 at release size (3.3B, bf16),
 generator and trainer colocated on device 0, for a fixed time in one mode: the ``job_sync`` and
 ``job_async`` stages of ``bench/gpu/check.sh`` (bench/gpu/README.md says how it runs and why).
+``--family gr00t_n15`` is the ``job_gr00t`` stage: GR00T N1.5 (2.4B) colocated, as the paper
+scales it (its Fig. 7).
 
-    python bench/gpu/job.py --mode sync|async [--seconds 75] [--offload auto|always|never]
+    python bench/gpu/job.py --mode sync|async [--family pi0|gr00t_n15] [--seconds 75] [--offload auto|always|never]
     python bench/gpu/job.py --mode async --tiny --device cpu --until-version 1   # the same code on CPU
 
 ``startup_s``: start to the first env step; ``env_steps_per_s`` from then to the end
@@ -36,7 +38,7 @@ ROOT = Path(__file__).resolve().parents[2]
 
 
 def job_dict(args: argparse.Namespace) -> dict[str, Any]:
-    model = read_yaml(ROOT / "configs" / "models" / ("pi0_tiny.yaml" if args.tiny else "pi0_3b.yaml"))["model"]
+    model = read_yaml(ROOT / "configs" / "models" / f"{args.family}_{'tiny' if args.tiny else '3b'}.yaml")["model"]
     size = 64 if args.tiny else 224
     metaworld = importlib.util.find_spec("metaworld") is not None
     if not metaworld and not args.tiny:
@@ -47,7 +49,7 @@ def job_dict(args: argparse.Namespace) -> dict[str, Any]:
            if metaworld else {"name": "synthetic", "options": {"image_size": size, "max_episode_steps": 16}})
     gpus = {} if args.device == "cpu" else {"generator_gpus": "0", "trainer_gpus": "0"}
     return {
-        "run": {"name": f"gpu_job_{args.mode}", "mode": args.mode, "total_env_steps": 10**12, "seed": 0},
+        "run": {"name": f"gpu_job_{args.family}_{args.mode}", "mode": args.mode, "total_env_steps": 10**12, "seed": 0},
         # Tolerant liveness: building 3.3B parameters twice on one GPU (or anything on a loaded
         # CPU) must not get a worker declared dead; this measures throughput, not failover.
         "broker": {"heartbeat_s": 1.0, "liveness": 15},
@@ -197,16 +199,17 @@ def last_error(path: Path) -> str | None:
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--mode", choices=("sync", "async"), required=True)
+    ap.add_argument("--family", choices=("pi0", "gr00t_n15"), default="pi0")
     ap.add_argument("--seconds", type=float, default=75.0, help="from start to stop, start-up included")
     ap.add_argument("--offload", choices=("auto", "always", "never"), default="auto")
     ap.add_argument("--simulators", type=int, default=2)
     ap.add_argument("--envs", type=int, default=8, help="envs per simulator")
     ap.add_argument("--slots", type=int, default=2, help="slots per simulator")
-    ap.add_argument("--batch-steps", type=int, default=32, help="decisions per update (x 50 env steps for π0)")
+    ap.add_argument("--batch-steps", type=int, default=32, help="decisions per update (x the chunk's env steps: 50 for π0, 16 for N1.5)")
     ap.add_argument("--minibatch", type=int, default=8)
     ap.add_argument("--fragment-len", type=int, default=8)
     ap.add_argument("--device", default="cuda")
-    ap.add_argument("--tiny", action="store_true", help="tiny π0 at 64x64 (a smoke test of this script)")
+    ap.add_argument("--tiny", action="store_true", help="the tiny model at 64x64 (a smoke test of this script)")
     ap.add_argument("--until-version", type=int, default=None,
                     help="stop early once this version is trained and swapped in (the smoke run)")
     args = ap.parse_args()

@@ -19,7 +19,7 @@ import sys
 from pathlib import Path
 from typing import Any
 
-STAGES = ("install", "models", "update", "job_sync", "job_async")
+STAGES = ("install", "models", "update", "job_sync", "job_async", "job_gr00t")
 
 
 def last_json(text: str) -> dict[str, Any] | None:
@@ -80,7 +80,7 @@ def headline(stages: dict[str, Any]) -> dict[str, Any]:
                                                 "publish_to_swap_ms_median", "startup_s", "seconds")}
             | {"staleness_p50": (res[n].get("staleness") or {}).get("p50"),
                "staleness_max": (res[n].get("staleness") or {}).get("max")}
-            for n in ("job_sync", "job_async") if res[n]}
+            for n in ("job_sync", "job_async", "job_gr00t") if res[n]}
     return {"act_samples_per_s": models, "act_peak_mem_gib": peak, "updates": updates, "jobs": jobs}
 
 
