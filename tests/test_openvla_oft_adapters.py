@@ -155,3 +155,27 @@ def test_rlinf_whole_model_export_with_value_head_and_proprio_in_the_shards(base
     sd = {k: (t * 3 if k.startswith("proprio_projector.") else t) for k, t in sd.items()}
     save_file(dict(sorted(sd.items())), str(out / shard), metadata={"format": "pt"})
     _acts_as(load_release(str(out), "openvla_oft", CAMERAS, OPTS), REFERENCE["cases"])
+
+
+def test_oft_finetune_checkpoint_folders(base, tmp_path):
+    """OFT's ``save_training_checkpoint``: statistics, processor files and ``.pt`` side files beside
+    ``lora_adapter/`` (base = ``vla_path``, a hub id). Unmerged, the adapters load onto
+    ``model.base`` with the checkpoint's own side files (the base here has none); merged, the
+    weights already hold ``lora_adapter/`` and it is not merged again."""
+    bare = tmp_path / "openvla-7b"
+    shutil.copytree(base, bare, ignore=shutil.ignore_patterns("*.pt"))
+    ckpt = tmp_path / "run--150000_chkpt"
+    ckpt.mkdir()
+    for f in base.iterdir():
+        if f.suffix == ".pt" or f.name in ("dataset_statistics.json", "preprocessor_config.json", "tokenizer.json",
+                                          "tokenizer_config.json", "special_tokens_map.json"):
+            shutil.copy(f, ckpt / f.name)
+    _adapter(ckpt / "lora_adapter", "openvla/openvla-7b")
+    policy = load_release(str(ckpt), "openvla_oft", CAMERAS, OPTS, base=str(bare))
+    assert policy.proprio_proj is not None
+    _acts_as(policy, LORA["cases"])
+
+    merged = tmp_path / "merged--150000_chkpt"
+    shutil.copytree(base, merged)
+    _adapter(merged / "lora_adapter", "openvla/openvla-7b")
+    _acts_as(load_release(str(merged), "openvla_oft", CAMERAS, OPTS), REFERENCE["cases"])
