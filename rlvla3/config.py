@@ -165,6 +165,10 @@ class ModelConfig:
     OpenVLA-OFT folder; see docs/checkpoints.md), or a run folder to warm-start from."""
     tokenizer: str = ""
     """Tokenizer folder for a release that ships none (GR00T N1.5: Eagle 2.5's); empty: its own."""
+    base: str = ""
+    """Local release folder that an OpenVLA-OFT ``checkpoint`` of peft LoRA adapters without weights
+    was trained on (its ``adapter_config.json`` names a hub id); empty: none, or the recorded base
+    when that folder exists here."""
     options: dict = field(default_factory=dict)
     """The family's own options (validated by the family's config dataclass)."""
     lora: LoraConfig = field(default_factory=LoraConfig)

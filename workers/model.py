@@ -49,7 +49,7 @@ def build_policy(cfg: JobConfig, spec: EnvSpec | None = None, device: str | None
     ours = bool(cfg.model.checkpoint) and _is_rlvla3_checkpoint(cfg.model.checkpoint)
     if cfg.model.checkpoint and not ours:
         # A released checkpoint (safetensors + config + tokenizer): its layout's own loader.
-        policy = load_release(cfg.model.checkpoint, fam, spec, options, cfg.model.tokenizer)
+        policy = load_release(cfg.model.checkpoint, fam, spec, options, cfg.model.tokenizer, cfg.model.base)
     else:
         policy = make_policy(fam, options, spec)
     policy.to(device=dev, dtype=dtype)  # the towers are there already (built in place)

@@ -29,17 +29,24 @@ def detect(local_dir: str, family: str) -> str:
 
 
 def load_release(local_dir: str, family: str, spec: Any, overrides: dict[str, Any] | None = None,
-                 tokenizer: str = "") -> Any:
+                 tokenizer: str = "", base: str = "") -> Any:
     """The family's policy from a released (or exported) checkpoint folder; ``overrides`` are
     options that win over the folder's own; ``tokenizer`` is ``model.tokenizer`` (for releases
-    that ship none: GR00T N1.5)."""
+    that ship none: GR00T N1.5); ``base`` is ``model.base`` (the release a folder of OpenVLA-OFT
+    adapters without weights was trained on)."""
+    from workers.release.sources import resolve
+
     overrides = dict(overrides or {})
     if family not in FORMATS:
         raise NotImplementedError(f"{family}: no checkpoint loader")
-    has = lambda name: os.path.isfile(os.path.join(local_dir, name))  # noqa: E731
+    if base and family != "openvla_oft":
+        raise ValueError(f"{family}: model.base is for openvla_oft folders of peft adapters; {family} folds none")
+    src = resolve(local_dir, base, family)
+    has = lambda name: any(os.path.isfile(os.path.join(d, name)) for d in src.dirs)  # noqa: E731
     needs = ("config.json",) if family == "gr00t_n15" and tokenizer else ("config.json", "tokenizer.json")
     missing = [n for n in needs if not has(n)]
-    if not has("model.safetensors") and not (os.path.isdir(local_dir) and any(n.endswith(".safetensors.index.json") for n in os.listdir(local_dir))):
+    weights = src.weights
+    if not os.path.isfile(os.path.join(weights, "model.safetensors")) and not (os.path.isdir(weights) and any(n.endswith(".safetensors.index.json") for n in os.listdir(weights))):
         missing.append("model.safetensors (or an index with its shards)")
     if "config.json" in missing or len(missing) > 1:
         hint = " (GR00T N1.5 folders ship no tokenizer: set model.tokenizer: DIR)" if family == "gr00t_n15" and "tokenizer.json" in missing else ""
@@ -57,7 +64,9 @@ def load_release(local_dir: str, family: str, spec: Any, overrides: dict[str, An
         from workers.release import gr00t_n15
 
         return gr00t_n15.load(local_dir, spec, overrides, tokenizer)
-    return _release_module(family).load(local_dir, spec, overrides)
+    from workers.release import openvla_oft
+
+    return openvla_oft.load(local_dir, spec, overrides, base)
 
 
 def save_release(policy: Any, out_dir: str, fmt: str | None = None) -> None:

@@ -13,11 +13,14 @@ the OFT authors, SimpleVLA-RL and RLinf publish them.
 
 The architecture comes from the tensors' shapes and ``text_config``; the chunk length from the
 platform the statistics name (OFT's constants: LIBERO 8, ALOHA 25, Bridge 5).
+
+RLinf's exports hold its whole model: ``value_head.mlp.*`` (not read: its critic's shape is not
+ours) and, from its ``official`` variant, ``proprio_projector.*`` (used when no ``.pt`` is there).
+A folder of peft adapters without weights loads onto its base (:mod:`workers.release.sources`).
 """
 
 from __future__ import annotations
 
-import glob
 import json
 import os
 from typing import Any
@@ -27,9 +30,10 @@ import structlog
 import torch
 
 from workers.release import prismatic_names as names
+from workers.release.common import (NORM, RL_HEADS, RLVLA3_FILE, TOKENIZER_FILE, export_state, load_tokenizer, options_for, read_rlvla3_files,
+                                    read_safetensors, strict_load, write_rlvla3_files)
 from workers.release.peft_lora import merge_peft_lora
-from workers.release.common import (NORM, RL_HEADS, TOKENIZER_FILE, export_state, load_tokenizer, options_for, read_rlvla3_files, read_safetensors,
-                                    strict_load, write_rlvla3_files)
+from workers.release.sources import Sources, resolve
 
 log = structlog.get_logger(__name__)
 
@@ -64,17 +68,18 @@ def read_pt(path: str) -> dict[str, torch.Tensor]:
     return {k[len("module."):] if k.startswith("module.") else k: v for k, v in sd.items()}
 
 
-def _component(local_dir: str, pattern: str) -> str | None:
-    hits = sorted(p for p in glob.glob(os.path.join(local_dir, f"*{pattern}*checkpoint*.pt")))
+def _component(src: Sources, pattern: str) -> str | None:
+    hits = src.glob(f"*{pattern}*checkpoint*.pt")
     if len(hits) > 1:
-        raise ValueError(f"{FAMILY}: {local_dir} has {len(hits)} {pattern} checkpoints, expected one: {hits}")
+        raise ValueError(f"{FAMILY}: {os.path.dirname(hits[0])} has {len(hits)} {pattern} checkpoints, expected one: {hits}")
     return hits[0] if hits else None
 
 
-def _norm_stats(local_dir: str, config: dict[str, Any], key: str | None) -> tuple[str, dict[str, Any]]:
+def _norm_stats(src: Sources, config: dict[str, Any], key: str | None) -> tuple[str, dict[str, Any]]:
     """(dataset, statistics): ``dataset_statistics.json`` when present (OFT's ``_load_dataset_stats``
     puts it over the config's), else config.json's ``norm_stats``."""
     stats = config.get("norm_stats")
+    local_dir = src.dir_of(STATS)
     if os.path.isfile(os.path.join(local_dir, STATS)):
         with open(os.path.join(local_dir, STATS)) as f:
             stats = json.load(f)
@@ -130,30 +135,48 @@ def _preprocess(local_dir: str) -> dict[str, Any] | None:
     return {"means": [tuple(m) for m in pre["means"]], "stds": [tuple(s) for s in pre["stds"]]}
 
 
-def load(local_dir: str, spec: Any, overrides: dict[str, Any]) -> Any:
-    """A prismatic OpenVLA-OFT folder -> ``OpenVLAOFTPolicy`` (weights, side files, statistics)."""
+def _rlinf_extras(release: dict[str, torch.Tensor], has_proprio_pt: bool) -> dict[str, torch.Tensor]:
+    """RLinf's exports save its whole ``OpenVLAOFTForRLActionPrediction`` state dict
+    (``convert_pt_to_hf``), so beside the prismatic tensors a folder may hold ``value_head.mlp.*``
+    and (its ``official`` variant) ``proprio_projector.fc1/fc2.*``. Removes both from ``release``;
+    returns the projector's tensors in the ``.pt`` file's names when no ``.pt`` file is there
+    (RLinf loads the ``.pt`` over them). The value head is not read (see :func:`load`)."""
+    value = {k: tuple(release.pop(k).shape) for k in [k for k in release if k.startswith("value_head.")]}
+    if value:
+        log.info("release_value_head_not_loaded", family=FAMILY, tensors=value,
+                 why="RLinf's critic (hidden-512-128-n MLP) does not fit rlvla3's value_head; a fresh one is used")
+    proprio = {k[len("proprio_projector."):]: release.pop(k) for k in [k for k in release if k.startswith("proprio_projector.")]}
+    return {} if has_proprio_pt else proprio
+
+
+def load(local_dir: str, spec: Any, overrides: dict[str, Any], base: str = "") -> Any:
+    """A prismatic OpenVLA-OFT folder -> ``OpenVLAOFTPolicy`` (weights, side files, statistics);
+    ``base`` (``model.base``) is the release a folder of adapters without weights was trained on."""
     from workers.policies.openvla_oft import OpenVLAOFTPolicy
 
-    with open(os.path.join(local_dir, "config.json")) as f:
+    src = resolve(local_dir, base, FAMILY)
+    with open(os.path.join(src.dir_of("config.json"), "config.json")) as f:
         config = json.load(f)
-    own_opts, heads = read_rlvla3_files(local_dir, FAMILY)
-    release = read_safetensors(local_dir, FAMILY)
-    merged = merge_peft_lora(local_dir, release, FAMILY)
+    own_opts, heads = read_rlvla3_files(src.dir_of(RLVLA3_FILE), FAMILY)
+    release = read_safetensors(src.weights, FAMILY)
+    merged = merge_peft_lora(src.adapter, release, FAMILY) if src.adapter else 0
+    proprio, head = _component(src, "proprio_projector"), _component(src, "action_head")
+    proprio_sd = _rlinf_extras(release, proprio is not None)
     arch = infer_arch(config, release)
     sd, unmapped = names.to_ours(release)
     if unmapped:
         raise ValueError(f"{FAMILY}: {local_dir!r} read as a prismatic OpenVLA release: {len(unmapped)} tensors have no "
                          f"counterpart, first: {', '.join(unmapped[:10])}")
     derived: dict[str, Any] = {"n_bins": int(config.get("n_action_bins", 256)), "max_text_len": int(config.get("llm_max_length", 2048))}
-    proprio, head = _component(local_dir, "proprio_projector"), _component(local_dir, "action_head")
-    derived["proprio"] = proprio is not None
     if proprio:
-        sd.update({f"proprio_proj.{'0' if k.startswith('fc1.') else '2'}.{k.split('.', 1)[1]}" if k.startswith(("fc1.", "fc2.")) else k: v
-                   for k, v in read_pt(proprio).items()})
+        proprio_sd = read_pt(proprio)
+    derived["proprio"] = bool(proprio_sd)
+    sd.update({f"proprio_proj.{'0' if k.startswith('fc1.') else '2'}.{k.split('.', 1)[1]}" if k.startswith(("fc1.", "fc2.")) else k: v
+               for k, v in proprio_sd.items()})
     if head:
         derived["action_head"] = "l1"
         sd.update({("l1_head." + k[len("model."):]) if k.startswith("model.") else k: v for k, v in read_pt(head).items()})
-    key, stats = _norm_stats(local_dir, config, {**own_opts, **overrides}.get("unnorm_key"))
+    key, stats = _norm_stats(src, config, {**own_opts, **overrides}.get("unnorm_key"))
     platform = next((p for p in CHUNK_BY_PLATFORM if p in key.lower()), None)
     if platform:
         derived["chunk_size"] = CHUNK_BY_PLATFORM[platform]
@@ -161,10 +184,12 @@ def load(local_dir: str, spec: Any, overrides: dict[str, Any]) -> Any:
     if opts.action_head != "l1" and head:
         log.info("release_l1_head_unused", family=FAMILY, file=os.path.basename(head), action_head=opts.action_head)
         sd = {k: v for k, v in sd.items() if not k.startswith("l1_head.")}
-    if not os.path.isfile(os.path.join(local_dir, TOKENIZER_FILE)):
+    tok_dir = src.dir_of(TOKENIZER_FILE)
+    if not os.path.isfile(os.path.join(tok_dir, TOKENIZER_FILE)):
         raise FileNotFoundError(f"{FAMILY}: {local_dir!r} has no {TOKENIZER_FILE}; the release keeps it beside config.json "
                                 "(with tokenizer_config.json and special_tokens_map.json)")
-    policy = OpenVLAOFTPolicy(opts, spec, tokenizer=load_tokenizer(local_dir, FAMILY), arch=arch, preprocess=_preprocess(local_dir))
+    policy = OpenVLAOFTPolicy(opts, spec, tokenizer=load_tokenizer(tok_dir, FAMILY), arch=arch,
+                              preprocess=_preprocess(src.dir_of(PREPROCESSOR)))
     sd.update(heads)
     strict_load(policy, {k: v.to(policy.device) for k, v in sd.items()}, f"{FAMILY} (prismatic OpenVLA release at {local_dir})",
                 RL_HEADS + (NORM,) + names.OURS_ONLY)
@@ -172,7 +197,7 @@ def load(local_dir: str, spec: Any, overrides: dict[str, Any]) -> Any:
     state = _affine(stats["proprio"], False) if "proprio" in stats else None
     policy.norm.set(state=state, action=action)
     log.info("release_loaded", family=FAMILY, dataset=key, chunk=opts.chunk_size, action_head=opts.action_head, proprio=opts.proprio,
-             lora_merged=merged)
+             lora_merged=merged, base=src.weights if src.weights != local_dir else None)
     return policy
 
 
