@@ -9,7 +9,7 @@ included, as ours is) and prints ``{batch: samples_per_s}`` as its last line. Ro
 reference and ours, so load on a shared machine falls on both.
 
     python bench/stages/release_act.py FOLDER --family pi05 --cameras front:48x64,wrist:40x40 \\
-        [--reference "CMD"] [--batches 1,8] [--threads 2] [--rounds 2] [--tokenizer DIR]
+        [--reference "CMD"] [--batches 1,8] [--threads 2] [--rounds 2] [--tokenizer DIR] [--option KEY=VALUE]
 
 Prints one JSON object last: per batch, every round's samples/s for each side and the ratio of
 the medians (ours / reference); ``release_act.json`` under ``--out``.
@@ -25,6 +25,7 @@ import subprocess
 import sys
 
 import torch
+import yaml
 
 from rlvla3.harness.act_timing import time_act
 from rlvla3.harness.bench import emit_to, parse_bench_args
@@ -58,6 +59,8 @@ def main() -> None:
     ap.add_argument("--cameras", required=True, help="name:HxW,... the env's cameras, in the folder's order")
     ap.add_argument("--state-dim", type=int, default=8)
     ap.add_argument("--action-dim", type=int, default=7)
+    ap.add_argument("--option", action="append", default=[], metavar="KEY=VALUE",
+                    help="a model option over the folder's own (e.g. action_head=tokens for OFT's token head)")
     ap.add_argument("--tokenizer", default="", help="model.tokenizer, for folders that ship none (GR00T N1.5)")
     ap.add_argument("--reference", default="", help="command timing the upstream call (see above)")
     ap.add_argument("--batches", default="1,8")
@@ -71,7 +74,8 @@ def main() -> None:
     torch.set_num_threads(args.threads)
     spec = EnvSpec(cameras=cameras(args.cameras), state_dim=args.state_dim, action_dim=args.action_dim,
                    max_episode_steps=100)
-    policy = load_release(args.folder, args.family, spec, {"device": "cpu", "dtype": "float32"}, args.tokenizer)
+    options = {k: yaml.safe_load(v) for k, _, v in (o.partition("=") for o in args.option)}
+    policy = load_release(args.folder, args.family, spec, {"device": "cpu", "dtype": "float32", **options}, args.tokenizer)
     policy.eval()
     ours: dict[str, list[float]] = {str(b): [] for b in batches}
     ref: dict[str, list[float]] = {str(b): [] for b in batches}
@@ -83,7 +87,7 @@ def main() -> None:
             ours[b].append(row["samples_per_s"])
         print(f"round {r}: ours {ours} reference {ref}", file=sys.stderr)
     ratio = {b: round(statistics.median(ours[b]) / statistics.median(ref[b]), 3) for b in ours if ref[b]}
-    emit_to(args.out, "release_act.json", {"family": args.family, "threads": args.threads, "ours": ours,
+    emit_to(args.out, "release_act.json", {"family": args.family, "options": options, "threads": args.threads, "ours": ours,
                                       "reference": ref, "ratio": ratio})
 
 
