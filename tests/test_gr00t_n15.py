@@ -1,6 +1,7 @@
 """GR00T N1.5 as released, against LeRobot 0.4.4's GR00TN15 (test vectors made with it in its own
 environment; see tests/vectors/gr00t_n15/README.md): the release-size tensor list, a folder the
-upstream class wrote with its own ``save_pretrained`` and the actions it computed."""
+upstream class wrote with its own ``save_pretrained`` and the actions it computed, and the prompt
+ids LeRobot's GR00T processor steps (Eagle 2.5's processor) make from raw instructions."""
 
 from __future__ import annotations
 
@@ -35,6 +36,26 @@ def test_release_size_tensors_equal_upstream():
     assert sum(params.values()) == want["num_parameters"] == 2_413_522_880
 
 
+class RecordedPrompt:
+    """The prompt ids the upstream action run was fed (given as ids, before the chat format was
+    matched; the format is compared on its own in test_prompt_equals_lerobot_eagle_processor)."""
+
+    def __init__(self, template: str, ids: list[int]) -> None:
+        self.template, self.ids = template, torch.tensor([ids])
+
+    def __call__(self, instructions: list[str], images: int) -> tuple[torch.Tensor, torch.Tensor]:
+        ids = self.ids.expand(len(instructions), -1)
+        return ids, torch.ones_like(ids)
+
+
+def load_tiny(folder, tok, ref, **opts):
+    from workers.release.layouts import load_release
+
+    policy = load_release(str(folder), "gr00t_n15", TINY_SPEC, dict(size="tiny", device="cpu", dtype="float32", **opts), str(tok))
+    policy.prompt = RecordedPrompt(policy.prompt.template, ref["input_ids"])
+    return policy
+
+
 def tiny_reference(tmp_path):
     """The upstream-written tiny folder (as published: no tokenizer) and the reference run."""
     import shutil
@@ -51,14 +72,15 @@ def tiny_reference(tmp_path):
 
 
 def test_upstream_saved_folder_matches_reference_actions(tmp_path):
+    from workers.policies.eagle_prompt import N15_CHAT_TEMPLATE, write_chat_template
     from workers.release.layouts import load_release, save_release
 
     ref, folder, tok, obs = tiny_reference(tmp_path)
     with pytest.raises(FileNotFoundError, match="model.tokenizer"):
         load_release(str(folder), "gr00t_n15", TINY_SPEC, dict(size="tiny", device="cpu"))
-    policy = load_release(str(folder), "gr00t_n15", TINY_SPEC, dict(size="tiny", device="cpu", dtype="float32"), str(tok))
-    ids, _ = policy.prompt_ids([ref["instruction"]], 16)
-    assert ids[0].tolist() == ref["input_ids"]
+    template = N15_CHAT_TEMPLATE.replace("You are a helpful assistant.", "You are a robot.")
+    write_chat_template(str(tok), template)  # model.tokenizer's folder carries the prompt's template
+    policy = load_tiny(folder, tok, ref)
     noise = torch.tensor(ref["noise"])
     with torch.inference_mode():
         got = policy.act(obs, deterministic=True, noise=noise).actions
@@ -67,6 +89,9 @@ def test_upstream_saved_folder_matches_reference_actions(tmp_path):
 
     save_release(policy, str(tmp_path / "export"))
     again = load_release(str(tmp_path / "export"), "gr00t_n15", TINY_SPEC, dict(device="cpu", dtype="float32"))
+    assert again.prompt.template == template  # the exporter wrote the template back
+    assert "You are a robot." in again.prompt.text("wave", 1)
+    again.prompt = RecordedPrompt(template, ref["input_ids"])
     with torch.inference_mode():
         assert torch.equal(again.act(obs, deterministic=True, noise=noise).actions, got)
 
@@ -90,12 +115,9 @@ def test_flow_sde_logprob_equals_rlinf(tmp_path):
     """RLinf's N1.5 flow-SDE (noise at one random denoising step, the step replayed by the
     trainer): the log-prob of a chain RLinf's function sampled, per chosen step, and act's own
     log-prob re-scored by evaluate (the PPO ratio at version 0)."""
-    from workers.release.layouts import load_release
-
     ref, folder, tok, obs = tiny_reference(tmp_path)
     rl = ref["rlinf_flow_sde"]
-    opts = dict(size="tiny", device="cpu", dtype="float32", sampler="sde", noise_level=rl["noise_level"], num_steps=rl["num_steps"])
-    policy = load_release(str(folder), "gr00t_n15", TINY_SPEC, opts, str(tok))
+    policy = load_tiny(folder, tok, ref, sampler="sde", noise_level=rl["noise_level"], num_steps=rl["num_steps"])
     for step, want in rl["by_step"].items():
         chain = torch.tensor(want["chain"])
         mask = torch.zeros(1, rl["num_steps"], dtype=torch.bool)
@@ -114,10 +136,8 @@ def test_flow_sde_logprob_equals_rlinf(tmp_path):
 
 def test_flow_matching_loss_equals_reference(tmp_path):
     """N1.5's SFT loss on fixed actions, noise and time, against the upstream head's forward."""
-    from workers.release.layouts import load_release
-
     ref, folder, tok, obs = tiny_reference(tmp_path)
-    policy = load_release(str(folder), "gr00t_n15", TINY_SPEC, dict(size="tiny", device="cpu", dtype="float32"), str(tok))
+    policy = load_tiny(folder, tok, ref)
     sft = ref["sft"]
     target = torch.tensor(sft["actions"])
     with torch.no_grad():
@@ -147,3 +167,27 @@ def test_image_preprocessing_equals_eagle_processor():
         else:
             assert (got.flatten()[::97] - level(case["every_97th"])).abs().max().item() < 1e-6, case["hw"]
             assert abs(got.double().sum().item() - case["sum"]) < 1e-2
+
+
+def test_prompt_equals_lerobot_eagle_processor():
+    """The prompt ids and mask LeRobot 0.4.4's GR00T steps (pack -> Eagle encode -> collate) made
+    from raw instructions with a tiny tokenizer laid out as Eagle's N1.5 folder: 1 and 2 cameras,
+    an instruction with an underscore, capitals, a newline and an apostrophe, an empty one, and
+    batches of different lengths (left-padded). Built through the release-size policy, so the
+    ``<IMG_CONTEXT>`` count per camera is its vision tower's."""
+    from workers.policies.eagle_prompt import N15_CHAT_TEMPLATE
+    from workers.release.gr00t_n15 import load_tokenizer
+
+    ref = json.loads((VECTORS / "eagle_text.json").read_text())
+    tok, template = load_tokenizer("", str(VECTORS / "eagle_tokenizer"))
+    assert template == N15_CHAT_TEMPLATE and tok.chat_template != template  # the processor's, not Qwen3's
+    with torch.device("meta"):
+        policy = Gr00tPolicy(Gr00tOptions(size="3b", device="meta", dtype="float32"), SPEC, tokenizer=tok, chat_template=template)
+    assert policy.prompt.tokens_per_image == ref["tokens_per_tile"] == 256
+    assert ref["padding_side"] == "left"
+    for case in ref["cases"]:
+        ids, mask = policy.prompt(case["instructions"], case["cameras"])
+        assert ids.tolist() == case["input_ids"], case["name"]
+        assert mask.tolist() == case["attention_mask"], case["name"]
+    assert policy.image_token_id == tok.convert_tokens_to_ids("<IMG_CONTEXT>")
+    assert len({c["name"] for c in ref["cases"]}) == 8

@@ -7,7 +7,8 @@ Backbone (Eagle 2.5 as N1.5 builds it): a SigLIP vision tower (its last hidden s
 no pixel shuffle) -> ``mlp1`` (one Linear to the LM width) written over the ``<IMG_CONTEXT>``
 token embeddings; a Qwen3 LM cut to ``select_layer`` layers whose final-norm output is the
 vision-language sequence. ``eagle_linear`` is the identity in the release (``project_to_dim``
-null), so it holds no tensor. The LM head stays tied to the token table, as released.
+null), so it holds no tensor. The LM head stays tied to the token table, as released. The prompt
+is Eagle's chat turn as N1.5 builds it (``eagle_prompt``), left-padded.
 
 GR00T's flow runs tau: 0 (noise) -> 1 (action) with velocity ``action - noise``; the shared
 sampler runs t = 1 - tau with velocity ``noise - action``, so the head's output is negated and
@@ -26,6 +27,7 @@ from torch import nn
 from rlvla3.observation import Observation
 from workers.contract import EnvSpec
 from workers.policies.base import Policy, register_policy
+from workers.policies.eagle_prompt import EaglePrompt
 from workers.policies.flow_sampler import FlowOptions, FlowPolicy, FlowSampler
 from workers.policies.gr00t_head import FlowMatchingActionHead, HeadShape, sampler_buckets
 from workers.policies.stats_norm import StatsNorm
@@ -35,7 +37,6 @@ from workers.policies.vla_common import (
     VLAOptions,
     ValueHead,
     char_tokenizer,
-    encode_text,
     freeze,
     masked_mean,
     pick_cameras,
@@ -44,9 +45,6 @@ from workers.policies.vla_common import (
     size_preset,
     state_tensor,
 )
-
-IMAGE_TOKEN = "<IMG_CONTEXT>"
-"""Eagle's image placeholder token; the backbone writes projected patches over its embeddings."""
 
 EMBODIMENT_IDS = {"new_embodiment": 31, "oxe_droid": 17, "agibot_genie1": 26, "gr1": 24,
                   "libero_franka": 31, "maniskill_widowx": 30, "isaaclab_franka": 31}
@@ -142,7 +140,8 @@ class Gr00tPolicy(FlowPolicy):
     family = "gr00t_n15"
     OPTIONS = Gr00tOptions
 
-    def __init__(self, opts: Gr00tOptions, spec: EnvSpec, tokenizer: Any = None, shape: HeadShape | None = None) -> None:
+    def __init__(self, opts: Gr00tOptions, spec: EnvSpec, tokenizer: Any = None, shape: HeadShape | None = None,
+                 chat_template: str | None = None) -> None:
         super().__init__(spec, opts.chunk_size)
         preset = size_preset(self.family, SIZES, opts.size)
         shape = shape or head_shape(preset)
@@ -165,12 +164,13 @@ class Gr00tPolicy(FlowPolicy):
             self.sampler = FlowSampler(opts.sampler_config(), shape.hidden, shape.action_dim, spec.action_dim)
         self.backbone.eagle_model.language_model.tie_weights()
         self.tokenizer = tokenizer or char_tokenizer()
-        if self.tokenizer.convert_tokens_to_ids(IMAGE_TOKEN) in (None, self.tokenizer.unk_token_id):
-            self.tokenizer.add_special_tokens({"additional_special_tokens": [IMAGE_TOKEN]})
-        self.image_token_id = self.tokenizer.convert_tokens_to_ids(IMAGE_TOKEN)
+        patches = (self.image_size // preset["patch_size"]) ** 2  # one tile per camera, no pixel shuffle
+        self.prompt = EaglePrompt(self.tokenizer, chat_template, patches)
+        self.image_token_id = self.prompt.image_token_id
         vocab = self.backbone.eagle_model.language_model.config.vocab_size
-        if self.image_token_id >= vocab:
-            raise ValueError(f"{self.family}: the tokenizer's {IMAGE_TOKEN} id {self.image_token_id} is outside the LM's vocabulary ({vocab})")
+        if len(self.tokenizer) > vocab:
+            raise ValueError(f"{self.family}: the tokenizer's {len(self.tokenizer)} ids (with the prompt's special tokens) "
+                             f"exceed the LM's vocabulary ({vocab})")
         self.set_trainable(opts.tune_llm, opts.tune_visual)
         place(self, opts)
         self.eval()
@@ -192,12 +192,6 @@ class Gr00tPolicy(FlowPolicy):
     def embodiment_id(self) -> int:
         return EMBODIMENT_IDS[self.opts.embodiment]
 
-    def prompt_ids(self, instructions: list[str], image_tokens: int) -> tuple[torch.Tensor, torch.Tensor]:
-        """``[<IMG_CONTEXT> x image_tokens, instruction]`` right-padded, and the attention mask."""
-        ids, mask = encode_text(self.tokenizer, instructions, self.opts.max_text_len)
-        img = torch.full((ids.shape[0], image_tokens), self.image_token_id, dtype=torch.long)
-        return torch.cat([img, ids], dim=1), torch.cat([torch.ones_like(img), mask], dim=1)
-
     def backbone_features(self, pixels: torch.Tensor, ids: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
         """Eagle's forward as N1.5 reads it: the LM's ``select_layer`` output (final norm applied)."""
         eagle = self.backbone.eagle_model
@@ -212,8 +206,7 @@ class Gr00tPolicy(FlowPolicy):
         pixels = eagle_pixels(obs.images, self.cameras, self.image_size, dev, dt)
         obs = obs.to_torch(dev, [])  # the state; the images went through eagle_pixels
         b, ncam = pixels.shape[:2]
-        patches = (self.image_size // self.backbone.eagle_model.vision_model.config.patch_size) ** 2
-        ids, mask = self.prompt_ids(list(obs.instruction), ncam * patches)
+        ids, mask = self.prompt(list(obs.instruction), ncam)
         ids, mask = ids.to(dev), mask.to(dev)
         pad = None if bool(mask.all()) else mask == 0
         vl = self.action_head.encode_vl(self.backbone_features(pixels.flatten(0, 1), ids, mask), pad)

@@ -8,7 +8,9 @@ Files: ``config.json`` (``model_type: gr00t_n1_5``, ``action_head_cfg``, ``backb
 ``{embodiment_tag: {"statistics": {"state"|"action": {key: {min, max, mean, std, q01, q99}}}}}``
 (keys joined in order, MIN_MAX on both sides). Tensor names are the policy's own except the
 vision tower, which transformers 4.x nests one ``vision_model.`` deeper. The LM head is tied to
-the token table and not stored. N1.5 folders ship no tokenizer: ``model.tokenizer: DIR``.
+the token table and not stored. N1.5 folders ship no tokenizer: ``model.tokenizer: DIR`` names
+Eagle's (Qwen3's vocabulary with ``<IMG_CONTEXT>``); its ``chat_template.json`` is the prompt's
+template (N1.5's when absent). The exporter writes the tokenizer and that template back.
 """
 
 from __future__ import annotations
@@ -20,6 +22,7 @@ from typing import Any
 
 import structlog
 
+from workers.policies.eagle_prompt import read_chat_template, write_chat_template
 from workers.release.common import (
     NORM,
     RL_HEADS,
@@ -122,8 +125,9 @@ def write_stats(policy: Any, out_dir: str) -> None:
         json.dump(meta, f, indent=2)
 
 
-def load_tokenizer(local_dir: str, tokenizer_dir: str) -> Any:
-    """Eagle's tokenizer from ``model.tokenizer`` or the folder; N1.5 releases ship none."""
+def load_tokenizer(local_dir: str, tokenizer_dir: str) -> tuple[Any, str | None]:
+    """Eagle's tokenizer and processor chat template from ``model.tokenizer`` or the folder; N1.5
+    releases ship neither."""
     from transformers import AutoTokenizer, PreTrainedTokenizerFast
 
     where = tokenizer_dir or local_dir
@@ -133,8 +137,10 @@ def load_tokenizer(local_dir: str, tokenizer_dir: str) -> Any:
             f"{FAMILY}: no tokenizer in {where!r} (GR00T N1.5 folders ship none): set model.tokenizer: DIR to a folder "
             f"holding Eagle 2.5's tokenizer (Qwen3's with <IMG_CONTEXT>)")
     if os.path.isfile(os.path.join(where, "tokenizer.json")):
-        return PreTrainedTokenizerFast.from_pretrained(where)
-    return AutoTokenizer.from_pretrained(where)  # vocab.json + merges.txt, as Eagle's folder holds them
+        tok = PreTrainedTokenizerFast.from_pretrained(where)
+    else:
+        tok = AutoTokenizer.from_pretrained(where)  # vocab.json + merges.txt, as Eagle's folder holds them
+    return tok, read_chat_template(where)
 
 
 def load(local_dir: str, spec: Any, overrides: dict[str, Any], tokenizer_dir: str = "") -> Any:
@@ -153,7 +159,8 @@ def load(local_dir: str, spec: Any, overrides: dict[str, Any], tokenizer_dir: st
     kept = SIZES[opts.size]["llm"]["num_hidden_layers"] if opts.size in SIZES else None
     if select is not None and kept is not None and select != kept:
         raise ValueError(f"{FAMILY}: the folder reads LM layer {select}; size {opts.size!r} keeps {kept} layers")
-    policy = Gr00tPolicy(opts, spec, tokenizer=load_tokenizer(local_dir, tokenizer_dir), shape=head_shape_of(config))
+    tokenizer, template = load_tokenizer(local_dir, tokenizer_dir)
+    policy = Gr00tPolicy(opts, spec, tokenizer=tokenizer, shape=head_shape_of(config), chat_template=template)
     sd = read_safetensors(local_dir, FAMILY)
     names = rename(sd, RELEASE_RULES)
     sd = {names[k]: v.to(policy.device) for k, v in sd.items()}
@@ -176,5 +183,6 @@ def save(policy: Any, out_dir: str) -> None:
         json.dump(release_config(policy), f, indent=2)
     write_stats(policy, out_dir)
     policy.tokenizer.save_pretrained(out_dir)
+    write_chat_template(out_dir, policy.prompt.template)
     write_rlvla3_files(policy, out_dir)
     log.info("release_saved", family=FAMILY, out=out_dir, tensors=len(sd), options=dataclasses.asdict(policy.opts)["size"])
