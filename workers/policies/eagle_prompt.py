@@ -28,6 +28,8 @@ PROMPT_TOKENS = (IMAGE_TOKEN, "<|im_start|>", "<|im_end|>", IMAGE_START, IMAGE_E
 this order (``<IMG_CONTEXT>`` first keeps the id earlier tiny checkpoints used)."""
 DEFAULT_TASK = "Perform the task."
 TEMPLATE_FILE = "chat_template.json"
+PROMPT_CACHE = 4096
+"""Distinct (instruction, camera count) prompts kept tokenized; the cache starts over when full."""
 
 N15_CHAT_TEMPLATE = (
     "{% set image_count = namespace(value=0) %}{% set video_count = namespace(value=0) %}"
@@ -77,6 +79,7 @@ class EaglePrompt:
         self.template = template or N15_CHAT_TEMPLATE
         self.tokens_per_image = tokens_per_image
         self.image_token_id = tokenizer.convert_tokens_to_ids(IMAGE_TOKEN)
+        self._ids: dict[tuple[str, int], list[int]] = {}
 
     def text(self, instruction: str, images: int) -> str:
         """One sample's prompt text, image placeholders expanded."""
@@ -86,11 +89,23 @@ class EaglePrompt:
         span = IMAGE_START + IMAGE_TOKEN * self.tokens_per_image + IMAGE_END
         return _PLACEHOLDER.sub(lambda m: f"<image {m.group(1)}>{span}", chat)
 
+    def ids(self, instruction: str, images: int) -> list[int]:
+        """One sample's token ids, rendered and tokenized once per (instruction, cameras): an env
+        batch repeats a few tasks, and the chat template costs about 1 ms a call."""
+        key = (instruction, images)
+        ids = self._ids.get(key)
+        if ids is None:
+            if len(self._ids) >= PROMPT_CACHE:
+                self._ids.clear()
+            ids = self._ids[key] = self.tokenizer(self.text(instruction, images))["input_ids"]
+        return ids
+
     def __call__(self, instructions: list[str], images: int) -> tuple[torch.Tensor, torch.Tensor]:
-        # Each distinct instruction is rendered once (an env batch repeats a few tasks); padding to
-        # the longest distinct prompt is padding to the batch's longest.
-        distinct = list(dict.fromkeys(instructions))
-        enc = self.tokenizer([self.text(i, images) for i in distinct], padding=True, padding_side="left",
-                             return_tensors="pt")
-        rows = torch.tensor([distinct.index(i) for i in instructions], dtype=torch.long)
-        return enc["input_ids"][rows], enc["attention_mask"][rows]
+        rows = [self.ids(i, images) for i in instructions]
+        width = max(len(r) for r in rows)
+        ids = torch.full((len(rows), width), self.tokenizer.pad_token_id, dtype=torch.long)
+        mask = torch.zeros((len(rows), width), dtype=torch.long)
+        for n, row in enumerate(rows):  # padded on the left, as the processor pads
+            ids[n, width - len(row):] = torch.tensor(row, dtype=torch.long)
+            mask[n, width - len(row):] = 1
+        return ids, mask
