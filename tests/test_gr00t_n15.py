@@ -191,3 +191,26 @@ def test_prompt_equals_lerobot_eagle_processor():
         assert mask.tolist() == case["attention_mask"], case["name"]
     assert policy.image_token_id == tok.convert_tokens_to_ids("<IMG_CONTEXT>")
     assert len({c["name"] for c in ref["cases"]}) == 8
+
+
+def test_release_act_bench_times_the_folder_beside_a_reference_command(tmp_path):
+    """``bench/stages/release_act.py`` on the upstream-written folder: rounds alternate the
+    reference command (here a stand-in printing fixed figures, as the upstream timing scripts
+    print theirs) and our act(); its JSON holds both sides per round and the ratio of medians."""
+    import sys
+
+    from rlvla3.harness.jobs import last_json, run_command
+
+    _, folder, tok, _ = tiny_reference(tmp_path)
+    ref = f"{sys.executable} -c \"import json, sys; print(json.dumps({{b: 2.0 for b in sys.argv[1].split(',')}}))\""
+    proc = run_command([sys.executable, str(Path(__file__).parents[1] / "bench" / "stages" / "release_act.py"), str(folder),
+                        "--family", "gr00t_n15", "--cameras", "front:32x32", "--tokenizer", str(tok), "--option", "size=tiny",
+                        "--batches", "1,2", "--rounds", "2", "--reps", "1", "--reference", ref, "--out", str(tmp_path / "out")],
+                       timeout=300)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    out = last_json(proc.stdout)
+    assert out["family"] == "gr00t_n15" and out["options"] == {"size": "tiny"} and out["threads"] == 2
+    assert out["reference"] == {"1": [2.0, 2.0], "2": [2.0, 2.0]}
+    assert all(len(v) == 2 and min(v) > 0 for v in out["ours"].values())
+    assert abs(out["ratio"]["1"] - sum(out["ours"]["1"]) / 2 / 2.0) < 1e-3  # median of two rounds over the reference's 2.0
+    assert json.loads((tmp_path / "out" / "release_act.json").read_text()) == out
