@@ -37,8 +37,11 @@ def test_release_size_tensors_equal_upstream():
 
 
 class RecordedPrompt:
-    """The prompt ids the upstream action run was fed (given as ids, before the chat format was
-    matched; the format is compared on its own in test_prompt_equals_lerobot_eagle_processor)."""
+    """The prompt ids the first upstream action run (``tiny_parity.json``) was fed, given as ids
+    before the chat format was matched. Only the tests on that vector use it (its actions, RLinf's
+    flow-SDE log-probs and the SFT loss all depend on those ids through the VL features, and the
+    script that made them is lost); ``test_raw_inputs_give_upstream_actions`` runs the real
+    prompt builder against ``tiny_e2e.json``."""
 
     def __init__(self, template: str, ids: list[int]) -> None:
         self.template, self.ids = template, torch.tensor([ids])
@@ -94,6 +97,72 @@ def test_upstream_saved_folder_matches_reference_actions(tmp_path):
     again.prompt = RecordedPrompt(template, ref["input_ids"])
     with torch.inference_mode():
         assert torch.equal(again.act(obs, deterministic=True, noise=noise).actions, got)
+
+
+def e2e_policy(tmp_path):
+    """The upstream-written tiny folder loaded with the tokenizer folder the end-to-end reference
+    read: rlvla3's char tokenizer (the loader adds Eagle's prompt tokens, ids 99-103) and N1.5's
+    processor chat template as ``chat_template.json``."""
+    import shutil
+
+    from workers.policies.eagle_prompt import N15_CHAT_TEMPLATE, write_chat_template
+    from workers.policies.vla_common import char_tokenizer
+    from workers.release.layouts import load_release
+
+    folder = tmp_path / "upstream"
+    shutil.copytree(VECTORS / "tiny_folder", folder)
+    tok = tmp_path / "tokenizer"
+    char_tokenizer().save_pretrained(tok)
+    write_chat_template(str(tok), N15_CHAT_TEMPLATE)
+    policy = load_release(str(folder), "gr00t_n15", TINY_SPEC, dict(size="tiny", device="cpu", dtype="float32"), str(tok))
+    return policy, folder
+
+
+def e2e_obs(case) -> Observation:
+    b = len(case["image"])
+    return Observation({"front": np.asarray(case["image"], np.uint8)}, np.asarray(case["state"], np.float32),
+                       [case["instruction"]] * b)
+
+
+def test_raw_inputs_give_upstream_actions(tmp_path):
+    """Issue 25 item 5, end to end: a raw uint8 image, instruction and state through the policy's
+    own prompt builder, image processing, min-max statistics (the folder's ``new_embodiment``),
+    sampler and un-normalisation, against LeRobot 0.4.4's preprocessor -> ``GR00TN15.get_action``
+    -> postprocessor with the same initial noise (``tiny_e2e.json``, made by a script outside the
+    project; see the vectors' README). Cases: ``pick up the cup``, an instruction with capitals,
+    an underscore and an apostrophe, a batch of 2; then the first two as one mixed-task batch
+    (left-padded here; upstream ran each alone) and the folder exported and loaded back."""
+    from workers.release.layouts import load_release, save_release
+
+    ref = json.loads((VECTORS / "tiny_e2e.json").read_text())
+    policy, _ = e2e_policy(tmp_path)
+    got_by_case, diffs = {}, {}
+    for case in ref["cases"]:
+        b = len(case["image"])
+        ids, mask = policy.prompt([case["instruction"]] * b, 1)
+        assert ids.tolist() == case["input_ids"], case["name"]
+        assert mask.tolist() == case["attention_mask"], case["name"]
+        with torch.inference_mode():
+            got = policy.act(e2e_obs(case), deterministic=True, noise=torch.tensor(case["noise"])).actions
+        diffs[case["name"]] = (got - torch.tensor(case["env_actions"])).abs().max().item()
+        got_by_case[case["name"]] = got
+    print("max abs diff vs upstream:", diffs)
+    assert max(diffs.values()) < 1e-4, diffs
+
+    one, caps = ref["cases"][0], ref["cases"][1]
+    mixed = Observation({"front": np.asarray(one["image"] + caps["image"], np.uint8)},
+                        np.asarray(one["state"] + caps["state"], np.float32), [one["instruction"], caps["instruction"]])
+    with torch.inference_mode():
+        got = policy.act(mixed, deterministic=True, noise=torch.tensor(one["noise"] + caps["noise"])).actions
+    want = torch.tensor(one["env_actions"] + caps["env_actions"])
+    print("mixed batch max abs diff:", (got - want).abs().max().item())
+    assert (got - want).abs().max().item() < 1e-4, (got - want).abs().max().item()
+
+    save_release(policy, str(tmp_path / "export"))
+    again = load_release(str(tmp_path / "export"), "gr00t_n15", TINY_SPEC, dict(device="cpu", dtype="float32"))
+    with torch.inference_mode():
+        assert torch.equal(again.act(e2e_obs(one), deterministic=True, noise=torch.tensor(one["noise"])).actions,
+                           got_by_case["cup"])
 
 
 def test_bad_embodiment_and_widths_are_refused(tmp_path):
