@@ -159,6 +159,12 @@ def test_bad_folders_say_what_is_wrong(vector, tmp_path):
     d = write_folder(bad, tmp_path / "shapes")
     with pytest.raises(ValueError, match=r"LeRobot's pi05 layout.*gemma_expert\.model\.layers\.0\.input_layernorm\.dense\.bias \(64,\) vs \(96,\)"):
         load_release(str(d), "pi05", SPEC, {"device": "cpu"})
+    half = {"q_proj.weight": (0, 2), "k_proj.weight": (0, 2), "v_proj.weight": (0, 2), "o_proj.weight": (1, 2)}
+    narrow = {k: next(([d // 2 if i == ax else d for i, d in enumerate(v)] for end, (ax, _) in half.items()
+                       if "gemma_expert" in k and k.endswith("self_attn." + end)), v) for k, v in vector["shapes"].items()}
+    d = write_folder(dict(vector, shapes=narrow), tmp_path / "head_dim")  # expert heads 8 wide, the VLM's 16
+    with pytest.raises(ValueError, match=r"attend jointly, so their head_dim must be equal: 16 vs 8"):
+        load_release(str(d), "pi05", SPEC, {"device": "cpu"})
     relative = dict(vector, config=dict(vector["config"], use_relative_actions=True))
     d = write_folder(relative, tmp_path / "relative")
     with pytest.raises(ValueError, match="use_relative_actions"):

@@ -155,6 +155,12 @@ def infer_arch(config: dict[str, Any], sd: dict[str, torch.Tensor]) -> dict[str,
     expert = _gemma(sd, _EXPERT + "model.", config.get("action_expert_variant", "gemma_300m"))
     if _EXPERT + "lm_head.weight" in sd:
         expert["vocab_size"] = sd[_EXPERT + "lm_head.weight"].shape[0]
+    for key in ("head_dim", "num_key_value_heads"):  # one attention over both streams' keys and values
+        if text[key] != expert[key]:
+            raise ValueError(f"the VLM ({_VLM}model.language_model.layers.*.self_attn) and the action expert "
+                             f"({_EXPERT}model.layers.*.self_attn) attend jointly, so their {key} must be equal: "
+                             f"{text[key]} vs {expert[key]} (k_proj.weight {tuple(sd[_VLM + 'model.language_model.layers.0.self_attn.k_proj.weight'].shape)} "
+                             f"vs {tuple(sd[_EXPERT + 'model.layers.0.self_attn.k_proj.weight'].shape)})")
     return {
         "image_size": int(round(n_pos ** 0.5)) * p,
         "patch_size": p,
