@@ -97,8 +97,9 @@ def throughput(path: Path) -> dict[str, Any]:
     """Env steps and env steps per second over the whole run, from its first env step (the
     launcher's progress lines; process start-up is not charged)."""
     stepped = [r for r in json_lines(path) if r.get("env_steps", 0) > 0]
-    if len(stepped) < 2:
-        return {"env_steps": stepped[-1]["env_steps"] if stepped else 0, "steps_per_s": None}
+    if len(stepped) < 2:  # a run over before its second progress line (the smoke): the launcher's own rate
+        last = stepped[-1] if stepped else {}
+        return {"env_steps": last.get("env_steps", 0), "steps_per_s": last.get("env_steps_per_s")}
     a, b = stepped[0], stepped[-1]
     rate = (b["env_steps"] - a["env_steps"]) / max(1e-9, b["elapsed_s"] - a["elapsed_s"])
     return {"env_steps": b["env_steps"], "steps_per_s": round(rate, 1)}
