@@ -7,7 +7,6 @@ policies; the policies know nothing of layouts.
 
 from __future__ import annotations
 
-import os
 from typing import Any
 
 FORMATS = {"pi0": ("transformers", "lerobot"), "pi05": ("lerobot",), "gr00t_n15": ("release",), "openvla_oft": ("release",)}
@@ -34,7 +33,7 @@ def load_release(local_dir: str, family: str, spec: Any, overrides: dict[str, An
     options that win over the folder's own; ``tokenizer`` is ``model.tokenizer`` (for releases
     that ship none: GR00T N1.5); ``base`` is ``model.base`` (the release a folder of OpenVLA-OFT
     adapters without weights was trained on)."""
-    from workers.release.sources import resolve
+    from workers.release.sources import has_weights, resolve
 
     overrides = dict(overrides or {})
     if family not in FORMATS:
@@ -42,11 +41,9 @@ def load_release(local_dir: str, family: str, spec: Any, overrides: dict[str, An
     if base and family != "openvla_oft":
         raise ValueError(f"{family}: model.base is for openvla_oft folders of peft adapters; {family} folds none")
     src = resolve(local_dir, base, family)
-    has = lambda name: any(os.path.isfile(os.path.join(d, name)) for d in src.dirs)  # noqa: E731
     needs = ("config.json",) if family == "gr00t_n15" and tokenizer else ("config.json", "tokenizer.json")
-    missing = [n for n in needs if not has(n)]
-    weights = src.weights
-    if not os.path.isfile(os.path.join(weights, "model.safetensors")) and not (os.path.isdir(weights) and any(n.endswith(".safetensors.index.json") for n in os.listdir(weights))):
+    missing = [n for n in needs if not src.has(n)]
+    if not has_weights(src.weights):
         missing.append("model.safetensors (or an index with its shards)")
     if "config.json" in missing or len(missing) > 1:
         hint = " (GR00T N1.5 folders ship no tokenizer: set model.tokenizer: DIR)" if family == "gr00t_n15" and "tokenizer.json" in missing else ""

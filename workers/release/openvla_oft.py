@@ -184,11 +184,10 @@ def load(local_dir: str, spec: Any, overrides: dict[str, Any], base: str = "") -
     if opts.action_head != "l1" and head:
         log.info("release_l1_head_unused", family=FAMILY, file=os.path.basename(head), action_head=opts.action_head)
         sd = {k: v for k, v in sd.items() if not k.startswith("l1_head.")}
-    tok_dir = src.dir_of(TOKENIZER_FILE)
-    if not os.path.isfile(os.path.join(tok_dir, TOKENIZER_FILE)):
+    if not src.has(TOKENIZER_FILE):
         raise FileNotFoundError(f"{FAMILY}: {local_dir!r} has no {TOKENIZER_FILE}; the release keeps it beside config.json "
                                 "(with tokenizer_config.json and special_tokens_map.json)")
-    policy = OpenVLAOFTPolicy(opts, spec, tokenizer=load_tokenizer(tok_dir, FAMILY), arch=arch,
+    policy = OpenVLAOFTPolicy(opts, spec, tokenizer=load_tokenizer(src.dir_of(TOKENIZER_FILE), FAMILY), arch=arch,
                               preprocess=_preprocess(src.dir_of(PREPROCESSOR)))
     sd.update(heads)
     strict_load(policy, {k: v.to(policy.device) for k, v in sd.items()}, f"{FAMILY} (prismatic OpenVLA release at {local_dir})",

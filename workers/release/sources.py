@@ -31,6 +31,9 @@ class Sources:
     weights: str
     adapter: str | None
 
+    def has(self, name: str) -> bool:
+        return any(os.path.isfile(os.path.join(d, name)) for d in self.dirs)
+
     def dir_of(self, name: str) -> str:
         """The first folder holding ``name`` (the first folder when none does, so errors name it)."""
         return next((d for d in self.dirs if os.path.isfile(os.path.join(d, name))), self.dirs[0])
