@@ -266,3 +266,26 @@ def test_hopper_trains_through_the_fabric_in_sync_with_its_statistics_in_the_che
     version, path = Checkpoints(cfg, None, str(job["run"]), 0, 1).resume(TrainState.build(policy, cfg.algo, policy), 0, learner)
     assert path == str(ckpt) and version >= 2
     assert learner.reward_norm.moments() == saved
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(not HAVE_MUJOCO, reason="gymnasium[mujoco] not installed (pip install -e .[gymnasium-mujoco])")
+def test_speed_bench_times_a_run_of_ours_beside_the_reference_command(tmp_path: Path) -> None:
+    """``bench/jobs/gym_speed.py`` against a stand-in for CleanRL's script (outside the project): a
+    command printing CleanRL's progress line with the steps it was given, so the figure shows the
+    command was filled in and its last ``SPS:`` line read."""
+    env = {**__import__("os").environ, **launcher_env()}
+    stand_in = f"{sys.executable} -c \"print('SPS: 1'); print('SPS: {{steps}}')\""
+    r = subprocess.run([sys.executable, str(ROOT / "bench/jobs/gym_speed.py"), "--reference", stand_in, "--smoke",
+                        "--out", str(tmp_path / "speed")], capture_output=True, text=True, timeout=300, env=env)
+    assert r.returncode == 0, r.stderr[-3000:]
+    result = json.loads(r.stdout.strip().splitlines()[-1])
+    assert result["reference"]["per_round"] == [4096.0]
+    ours = result["ours"]["async"]
+    assert len(ours["per_round"]) == 1 and ours["per_round"][0] > 0
+    assert ours["over_reference"] == round(ours["median"] / 4096.0, 3)
+    assert (tmp_path / "speed" / "round0" / "async" / "result.json").is_file()
+    # A reference that prints no rate is named, not read as zero.
+    r = subprocess.run([sys.executable, str(ROOT / "bench/jobs/gym_speed.py"), "--reference", f"{sys.executable} -c pass",
+                        "--smoke", "--out", str(tmp_path / "bad")], capture_output=True, text=True, timeout=120, env=env)
+    assert r.returncode != 0 and "'SPS:' lines" in r.stderr

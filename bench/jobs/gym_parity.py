@@ -11,8 +11,9 @@ the curve: raw episode return against env steps and against seconds (from the fi
     python bench/jobs/gym_parity.py --envs hopper --modes sync --seeds 0 --out /tmp/parity   # one run
 
 Every declared run is reported: a run that has not finished shows as missing in the table.
-Runs are resumable per seed: a finished run leaves ``result.json`` in its folder and is not run
-again (``--fresh`` reruns). Runs go one after the other, never at the same time.
+Runs are resumable per seed: a finished run leaves ``result.json`` (its figures and curve) in its
+folder and is not run again (``--fresh`` reruns); it needs nothing else, so the result files of a
+table split over several machines can be gathered under one ``--out``. Runs go one after the other, never at the same time.
 
 Output: ``parity.md`` (the table, the reference figures beside it, the commands), one PNG per env
 (curves per mode and seed, against env steps and against seconds), ``results.json``, and one JSON
@@ -55,8 +56,10 @@ def run_one(env: str, mode: str, seed: int, steps: int, folder: Path, timeout_s:
     job = folder / "job"
     if result_path.is_file() and not fresh:
         done = json.loads(result_path.read_text())
-        if done.get("steps") == steps:
+        if done.get("steps") == steps and (job / "trainer_metrics.jsonl").is_file():
             return {**done, **summarise(job, steps)}  # figures read again from the run's own files
+        if done.get("steps") == steps:
+            return done  # a kept result without its job folder (the curve is in it)
     args = ["run", f"configs/gym_{env}_ppo.yaml", "--steps", str(steps),
             "--run-dir", str(job), "--set", f"run.mode={mode}", "--set", f"run.seed={seed}"]
     folder.mkdir(parents=True, exist_ok=True)
