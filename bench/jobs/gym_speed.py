@@ -27,9 +27,10 @@ import subprocess
 import time
 from pathlib import Path
 
-from gym_parity import ENVS, MODES, run_one
-
 from rlvla3.harness.bench import OUT_DIR, emit_to, load_avg, note, parse_bench_args
+from rlvla3.harness.gym_runs import ENVS, MODES, run_one
+
+ROOT = Path(__file__).resolve().parents[2]
 
 SPS_LINE = re.compile(r"^SPS:\s*([0-9.]+)\s*$", re.M)
 
@@ -73,7 +74,7 @@ def main() -> None:
         ref.append(reference_rate(args.reference, args.steps, r, out / f"round{r}" / "reference", args.timeout))
         note(f"round {r}: reference {ref[-1]:.0f} env steps/s ({time.monotonic() - t0:.0f} s)")
         for mode in args.modes:
-            run = run_one(args.env, mode, r, args.steps, out / f"round{r}" / mode, args.timeout, fresh=True)
+            run = run_one(ROOT, args.env, mode, r, args.steps, out / f"round{r}" / mode, args.timeout, fresh=True)
             if run["rc"] != 0 or not run["steps_per_s"]:
                 raise SystemExit(f"{mode} run failed (rc {run['rc']}): {out / f'round{r}' / mode / 'run.log'}")
             ours[mode].append(run["steps_per_s"])
