@@ -218,6 +218,7 @@ def check_gym_parity(r: dict[str, Any], out: Path) -> None:
     assert set(r["final_return"]["Hopper-v4"]) == {"sync", "async"}
     assert all(run["rc"] == 0 and run["episodes"] > 0 for run in r["runs"]), r["runs"]
     assert all(r["steps_per_s"]["Hopper-v4"][m] > 0 for m in ("sync", "async"))
+    assert r["sync_target"]["Hopper-v4"]["published_lower"] == 2111.12  # CleanRL's published mean - std
     assert (out / "gym_parity" / "hopper.png").stat().st_size > 0
     assert "| Hopper-v4 | async |" in (out / "gym_parity" / "parity.md").read_text()
 

@@ -289,3 +289,38 @@ def test_speed_bench_times_a_run_of_ours_beside_the_reference_command(tmp_path: 
     r = subprocess.run([sys.executable, str(ROOT / "bench/jobs/gym_speed.py"), "--reference", f"{sys.executable} -c pass",
                         "--smoke", "--out", str(tmp_path / "bad")], capture_output=True, text=True, timeout=120, env=env)
     assert r.returncode != 0 and "'SPS:' lines" in r.stderr
+
+
+def test_parity_table_gathers_kept_results_and_sets_the_sync_threshold_from_cleanrl_here(tmp_path: Path) -> None:
+    """Results kept from runs on other machines (``result.json`` without its job folder) are
+    gathered, not run again, and ``--here`` logs of CleanRL's script set item 4's second sync
+    threshold by the same final-return rule (the mean of the last 10% of episodes)."""
+    out = tmp_path / "parity"
+    curve = {"steps": [2048, 4096], "seconds": [1.0, 2.0], "returns": [10.0, 2500.0], "episodes": [9, 1]}
+    for mode, final in (("sync", 2500.0), ("async", 2400.0)):
+        folder = out / "hopper" / mode / "seed0"
+        folder.mkdir(parents=True)
+        (folder / "result.json").write_text(json.dumps({
+            "env": "hopper", "mode": mode, "seed": 0, "steps": 4096, "rc": 0, "final_return": final, "episodes": 10,
+            "curve": curve, "env_steps": 4096, "steps_per_s": 1000.0, "wall_s": 5.0, "command": "kept"}))
+    logs = []
+    for k, finals in enumerate(([5.0] * 18 + [1900.0, 1900.0], [7.0] * 9 + [2100.0])):
+        log = tmp_path / f"cleanrl_s{k}.log"
+        log.write_text("SPS: 880\n" + "".join(f"global_step={100 * (i + 1)}, episodic_return=[{r}]\n"
+                                             for i, r in enumerate(finals)))
+        logs += ["--here", f"hopper={log}"]
+    r = subprocess.run([sys.executable, str(ROOT / "bench/jobs/gym_parity.py"), "--smoke", "--out", str(out), *logs],
+                       capture_output=True, text=True, timeout=120, env={**__import__("os").environ, **launcher_env()})
+    assert r.returncode == 0, r.stderr[-3000:]
+    assert not (out / "hopper" / "sync" / "seed0" / "job").exists()  # gathered, not run again
+    result = json.loads(r.stdout.strip().splitlines()[-1])
+    assert result["final_return"]["Hopper-v4"]["sync"]["per_seed"] == {"0": 2500.0}
+    target = result["sync_target"]["Hopper-v4"]
+    assert target["here"]["per_run"] == [1900.0, 2100.0]  # the last 10% of each run's episodes
+    assert target["here_lower"] == 1900.0 and target["published_lower"] == 2111.12
+    assert target["threshold"] == 1900.0 and target["met"] is True
+    assert "| Hopper-v4 | CleanRL here | 2 | 1900.0, 2100.0 |" in (out / "parity.md").read_text()
+    bad = subprocess.run([sys.executable, str(ROOT / "bench/jobs/gym_parity.py"), "--smoke", "--out", str(out),
+                          "--here", f"hopper={tmp_path / 'parity' / 'parity.md'}"], capture_output=True, text=True,
+                         timeout=120, env={**__import__("os").environ, **launcher_env()})
+    assert bad.returncode != 0 and "episodic_return" in bad.stderr

@@ -20,20 +20,24 @@ Output: ``parity.md`` (the table, the reference figures beside it, the commands)
 (curves per mode and seed, against env steps and against seconds), ``results.json``, and one JSON
 object last: ``final_return[env][mode]`` = ``{"per_seed": {seed: mean of the last 10% of
 episodes}, "mean": ...}``, ``steps_per_s[env][mode]`` (mean over seeds of the run's env steps
-per second, from the first env step) and ``agreement[env]``: async's mean return over seeds per
-tenth of the env steps against sync's mean +- 2 standard errors, and the final means' ratio.
+per second, from the first env step), ``agreement[env]``: async's mean return over seeds per
+tenth of the env steps against sync's mean +- 2 standard errors, and the final means' ratio, and
+``sync_target[env]``: sync's mean against the lower of CleanRL's published mean minus one std and,
+given ``--here ENV=LOG`` (CleanRL's unmodified script run on this machine, one log per seed; its
+code stays outside the project), those runs' mean minus one std.
 """
 
 from __future__ import annotations
 
 import argparse
+import re
 from pathlib import Path
 from typing import Any
 
 import numpy as np
 
 from rlvla3.harness.bench import OUT_DIR, emit_to, note, parse_bench_args, save_figure, subplots
-from rlvla3.harness.gym_runs import ENVS, MODES, run_one
+from rlvla3.harness.gym_runs import ENVS, MODES, final_return, run_one
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -41,6 +45,45 @@ REFERENCE = {  # CleanRL's benchmark table, ppo_continuous_action.py, 1M steps, 
     "hopper": (2382.86, 271.74),
     "halfcheetah": (1442.64, 46.03),
 }
+EPISODE_LINE = re.compile(r"^global_step=(\d+), episodic_return=\[?\s*([-+0-9.eE]+)", re.M)
+"""An episode in the output of CleanRL's ppo_continuous_action.py (``--here``)."""
+
+
+def reference_here(logs: list[str]) -> dict[str, list[dict[str, Any]]]:
+    """``ENV=LOG`` -> per env, the runs of CleanRL's own script on this machine: its episode lines
+    as a curve (one episode a point) and their final return by our rule."""
+    runs: dict[str, list[dict[str, Any]]] = {}
+    for item in logs:
+        env, _, path = item.partition("=")
+        if env not in ENVS or not path:
+            raise SystemExit(f"--here wants ENV=LOG with ENV one of {sorted(ENVS)}: {item!r}")
+        eps = EPISODE_LINE.findall(Path(path).read_text())
+        if not eps:
+            raise SystemExit(f"--here {item}: no 'global_step=N, episodic_return=[R]' line in it")
+        curve = {"steps": [int(a) for a, _ in eps], "returns": [float(b) for _, b in eps], "episodes": [1] * len(eps)}
+        runs.setdefault(env, []).append({"log": path, "final_return": final_return(curve), "curve": curve})
+    return runs
+
+
+def sync_target(env: str, results: list[dict[str, Any]], here: list[dict[str, Any]], seeds: list[int]) -> dict[str, Any]:
+    """Item 4's sync target: the mean over seeds at least the lower of CleanRL's published mean
+    minus one std and, with ``--here`` runs, their mean minus one std (numpy's std, as a table's)."""
+    out: dict[str, Any] = {}
+    lows = []
+    if env in REFERENCE:
+        out["published_lower"] = round(REFERENCE[env][0] - REFERENCE[env][1], 2)
+        lows.append(out["published_lower"])
+    if here:
+        finals = [r["final_return"] for r in here]
+        out["here"] = {"per_run": finals, "mean": round(float(np.mean(finals)), 2), "std": round(float(np.std(finals)), 2),
+                       "logs": [r["log"] for r in here]}
+        out["here_lower"] = round(float(np.mean(finals) - np.std(finals)), 2)
+        lows.append(out["here_lower"])
+    sync = [r["final_return"] for r in results if r["mode"] == "sync" and r["final_return"] is not None]
+    out["threshold"] = min(lows) if lows else None
+    out["sync_mean"] = mean_or_none(sync)
+    out["met"] = None if not lows or len(sync) < len(seeds) else bool(out["sync_mean"] >= out["threshold"])
+    return out
 def tenth_means(curve: dict[str, list], steps: int) -> list[float | None]:
     """Episode-weighted mean return of each tenth of the env-step axis (the updates whose
     consumed steps fall in it): one point per tenth, ``None`` where no episode ended."""
@@ -83,9 +126,12 @@ def mean_or_none(xs: list[float | None]) -> float | None:
     return round(float(np.mean(vals)), 2) if vals else None
 
 
-def plot(env: str, results: list[dict[str, Any]], path: Path) -> None:
+def plot(env: str, results: list[dict[str, Any]], here: list[dict[str, Any]], path: Path) -> None:
     fig, axes = subplots(1, 2, figsize=(11, 4))
     colours = {"sync": "tab:blue", "async": "tab:orange"}
+    for k, r in enumerate(here):  # CleanRL's script on this machine: a point per episode, so smoothed more
+        axes[0].plot(r["curve"]["steps"], smooth(r["curve"]["returns"], 50), color="black", alpha=0.5, lw=0.8,
+                     label="CleanRL here" if k == 0 else None)
     for r in results:
         c = r["curve"]
         if not c["steps"]:
@@ -115,7 +161,8 @@ def smooth(ys: list[float], k: int = 5) -> np.ndarray:
     return np.convolve(np.pad(y, (k - 1, 0), mode="edge"), np.ones(k) / k, mode="valid")
 
 
-def table(results: list[dict[str, Any]], envs: list[str], modes: list[str], seeds: list[int], steps: int) -> str:
+def table(results: list[dict[str, Any]], envs: list[str], modes: list[str], seeds: list[int], steps: int,
+          targets: dict[str, dict[str, Any]]) -> str:
     lines = ["| env | mode | seeds | final return per seed | mean | CleanRL (published) | env steps/s |",
              "|---|---|---|---|---|---|---|"]
     for env in envs:
@@ -127,6 +174,14 @@ def table(results: list[dict[str, Any]], envs: list[str], modes: list[str], seed
             sps = mean_or_none([rs[s].get("steps_per_s") for s in seeds if s in rs])
             lines.append(f"| {ENVS[env]} | {mode} | {len(rs)}/{len(seeds)} | {per} | "
                          f"{mean_or_none([rs[s]['final_return'] for s in seeds if s in rs])} | {ref} | {sps} |")
+    for env in envs:
+        t = targets[env]
+        if "here" in t:
+            lines.append(f"| {ENVS[env]} | CleanRL here | {len(t['here']['per_run'])} | "
+                         f"{', '.join(map(str, t['here']['per_run']))} | {t['here']['mean']} ± {t['here']['std']} | | |")
+    lines += ["", "Sync against item 4's threshold (the lower of the published and here mean minus one std):", ""]
+    lines += [f"- {ENVS[env]}: sync mean {targets[env]['sync_mean']}, threshold {targets[env]['threshold']}, "
+              f"met: {targets[env]['met']}" for env in envs]
     for env in envs:
         agree = agreement([r for r in results if r["env"] == env], steps)
         if agree is None:
@@ -149,6 +204,9 @@ def main() -> None:
     ap.add_argument("--steps", type=int, default=1_000_000, help="env steps per run")
     ap.add_argument("--timeout", type=float, default=7200.0, help="seconds per run before it is stopped")
     ap.add_argument("--fresh", action="store_true", help="rerun runs that already left a result")
+    ap.add_argument("--here", action="append", default=[], metavar="ENV=LOG",
+                    help="the output of one run of CleanRL's unmodified ppo_continuous_action.py on this machine "
+                         "(repeat per seed): its final return sets item 4's second sync threshold")
     args = parse_bench_args(ap, "Hopper-v4, seed 0, 10k steps per mode", smoke_help="tiny run for CI (no learning value)",
                             out=f"{OUT_DIR}/gym_parity")
     if args.quick or args.smoke:
@@ -156,6 +214,7 @@ def main() -> None:
         args.steps = 4096 if args.smoke else 10_240
     out = Path(args.out).resolve()
     out.mkdir(parents=True, exist_ok=True)
+    here = reference_here(args.here)
 
     results = []
     for env in args.envs:
@@ -168,9 +227,11 @@ def main() -> None:
     pngs = []
     for env in args.envs:
         png = out / f"{env}.png"
-        plot(env, [r for r in results if r["env"] == env], png)
+        plot(env, [r for r in results if r["env"] == env], here.get(env, []), png)
         pngs.append(str(png))
-    (out / "parity.md").write_text(table(results, args.envs, args.modes, args.seeds, args.steps))
+    targets = {env: sync_target(env, [r for r in results if r["env"] == env], here.get(env, []), args.seeds)
+               for env in args.envs}
+    (out / "parity.md").write_text(table(results, args.envs, args.modes, args.seeds, args.steps, targets))
     final: dict[str, Any] = {}
     speed: dict[str, Any] = {}
     for env in args.envs:
@@ -180,7 +241,8 @@ def main() -> None:
             final.setdefault(ENVS[env], {})[mode] = {"per_seed": per, "mean": mean_or_none(list(per.values()))}
             speed.setdefault(ENVS[env], {})[mode] = mean_or_none([r["steps_per_s"] for r in rs])
     agree = {ENVS[env]: agreement([r for r in results if r["env"] == env], args.steps) for env in args.envs}
-    report = {"final_return": final, "steps_per_s": speed, "agreement": agree, "steps": args.steps, "seeds": args.seeds,
+    report = {"final_return": final, "steps_per_s": speed, "agreement": agree,
+              "sync_target": {ENVS[env]: t for env, t in targets.items()}, "steps": args.steps, "seeds": args.seeds,
               "runs": [{k: v for k, v in r.items() if k != "curve"} for r in results],
               "png": pngs, "table": str(out / "parity.md"), "out": str(out)}
     emit_to(out, "results.json", report)
