@@ -75,15 +75,17 @@ def sync_target(env: str, results: list[dict[str, Any]], here: list[dict[str, An
         lows.append(out["published_lower"])
     if here:
         finals = [r["final_return"] for r in here]
-        out["here"] = {"per_run": finals, "mean": round(float(np.mean(finals)), 2), "std": round(float(np.std(finals)), 2),
-                       "logs": [r["log"] for r in here]}
-        out["here_lower"] = round(float(np.mean(finals) - np.std(finals)), 2)
+        mean, std = float(np.mean(finals)), float(np.std(finals))
+        out["here"] = {"per_run": finals, "mean": round(mean, 2), "std": round(std, 2), "logs": [r["log"] for r in here]}
+        out["here_lower"] = round(mean - std, 2)
         lows.append(out["here_lower"])
     sync = [r["final_return"] for r in results if r["mode"] == "sync" and r["final_return"] is not None]
     out["threshold"] = min(lows) if lows else None
     out["sync_mean"] = mean_or_none(sync)
     out["met"] = None if not lows or len(sync) < len(seeds) else bool(out["sync_mean"] >= out["threshold"])
     return out
+
+
 def tenth_means(curve: dict[str, list], steps: int) -> list[float | None]:
     """Episode-weighted mean return of each tenth of the env-step axis (the updates whose
     consumed steps fall in it): one point per tenth, ``None`` where no episode ended."""

@@ -34,10 +34,8 @@ def run_one(root: Path, env: str, mode: str, seed: int, steps: int, folder: Path
     job = folder / "job"
     if result_path.is_file() and not fresh:
         done = json.loads(result_path.read_text())
-        if done.get("steps") == steps and (job / "trainer_metrics.jsonl").is_file():
-            return {**done, **summarise(job, steps)}  # figures read again from the run's own files
-        if done.get("steps") == steps:
-            return done  # a kept result without its job folder (the curve is in it)
+        if done.get("steps") == steps:  # figures read again from the run's own files where they are here
+            return {**done, **summarise(job, steps)} if (job / "trainer_metrics.jsonl").is_file() else done
     args = ["run", f"configs/gym_{env}_ppo.yaml", "--steps", str(steps),
             "--run-dir", str(job), "--set", f"run.mode={mode}", "--set", f"run.seed={seed}"]
     folder.mkdir(parents=True, exist_ok=True)
