@@ -178,6 +178,8 @@ def test_bad_embodiment_and_widths_are_refused(tmp_path):
         load(dataclasses.replace(TINY_SPEC, state_dim=9))
     with pytest.raises(ValueError, match="widths 65/7 exceed the embodiment encoders' 64/32"):
         load(dataclasses.replace(TINY_SPEC, state_dim=65))
+    with pytest.raises(ValueError, match="max_text_len 32 would not be read: N1.5 keeps its whole prompt"):
+        load(TINY_SPEC, max_text_len=32)
 
 
 def test_flow_sde_logprob_equals_rlinf(tmp_path):

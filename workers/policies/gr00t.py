@@ -109,6 +109,14 @@ class Gr00tOptions(VLAOptions, FlowOptions):
     """Train the Qwen3 LM (frozen by default, as N1.5 fine-tunes)."""
     tune_visual: bool = False
     """Train the vision tower and ``mlp1`` (frozen by default for RL)."""
+    max_text_len: int = 0
+    """Not read: N1.5 keeps its whole prompt, as upstream's processor does. Only 0 is accepted,
+    so a cap set in a config is refused instead of silently ignored."""
+
+    def __post_init__(self) -> None:
+        if self.max_text_len != 0:
+            raise ValueError(f"gr00t_n15: max_text_len {self.max_text_len} would not be read: N1.5 keeps its "
+                             "whole prompt, as upstream; leave the option out")
 
 
 def head_shape(preset: dict[str, Any]) -> HeadShape:

@@ -225,7 +225,7 @@ class VLAOptions:
     max_cameras: int = 2
     """Upper bound on cameras when ``cameras`` is not given."""
     max_text_len: int = 48
-    """Instruction tokens kept (longer prompts are cut); GR00T N1.5 keeps its whole prompt, as upstream."""
+    """Instruction tokens kept (longer prompts are cut); GR00T N1.5 refuses it (whole prompt, as upstream)."""
     device: str = "auto"
     """``auto`` (CUDA if present), ``cpu``, ``cuda:0`` ..."""
     dtype: str = "auto"
