@@ -49,16 +49,44 @@ def _stopped_holding_unacked(job: Job, trainer: int, name: str = "trainer0", tri
             # at most half the silence a peer is let go after, so the broker still counts the
             # stopped trainer as there (a loaded machine's simulators may take seconds per fragment)
             first = job.wait(delivered, SILENT_S / 2, "fragments delivered to the stopped trainer")
-            # asked again, for figures built later (STATUS figures are cached for up to 0.25 s):
-            # the sends of the turn that delivered them have had that long to leave the broker (a
-            # kill may otherwise take them with it); a stopped trainer acks nothing, so what it
-            # holds only grows
-            return job.wait(lambda f: f["uptime_s"] > first["uptime_s"], 1.0, "figures built later")
         except DeadlinePassed:
             os.kill(trainer, signal.SIGCONT)
             version = job.status()["trainer_version"]
             job.wait(lambda f: f["trainer_version"] > version, 30, "the trainer's next update")
+            continue
+        return _served_no_more(job, first)
     raise AssertionError(f"no fragment was delivered to the stopped trainer in {tries} tries")
+
+
+def _served_no_more(job: Job, first: dict) -> dict:
+    """The simulators and generators stopped too, and the broker's figures once they stand still:
+    the killed broker's ledger is read from these, so a decision step it served after them (and
+    whose fragment the new broker acknowledges) would read as acknowledged twice. STATUS figures
+    are cached for up to 0.25 s, and replies already in the broker's queue are still served, so
+    the figures are asked again until two built 0.3 s apart show the same decision steps; the sends
+    of the turn that delivered the fragments have had that long to leave the broker (a kill may
+    otherwise take them with it). The callers let them go on at the kill."""
+    for w in first["per_worker"]:
+        if w["role"] in ("simulator", "generator"):
+            os.kill(w["pid"], signal.SIGSTOP)
+    last = first
+    try:
+        for _ in range(8):
+            fig = job.wait(lambda f: f["uptime_s"] >= last["uptime_s"] + 0.3, 2.0, "figures built later")
+            if fig["decision_steps"] == last["decision_steps"] and last is not first:
+                return fig
+            last = fig
+    except BaseException:
+        _others_go_on(first)
+        raise
+    _others_go_on(first)
+    raise AssertionError(f"the broker still served decision steps with every simulator and generator stopped: {fig['decision_steps']}")
+
+
+def _others_go_on(fig: dict) -> None:
+    for w in fig["per_worker"]:
+        if w["role"] in ("simulator", "generator"):
+            os.kill(w["pid"], signal.SIGCONT)
 
 
 def _broker_killed_under_the_stopped_trainer(job: Job, trainer: int) -> tuple[dict, dict | None]:
@@ -71,8 +99,10 @@ def _broker_killed_under_the_stopped_trainer(job: Job, trainer: int) -> tuple[di
     try:
         job.broker_proc.send_signal(signal.SIGKILL)
         job.broker_proc.wait(10)
+        _others_go_on(old)
         time.sleep(max(0.0, stopped_at + SILENT_S + 1.0 - time.monotonic()))  # the pause's length: the fault
     finally:
+        _others_go_on(old)
         os.kill(trainer, signal.SIGCONT)
     job.start_broker(job.endpoint, "tcp://127.0.0.1:0")
     whole = {"simulator": 1, "generator": 1, "trainer": 1}
@@ -126,6 +156,7 @@ def test_a_copy_goes_to_the_rank_that_took_the_original(job_factory):
     try:
         job.broker_proc.send_signal(signal.SIGKILL)
         job.broker_proc.wait(10)
+        _others_go_on(old)
         job.start_broker(job.endpoint, "tcp://127.0.0.1:0")
         arrived = job.wait(lambda f: f["workers"]["trainer"] == 1 and f["workers"]["simulator"] == 1
                            and f["traj"]["received"] >= held, 20, "the other rank and the simulator's copies at the new broker")
@@ -134,6 +165,7 @@ def test_a_copy_goes_to_the_rank_that_took_the_original(job_factory):
         later = job.wait(lambda f: f["uptime_s"] > arrived["uptime_s"], 5, "figures built after the copies came")
         assert later["trajs_pending"] >= held, (later["trajs_pending"], held, later["traj"])
     finally:
+        _others_go_on(old)
         os.kill(stopped, signal.SIGCONT)
     log1 = job.run_dir / "trainer1.log"
     fig = job.wait(lambda f: f["workers"]["trainer"] == 2 and f["acked_steps"].get("duplicate", 0) > 0
