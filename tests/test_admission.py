@@ -40,10 +40,11 @@ def test_stale_samples_masked_in_a_batch_free_no_admission_capacity(job_factory)
     def watch(f: dict) -> bool:
         if f["trainer_version"] >= 10:
             queued.append(f["trajs_pending"])
-        return f["trainer_version"] >= 40
+        return f["trainer_version"] >= 40 and f["dropped_stale"] > 0
 
-    fig = job.wait(watch, 240, "40 slow updates")
-    assert fig["dropped_stale"] > 0, "nothing was masked: the case is not exercised"
+    # A loaded machine slows the simulators too, and then fewer fragments span S versions: the
+    # run goes on past 40 updates until one has steps masked (the case this test is about).
+    fig = job.wait(watch, 240, "40 slow updates and steps masked as stale (the case this test is about)")
     # fragments are at most env.fragment_len = 8 steps: the queue stays within the window
     assert max(queued) * 8 <= window, f"{max(queued)} fragments queued, the window is {window} steps"
     led = fig["acked_steps"]
