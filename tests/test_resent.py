@@ -66,9 +66,7 @@ def _served_no_more(job: Job, first: dict) -> dict:
     the figures are asked again until two built 0.3 s apart show the same decision steps; the sends
     of the turn that delivered the fragments have had that long to leave the broker (a kill may
     otherwise take them with it). The callers let them go on at the kill."""
-    for w in first["per_worker"]:
-        if w["role"] in ("simulator", "generator"):
-            os.kill(w["pid"], signal.SIGSTOP)
+    _signal_others(first, signal.SIGSTOP)
     last = first
     try:
         for _ in range(8):
@@ -76,17 +74,17 @@ def _served_no_more(job: Job, first: dict) -> dict:
             if fig["decision_steps"] == last["decision_steps"] and last is not first:
                 return fig
             last = fig
+        raise AssertionError(f"the broker still served decision steps with every simulator and generator stopped: {fig['decision_steps']}")
     except BaseException:
-        _others_go_on(first)
+        _signal_others(first, signal.SIGCONT)
         raise
-    _others_go_on(first)
-    raise AssertionError(f"the broker still served decision steps with every simulator and generator stopped: {fig['decision_steps']}")
 
 
-def _others_go_on(fig: dict) -> None:
+def _signal_others(fig: dict, sig: int) -> None:
+    """``sig`` to every simulator and generator in ``fig`` (STATUS figures)."""
     for w in fig["per_worker"]:
         if w["role"] in ("simulator", "generator"):
-            os.kill(w["pid"], signal.SIGCONT)
+            os.kill(w["pid"], sig)
 
 
 def _broker_killed_under_the_stopped_trainer(job: Job, trainer: int) -> tuple[dict, dict | None]:
@@ -99,10 +97,10 @@ def _broker_killed_under_the_stopped_trainer(job: Job, trainer: int) -> tuple[di
     try:
         job.broker_proc.send_signal(signal.SIGKILL)
         job.broker_proc.wait(10)
-        _others_go_on(old)
+        _signal_others(old, signal.SIGCONT)
         time.sleep(max(0.0, stopped_at + SILENT_S + 1.0 - time.monotonic()))  # the pause's length: the fault
     finally:
-        _others_go_on(old)
+        _signal_others(old, signal.SIGCONT)
         os.kill(trainer, signal.SIGCONT)
     job.start_broker(job.endpoint, "tcp://127.0.0.1:0")
     whole = {"simulator": 1, "generator": 1, "trainer": 1}
@@ -156,7 +154,7 @@ def test_a_copy_goes_to_the_rank_that_took_the_original(job_factory):
     try:
         job.broker_proc.send_signal(signal.SIGKILL)
         job.broker_proc.wait(10)
-        _others_go_on(old)
+        _signal_others(old, signal.SIGCONT)
         job.start_broker(job.endpoint, "tcp://127.0.0.1:0")
         arrived = job.wait(lambda f: f["workers"]["trainer"] == 1 and f["workers"]["simulator"] == 1
                            and f["traj"]["received"] >= held, 20, "the other rank and the simulator's copies at the new broker")
@@ -165,7 +163,7 @@ def test_a_copy_goes_to_the_rank_that_took_the_original(job_factory):
         later = job.wait(lambda f: f["uptime_s"] > arrived["uptime_s"], 5, "figures built after the copies came")
         assert later["trajs_pending"] >= held, (later["trajs_pending"], held, later["traj"])
     finally:
-        _others_go_on(old)
+        _signal_others(old, signal.SIGCONT)
         os.kill(stopped, signal.SIGCONT)
     log1 = job.run_dir / "trainer1.log"
     fig = job.wait(lambda f: f["workers"]["trainer"] == 2 and f["acked_steps"].get("duplicate", 0) > 0
