@@ -62,10 +62,12 @@ def make_optimizer(params: Iterable[nn.Parameter], cfg: AlgoConfig) -> torch.opt
 # ---------------------------------------------------------------------------------------------
 
 
-def _masked_mean(x: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
-    """Mean of ``x`` over entries where ``mask`` is true (0 when nothing is valid)."""
+def _masked_mean(x: torch.Tensor, mask: torch.Tensor, dim: tuple[int, ...] | None = None) -> torch.Tensor:
+    """Mean of ``x`` over entries where ``mask`` is true (0 when nothing is valid); with ``dim``,
+    one mean per remaining index (``mask`` broadcast over the leading axes of a stack)."""
     m = mask.to(x.dtype)
-    return (x * m).sum() / m.sum().clamp(min=1.0)
+    total = (x * m).sum() if dim is None else (x * m).sum(dim=dim)
+    return total / m.sum().clamp(min=1.0)
 
 
 def _unit_and_sample_masks(
@@ -182,7 +184,6 @@ def ppo_loss(
     # ---- Diagnostics: one stacked masked mean, one read-out --------------------------------
     with torch.no_grad():
         ratio_d = r.detach()
-        pg = pg_mask.to(dtype)
         rows = [
             ((ratio_d - 1.0).abs() > cfg.clip_eps).to(dtype),  # clip_frac
             dual_active.to(dtype),  # dual_clip_frac
@@ -192,7 +193,7 @@ def ppo_loss(
             w.detach(),  # behav_weight_mean
             (w_raw > cap).to(dtype) if cap is not None else torch.zeros_like(ratio_d),  # behav_weight_capped_frac
         ]
-        means = (torch.stack(rows) * pg).sum(dim=(1, 2)) / pg.sum().clamp(min=1.0)
+        means = _masked_mean(torch.stack(rows), pg_mask, dim=(1, 2))
         scalars = torch.stack([loss.detach().to(dtype), policy_loss.detach(), value_loss.detach().to(dtype),
                                entropy_mean.detach().to(dtype), *means]).tolist()
         stats = dict(zip(_STAT_NAMES, scalars))
