@@ -10,6 +10,7 @@ import zmq
 
 from rlvla3.config import load
 from rlvla3.harness.jobs import Job, SMALL_JOB
+from tests import file_order
 from tests.jobs import start_job
 from tests.machine_load import machine_folder, machine_shared
 
@@ -50,8 +51,29 @@ def zctx():
 _MULTIHOST: set[str] = set()
 
 
+def pytest_addoption(parser) -> None:
+    parser.addoption("--record-durations", action="store_true",
+                     help="write each test file's seconds into tests/durations.json (the order of the next run)")
+
+
 def pytest_collection_modifyitems(items) -> None:
     _MULTIHOST.update(item.nodeid for item in items if item.get_closest_marker("multihost"))
+    file_order.longest_files_first(items, file_order.read_record())
+
+
+_REPORTS: list = []
+
+
+def pytest_runtest_logreport(report) -> None:
+    _REPORTS.append(report)
+
+
+def pytest_sessionfinish(session) -> None:
+    """``--record-durations``: the controller (not an xdist worker) merges this run's seconds per
+    file into the record."""
+    config = session.config
+    if config.getoption("--record-durations") and not hasattr(config, "workerinput") and _REPORTS:
+        file_order.write_record({**file_order.read_record(), **file_order.file_seconds(_REPORTS)})
 
 
 def pytest_terminal_summary(terminalreporter) -> None:
