@@ -129,6 +129,8 @@ class FaultJob(NetnsJob):
         self.all = {"simulator": 1 + far, "generator": 1 + far, "trainer": ranks}
         """The workers STATUS shows when the job is whole."""
         self.trainers: dict[str, subprocess.Popen] = {}
+        self.simulators: list[subprocess.Popen] = []
+        """Held still (SIGSTOP) while a broker about to be killed gives its last figures."""
         self.lost_allowed = 0
         """Acknowledged steps a fault may lose: none, but what a lost trainer group held."""
 
@@ -151,11 +153,11 @@ def start_job(folder: Path, ranks: int = 1, overrides: tuple[str, ...] = ()) -> 
         job.start_trainer("trainer")
         if ranks == 2:
             job.start_trainer("trainer-far")
-        job.worker("head", "simulator", "sim-head")
+        job.simulators.append(job.worker("head", "simulator", "sim-head"))
         job.worker("head", "generator", "gen-head")
         sims = ["sim-head"]
         if job.all["simulator"] == 2:
-            job.worker("simh", "simulator", "sim-far")
+            job.simulators.append(job.worker("simh", "simulator", "sim-far"))
             job.worker("genh", "generator", "gen-far")
             sims.append("sim-far")
         job.wait(lambda f: f["workers"] == job.all and f["trainer_version"] >= 1
@@ -185,8 +187,7 @@ def run_fault(job: FaultJob, fault: str, cut_s: float, rate_window_s: float = RA
     elif fault == "trainer_rank_cut":
         last = _cut_trainer_rank(job, out)
     else:
-        old = job.status()  # the old broker's last figures (the kill follows at once)
-        last = _restart_broker(job, out, old)
+        old, last = _restart_broker(job, out)
         first = {**first, "acked_steps": dict.fromkeys(first["acked_steps"], 0)}  # the new broker's ledger
     # recovered: training goes on after the fault (the version continues from the trainer's)
     last = job.wait(lambda f: f["trainer_version"] >= max(out.version_before, last["trainer_version"]) + 1, 120,
@@ -270,15 +271,22 @@ def _cut_broker_host(job: FaultJob, out: Outcome) -> dict[str, Any]:
     return fig
 
 
-def _restart_broker(job: FaultJob, out: Outcome, start: dict[str, Any]) -> dict[str, Any]:
-    """The broker SIGKILLed (its host lost) right after its figures ``start`` were taken, and a
-    new one started on the same address ``cut_s`` later: the workers rejoin it, the simulators
-    re-send what has no ack, the trainer re-announces its version."""
-    far_steps = per_worker(start, "sim-far")["env_steps"]
+def _restart_broker(job: FaultJob, out: Outcome) -> tuple[dict[str, Any], dict[str, Any]]:
+    """The broker SIGKILLed (its host lost) and a new one started on the same address ``cut_s``
+    later: the workers rejoin it, the simulators re-send what has no ack, the trainer re-announces
+    its version. Returns the old broker's last figures and the new one's once the job is back."""
     sizes = _far_sizes(job)
-    job.broker.send_signal(signal.SIGKILL)
-    job.broker.wait(10)
+    for p in job.simulators:
+        p.send_signal(signal.SIGSTOP)
+    try:
+        start = _still_figures(job)
+        job.broker.send_signal(signal.SIGKILL)
+        job.broker.wait(10)
+    finally:
+        for p in job.simulators:
+            p.send_signal(signal.SIGCONT)
     t_kill = time.monotonic()
+    far_steps = per_worker(start, "sim-far")["env_steps"]
     wait_until(lambda: _far_logs_show(job, "broker_silent_reconnecting", sizes), max(30.0, out.cut_s),
                "a far worker to notice the broker gone", interval=0.05)
     out.detect_s = time.monotonic() - t_kill
@@ -290,7 +298,28 @@ def _restart_broker(job: FaultJob, out: Outcome, start: dict[str, Any]) -> dict[
         out.problems.append("no far worker logged broker_restarted")
     # the new broker counts every simulator's total from READY: env steps stay comparable
     _during(out, t_kill, start["env_steps"], fig)
-    return fig
+    return start, fig
+
+
+def _still_figures(job: FaultJob, settle_s: float = 5.0) -> dict[str, Any]:
+    """The broker's figures once nothing more reaches its ledger (the simulators held still by
+    the caller): STATUS read until its served and acknowledged steps stand still. Figures read
+    while steps still arrive miss the decision steps counted between the read and the kill, whose
+    fragments the new broker then acknowledges: steps that look acknowledged twice."""
+    ledger = lambda f: (f["decision_steps"], f["acked_steps"])  # noqa: E731
+    box = {"last": job.status()}
+
+    def settled() -> bool:
+        fig = job.status()
+        still = ledger(fig) == ledger(box["last"])
+        box["last"] = fig
+        return still
+
+    try:
+        wait_until(settled, settle_s, "the old broker's ledger to stand still", interval=0.2)
+    except DeadlinePassed:
+        pass  # the figures as they are: the ledger check then says what moved
+    return box["last"]
 
 
 def _cut_trainer_rank(job: FaultJob, out: Outcome) -> dict[str, Any]:
