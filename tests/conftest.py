@@ -61,23 +61,14 @@ def pytest_collection_modifyitems(items) -> None:
     file_order.longest_files_first(items, file_order.read_record())
 
 
-_REPORTS: list = []
-
-
-def pytest_runtest_logreport(report) -> None:
-    _REPORTS.append(report)
-
-
-def pytest_sessionfinish(session) -> None:
-    """``--record-durations``: the controller (not an xdist worker) merges this run's seconds per
-    file into the record."""
-    config = session.config
-    if config.getoption("--record-durations") and not hasattr(config, "workerinput") and _REPORTS:
-        file_order.write_record({**file_order.read_record(), **file_order.file_seconds(_REPORTS)})
-
-
-def pytest_terminal_summary(terminalreporter) -> None:
-    """Say in the CI log whether the multi-host tests ran (a quiet run shows only dots)."""
+def pytest_terminal_summary(terminalreporter, config) -> None:
+    """Say in the CI log whether the multi-host tests ran (a quiet run shows only dots), and with
+    ``--record-durations`` merge this run's seconds per file into the record (the controller's
+    reporter holds every report, set-up and tear-down included)."""
+    if config.getoption("--record-durations") and not hasattr(config, "workerinput"):
+        reports = [rep for reps in terminalreporter.stats.values() for rep in reps if hasattr(rep, "when")]
+        if reports:
+            file_order.write_record({**file_order.read_record(), **file_order.file_seconds(reports)})
     for outcome in ("passed", "failed", "skipped"):
         for rep in terminalreporter.stats.get(outcome, []):
             if rep.nodeid in _MULTIHOST and (rep.when == "call" or outcome == "skipped"):
