@@ -48,16 +48,12 @@ def zctx():
     assert not t.is_alive(), "ZMQ context did not terminate: a socket was leaked"
 
 
-_MULTIHOST: set[str] = set()
-
-
 def pytest_addoption(parser) -> None:
     parser.addoption("--record-durations", action="store_true",
                      help="write each test file's seconds into tests/durations.json (the order of the next run)")
 
 
 def pytest_collection_modifyitems(items) -> None:
-    _MULTIHOST.update(item.nodeid for item in items if item.get_closest_marker("multihost"))
     file_order.longest_files_first(items, file_order.read_record())
 
 
@@ -71,6 +67,7 @@ def pytest_terminal_summary(terminalreporter, config) -> None:
             file_order.write_record({**file_order.read_record(), **file_order.file_seconds(reports)})
     for outcome in ("passed", "failed", "skipped"):
         for rep in terminalreporter.stats.get(outcome, []):
-            if rep.nodeid in _MULTIHOST and (rep.when == "call" or outcome == "skipped"):
+            # the report's keywords carry the marker (under xdist the controller collects nothing)
+            if "multihost" in rep.keywords and (rep.when == "call" or outcome == "skipped"):
                 reason = f" ({rep.longrepr[2]})" if outcome == "skipped" and isinstance(rep.longrepr, tuple) else ""
                 terminalreporter.write_line(f"multihost: {rep.nodeid} {outcome} in {rep.duration:.1f} s{reason}")
