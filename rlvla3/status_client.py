@@ -8,6 +8,14 @@ import time
 from typing import Any, Callable
 
 
+def built_after(fig: dict[str, Any], gap_s: float = 0.3) -> Callable[[dict[str, Any]], bool]:
+    """A poll's condition: STATUS figures the broker built at least ``gap_s`` after ``fig``. The
+    broker answers STATUS from figures it rebuilds every ``brokers.status.STATUS_REFRESH_S``
+    (0.25 s), so two answers read back to back may be one build: figures that must show what
+    happened after a moment (a stop, a pause) are asked for by their own build time."""
+    return lambda f: f["uptime_s"] >= fig["uptime_s"] + gap_s
+
+
 class DeadlinePassed(AssertionError, TimeoutError):
     """A poll's condition did not hold in time. Both an ``AssertionError`` (a test's failure, not
     its error) and a ``TimeoutError`` (what a caller that retries catches)."""

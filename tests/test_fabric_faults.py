@@ -15,7 +15,7 @@ import zmq
 
 from rlvla3 import protocol as P
 from rlvla3.harness.jobs import per_worker
-from rlvla3.status_client import wait_until
+from rlvla3.status_client import built_after, wait_until
 
 pytestmark = pytest.mark.slow
 
@@ -45,13 +45,12 @@ def _stop_mid_batch(job, proc, name: str) -> None:
     """SIGSTOP the generator while the broker holds a batch in flight on it, kept only when
     figures built well after the stop still show one: stopped, it cannot send that RESULT, so the
     batch is still its own when it is killed. (A kill timed by one STATUS answer can land just
-    after the forward pass ended, with nothing left to requeue: CI saw it. STATUS figures are
-    cached for up to 0.25 s, hence the margin.)"""
+    after the forward pass ended, with nothing left to requeue: CI saw it.)"""
 
     def attempt() -> bool | None:
         before = job.wait(lambda f: (per_worker(f, name).get("inflight") or 0) >= 1, 60, f"a batch in flight on {name}")
         os.kill(proc.pid, signal.SIGSTOP)
-        after = job.wait(lambda f: f["uptime_s"] >= before["uptime_s"] + 0.6, 10, "figures built after the stop")
+        after = job.wait(built_after(before, 0.6), 10, "figures built after the stop")
         if (per_worker(after, name).get("inflight") or 0) >= 1:
             return True
         os.kill(proc.pid, signal.SIGCONT)  # its RESULT came in first: let it take another batch

@@ -22,7 +22,7 @@ import pytest
 
 from rlvla3.harness.faults import ledger_problems
 from rlvla3.harness.jobs import Job, per_worker
-from rlvla3.status_client import DeadlinePassed
+from rlvla3.status_client import DeadlinePassed, built_after
 
 pytestmark = pytest.mark.timeout(300)
 
@@ -70,7 +70,7 @@ def _served_no_more(job: Job, first: dict) -> dict:
     last = first
     try:
         for _ in range(8):
-            fig = job.wait(lambda f: f["uptime_s"] >= last["uptime_s"] + 0.3, 2.0, "figures built later")
+            fig = job.wait(built_after(last), 2.0, "figures built later")
             if fig["decision_steps"] == last["decision_steps"] and last is not first:
                 return fig
             last = fig

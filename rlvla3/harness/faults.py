@@ -50,7 +50,7 @@ from rlvla3.config import load
 from rlvla3.harness.jobs import SMALL_JOB, per_worker
 from rlvla3.harness.netns import NetnsJob
 from rlvla3 import protocol as P
-from rlvla3.status_client import DeadlinePassed, wait_until
+from rlvla3.status_client import DeadlinePassed, built_after, wait_until
 
 LIVENESS = ("broker.heartbeat_s=0.5", "broker.liveness=4")
 """A peer silent for 2 s is gone: a cut of a few seconds is a real partition, not a hiccup."""
@@ -303,23 +303,19 @@ def _restart_broker(job: FaultJob, out: Outcome) -> tuple[dict[str, Any], dict[s
 
 def _still_figures(job: FaultJob, settle_s: float = 5.0) -> dict[str, Any]:
     """The broker's figures once nothing more reaches its ledger (the simulators held still by
-    the caller): STATUS read until its served and acknowledged steps stand still. Figures read
-    while steps still arrive miss the decision steps counted between the read and the kill, whose
-    fragments the new broker then acknowledges: steps that look acknowledged twice."""
+    the caller): STATUS builds read until two in a row show the same served and acknowledged
+    steps. Figures read while steps still arrive miss the decision steps counted between the read
+    and the kill, whose fragments the new broker then acknowledges: steps that look acknowledged
+    twice."""
     ledger = lambda f: (f["decision_steps"], f["acked_steps"])  # noqa: E731
-    box = {"last": job.status()}
-
-    def settled() -> bool:
-        fig = job.status()
-        still = ledger(fig) == ledger(box["last"])
-        box["last"] = fig
-        return still
-
-    try:
-        wait_until(settled, settle_s, "the old broker's ledger to stand still", interval=0.2)
-    except DeadlinePassed:
-        pass  # the figures as they are: the ledger check then says what moved
-    return box["last"]
+    deadline = time.monotonic() + settle_s
+    last = job.status()
+    while time.monotonic() < deadline:
+        fig = job.wait(built_after(last), settle_s, "a later STATUS build")
+        if ledger(fig) == ledger(last):
+            return fig
+        last = fig
+    return last  # the figures as they are: the ledger check then says what moved
 
 
 def _cut_trainer_rank(job: FaultJob, out: Outcome) -> dict[str, Any]:
