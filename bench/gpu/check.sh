@@ -42,6 +42,14 @@ if [[ $PREPARE == 1 ]]; then
   [[ -f "$FETCH" ]] || { echo "gpu_check: no $FETCH (set FETCH_WHEELS to the shared fetch-wheels.sh)" >&2; exit 2; }
   mkdir -p "$CARRY/wheels" "$CARRY/gl" /tmp/amd64-lists/partial
   bash "$FETCH" "$CARRY/wheels" >&2
+  # The image's transformers (5.17) predates the project's floor (5.24: `cache=` replaced
+  # `past_key_values=`, and Dinov2's attention was renamed): carry the floor's own release.
+  tf_floor=$(sed -n 's/^ *"transformers>=\([0-9.]*\)".*/\1/p' "$ROOT/pyproject.toml")
+  [[ -n "$tf_floor" ]] || { echo "gpu_check: no transformers floor in pyproject.toml" >&2; exit 2; }
+  "$PY" -m pip download -q --no-deps --only-binary=:all: --python-version 3.12 --implementation cp \
+    -d "$CARRY/wheels" "transformers==$tf_floor" >&2
+  # The device takes 64 MiB in all; solid xz carries transformers in a third of its wheel.
+  "$PY" "$HERE/install.py" --pack "$CARRY/wheels" >&2
   apt_opts=(-oAPT::Architecture=amd64 -oAPT::Architectures=amd64 -oDir::State::Lists=/tmp/amd64-lists)
   apt-get "${apt_opts[@]}" update >/dev/null
   (cd "$CARRY/gl" && apt-get "${apt_opts[@]}" download libegl1 libglvnd0 libopengl0 libgl1 libglx0 >&2)

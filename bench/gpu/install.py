@@ -4,8 +4,14 @@ with no network, then check that everything the other stages import is there.
     python bench/gpu/install.py --carry gpu_carry --site /tmp/rlvla3-site [--dry-run]
 
 - ``CARRY/wheels/*.whl`` (``bash bench/gpu/check.sh --prepare``): each wheel whose distribution is
-  not installed already goes into ``--site`` (``pip install --no-index --no-deps --no-compile``;
-  the caller puts ``--site`` first on ``PYTHONPATH`` for every later stage).
+  missing, or installed at an older version than the wheel's, goes into ``--site`` (``pip install
+  --no-index --no-deps --no-compile``; the caller puts ``--site`` first on ``PYTHONPATH`` for every
+  later stage). The image's transformers (5.17) is older than the project's floor (5.24), so its
+  carried wheel replaces it there.
+- ``CARRY/wheels/*.whl.tar.xz``: a wheel whose members ``--prepare`` repacked as one solid xz
+  stream (``python bench/gpu/install.py --pack DIR``), because the device takes 64 MiB in all and
+  zip compresses file by file: transformers is 12.9 MiB as a wheel and 4.1 MiB packed. Here it is
+  zipped back, member for member, and installed like the others.
 - ``CARRY/gl/*.deb``: the GL loaders headless MuJoCo needs, unpacked into ``/`` (``dpkg -x``,
   ``ldconfig``) when ``libEGL.so.1`` is missing; never in ``--dry-run``, which must not write
   outside its folders.
@@ -20,14 +26,20 @@ from __future__ import annotations
 
 import argparse
 import importlib.metadata as md
+import io
 import json
 import os
 import re
 import shutil
 import subprocess
 import sys
+import tarfile
+import tempfile
 import time
+import zipfile
 from pathlib import Path
+
+from packaging.version import InvalidVersion, Version
 
 CORE = ["torch", "transformers", "zmq", "structlog", "hdrh", "xxhash", "msgpack", "click", "yaml", "safetensors"]
 """Modules every stage imports (the image has torch, transformers, msgpack, click, pyyaml,
@@ -55,9 +67,21 @@ print("ok")
 """
 
 
+PACKED = ".tar.xz"
+PACK_MIN_BYTES = 2 * 2**20
+"""Smaller wheels are carried as they are: packing them saves too little to matter."""
+PACK_KEEP_RATIO = 0.7
+"""A packed wheel replaces its wheel only when it is this much smaller (metaworld's meshes and
+textures do not compress: 35.0 MiB either way)."""
+
+
 def dist_name(wheel: Path) -> str:
     """A wheel's distribution name, normalised (PEP 503)."""
     return re.sub(r"[-_.]+", "-", wheel.name.split("-")[0]).lower()
+
+
+def wheel_version(wheel: Path) -> str:
+    return wheel.name.split("-")[1]
 
 
 def installed(dist: str) -> str | None:
@@ -67,17 +91,61 @@ def installed(dist: str) -> str | None:
         return None
 
 
+def new_enough(have: str, carried: str) -> bool:
+    """Whether the installed version serves instead of the carried one (same or newer)."""
+    try:
+        return Version(have) >= Version(carried)
+    except InvalidVersion:
+        return have == carried
+
+
+def pack_wheel(wheel: Path) -> Path | None:
+    """Repack ``wheel``'s members, in order, as one xz tar beside it; keep whichever is smaller."""
+    packed = wheel.with_name(wheel.name + PACKED)
+    with zipfile.ZipFile(wheel) as zf, tarfile.open(packed, "w:xz", preset=9) as tf:
+        for info in zf.infolist():
+            data = zf.read(info)
+            ti = tarfile.TarInfo(info.filename)
+            ti.size, ti.mtime, ti.mode = len(data), 0, (info.external_attr >> 16) or 0o644
+            tf.addfile(ti, io.BytesIO(data))
+    if packed.stat().st_size <= PACK_KEEP_RATIO * wheel.stat().st_size:
+        wheel.unlink()
+        return packed
+    packed.unlink()
+    return None
+
+
+def unpack_wheel(packed: Path, into: Path) -> Path:
+    """Zip a packed wheel's members back into ``into/<wheel name>`` for pip (no file is written
+    outside ``into``: member names only become zip entries)."""
+    wheel = into / packed.name[: -len(PACKED)]
+    with tarfile.open(packed, "r:xz") as tf, zipfile.ZipFile(wheel, "w", zipfile.ZIP_STORED) as zf:
+        for ti in tf:
+            if not ti.isfile():
+                raise ValueError(f"{packed.name}: {ti.name} is not a regular file")
+            info = zipfile.ZipInfo(ti.name, date_time=(1980, 1, 1, 0, 0, 0))
+            info.external_attr = (ti.mode & 0o777) << 16
+            zf.writestr(info, tf.extractfile(ti).read())
+    return wheel
+
+
 def install_wheels(carry: Path, site: Path) -> dict:
-    wheels = sorted((carry / "wheels").glob("*.whl"))
-    there = {w.name: v for w in wheels if (v := installed(dist_name(w)))}
+    wheels = sorted([*(carry / "wheels").glob("*.whl"), *(carry / "wheels").glob("*.whl" + PACKED)])
+    there = {w.name: v for w in wheels if (v := installed(dist_name(w))) and new_enough(v, wheel_version(w))}
     todo = [w for w in wheels if w.name not in there]
     row: dict = {"wheels_carried": len(wheels), "already_there": sorted(there), "installed": [w.name for w in todo]}
     if todo:
         site.mkdir(parents=True, exist_ok=True)
         t0 = time.perf_counter()
-        proc = subprocess.run([sys.executable, "-m", "pip", "install", "-q", "--no-index", "--no-deps", "--no-compile",
-                               "--no-cache-dir", "--upgrade", "--target", str(site), *map(str, todo)],
-                              capture_output=True, text=True)
+        with tempfile.TemporaryDirectory(prefix="rlvla3-wheels-") as tmp:
+            try:
+                paths = [unpack_wheel(w, Path(tmp)) if w.name.endswith(PACKED) else w for w in todo]
+            except (OSError, ValueError, tarfile.TarError) as exc:
+                row["error"] = f"unpacking a carried wheel failed: {type(exc).__name__}: {exc}"
+                return row
+            proc = subprocess.run([sys.executable, "-m", "pip", "install", "-q", "--no-index", "--no-deps", "--no-compile",
+                                   "--no-cache-dir", "--upgrade", "--target", str(site), *map(str, paths)],
+                                  capture_output=True, text=True)
         row["install_s"] = round(time.perf_counter() - t0, 1)
         if proc.returncode != 0:
             row["error"] = f"pip install failed ({proc.returncode}): {proc.stderr[-800:]}"
@@ -123,9 +191,16 @@ def probe(code: str, args: list[str], timeout: float) -> str:
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--carry", default="gpu_carry", help="folder with wheels/ and gl/ (bench/gpu/check.sh --prepare)")
-    ap.add_argument("--site", required=True, help="where the wheels go (put it first on PYTHONPATH afterwards)")
+    ap.add_argument("--site", help="where the wheels go (put it first on PYTHONPATH afterwards)")
     ap.add_argument("--dry-run", action="store_true", help="CPU rehearsal: never writes outside --site")
+    ap.add_argument("--pack", metavar="DIR", help="(--prepare) repack DIR's large wheels as solid xz, then exit")
     args = ap.parse_args()
+    if args.pack:
+        big = [w for w in sorted(Path(args.pack).glob("*.whl")) if w.stat().st_size >= PACK_MIN_BYTES]
+        print(json.dumps({"packed": [p.name for w in big if (p := pack_wheel(w))]}), flush=True)
+        return
+    if not args.site:
+        ap.error("--site is required (or --pack DIR)")
     carry, site = Path(args.carry), Path(args.site)
     out: dict = {"carry": str(carry), "carry_found": carry.is_dir(), "site": str(site),
                  "python": sys.version.split()[0]}
