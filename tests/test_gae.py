@@ -58,3 +58,31 @@ def test_batch_concatenates_independent_fragments():
 def test_length_mismatch_is_an_error():
     with pytest.raises(ValueError):
         compute_gae(REWARDS, VALUES[:2], torch.zeros(3, dtype=torch.bool), 0.0, 0.9, 0.8)
+
+
+def test_chained_fragments_equal_one_long_fragment():
+    # one 12-step fragment cut in three, handed over out of order: 0 -> 2 -> 1 in the batch
+    g = torch.Generator().manual_seed(0)
+    r, v = torch.randn(12, generator=g), torch.randn(12, generator=g)
+    d = torch.zeros(12, dtype=torch.bool)
+    d[6] = True  # an episode end inside a piece is still honoured
+    whole_adv, whole_ret = compute_gae(r, v, d, 0.7, gamma=0.99, lam=0.95)
+    cuts = [slice(0, 4), slice(8, 12), slice(4, 8)]
+    adv, ret = compute_gae_batch([r[c] for c in cuts], [v[c] for c in cuts], [d[c] for c in cuts],
+                                 [123.0, 0.7, -55.0], 0.99, 0.95, successors=[2, -1, 1])
+    assert torch.allclose(adv, torch.cat([whole_adv[c] for c in cuts]), atol=1e-6)
+    assert torch.allclose(ret, torch.cat([whole_ret[c] for c in cuts]), atol=1e-6)
+    # without the links each piece bootstraps its own last value instead
+    cut_adv, _ = compute_gae_batch([r[c] for c in cuts], [v[c] for c in cuts], [d[c] for c in cuts],
+                                   [123.0, 0.7, -55.0], 0.99, 0.95)
+    assert not torch.allclose(cut_adv[:4], whole_adv[:4])
+
+
+@pytest.mark.parametrize("successors, why", [
+    ([1, 1, -1], "distinct"), ([1, 0, -1], "cycle"), ([3, -1, -1], "distinct"), ([-1, -1], "one entry"),
+    ([-1, 2, -1], "terminated"),
+])
+def test_bad_successors_are_refused(successors, why):
+    dones = [torch.zeros(3, dtype=torch.bool), torch.tensor([False, False, True]), torch.zeros(3, dtype=torch.bool)]
+    with pytest.raises(ValueError, match=why):
+        compute_gae_batch([REWARDS] * 3, [VALUES] * 3, dones, [0.0] * 3, 0.9, 0.8, successors=successors)

@@ -9,8 +9,8 @@ import torch
 from rlvla3.config import load
 from rlvla3.harness.jobs import SMALL_JOB
 from rlvla3.observation import Observation
-from workers.algorithms.update import TrainState, update
-from workers.learner import RECENT_FRAGMENTS, Fragment, Learner, build_batch
+from workers.algorithms.update import TrainState, _gae, update
+from workers.learner import RECENT_FRAGMENTS, Fragment, Learner, Unit, build_batch
 from workers.model import build_policy
 
 
@@ -115,6 +115,59 @@ def test_ppo_batch_masks_stale_samples_and_update_reports_typed_result():
     # every sample stale, one rank: nothing is stepped and the version must not move
     stale = update(state, build_batch(units[:1], 3, cfg), cfg.algo)
     assert not stale.trained and stale.figures()["skipped"] is True and stale.samples == 0
+
+
+def _pieces(frag: Fragment, cuts: list[int], writer: dict, first_tid: int) -> list[Fragment]:
+    """``frag`` cut where a simulator with a shorter ``env.fragment_len`` would have cut it."""
+    out, bounds = [], [0, *cuts, frag.steps]
+    for k, (a, b) in enumerate(zip(bounds, bounds[1:])):
+        arrays = {n: (v[a:b + 1] if n.startswith("obs/") else v[a:b]).copy() for n, v in frag.arrays.items()}
+        header = dict(frag.header, done=frag.header["done"] and b == frag.steps, writer=writer, slot=0,
+                      traj_id=first_tid + 3 * k)  # one simulator numbers all its envs' fragments
+        piece = Fragment(header, arrays)
+        piece.train_rewards = arrays["reward"]
+        out.append(piece)
+    return out
+
+
+def test_gae_runs_on_into_the_next_fragment_of_the_episode_in_the_batch():
+    """Sync at 4 x 3 steps per env gives the advantages of 12-step fragments; a fragment is
+    continued only by its own episode's next one, and only if nothing was lost between."""
+    cfg = _cfg()
+    policy = build_policy(cfg).train()
+    state = TrainState.build(policy, cfg.algo)
+    sim = {"host": "h", "pid": 7, "name": "sim-0"}
+    whole = [_fragment(policy, 12, 0, env=e, done=False) for e in range(2)]
+    for f in whole:
+        f.train_rewards = f.arrays["reward"]
+    # env 0 and env 1 interleave as a simulator ships them; the batch takes them out of order
+    pieces = [p for e in range(2) for p in _pieces(whole[e], [3, 6, 9], sim, first_tid=10 + e)]
+    order = [5, 0, 7, 2, 1, 4, 3, 6]
+    cut = build_batch([Unit([pieces[i]], pieces[i].steps) for i in order], 0, cfg)
+    assert cut.successors == [order.index(i + 1) if i % 4 != 3 else -1 for i in order]
+
+    def advantages(batch):
+        values = batch.samples["values"].float()
+        return _gae(state, batch, values, cfg.algo)[0]
+
+    ref = advantages(build_batch([Unit([f], f.steps) for f in whole], 0, cfg))
+    got = advantages(cut)
+    starts = np.cumsum([0] + [pieces[i].steps for i in order])
+    for pos, i in enumerate(order):
+        e, k = divmod(i, 4)
+        want = ref[e * 12 + 3 * k: e * 12 + 3 * k + 3]
+        assert torch.allclose(got[starts[pos]:starts[pos + 1]], want, atol=1e-5), (i, got, ref)
+
+    # a lost piece breaks the chain there (its successor's first observation is not the
+    # bootstrap observation), another simulator's or another episode's piece never joins it
+    gap = build_batch([Unit([pieces[i]], 3) for i in (0, 2, 3)], 0, cfg)
+    assert gap.successors == [-1, 2, -1]
+    other = _pieces(whole[0], [3, 6, 9], dict(sim, pid=8), first_tid=11)
+    assert build_batch([Unit([pieces[0]], 3), Unit([other[1]], 3)], 0, cfg).successors == [-1, -1]
+    later = _pieces(whole[0], [3, 6, 9], sim, first_tid=10)
+    later[1].header["episode"] = 1
+    assert build_batch([Unit([later[0]], 3), Unit([later[1]], 3)], 0, cfg).successors == [-1, -1]
+    assert build_batch([Unit([pieces[0]], 3), Unit([pieces[1]], 3)], 0, cfg).successors == [1, -1]
 
 
 def test_a_fragment_is_known_again_by_its_simulator_and_traj_id_within_a_bounded_window():

@@ -7,7 +7,8 @@ checkpoints carry), the steps received and not yet trained (``received_steps``),
 step's fate until TRAJ_ACK reports it (``unreported``).
 
 Units:
-  * PPO: one fragment (GAE runs per fragment, bootstrapped from its last observation).
+  * PPO: one fragment. GAE runs on into the next fragment of the same episode when the batch
+    holds it (:func:`successors`), else bootstraps from the fragment's last observation.
   * GRPO: one complete *group*, ``env.group_size`` complete episodes that share (instruction,
     seed). Fragments wait in ``pending_eps`` until their episode is done, episodes wait in
     ``pending_groups`` until their group is full. By default the simulators run a group's
@@ -318,6 +319,38 @@ class Learner:
 # ---------------------------------------------------------------------------------------------
 
 
+def successors(frags: list[Fragment]) -> list[int]:
+    """For each fragment, the index of the fragment in ``frags`` that continues its episode, or -1.
+
+    One simulator (``writer``, as the broker registered it) numbers its fragments (``traj_id``)
+    in the order it ships them, so the next fragment of an episode (slot, env, episode) is the
+    one with the next higher number. It continues this one only if nothing was lost between:
+    its first observation must equal this one's observation after its last step. A fragment
+    that ended its episode has no successor.
+    """
+    last: dict[tuple, int] = {}
+    out = [-1] * len(frags)
+    order = sorted(range(len(frags)), key=lambda i: frags[i].header.get("traj_id", 0))
+    for i in order:
+        h = frags[i].header
+        w = h.get("writer")
+        if w is None or h.get("traj_id") is None:
+            continue
+        key = (w.get("host"), w.get("pid"), w.get("name"), h.get("slot"), h.get("env"), h.get("episode"))
+        prev = last.get(key)
+        if prev is not None and not frags[prev].header.get("done") and _continues(frags[prev], frags[i]):
+            out[prev] = i
+        last[key] = i
+    return out
+
+
+def _continues(a: Fragment, b: Fragment) -> bool:
+    """``b``'s first observation is ``a``'s observation after its last step, in every tensor."""
+    obs_a, obs_b = names.under_prefix(names.FRAGMENT_OBS, a.arrays), names.under_prefix(names.FRAGMENT_OBS, b.arrays)
+    return bool(obs_a) and obs_a.keys() == obs_b.keys() and all(
+        np.array_equal(obs_a[k][-1], obs_b[k][0]) for k in obs_a)
+
+
 def build_batch(units: list[Unit], version: int, cfg: JobConfig) -> TrainBatch:
     """Concatenate the units' fragments into one :class:`TrainBatch`, stale samples masked."""
     frags = [f for u in units for f in u.frags]
@@ -348,6 +381,7 @@ def build_batch(units: list[Unit], version: int, cfg: JobConfig) -> TrainBatch:
         terminated=torch.as_tensor(np.concatenate([f.arrays["terminated"] for f in frags])),
         lengths=[f.steps for f in frags],
         bootstrap=bootstrap,
+        successors=None if grpo else successors(frags),
         advantages=torch.as_tensor(np.concatenate([f.advantages for f in frags])) if grpo else None,
         env_steps=int(sum(int(f.arrays["steps"].sum()) for f in frags)),
         finished=[f.header for f in frags if f.header.get("done")],

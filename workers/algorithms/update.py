@@ -63,6 +63,9 @@ class TrainBatch:
     """What admission control counts: fragments (PPO) or episodes (GRPO)."""
     groups: int | None = None
     """GRPO: complete groups in the batch."""
+    successors: list[int] | None = None
+    """PPO: per fragment, the index of the one that continues its episode in this batch, or -1
+    (GAE runs on into it: ``workers.algorithms.gae``)."""
 
     @property
     def dropped_stale(self) -> int:
@@ -164,6 +167,7 @@ def update(state: TrainState, batch: TrainBatch, algo: AlgoConfig, critic_warmup
         # its weights, and GAE would then mix two critics in one sum.
         samples["prox_logprob"], samples["values"] = proximal_pass(state.model, samples, algo.minibatch_size)
         samples["advantages"], samples["returns"] = _gae(state, batch, samples["values"], algo)
+        result.diagnostics["fragments_continued"] = sum(j >= 0 for j in batch.successors or ())
     samples["mask"] = torch.as_tensor(batch.keep)
     samples["fresh"] = torch.as_tensor(batch.staleness == 0)  # for the training-inference gap
     n = len(batch.keep)
@@ -218,7 +222,7 @@ def update(state: TrainState, batch: TrainBatch, algo: AlgoConfig, critic_warmup
 
 
 def _gae(state: TrainState, batch: TrainBatch, values: torch.Tensor, algo: AlgoConfig) -> tuple[torch.Tensor, torch.Tensor]:
-    """Advantages and returns ``[N]``, fragment by fragment."""
+    """Advantages and returns ``[N]``, fragment by fragment, each run on into its successor."""
     from workers.algorithms.distributed import is_sharded
 
     b = batch.bootstrap
@@ -235,5 +239,6 @@ def _gae(state: TrainState, batch: TrainBatch, values: torch.Tensor, algo: AlgoC
     terminated = torch.split(batch.terminated, lengths)
     adv, ret = compute_gae_batch(torch.split(batch.rewards, lengths),
                                  torch.split(values, lengths), terminated,
-                                 [0.0 if bool(t[-1]) else bv for t, bv in zip(terminated, boot)], algo.gamma, algo.lam)
+                                 [0.0 if bool(t[-1]) else bv for t, bv in zip(terminated, boot)], algo.gamma, algo.lam,
+                                 batch.successors)
     return adv.float(), ret.float()
