@@ -11,7 +11,9 @@ from __future__ import annotations
 
 import json
 import os
+import random
 import sys
+import zipfile
 from pathlib import Path
 
 import pytest
@@ -71,3 +73,44 @@ def test_gpu_check_dry_run_writes_every_stage(tmp_path: Path) -> None:
     assert set(head["act_samples_per_s"]) >= FAMILIES and set(head["jobs"]) == {"sync", "async", "gr00t"}
     assert set(head["updates"]) == {f"{f}.{a}" for f in ("pi0", "openvla_oft") for a in ("ppo", "grpo")}
     assert head["jobs"]["async"]["publish_to_swap_ms_median"] == stages["job_async"]["result"]["publish_to_swap_ms_median"]
+
+
+def _wheel(folder: Path, dist: str, version: str, files: int) -> Path:
+    """A pure-Python wheel in the published layout (module, METADATA, WHEEL, RECORD)."""
+    folder.mkdir(parents=True, exist_ok=True)
+    path = folder / f"{dist}-{version}-py3-none-any.whl"
+    body = {f"{dist}/__init__.py": f"VERSION = {version!r}\n"}
+    noise = random.Random(0).randbytes(100_000).hex()  # zip keeps each copy; one solid xz stream, one
+    body.update({f"{dist}/part{i}.py": f"DATA = {noise!r}\n" for i in range(files)})
+    info = f"{dist}-{version}.dist-info"
+    body[f"{info}/METADATA"] = f"Metadata-Version: 2.1\nName: {dist}\nVersion: {version}\n"
+    body[f"{info}/WHEEL"] = "Wheel-Version: 1.0\nGenerator: test\nRoot-Is-Purelib: true\nTag: py3-none-any\n"
+    body[f"{info}/RECORD"] = "".join(f"{name},,\n" for name in [*body, f"{info}/RECORD"])
+    with zipfile.ZipFile(path, "w", zipfile.ZIP_DEFLATED) as zf:
+        for name, text in body.items():
+            zf.writestr(name, text)
+    return path
+
+
+def test_carried_wheels_are_packed_then_installed_when_missing_or_older(tmp_path: Path) -> None:
+    """``--pack`` (``check.sh --prepare``) repacks a large wheel as solid xz; the install stage
+    zips it back and pip installs it; a wheel no newer than what is installed stays out."""
+    carry = tmp_path / "carry"
+    big = _wheel(carry / "wheels", "rlvla3_carried_probe", "1.2.0", files=24)  # 2.6 MiB as a wheel, 0.1 packed
+    _wheel(carry / "wheels", "click", "0.0.1", files=0)  # older than the installed click
+    script = ROOT / "bench" / "gpu" / "install.py"
+    packed = run_command([sys.executable, str(script), "--pack", str(carry / "wheels")], 300)
+    assert packed.returncode == 0, packed.stderr[-2000:]
+    assert last_json(packed.stdout)["packed"] == [big.name + ".tar.xz"] and not big.exists()
+    assert (carry / "wheels" / (big.name + ".tar.xz")).stat().st_size < 0.2 * 2**20
+
+    site = tmp_path / "site"
+    proc = run_command([sys.executable, str(script), "--carry", str(carry), "--site", str(site), "--dry-run"], 300,
+                       {"PYTHONPATH": f"{site}{os.pathsep}{ROOT}"})
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    wheels = last_json(proc.stdout)["wheels"]
+    assert wheels["installed"] == [big.name + ".tar.xz"] and wheels["already_there"] == ["click-0.0.1-py3-none-any.whl"]
+    assert "error" not in wheels
+    probe = run_command([sys.executable, "-c", "import rlvla3_carried_probe as m, importlib.metadata as md; "
+                         "print(m.VERSION, md.version('rlvla3_carried_probe'))"], 60, {"PYTHONPATH": str(site)})
+    assert probe.stdout.split() == ["1.2.0", "1.2.0"], probe.stderr[-1000:]
