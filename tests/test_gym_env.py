@@ -248,12 +248,15 @@ def test_hopper_trains_through_the_fabric_in_sync_with_its_statistics_in_the_che
     from workers.model import build_policy
     from workers.trainer_checkpoints import Checkpoints
 
-    job = run_job(HOPPER, tmp_path, "sync", 1500, "algo.batch_steps=512", "algo.epochs=2", "env.fragment_len=32")
+    job = run_job(HOPPER, tmp_path, "sync", 1500, "algo.batch_steps=512", "algo.epochs=2", "env.fragment_len=16")
     assert job["summary"]["env_steps"] >= 1500 and job["summary"]["policy_version"] >= 2
-    # Sync is on-policy, as CleanRL's PPO is: 16 envs x 32 decisions make each round one batch of
-    # 512 steps, and every step was acted with the weights the update starts from.
+    # Sync is on-policy, as CleanRL's PPO is: 16 envs x 16 decisions make a round, two rounds one
+    # batch of 512 steps, and every step was acted with the weights the update starts from. GAE
+    # runs on from each env's first fragment into its second (only an episode's end cuts it).
     stats = [(r["samples"], r["staleness_counts"]) for r in job["rows"] if "staleness_counts" in r]
     assert stats and all(n == 512 and set(counts) == {"0"} for n, counts in stats), stats
+    continued = [r["fragments_continued"] for r in job["rows"] if "fragments_continued" in r]
+    assert continued and all(0 < c <= 16 for c in continued), continued
     ckpt = latest_checkpoint(job["run"])
     weights = load_file(str(ckpt / "model.safetensors"))
     assert weights["obs_norm.count"].item() > 1000 and weights["obs_norm.mean"].abs().sum() > 0
