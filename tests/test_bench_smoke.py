@@ -117,6 +117,9 @@ def check_learning(r: dict[str, Any], out: Path) -> None:
         assert any(json.loads(line)["env_steps"] > 0 for line in rows), mode
     assert r["png"] and all(Path(p).stat().st_size > 0 for p in r["png"])
     assert json.loads((folder / "results.json").read_text()) == r
+    fig6 = r["fig6"]  # one seed per mode: the per-seed figures, and no band yet
+    assert [row["seed"] for row in fig6["sync"]["per_seed"]] == [0] and fig6["agreement"] is None
+    assert (folder / "sync-seed0" / "learning_done.json").is_file()  # a rerun resumes from it
 
 
 def check_weights(r: dict[str, Any], out: Path) -> None:

@@ -36,6 +36,7 @@ from typing import Any
 
 import numpy as np
 
+from rlvla3.harness import seed_bands
 from rlvla3.harness.bench import OUT_DIR, emit_to, note, parse_bench_args, save_figure, subplots
 from rlvla3.harness.gym_runs import ENVS, MODES, final_return, run_one
 
@@ -89,37 +90,19 @@ def sync_target(env: str, results: list[dict[str, Any]], here: list[dict[str, An
 def tenth_means(curve: dict[str, list], steps: int) -> list[float | None]:
     """Episode-weighted mean return of each tenth of the env-step axis (the updates whose
     consumed steps fall in it): one point per tenth, ``None`` where no episode ended."""
-    at = np.asarray(curve["steps"], float)
-    eps, rets = np.asarray(curve["episodes"], float), np.asarray(curve["returns"], float)
-    points: list[float | None] = []
-    for k in range(10):
-        inside = (at > k * steps / 10) & (at <= (k + 1) * steps / 10) & (eps > 0)
-        points.append(round(float((eps * rets)[inside].sum() / eps[inside].sum()), 2) if inside.any() else None)
-    return points
+    return seed_bands.tenth_means(curve["steps"], curve["returns"], steps, weights=curve["episodes"])
 
 
 def agreement(results: list[dict[str, Any]], steps: int) -> dict[str, Any] | None:
-    """Item 4's test of async against sync: at every tenth of the env-step axis after the first
-    20%, async's mean over seeds inside sync's mean +- 2 standard errors over seeds, and the final
+    """Item 4's test of async against sync (``rlvla3/harness/seed_bands.py``), and the final
     means within 10%. ``None`` until both modes have at least two seeds."""
     by_mode = {m: [tenth_means(r["curve"], steps) for r in results if r["mode"] == m] for m in MODES}
     if min(len(v) for v in by_mode.values()) < 2:
         return None
-    points = []
-    for k in range(2, 10):
-        sync = [c[k] for c in by_mode["sync"] if c[k] is not None]
-        asyn = [c[k] for c in by_mode["async"] if c[k] is not None]
-        if len(sync) < 2 or not asyn:
-            points.append({"tenth": k + 1, "within": None})
-            continue
-        mean, se = float(np.mean(sync)), float(np.std(sync, ddof=1) / np.sqrt(len(sync)))
-        a = float(np.mean(asyn))
-        points.append({"tenth": k + 1, "sync": round(mean, 1), "sync_2se": round(2 * se, 1), "async": round(a, 1),
-                       "within": bool(abs(a - mean) <= 2 * se)})
+    bands = seed_bands.band_points(by_mode["sync"], by_mode["async"])
     finals = {m: mean_or_none([r["final_return"] for r in results if r["mode"] == m]) for m in MODES}
     ratio = finals["async"] / finals["sync"] if finals["sync"] and finals["async"] is not None else None
-    return {"points": points, "all_within": all(p["within"] for p in points),
-            "final_async_over_sync": None if ratio is None else round(ratio, 3),
+    return {**bands, "final_async_over_sync": None if ratio is None else round(ratio, 3),
             "final_within_10pct": None if ratio is None else bool(abs(ratio - 1) <= 0.10)}
 
 

@@ -38,6 +38,7 @@ from typing import Any
 
 import numpy as np
 
+from rlvla3.harness import seed_bands
 from rlvla3.harness.bench import OUT_DIR, emit_to, parse_bench_args, save_figure, subplots
 from rlvla3.harness.jobs import json_lines, run_cli, start_cli
 
@@ -57,7 +58,7 @@ def run_job(mode: str, seed: int, steps: int, run_dir: Path, overrides: list[str
             timeout_s: float, config: str = "synthetic.yaml") -> list[dict[str, Any]]:
     """One ``rlvla3 run``; with ``target``, interrupted (SIGINT, a clean stop) once it is reached."""
     if run_dir.exists():
-        shutil.rmtree(run_dir)  # a previous job's metrics must not count
+        shutil.rmtree(run_dir)  # an unfinished job's metrics must not count
     args = ["run", config, "--steps", str(steps), "--run-dir", str(run_dir), *sets(f"run.mode={mode}", f"run.seed={seed}",
                                                                               "run.progress_every_s=0.5", *overrides)]
     proc = start_cli(*args, cwd=ROOT, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
@@ -113,6 +114,20 @@ def final_eval(config: str, checkpoint: Path, overrides: list[str], episodes: in
     return evaluate_policy(cfg, build_policy(cfg, device="cpu"), episodes, seed=EVAL_SEED)["success"]
 
 
+DONE = "learning_done.json"
+"""Left in a warm start's or a job's folder once it finished (with its held-out score): a rerun
+of the bench reads it instead of running that part again, so a sweep resumes per seed and mode."""
+
+
+def _done(folder: Path, fresh: bool) -> dict[str, Any] | None:
+    path = folder / DONE
+    return None if fresh or not path.is_file() else json.loads(path.read_text())
+
+
+def _keep(folder: Path, figures: dict[str, Any]) -> None:
+    (folder / DONE).write_text(json.dumps(figures))
+
+
 def curve_json(c: dict[str, np.ndarray], rows: list[dict[str, Any]], points: int = 60) -> dict[str, Any]:
     """A curve for the JSON: at most ``points`` training points, and one point per eval round."""
     keep = np.unique(np.linspace(0, len(c["steps"]) - 1, min(points, len(c["steps"]))).astype(int)) if len(c["steps"]) else []
@@ -124,6 +139,8 @@ def curve_json(c: dict[str, np.ndarray], rows: list[dict[str, Any]], points: int
             evals[r["eval_version"]] = [*first, r["eval_success"], r.get("eval_episodes", 0)]
     return {"steps": [int(c["steps"][i]) for i in keep], "seconds": [round(float(c["seconds"][i]), 1) for i in keep],
             "success": [round(float(c["success"][i]), 3) for i in keep],
+            "steps_all": [int(x) for x in c["steps"]], "seconds_all": [round(float(x), 1) for x in c["seconds"]],
+            "success_all": [round(float(x), 4) for x in c["success"]],
             "eval": [[v, *evals[v]] for v in sorted(evals)]}  # [version, env steps, seconds, success, episodes]
 
 
@@ -152,6 +169,78 @@ def reached(rows: list[dict[str, Any]], target: float) -> tuple[float, float] | 
     return float(c["steps"][hit[0]]), float(c["seconds"][hit[0]])
 
 
+def fig6_targets(curves: dict[str, list[dict[str, Any]]], warm: list[dict[str, Any]], steps: int) -> dict[str, Any]:
+    """Fig. 6's targets, per mode: sampled success over the last 10% of env steps against the first
+    5% (each seed, and the mean over seeds), the held-out deterministic rise from the warm start,
+    async inside sync's mean +- 2 SE at every tenth after the first 20% (``seed_bands``), and the
+    wall-clock async takes to reach sync's final sampled success over sync's whole run."""
+    start_eval = {w["seed"]: w.get("held_out_success") for w in warm}
+    out: dict[str, Any] = {}
+    tenths: dict[str, list[list[float | None]]] = {}
+    for mode, runs in curves.items():
+        per_seed = []
+        for cj in runs:
+            st, su = np.asarray(cj["steps_all"], float), np.asarray(cj["success_all"], float)
+            first = su[st <= 0.05 * steps] if (st <= 0.05 * steps).any() else su[:1]
+            last = su[st > 0.9 * steps]
+            row = {"seed": cj["seed"], "first_5pct": _mean(first), "last_10pct": _mean(last),
+                   "held_out_start": start_eval.get(cj["seed"]), "held_out_end": cj.get("held_out_success"),
+                   "seconds": float(cj["seconds_all"][-1]) if cj["seconds_all"] else None}
+            row["ended_below_start"] = (None if row["first_5pct"] is None or row["last_10pct"] is None
+                                        else bool(row["last_10pct"] < row["first_5pct"]))
+            per_seed.append(row)
+        tenths[mode] = [seed_bands.tenth_means(cj["steps_all"], cj["success_all"], steps) for cj in runs]
+        first, last = _mean([r["first_5pct"] for r in per_seed]), _mean([r["last_10pct"] for r in per_seed])
+        rises = [r["held_out_end"] - r["held_out_start"] for r in per_seed
+                 if r["held_out_end"] is not None and r["held_out_start"] is not None]
+        out[mode] = {"per_seed": per_seed, "first_5pct": first, "last_10pct": last,
+                     "gain": None if first is None or last is None else round(last - first, 4),
+                     "gain_met": None if first is None or last is None else bool(last >= first + 0.3),
+                     "no_seed_below_start": _none_or(lambda: not any(r["ended_below_start"] for r in per_seed),
+                                                     per_seed and all(r["ended_below_start"] is not None for r in per_seed)),
+                     "held_out_rise": _mean(rises), "held_out_rise_met": bool(_mean(rises) >= 0.2) if rises else None}
+    if "sync" in out and "async" in out:
+        out["agreement"] = seed_bands.band_points(tenths["sync"], tenths["async"])
+        out["wall_clock"] = _time_to_sync_final(curves, out["sync"]["last_10pct"])
+    return out
+
+
+def _time_to_sync_final(curves: dict[str, list[dict[str, Any]]], target: float | None) -> dict[str, Any] | None:
+    """Seconds async (mean over seeds) takes to first show sync's final sampled success, over sync's
+    mean run length; the target is <= 0.7. A seed that never reaches it fails the test."""
+    sync_s = [cj["seconds_all"][-1] for cj in curves["sync"] if cj["seconds_all"]]
+    if target is None or not sync_s:
+        return None
+    reach = []
+    for cj in curves["async"]:
+        hit = [t for t, y in zip(cj["seconds_all"], cj["success_all"]) if y >= target]
+        reach.append(hit[0] if hit else None)
+    ratio = None if not reach or None in reach else round(float(np.mean(reach)) / float(np.mean(sync_s)), 3)
+    return {"sync_final": target, "sync_seconds": round(float(np.mean(sync_s)), 1), "async_seconds_to_it": reach,
+            "ratio": ratio, "met": None if ratio is None else bool(ratio <= 0.7)}
+
+
+def _none_or(value: Any, known: Any) -> Any:
+    return value() if known else None
+
+
+def _mean(xs: Any) -> float | None:
+    vals = [float(x) for x in xs if x is not None and np.isfinite(x)]
+    return round(float(np.mean(vals)), 4) if vals else None
+
+
+def seed_band(runs: list[dict[str, np.ndarray]], x: str, metric: str, points: int = 100) -> tuple[np.ndarray, ...]:
+    """Mean over seeds and 2 standard errors of ``metric`` against ``x``, each seed's curve read
+    (linearly, no extrapolation) on a grid up to where the shortest seed ends."""
+    ends = [c[x][-1] for c in runs if len(c[x])]
+    grid = np.linspace(0.0, min(ends) if ends else 0.0, points)
+    ys = np.array([np.interp(grid, c[x], c[metric], left=np.nan) for c in runs if len(c[x])])
+    n = np.isfinite(ys).sum(0)
+    mean = np.nanmean(np.where(np.isfinite(ys), ys, np.nan), 0) if len(ys) else np.zeros_like(grid)
+    sd = np.nanstd(ys, 0, ddof=1) if len(ys) > 1 else np.zeros_like(grid)
+    return grid, mean, np.where(n > 1, 2 * sd / np.sqrt(np.maximum(n, 1)), 0.0)
+
+
 def plot(curves: dict[str, list[dict[str, np.ndarray]]], target: float, out: Path, title: str = "synthetic reach",
          evals: dict[str, list[dict[str, Any]]] | None = None) -> list[Path]:
     """Success and return against env steps and seconds; ``evals`` (``curve_json``'s) adds the
@@ -160,9 +249,15 @@ def plot(curves: dict[str, list[dict[str, np.ndarray]]], target: float, out: Pat
     for metric in ("success", "return"):
         fig, axes = subplots(1, 2, figsize=(11, 4))
         for mode, color in zip(MODES, ("tab:blue", "tab:orange")):
-            for i, c in enumerate(curves.get(mode, [])):
+            runs = curves.get(mode, [])
+            for i, c in enumerate(runs):
                 for ax, x in zip(axes, ("steps", "seconds")):
-                    ax.plot(c[x], c[metric], color=color, alpha=0.8, label=mode if i == 0 else None)
+                    ax.plot(c[x], c[metric], color=color, alpha=0.35 if len(runs) > 1 else 0.8, lw=0.8,
+                            label=mode if i == 0 and len(runs) == 1 else None)
+            for ax, x in zip(axes, ("steps", "seconds")) if len(runs) > 1 else ():
+                grid, mean, half = seed_band(runs, x, metric)
+                ax.plot(grid, mean, color=color, lw=2, label=f"{mode}: mean of {len(runs)} seeds")
+                ax.fill_between(grid, mean - half, mean + half, color=color, alpha=0.2, label=f"{mode}: ± 2 SE")
             for i, cj in enumerate((evals or {}).get(mode, []) if metric == "success" else []):
                 pts = np.array(cj["eval"], float).reshape(-1, 5)  # version, steps, seconds, success, episodes
                 for ax, col in zip(axes, (1, 2)):
@@ -194,6 +289,7 @@ def main() -> None:
     ap.add_argument("--sft-episodes", type=int, default=0, help="warm-start each seed once with `rlvla3 sft` on this many expert episodes")
     ap.add_argument("--sft-epochs", type=int, default=20, help="behaviour-cloning passes of the warm start")
     ap.add_argument("--sft-lr", type=float, default=1e-3, help="learning rate of the warm start")
+    ap.add_argument("--fresh", action="store_true", help="run again the warm starts and jobs that already finished")
     ap.add_argument("--final-eval", type=int, default=0,
                     help="score the warm start and each job's last checkpoint on this many held-out starts")
     args = parse_bench_args(ap, "one seed, stop at target, < 60 s", out=f"{OUT_DIR}/learning",
@@ -219,22 +315,31 @@ def main() -> None:
         job_overrides = list(overrides)
         if args.sft_episodes > 0:
             sft_dir = out / f"sft-seed{seed}"
-            fig = warm_start(args.config, seed, sft_dir, overrides, args.sft_episodes, args.sft_epochs, args.sft_lr)
-            if args.final_eval:
-                fig["held_out_success"] = final_eval(args.config, sft_dir, overrides, args.final_eval)
+            fig = _done(sft_dir, args.fresh)
+            if fig is None:
+                fig = warm_start(args.config, seed, sft_dir, overrides, args.sft_episodes, args.sft_epochs, args.sft_lr)
+                if args.final_eval:
+                    fig["held_out_success"] = final_eval(args.config, sft_dir, overrides, args.final_eval)
+                _keep(sft_dir, fig)
             warm.append({"seed": seed, **fig})
             print(f"warm start seed={seed}: {json.dumps(warm[-1])}", file=sys.stderr)
             job_overrides.append(f"model.checkpoint={sft_dir}")
         for mode in args.modes:
             run_dir = out / f"{mode}-seed{seed}"
             t = time.monotonic()
-            rows = run_job(mode, seed, steps, run_dir, job_overrides, args.target if args.quick else None, timeout, args.config)
+            kept = _done(run_dir, args.fresh)
+            if kept is None:
+                rows = run_job(mode, seed, steps, run_dir, job_overrides, args.target if args.quick else None, timeout, args.config)
+                kept = {}
+                if args.final_eval and (run_dir / "checkpoints" / "latest").is_file():
+                    kept["held_out_success"] = final_eval(args.config, run_dir, overrides, args.final_eval)
+                if rows:
+                    _keep(run_dir, kept)
+            rows = json_lines(run_dir / "metrics.jsonl")
             c = curve(rows)
             curves[mode].append(c)
             hits[mode].append(reached(rows, args.target))
-            cj = {"seed": seed, **curve_json(c, rows)}
-            if args.final_eval and (run_dir / "checkpoints" / "latest").is_file():
-                cj["held_out_success"] = final_eval(args.config, run_dir, overrides, args.final_eval)
+            cj = {"seed": seed, **curve_json(c, rows), **kept}
             curves_json[mode].append(cj)
             print(f"{mode:5s} seed={seed}  final success={c['success'][-1] if len(c['success']) else None}  "
                   f"held_out={cj.get('held_out_success')}  reached={hits[mode][-1]}  job_s={time.monotonic() - t:.1f}",
@@ -253,6 +358,7 @@ def main() -> None:
         "sync_seconds_to_target": median("sync", 1), "async_seconds_to_target": median("async", 1),
         "per_seed": {m: [list(h) if h else None for h in hits[m]] for m in MODES},
         "blank_images": args.blank_images, "warm_start": warm, "final_eval_episodes": args.final_eval,
+        "fig6": fig6_targets(curves_json, warm, steps),
         "curves": curves_json,
         "out": str(out), "png": pngs,
     }

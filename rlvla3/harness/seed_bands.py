@@ -1,0 +1,57 @@
+"""Async against sync over seeds: the test the learning issues state, in one place.
+
+A curve is cut into tenths of the env-step axis; each run gives one mean per tenth. Async agrees
+with sync where its mean over seeds lies inside sync's mean +- 2 standard errors over seeds, at
+every tenth after the first 20% (``bench/jobs/gym_parity.py`` on returns, ``bench/jobs/learning.py``
+on success).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any
+
+import numpy as np
+
+FIRST_TENTH = 2
+"""Index of the first tenth judged: the first 20% of the axis is warm-up."""
+
+
+def tenth_means(steps: Sequence[float], values: Sequence[float], total: float,
+                weights: Sequence[float] | None = None) -> list[float | None]:
+    """Weighted mean of ``values`` whose ``steps`` fall in each tenth of ``(0, total]``; ``None``
+    where none does (or every weight there is 0)."""
+    at, ys = np.asarray(steps, float), np.asarray(values, float)
+    w = np.ones_like(ys) if weights is None else np.asarray(weights, float)
+    if not (len(at) == len(ys) == len(w)):
+        raise ValueError(f"steps, values and weights differ in length: {len(at)}, {len(ys)}, {len(w)}")
+    ok = np.isfinite(ys) & (w > 0)
+    points: list[float | None] = []
+    for k in range(10):
+        inside = ok & (at > k * total / 10) & (at <= (k + 1) * total / 10)
+        points.append(_short(float((w * ys)[inside].sum() / w[inside].sum())) if inside.any() else None)
+    return points
+
+
+def band_points(sync: list[list[float | None]], asyn: list[list[float | None]]) -> dict[str, Any] | None:
+    """Per judged tenth: sync's mean and 2 SE over seeds, async's mean, and whether it is inside.
+    ``None`` until sync has two seeds and async one."""
+    if len(sync) < 2 or not asyn:
+        return None
+    points = []
+    for k in range(FIRST_TENTH, 10):
+        s = [c[k] for c in sync if c[k] is not None]
+        a = [c[k] for c in asyn if c[k] is not None]
+        if len(s) < 2 or not a:
+            points.append({"tenth": k + 1, "within": None})
+            continue
+        mean, se = float(np.mean(s)), float(np.std(s, ddof=1) / np.sqrt(len(s)))
+        am = float(np.mean(a))
+        points.append({"tenth": k + 1, "sync": _short(mean), "sync_2se": _short(2 * se), "async": _short(am),
+                       "within": bool(abs(am - mean) <= 2 * se)})
+    return {"points": points, "all_within": all(p["within"] for p in points)}
+
+
+def _short(x: float) -> float:
+    """Five significant figures: enough for a return in the thousands and a success rate alike."""
+    return float(f"{x:.5g}")

@@ -1,0 +1,43 @@
+"""The async-against-sync test over seeds (``rlvla3/harness/seed_bands.py``), on figures worked by hand."""
+
+from __future__ import annotations
+
+import pytest
+
+from rlvla3.harness.seed_bands import band_points, tenth_means
+
+
+def test_tenth_means_weigh_each_point_and_leave_empty_tenths_none():
+    # 100 steps: tenths are (0, 10], (10, 20], ...; the point at 10 belongs to the first
+    steps = [5, 10, 15, 95, 100]
+    values = [1.0, 0.0, 4.0, 2.0, float("nan")]
+    weights = [1, 3, 2, 1, 5]
+    means = tenth_means(steps, values, 100, weights)
+    assert means[0] == pytest.approx(0.25)  # (1*1 + 3*0) / 4
+    assert means[1] == 4.0
+    assert means[2:9] == [None] * 7
+    assert means[9] == 2.0  # the NaN point counts for nothing
+    assert tenth_means(steps, values, 100)[0] == 0.5  # unweighted
+    with pytest.raises(ValueError, match="differ in length"):
+        tenth_means([1, 2], [1.0], 10)
+
+
+def test_band_points_judge_async_against_two_standard_errors_of_sync_after_the_first_fifth():
+    sync = [[0.0] * 10, [1.0] * 10, [2.0] * 10]  # mean 1, sd 1, 2 SE = 2 / sqrt(3) = 1.1547
+    inside = [[2.15] * 10]
+    outside = [[0.0, 0.0, 2.16, 1.0, 1.0, 1.0, 1.0, 1.0, 1.0, 1.0]]
+    got = band_points(sync, inside)
+    assert [p["tenth"] for p in got["points"]] == list(range(3, 11))
+    assert got["points"][0] == {"tenth": 3, "sync": 1.0, "sync_2se": 1.1547, "async": 2.15, "within": True}
+    assert got["all_within"] is True
+    missed = band_points(sync, outside)
+    assert [p["within"] for p in missed["points"]] == [False] + [True] * 7 and missed["all_within"] is False
+    # warm-up tenths are not judged: async far off in the first two changes nothing
+    early = [[9.0, 9.0] + [1.0] * 8]
+    assert band_points(sync, early)["all_within"] is True
+    # too few seeds to say anything
+    assert band_points(sync[:1], inside) is None and band_points(sync, []) is None
+    gap = [list(c) for c in sync]
+    for c in gap[1:]:
+        c[4] = None
+    assert band_points(gap, inside)["points"][2] == {"tenth": 5, "within": None}
