@@ -189,7 +189,8 @@ class AlgoConfig:
     epochs: int = 4
     """Passes over each batch."""
     minibatch_size: int = 128
-    """Decision steps per gradient step; the last minibatch of an epoch may be smaller."""
+    """Most decision steps per gradient step: an epoch of n samples is ceil(n / this) minibatches
+    of near-equal size."""
     gamma: float = 0.99
     """PPO: discount per decision step (GAE)."""
     lam: float = 0.95

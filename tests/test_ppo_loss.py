@@ -213,6 +213,26 @@ def test_proximal_logprobs_match_behaviour_for_an_unchanged_policy():
     assert torch.allclose(prox, batch["behav_logprob"], atol=1e-5)
 
 
+def test_an_epoch_splits_into_near_equal_minibatches():
+    """69 samples at minibatch_size 16: five minibatches of 13-14, never 16+16+16+16+5 (a step
+    from a handful of samples whose advantages need not average zero)."""
+    torch.manual_seed(0)
+    policy = TinyPolicy()
+    cfg = AlgoConfig(epochs=2, minibatch_size=16, lr=1e-3)
+    sizes: list[int] = []
+
+    def evaluate(obs, actions, replay):
+        sizes.append(len(actions))
+        return policy.evaluate(obs, actions, replay)
+
+    batch = make_batch(policy, 69)
+    batch["prox_logprob"] = batch["behav_logprob"].clone()  # only the clipped epochs call evaluate
+    stats = ppo_update(policy, make_optimizer(policy.parameters(), cfg), batch, cfg, evaluate_fn=evaluate)
+
+    assert stats["optimizer_steps"] == 2 * 5
+    assert sorted(set(sizes)) == [13, 14] and sum(sizes) == 2 * 69
+
+
 def test_ppo_update_runs_epochs_and_moves_the_policy_toward_the_advantage():
     torch.manual_seed(0)
     policy = TinyPolicy()

@@ -317,13 +317,14 @@ def ppo_update(
 
     # ---- Phase 3: epochs x minibatches of clipped updates -----------------------------------
     # The per-sample tensors go to the policy's device once; each minibatch indexes them there.
+    # Minibatches differ by at most one sample: a ragged last one (517 = 4 x 128 + 5) would get a
+    # whole optimizer step from a few samples whose advantages, standardized over the batch, need
+    # not average zero (async batches overshoot batch_steps by part of a fragment).
     tensors = _to_device({k: v for k, v in batch.items() if k not in ("obs", "fresh")}, device)
     totals: dict[str, float] = {}
     steps = 0
     for _epoch in range(cfg.epochs):
-        perm = torch.randperm(n)
-        for start in range(0, n, cfg.minibatch_size):
-            idx = perm[start : start + cfg.minibatch_size]
+        for idx in torch.tensor_split(torch.randperm(n), math.ceil(n / cfg.minibatch_size)):
             mbd = index_batch(tensors, idx.to(device))
             out = evaluate(batch["obs"].select(idx.numpy()), mbd["actions"], mbd["replay"])
             loss, stats = ppo_loss(
