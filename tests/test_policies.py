@@ -211,7 +211,7 @@ def test_ppo_moves_a_flow_chain_toward_positive_advantages(steps):
     policy = build("pi05", "pi05_tiny.yaml", {"stochastic_steps": steps})
     policy.train()
     cfg = AlgoConfig(epochs=2, minibatch_size=32, lr=3e-4, vf_coef=0.0)
-    opt = make_optimizer([p for p in policy.parameters() if p.requires_grad], cfg)
+    opt = make_optimizer(policy.parameters(), cfg)
     obs = make_obs(64, seed=5)
     start = float(act(policy, obs, deterministic=True).actions[..., 0].mean())
     for _ in range(6):
