@@ -83,6 +83,8 @@ def publish_to_swap(run_dir: Path) -> tuple[dict[int, float], float | None]:
 
 
 def gpu_mem_used_mib() -> int | None:
+    """GPU 0's memory in use now, all processes together (the job's workers are separate
+    processes, so torch's own counters in this one see none of it); None without nvidia-smi."""
     if shutil.which("nvidia-smi") is None:
         return None
     try:
@@ -118,6 +120,7 @@ def run(args: argparse.Namespace, run_dir: Path) -> dict[str, Any]:
     t0 = time.monotonic()
     end = t0 + args.seconds
     samples: list[tuple[float, int, int]] = []  # (t, env_steps, policy_version)
+    mem_peak: int | None = None  # sampled while the job runs: once it is stopped the GPU is empty
     fig: dict[str, Any] = {}
     error = None
     signal.signal(signal.SIGTERM, _stopped)
@@ -134,6 +137,8 @@ def run(args: argparse.Namespace, run_dir: Path) -> dict[str, Any]:
             except TimeoutError:
                 continue
             samples.append((time.monotonic(), int(fig.get("env_steps", 0)), int(fig.get("policy_version", -1))))
+            if args.device != "cpu" and (used := gpu_mem_used_mib()) is not None:
+                mem_peak = max(mem_peak or 0, used)
             moving = [s for s in samples if s[1] > 0]
             if args.until_version is not None and samples[-1][2] >= args.until_version \
                     and len(moving) >= 2 and moving[-1][1] > moving[0][1] \
@@ -175,7 +180,7 @@ def run(args: argparse.Namespace, run_dir: Path) -> dict[str, Any]:
         "generate_us_p50": (fig.get("generate_us") or {}).get("p50"),
         "batch_size_p50": (fig.get("batch_size") or {}).get("p50"),
         "offloading": placement[0].get("offloading") if placement else None,
-        "gpu_mem_used_mib": gpu_mem_used_mib(),
+        "gpu_mem_peak_mib": mem_peak,
     }
     if not error and not moving:
         error = f"no env step within {args.seconds} s"
