@@ -249,6 +249,30 @@ def test_stream_serves_readers_when_shared_memory_is_off(relay):
         stop_readers(relay)
 
 
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="CUDA IPC needs a GPU (bench/gpu/check.sh runs this on one)")
+def test_a_reader_on_the_same_gpu_takes_trainable_tensors_by_cuda_ipc(relay):
+    """weights.cuda_ipc: after the first version, trainable tensors go device to device from rank
+    0's slot buffer (source "ipc"); the first comes from the store (its frozen tensors are not in
+    the device slot). The reader ends up with the publisher's bytes either way."""
+    model = tiny_model(4).cuda()
+    with publishing(model, cuda_ipc=True) as pub:
+        assert pub.ipc is not None
+        spawn(relay, "r", "--device", "cuda", "--cuda-ipc")
+        relay.wait(lambda ev: relay.of("r", "ready"), "reader ready")
+        expected = {}
+        for v in range(4):
+            if v:
+                bump(model, 0.25 * v)
+            expected[v] = digest(model)
+            relay.announce(pub.publish(v))
+            relay.wait(lambda ev: relay.swapped("r", v), f"version {v}")
+        swaps = [relay.swapped("r", v) for v in range(4)]
+        assert [s["digest"] for s in swaps] == [expected[v] for v in range(4)]
+        assert swaps[0]["source"] == "shm" and [s["source"] for s in swaps[1:]] == ["ipc"] * 3
+        assert not relay.of("r", "rejected")
+        stop_readers(relay)
+
+
 def test_bf16_deltas_rebuild_rank0s_reference_and_a_reader_that_cannot_use_them_reads_whole():
     """One publisher with ``delta="bf16"``, three in-process receivers over the real store and
     stream: ``far`` (another host) rebuilds from deltas, ``near`` (same host) reads the slot whole,

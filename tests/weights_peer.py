@@ -1,6 +1,7 @@
 """A reader process for the weight tests: a WeightReceiver beside a loop that keeps serving.
 
     python tests/weights_peer.py --pub EP --snap EP --report EP --name NAME [--host ID] [--bucket-mb N]
+                                 [--device cuda --cuda-ipc]
 
 It subscribes to the announcements (PUB), asks for the snapshot (Clone pattern), and runs
 forward passes on its model back to back; a "weights" thread fetches announced versions, and
@@ -51,7 +52,7 @@ def digest(module: torch.nn.Module) -> str:
     """xxh3 of every parameter and buffer, in order (what the test compares)."""
     h = xxhash.xxh3_64()
     for t in [*module.parameters(), *module.buffers()]:
-        h.update(t.detach().contiguous().reshape(-1).view(torch.uint8).numpy())
+        h.update(t.detach().cpu().contiguous().reshape(-1).view(torch.uint8).numpy())
     return h.hexdigest()
 
 
@@ -63,10 +64,12 @@ def main() -> None:
     ap.add_argument("--name", required=True)
     ap.add_argument("--host", default="")
     ap.add_argument("--bucket-mb", type=int, default=128)
+    ap.add_argument("--device", default="cpu")
+    ap.add_argument("--cuda-ipc", action="store_true", help="read trainable tensors from the publisher's GPU buffer")
     args = ap.parse_args()
     torch.set_num_threads(1)
-    model = tiny_model(None).eval()
-    rx = WeightReceiver(model, args.host or host_id(), bucket_mb=args.bucket_mb)
+    model = tiny_model(None).to(args.device).eval()
+    rx = WeightReceiver(model, args.host or host_id(), bucket_mb=args.bucket_mb, cuda_ipc=args.cuda_ipc)
     ctx = zmq.Context()
     sub = ctx.socket(zmq.SUB)
     sub.setsockopt(zmq.SUBSCRIBE, b"")
@@ -83,7 +86,7 @@ def main() -> None:
     snap.send_multipart(P.encode(P.SNAPSHOT, {}))
     pool = ThreadPoolExecutor(1, thread_name_prefix="weights")
     job: tuple | None = None
-    x = torch.randn(4, 8)
+    x = torch.randn(4, 8, device=args.device)
     batches = 0
     stop = False
     rejected = 0

@@ -4,7 +4,7 @@ generator and trainer colocated on device 0, for a fixed time in one mode: the `
 ``--family gr00t_n15`` is the ``job_gr00t`` stage: GR00T N1.5 (2.4B) colocated, as the paper
 scales it (its Fig. 7).
 
-    python bench/gpu/job.py --mode sync|async [--family pi0|gr00t_n15] [--seconds 75] [--offload auto|always|never]
+    python bench/gpu/job.py --mode sync|async [--family pi0|gr00t_n15] [--seconds 75] [--offload auto|always|never] [--cuda-ipc]
     python bench/gpu/job.py --mode async --tiny --device cpu --until-version 1   # the same code on CPU
 
 ``startup_s``: start to the first env step; ``env_steps_per_s`` from then to the end
@@ -62,6 +62,7 @@ def job_dict(args: argparse.Namespace) -> dict[str, Any]:
         "workers": {"simulators": args.simulators, "generators": 1, "trainers": 1, "device": args.device,
                     "torch_threads": 1 if args.tiny else 4},
         "placement": {"mode": "colocated", "offload": args.offload, **gpus},
+        "weights": {"cuda_ipc": args.cuda_ipc},
     }
 
 
@@ -180,6 +181,7 @@ def run(args: argparse.Namespace, run_dir: Path) -> dict[str, Any]:
         "generate_us_p50": (fig.get("generate_us") or {}).get("p50"),
         "batch_size_p50": (fig.get("batch_size") or {}).get("p50"),
         "offloading": placement[0].get("offloading") if placement else None,
+        "weights_source": sorted({str(r.get("source")) for r in log_events(run_dir / "generator0.log", "weights_swapped")}),
         "gpu_mem_peak_mib": mem_peak,
     }
     if not error and not moving:
@@ -214,6 +216,8 @@ def main() -> None:
     ap.add_argument("--minibatch", type=int, default=8)
     ap.add_argument("--fragment-len", type=int, default=8)
     ap.add_argument("--device", default="cuda")
+    ap.add_argument("--cuda-ipc", action="store_true",
+                    help="weights.cuda_ipc: the generator copies trainable weights from the trainer's GPU buffer")
     ap.add_argument("--tiny", action="store_true", help="the tiny model at 64x64 (a smoke test of this script)")
     ap.add_argument("--until-version", type=int, default=None,
                     help="stop early once this version is trained and swapped in (the smoke run)")
