@@ -49,6 +49,7 @@ class Relay:
         self.pull = self._bind(zmq.PULL)
         self.rule = LatestWeights()
         self.events: list[dict[str, Any]] = []
+        self.procs: list[subprocess.Popen] = []  # the readers: one that exits early fails the wait
         self._last_pub = 0.0
 
     def _bind(self, kind: int) -> zmq.Socket:
@@ -81,6 +82,8 @@ class Relay:
     def wait(self, pred: Callable[[list[dict[str, Any]]], Any], what: str, timeout: float = 90.0) -> Any:
         def check() -> Any:
             self.pump()
+            dead = [p for p in self.procs if p.poll() not in (None, 0)]
+            assert not dead, f"a reader exited with {dead[0].returncode} while waiting for {what}"
             return pred(self.events)
 
         return wait_until(check, timeout, what, interval=0.02)
@@ -103,20 +106,23 @@ class Relay:
 @pytest.fixture
 def relay():
     r = Relay()
-    procs: list[subprocess.Popen] = []
-    r.procs = procs
     yield r
-    for p in procs:
+    for p in r.procs:
         if p.poll() is None:
             p.kill()
             p.wait(10)
     r.close()
 
 
+def child_env() -> dict[str, str]:
+    """The environment of a child process: the repository first on PYTHONPATH, and whatever was
+    there kept (the GPU machine's carried packages live in a site named there)."""
+    return {**os.environ, "PYTHONPATH": os.pathsep.join([str(ROOT), *filter(None, [os.environ.get("PYTHONPATH")])])}
+
+
 def spawn(relay: Relay, name: str, *extra: str) -> subprocess.Popen:
-    env = {**os.environ, "PYTHONPATH": str(ROOT)}
     p = subprocess.Popen([sys.executable, str(PEER), "--pub", relay.endpoint(relay.pub), "--snap", relay.endpoint(relay.router),
-                          "--report", relay.endpoint(relay.pull), "--name", name, *extra], env=env)
+                          "--report", relay.endpoint(relay.pull), "--name", name, *extra], env=child_env())
     relay.procs.append(p)
     return p
 
@@ -327,7 +333,7 @@ def test_a_killed_publishers_store_is_swept_by_the_next_one():
     code = ("import sys, time; from rlvla3.weights.store import WeightStore; "
             f"s = WeightStore('{rid}', 4096, 4096); print(s.name, flush=True); time.sleep(60)")
     p = subprocess.Popen([sys.executable, "-c", code], stdout=subprocess.PIPE, text=True, start_new_session=True,
-                         env={**os.environ, "PYTHONPATH": str(ROOT)})
+                         env=child_env())
     name = p.stdout.readline().strip()
     assert segments_of_run(rid) == [name]
     os.killpg(p.pid, 9)  # its resource_tracker dies with it: nobody unlinks the store
