@@ -286,9 +286,9 @@ class WeightsConfig:
     copy_threads: int = 2
     """Threads that copy and hash weights into the store (trainer) and out of it (generator)."""
     cuda_ipc: bool = False
-    """CUDA only, UNTESTED: trainer rank 0 also keeps its trainable slot on its GPU and announces
-    a CUDA IPC handle; generators on the same GPU copy device to device from it
-    (``rlvla3.weights.cuda_ipc``). No effect on CPU."""
+    """CUDA only: trainer rank 0 also keeps its trainable slot on its GPU and announces a CUDA IPC
+    handle; generators on the same GPU copy device to device from it (``rlvla3.weights.cuda_ipc``;
+    one H200 job ran with it, its byte test has not yet passed on a GPU). No effect on CPU."""
     delta: str = "none"
     """``bf16``: after the first version, each trainable tensor is also published as a bf16
     delta against the previous version; generators on other hosts holding that version read

@@ -10,7 +10,7 @@ Header fields of WEIGHTS (besides ``v`` and ``type``):
     stream        str    rank 0's weight stream endpoint (FETCH/BUCKET), or nil
     published_at  int    trainer's wall clock (ns) when the version was published
     ipc           map    optional: the CUDA IPC handle of rank 0's device copy of the trainable
-                         slot (``rlvla3.weights.cuda_ipc``; same-GPU generators; untested)
+                         slot (``rlvla3.weights.cuda_ipc``; same-GPU generators; CUDA only)
 
 The broker keeps the newest announcement as its snapshot (the ZeroMQ Guide's Clone pattern),
 accepts only increasing versions and refuses a WEIGHTS that carries tensors: its memory no

@@ -1,5 +1,8 @@
-"""Same-GPU hand-over of trainable weights by CUDA IPC. UNTESTED: it needs CUDA, and nothing
-here runs unless the trainer's model is on a CUDA device and ``weights.cuda_ipc`` is on.
+"""Same-GPU hand-over of trainable weights by CUDA IPC. Nothing here runs unless the trainer's
+model is on a CUDA device and ``weights.cuda_ipc`` is on. Its test
+(``tests/test_weights.py::test_a_reader_on_the_same_gpu_takes_trainable_tensors_by_cuda_ipc``)
+skips without CUDA and has not passed on a GPU yet; one π0 3B job on an H200 swapped 4 versions
+by it (bench/gpu/README.md).
 
 Where trainer rank 0 and a generator share one GPU (colocated placement), the trainable bytes
 need not cross the host twice. Rank 0 keeps one device buffer per trainable slot of the weight

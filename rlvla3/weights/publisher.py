@@ -77,7 +77,7 @@ class WeightPublisher:
         self.pool = ThreadPoolExecutor(copy_threads, thread_name_prefix="weights-copy") if copy_threads > 1 else None
         device = next((t.device for _, t, _ in module_tensors(module)), torch.device("cpu"))
         self.ipc = None
-        if cuda_ipc and device.type == "cuda" and not self.delta:  # UNTESTED (needs CUDA): rlvla3.weights.cuda_ipc
+        if cuda_ipc and device.type == "cuda" and not self.delta:  # CUDA only: rlvla3.weights.cuda_ipc
             from rlvla3.weights.cuda_ipc import DeviceSlots
 
             self.ipc = DeviceSlots(self.layout.slot_bytes, device)

@@ -164,7 +164,7 @@ class WeightReceiver:
         store = ann.store
         same_host = self.use_shm and store is not None and store["host"] == self.host
         on_device: dict[str, torch.Tensor] = {}
-        if same_host and self.ipc is not None and self.ipc.usable(ann.ipc):  # CUDA only, untested
+        if same_host and self.ipc is not None and self.ipc.usable(ann.ipc):  # CUDA only (rlvla3.weights.cuda_ipc)
             on_device = self._read_ipc(ann, [e for e in entries if e.region == ann.ipc["slot"]])
         moved = 0
         if not same_host and ann.stream is not None and ann.manifest.delta_base is not None \
@@ -226,7 +226,7 @@ class WeightReceiver:
         return out, sum(d.nbytes for d in todo)
 
     def _read_ipc(self, ann: Announcement, entries: list[Entry]) -> dict[str, torch.Tensor]:
-        """UNTESTED (needs CUDA): copy the trainable entries device to device from rank 0's slot
+        """CUDA only: copy the trainable entries device to device from rank 0's slot
         buffer (``rlvla3.weights.cuda_ipc``), inside the host slot's seqlock window."""
         reader = self._store(ann.store["seg"])
         slot = ann.ipc["slot"]
