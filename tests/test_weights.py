@@ -146,6 +146,20 @@ def bump(model: torch.nn.Module, by: float) -> None:
                 p.add_(by)
 
 
+def publish_versions(relay: Relay, pub: WeightPublisher, model: torch.nn.Module, readers: list[str],
+                     by: float) -> dict[int, str]:
+    """Publish versions 0-3 (before version v, every trainable parameter moves by ``by`` x v) and
+    wait after each until every reader has swapped it in; returns each version's digest."""
+    expected = {}
+    for v in range(4):
+        if v:
+            bump(model, by * v)
+        expected[v] = digest(model)
+        relay.announce(pub.publish(v))
+        relay.wait(lambda ev: all(relay.swapped(n, v) for n in readers), f"{readers} on version {v}")
+    return expected
+
+
 def run_id() -> str:
     return "wt" + uuid.uuid4().hex[:8]
 
@@ -172,13 +186,7 @@ def test_readers_swap_versions_while_serving_and_a_late_joiner_gets_the_newest(r
         for n in readers:
             spawn(relay, n)
         relay.wait(lambda ev: all(relay.of(n, "ready") for n in readers), "both readers ready")
-        expected = {}
-        for v in range(4):
-            if v:
-                bump(model, 0.5 * v)
-            expected[v] = digest(model)
-            relay.announce(pub.publish(v))
-            relay.wait(lambda ev: all(relay.swapped(n, v) for n in readers), f"both readers on version {v}")
+        expected = publish_versions(relay, pub, model, readers, 0.5)
         total = sum(t.numel() * t.element_size() for t in [*model.parameters(), *model.buffers()])
         trainable = sum(p.numel() * p.element_size() for p in model.parameters() if p.requires_grad)
         for n in readers:
@@ -265,13 +273,7 @@ def test_a_reader_on_the_same_gpu_takes_trainable_tensors_by_cuda_ipc(relay):
         assert pub.ipc is not None
         spawn(relay, "r", "--device", "cuda", "--cuda-ipc")
         relay.wait(lambda ev: relay.of("r", "ready"), "reader ready")
-        expected = {}
-        for v in range(4):
-            if v:
-                bump(model, 0.25 * v)
-            expected[v] = digest(model)
-            relay.announce(pub.publish(v))
-            relay.wait(lambda ev: relay.swapped("r", v), f"version {v}")
+        expected = publish_versions(relay, pub, model, ["r"], 0.25)
         swaps = [relay.swapped("r", v) for v in range(4)]
         assert [s["digest"] for s in swaps] == [expected[v] for v in range(4)]
         assert swaps[0]["source"] == "shm" and [s["source"] for s in swaps[1:]] == ["ipc"] * 3
