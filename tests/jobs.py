@@ -3,6 +3,7 @@ a fresh run folder, commands run two at a time, hand-played generators that misb
 
 from __future__ import annotations
 
+import os
 import subprocess
 import tempfile
 import time
@@ -119,3 +120,10 @@ def next_batch(sock: Any, timeout_s: float = 60.0) -> Any:
                 return msg
         sock.send_multipart(P.encode(P.HEARTBEAT, {"credits": 1}))  # stay alive while waiting
     raise AssertionError(f"no BATCH within {timeout_s} s")
+
+
+def child_env() -> dict[str, str]:
+    """The environment of a test's child process: this repository first on PYTHONPATH, and whatever
+    was there kept (the GPU machine's carried packages live in a site named there)."""
+    root = str(Path(__file__).resolve().parents[1])
+    return {**os.environ, "PYTHONPATH": os.pathsep.join([root, *filter(None, [os.environ.get("PYTHONPATH")])])}

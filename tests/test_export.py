@@ -6,7 +6,6 @@ transformers' own ``PI0ForConditionalGeneration`` - gives the same actions, bit 
 from __future__ import annotations
 
 import json
-import os
 import sys
 from pathlib import Path
 
@@ -18,7 +17,7 @@ import torch
 import yaml
 
 from rlvla3.observation import Observation
-from tests.jobs import ProcessPool
+from tests.jobs import ProcessPool, child_env
 from workers.envs.base import env_spec
 from workers.policies.base import make_policy
 
@@ -84,7 +83,7 @@ class Exports:
         self.pool = ProcessPool(2)
         self.runs: dict[str, tuple[Any, Any]] = {}
         self.done: dict[str, tuple[int, str, str]] = {}
-        env = {**os.environ, "PYTHONPATH": str(ROOT)}
+        env = child_env()
         for case_id, family, fmt, options in cases:
             self.runs[case_id] = make_run(root / case_id, family, options)
             self.pool.add(case_id, export_argv(root / case_id, fmt, root / f"{case_id}-out"), env=env, cwd=ROOT)

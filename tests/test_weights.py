@@ -32,6 +32,7 @@ from rlvla3.weights.manifest import Entry, ManifestError, Manifest
 from rlvla3.weights.publisher import WeightPublisher
 from rlvla3.weights.receiver import WeightReceiver
 from rlvla3.weights.stream import plan_buckets
+from tests.jobs import child_env
 from tests.weights_peer import digest, tiny_model
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -112,12 +113,6 @@ def relay():
             p.kill()
             p.wait(10)
     r.close()
-
-
-def child_env() -> dict[str, str]:
-    """The environment of a child process: the repository first on PYTHONPATH, and whatever was
-    there kept (the GPU machine's carried packages live in a site named there)."""
-    return {**os.environ, "PYTHONPATH": os.pathsep.join([str(ROOT), *filter(None, [os.environ.get("PYTHONPATH")])])}
 
 
 def spawn(relay: Relay, name: str, *extra: str) -> subprocess.Popen:
