@@ -288,7 +288,7 @@ class WeightsConfig:
     cuda_ipc: bool = False
     """CUDA only: trainer rank 0 also keeps its trainable slot on its GPU and announces a CUDA IPC
     handle; generators on the same GPU copy device to device from it (``rlvla3.weights.cuda_ipc``;
-    one H200 job ran with it, its byte test has not yet passed on a GPU). No effect on CPU."""
+    one H200 job ran with it, and its byte test passed on an H200). No effect on CPU."""
     delta: str = "none"
     """``bf16``: after the first version, each trainable tensor is also published as a bf16
     delta against the previous version; generators on other hosts holding that version read

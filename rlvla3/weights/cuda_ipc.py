@@ -1,8 +1,8 @@
 """Same-GPU hand-over of trainable weights by CUDA IPC. Nothing here runs unless the trainer's
 model is on a CUDA device and ``weights.cuda_ipc`` is on. Its test
 (``tests/test_weights.py::test_a_reader_on_the_same_gpu_takes_trainable_tensors_by_cuda_ipc``)
-skips without CUDA and has not passed on a GPU yet; one π0 3B job on an H200 swapped 4 versions
-by it (bench/gpu/README.md).
+skips without CUDA; it passed on an H200, and one π0 3B job there swapped 4 versions by it
+(bench/gpu/README.md).
 
 Where trainer rank 0 and a generator share one GPU (colocated placement), the trainable bytes
 need not cross the host twice. Rank 0 keeps one device buffer per trainable slot of the weight
@@ -73,13 +73,16 @@ class DeviceSlotReader:
     def __init__(self, device: torch.device) -> None:
         self.device = torch.device(device)
         self.uuid = device_uuid(self.device) if self.device.type == "cuda" else ""
-        self._open: dict[bytes, torch.Tensor] = {}
+        # Keyed by handle and offset: the caching allocator may carve both slot buffers out of
+        # one cudaMalloc block (small slots), and then they share the handle.
+        self._open: dict[tuple[bytes, int], torch.Tensor] = {}
 
     def usable(self, ipc: dict[str, Any] | None) -> bool:
         return ipc is not None and self.device.type == "cuda" and ipc["uuid"] == self.uuid
 
     def buffer(self, ipc: dict[str, Any]) -> torch.Tensor:
-        buf = self._open.get(ipc["handle"])
+        key = (ipc["handle"], ipc["offset"])
+        buf = self._open.get(key)
         if buf is None:
             from torch.multiprocessing.reductions import rebuild_cuda_tensor
 
@@ -87,7 +90,7 @@ class DeviceSlotReader:
             buf = rebuild_cuda_tensor(torch.Tensor, (n,), (1,), 0, torch.UntypedStorage, torch.uint8, ipc["device"],
                                       ipc["handle"], n, ipc["offset"], False, ipc["ref_handle"], ipc["ref_offset"],
                                       ipc.get("event"), ipc.get("event_sync", False))
-            self._open[ipc["handle"]] = buf
+            self._open[key] = buf
         return buf
 
     def copy(self, ipc: dict[str, Any], offset: int, dst: torch.Tensor) -> None:
