@@ -211,6 +211,11 @@ class AlgoConfig:
     """Entropy bonus weight (subtracted from the loss)."""
     max_grad_norm: float = 1.0
     """Global L2 norm the gradients are clipped to before every optimizer step."""
+    trust_region: str = "proximal"
+    """PPO: where the clip range is centred. ``proximal``: on the trainer's policy at the start of
+    the update (decoupled PPO, AReaL), with a capped behaviour -> proximal importance weight;
+    ``behaviour``: on the policy that acted (Sample Factory's APPO), so a policy that has already
+    moved away from stale samples' actor stops taking gradient from them. The same in sync."""
     behav_weight_cap: float = 2.0
     """Cap (>= 1) on the detached behaviour -> proximal importance weight of decoupled PPO
     (0: uncapped)."""

@@ -101,6 +101,26 @@ def test_hand_computed_decoupled_loss():
     assert t["new_value"].grad.tolist() == pytest.approx([0.0, 0.5 * 0.5 * 2 * 0.1 / 4, 0.5 * 0.5 * 2 * -0.5 / 4, 0.0])
 
 
+def test_behaviour_trust_region_clips_around_the_actor():
+    """trust_region="behaviour" on the hand example: r = new/behav, w = 1.
+
+    sample  A     r = new/behav   objective                                -obj
+    0       +1    1.1             1.1                                      -1.1
+    1       +2    1.875           min(3.75, 1.2*2 = 2.4) = 2.4 (clipped)   -2.4
+    2       -1    4.0             min(-4, -1.2) = -4 -> dual: -3           +3.0
+    3       -0.5  4.5             min(-2.25, -0.6) = -2.25 -> dual: -1.5   +1.5
+    policy_loss = (-1.1 - 2.4 + 3.0 + 1.5) / 4 = 0.25; only sample 0 keeps a gradient.
+    """
+    t = _hand_tensors()
+    cfg = AlgoConfig(**{**CFG.__dict__, "trust_region": "behaviour"})
+    loss, stats = ppo_loss(**t, cfg=cfg)
+    assert stats["policy_loss"] == pytest.approx(0.25)
+    assert stats["behav_weight_mean"] == pytest.approx(1.0)
+    assert stats["clip_frac"] == pytest.approx(0.75)
+    loss.backward()
+    assert t["new_logprob"].grad[:, 0].tolist() == pytest.approx([-1.1 / 4, 0.0, 0.0, 0.0])
+
+
 def test_chunk_level_sums_units_before_the_ratio():
     cfg = AlgoConfig(**{**CFG.__dict__, "ratio_level": "chunk"})
     loss, stats = ppo_loss(**_hand_tensors(split_units=True), cfg=cfg)
@@ -261,7 +281,7 @@ def test_first_step_ratio_is_one_with_recomputed_proximal():
 
 
 def test_config_rejects_bad_values():
-    for bad in ({"ratio_level": "token"}, {"dual_clip": 0.9}, {"behav_weight_cap": 0.5}):
+    for bad in ({"ratio_level": "token"}, {"dual_clip": 0.9}, {"behav_weight_cap": 0.5}, {"trust_region": "actor"}):
         with pytest.raises(ConfigError, match=f"algo.{next(iter(bad))}"):
             from_dict({"algo": bad})
 

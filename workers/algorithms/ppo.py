@@ -15,6 +15,9 @@ lets stale data pull the policy as far as the staleness already moved it. Decoup
     dual clip (Ye et al. 2020), only where A < 0:  max(surrogate term, c * A)
 
 When the samples are fresh (``prox == behav``), ``w = 1`` and this is exactly standard PPO.
+``trust_region="behaviour"`` is that standard PPO on stale samples too (Sample Factory's APPO):
+``r = pi_new / pi_behav``, ``w = 1``, so a sample whose actor the policy has already left by more
+than the clip gives no gradient, and stale batches cannot keep pushing the same way.
 The proximal log-probs are *recomputed* with one forward pass of the policy before the first
 optimizer step (:func:`proximal_pass`), never interpolated between versions.
 
@@ -133,14 +136,15 @@ def ppo_loss(
     adv = advantages.detach().to(new.dtype)[:, None].expand_as(new)
 
     # ---- Behaviour -> proximal importance weight (detached, capped) ------------------------
-    log_w = prox - behav
-    w_raw = torch.exp(log_w)
+    centre, w_raw = prox, torch.exp(prox - behav)
+    if cfg.trust_region == "behaviour":  # APPO: clip around the actor; no second correction
+        centre, w_raw = behav, torch.ones_like(w_raw)
     cap = cfg.behav_weight_cap or None
     w = w_raw if cap is None else w_raw.clamp(max=cap)
 
-    # ---- Proximal -> current ratio, clipped surrogate, dual clip ---------------------------
+    # ---- Centre -> current ratio, clipped surrogate, dual clip -----------------------------
     # Clamp the log-ratio so exp() stays finite; beyond e^20 the sample is clipped anyway.
-    log_r = (new - prox).clamp(max=20.0)
+    log_r = (new - centre).clamp(max=20.0)
     r = torch.exp(log_r)
     surr_unclipped = r * adv
     surr_clipped = r.clamp(1.0 - cfg.clip_eps, 1.0 + cfg.clip_eps) * adv
