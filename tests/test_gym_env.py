@@ -327,3 +327,17 @@ def test_parity_table_gathers_kept_results_and_sets_the_sync_threshold_from_clea
                           "--here", f"hopper={tmp_path / 'parity' / 'parity.md'}"], capture_output=True, text=True,
                          timeout=120, env={**__import__("os").environ, **launcher_env()})
     assert bad.returncode != 0 and "episodic_return" in bad.stderr
+
+
+def test_parity_runs_take_config_settings_for_every_run(tmp_path: Path) -> None:
+    """``--set KEY=VALUE`` reaches each run's config and is written into its command, so a
+    comparison such as ``algo.trust_region=behaviour`` is rerunnable from the table."""
+    out = tmp_path / "parity"
+    r = subprocess.run([sys.executable, str(ROOT / "bench/jobs/gym_parity.py"), "--smoke", "--modes", "async",
+                        "--set", "algo.trust_region=behaviour", "--out", str(out)],
+                       capture_output=True, text=True, timeout=300, env={**__import__("os").environ, **launcher_env()})
+    assert r.returncode == 0, r.stderr[-3000:]
+    run = json.loads(r.stdout.strip().splitlines()[-1])["runs"][0]
+    assert run["rc"] == 0 and run["command"].endswith("--set algo.trust_region=behaviour")
+    job_cfg = (out / "hopper" / "async" / "seed0" / "job" / "config.yaml").read_text()
+    assert "trust_region: behaviour" in job_cfg

@@ -189,6 +189,8 @@ def main() -> None:
     ap.add_argument("--steps", type=int, default=1_000_000, help="env steps per run")
     ap.add_argument("--timeout", type=float, default=7200.0, help="seconds per run before it is stopped")
     ap.add_argument("--fresh", action="store_true", help="rerun runs that already left a result")
+    ap.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE",
+                    help="a config setting for every run, as `rlvla3 run --set` (repeatable; e.g. algo.trust_region=behaviour)")
     ap.add_argument("--here", action="append", default=[], metavar="ENV=LOG",
                     help="the output of one run of CleanRL's unmodified ppo_continuous_action.py on this machine "
                          "(repeat per seed): its final return sets item 4's second sync threshold")
@@ -205,7 +207,8 @@ def main() -> None:
     for env in args.envs:
         for seed in args.seeds:
             for mode in args.modes:  # alternating modes, one run at a time
-                r = run_one(ROOT, env, mode, seed, args.steps, out / env / mode / f"seed{seed}", args.timeout, args.fresh)
+                r = run_one(ROOT, env, mode, seed, args.steps, out / env / mode / f"seed{seed}", args.timeout, args.fresh,
+                           tuple(args.overrides))
                 note(f"{ENVS[env]} {mode} seed={seed}: final_return={r['final_return']} episodes={r['episodes']} "
                      f"steps/s={r['steps_per_s']} rc={r['rc']}")
                 results.append(r)

@@ -27,9 +27,11 @@ LAST_SHARE = 0.10
 """``final_return`` is the mean return of this share of a run's episodes, the last ones."""
 
 
-def run_one(root: Path, env: str, mode: str, seed: int, steps: int, folder: Path, timeout_s: float, fresh: bool) -> dict[str, Any]:
+def run_one(root: Path, env: str, mode: str, seed: int, steps: int, folder: Path, timeout_s: float, fresh: bool,
+            overrides: tuple[str, ...] = ()) -> dict[str, Any]:
     """One job run from ``root`` (the repository), or the result a previous invocation left in
-    ``folder`` (resumable per seed)."""
+    ``folder`` (resumable per seed). ``overrides`` are ``--set KEY=VALUE`` settings of the
+    config, the same for every mode."""
     result_path = folder / "result.json"
     job = folder / "job"
     if result_path.is_file() and not fresh:
@@ -38,6 +40,8 @@ def run_one(root: Path, env: str, mode: str, seed: int, steps: int, folder: Path
             return {**done, **summarise(job, steps)} if (job / "trainer_metrics.jsonl").is_file() else done
     args = ["run", f"configs/gym_{env}_ppo.yaml", "--steps", str(steps),
             "--run-dir", str(job), "--set", f"run.mode={mode}", "--set", f"run.seed={seed}"]
+    for kv in overrides:
+        args += ["--set", kv]
     folder.mkdir(parents=True, exist_ok=True)
     if job.exists():
         shutil.rmtree(job)  # an unfinished attempt's metrics must not count
