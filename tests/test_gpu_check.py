@@ -66,9 +66,11 @@ def test_gpu_check_dry_run_writes_every_stage(tmp_path: Path) -> None:
         assert job["env_steps"] > 0 and job["env_steps_per_s"] > 0 and job["versions"] >= 1
         assert job["publish_to_swap_ms"]["1"] > 0 and job["staleness"]["count"] > 0
         assert job["update_s"] and job["offloading"] is False  # auto on CPU keeps the state
+        assert job["samples_trained"] > 0 and 0 <= job["dropped_stale"]
     # sync alternates (brokers/pacing.py): no new request once a batch is complete, but a chunk
     # already in flight ends under the version it started with and counts toward the next batch
     assert stages["job_sync"]["result"]["staleness"]["max"] <= 1
+    assert stages["job_sync"]["result"]["dropped_stale"] == 0
     head = summary["headline"]  # what a note quotes, picked out of the stages
     assert set(head["act_samples_per_s"]) >= FAMILIES and set(head["jobs"]) == {"sync", "async", "gr00t"}
     assert set(head["updates"]) == {f"{f}.{a}" for f in ("pi0", "openvla_oft") for a in ("ppo", "grpo")}

@@ -105,6 +105,14 @@ def staleness(fig: dict[str, Any]) -> dict[str, Any]:
                                     for k in ("p50", "p90", "max", "mean")}}
 
 
+def dropped(run_dir: Path) -> dict[str, Any]:
+    """Samples the trainer's staleness filter dropped (past ``max_staleness``), against those it
+    trained on, from its per-update lines: the broker's histogram counts both."""
+    rows = json_lines(run_dir / "trainer_metrics.jsonl")
+    return {"dropped_stale": int(rows[-1].get("dropped_stale_total", 0)) if rows else 0,
+            "samples_trained": int(sum(r.get("samples", 0) for r in rows))}
+
+
 class Stopped(Exception):
     """SIGTERM (``bench/gpu/check.sh``'s stage timeout): stop the job, report what was measured."""
 
@@ -177,6 +185,7 @@ def run(args: argparse.Namespace, run_dir: Path) -> dict[str, Any]:
         "publish_to_swap_ms_median": sorted(p2s.values())[len(p2s) // 2] if p2s else None,
         "first_version_ms": first_ms,
         "staleness": staleness(fig),
+        **dropped(run_dir),
         "update_s": [r.get("update_s") for r in log_events(run_dir / "trainer0.log", "update_done")],
         "generate_us_p50": (fig.get("generate_us") or {}).get("p50"),
         "batch_size_p50": (fig.get("batch_size") or {}).get("p50"),

@@ -79,7 +79,8 @@ def headline(stages: dict[str, Any]) -> dict[str, Any]:
     jobs = {n[4:]: {k: res[n].get(k) for k in ("env_steps_per_s", "env_steps_per_s_after_v1", "versions",
                                                 "publish_to_swap_ms_median", "startup_s", "seconds")}
             | {"staleness_p50": (res[n].get("staleness") or {}).get("p50"),
-               "staleness_max": (res[n].get("staleness") or {}).get("max")}
+               "staleness_max": (res[n].get("staleness") or {}).get("max"),
+               "dropped_stale": res[n].get("dropped_stale")}
             for n in ("job_sync", "job_async", "job_gr00t") if res[n]}
     return {"act_samples_per_s": models, "act_peak_mem_gib": peak, "updates": updates, "jobs": jobs}
 
