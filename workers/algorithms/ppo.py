@@ -191,7 +191,8 @@ def ppo_loss(
         rows = [
             ((ratio_d - 1.0).abs() > cfg.clip_eps).to(dtype),  # clip_frac
             dual_active.to(dtype),  # dual_clip_frac
-            # k3 estimator of KL(prox || new): unbiased, always >= 0 (Schulman's blog note).
+            # k3 estimator of KL(centre || new), the centre being prox or behav (trust_region):
+            # unbiased, always >= 0 (Schulman's blog note).
             (ratio_d - 1.0) - log_r.detach(),  # approx_kl
             ratio_d,  # ratio_mean
             w.detach(),  # behav_weight_mean
