@@ -136,9 +136,10 @@ def ppo_loss(
     adv = advantages.detach().to(new.dtype)[:, None].expand_as(new)
 
     # ---- Behaviour -> proximal importance weight (detached, capped) ------------------------
-    centre, w_raw = prox, torch.exp(prox - behav)
     if cfg.trust_region == "behaviour":  # APPO: clip around the actor; no second correction
-        centre, w_raw = behav, torch.ones_like(w_raw)
+        centre, w_raw = behav, torch.ones_like(behav)
+    else:
+        centre, w_raw = prox, torch.exp(prox - behav)
     cap = cfg.behav_weight_cap or None
     w = w_raw if cap is None else w_raw.clamp(max=cap)
 
