@@ -245,6 +245,14 @@ class AlgoConfig:
     """PPO: clip the (scaled) rewards to +-this before GAE (0: no clip)."""
     anneal_lr: bool = False
     """Lower the learning rate linearly from ``lr`` to 0 over ``run.total_env_steps`` consumed."""
+    value_lr: float = 0.0
+    """PPO: Adam learning rate of the critic (the parameters under a top-level module whose name
+    holds ``value``), 0: ``lr``. RLinf trains pi0.5's value head at 1e-4 beside an actor at 5e-6:
+    a new critic has far to go, a warm-started actor little. ``anneal_lr`` lowers both alike."""
+    frozen: list = field(default_factory=list)
+    """Parameter-name prefixes RL never steps (``[vlm]``: pi0.5's VLM stays as the warm start left
+    it, RLinf's ``train_expert_only``); frozen on the trainer before version 0, so weight versions
+    carry the rest only. Each must name at least one parameter. SFT warm starts train everything."""
     critic_warmup_updates: int = 0
     """PPO: the first this many updates train the value head only (advantages zeroed), so a
     warm-started policy is not pushed around by a critic that has not learnt anything yet."""

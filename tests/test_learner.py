@@ -4,6 +4,7 @@ whole groups and masks samples (one rule), and one update on a real policy repor
 from __future__ import annotations
 
 import numpy as np
+import pytest
 import torch
 
 from rlvla3.config import load
@@ -11,7 +12,7 @@ from rlvla3.harness.jobs import SMALL_JOB
 from rlvla3.observation import Observation
 from workers.algorithms.update import TrainState, _gae, update
 from workers.learner import RECENT_FRAGMENTS, Fragment, Learner, Unit, build_batch
-from workers.model import build_policy
+from workers.model import build_policy, freeze_prefixes
 
 
 def _cfg(*overrides: str):
@@ -115,6 +116,30 @@ def test_ppo_batch_masks_stale_samples_and_update_reports_typed_result():
     # every sample stale, one rank: nothing is stepped and the version must not move
     stale = update(state, build_batch(units[:1], 3, cfg), cfg.algo)
     assert not stale.trained and stale.figures()["skipped"] is True and stale.samples == 0
+
+
+def test_frozen_prefixes_stay_put_and_the_critic_steps_at_its_own_rate():
+    """``algo.frozen`` (as the trainer applies it before version 0) and ``algo.value_lr``: the
+    frozen tower never moves, the actor and the value head each step and anneal from their own rate."""
+    cfg = _cfg("algo.frozen=[cnn, trunk.0]", "algo.value_lr=0.01", "algo.anneal_lr=true")
+    policy = build_policy(cfg).train()
+    with pytest.raises(ValueError, match=r"'vlm' names no parameter .*'cnn', 'log_std', 'mu', 'trunk', 'value_head'"):
+        freeze_prefixes(policy, ["vlm"])
+    assert freeze_prefixes(policy, cfg.algo.frozen) == len([n for n, _ in policy.named_parameters()
+                                                           if n.startswith(("cnn.", "trunk.0."))]) > 0
+    learner = Learner(cfg)
+    learner.add(_fragment(policy, 6, 0, env=0, ret=1.0, success=True))
+    batch = build_batch(learner.take(cfg.algo.batch_steps), 0, cfg)
+    state = TrainState.build(policy, cfg.algo)
+    assert [g["lr"] for g in state.optimizer.param_groups] == [cfg.algo.lr, 0.01]
+    assert [g["lr"] for g in state.critic_optimizer.param_groups] == [0.01]
+    before = {n: p.detach().clone() for n, p in policy.named_parameters()}
+    result = update(state, batch, cfg.algo, progress=0.5)
+    assert result.trained and result.diagnostics["lr"] == cfg.algo.lr / 2
+    assert [g["lr"] for g in state.optimizer.param_groups] == [cfg.algo.lr / 2, 0.005]
+    moved = {n for n, p in policy.named_parameters() if not torch.equal(before[n], p)}
+    assert not any(n.startswith(("cnn.", "trunk.0.")) for n in moved), moved
+    assert {"trunk.2.weight", "mu.weight", "value_head.weight"} <= moved, moved
 
 
 def _pieces(frag: Fragment, cuts: list[int], writer: dict, first_tid: int) -> list[Fragment]:

@@ -62,6 +62,23 @@ def build_policy(cfg: JobConfig, spec: EnvSpec | None = None, device: str | None
     return policy
 
 
+def freeze_prefixes(policy: torch.nn.Module, prefixes: list[str]) -> int:
+    """Stop gradients to every parameter whose name starts with one of ``prefixes`` (a dotted
+    module path, ``vlm`` or ``vlm.vision_tower``); returns how many tensors it froze. A prefix
+    that names no parameter is a typo, and an error that lists the top-level modules."""
+    names = [n for n, _ in policy.named_parameters()]
+    for prefix in prefixes:
+        if not any(n == prefix or n.startswith(prefix + ".") for n in names):
+            tops = sorted({n.split(".", 1)[0] for n in names})
+            raise ValueError(f"algo.frozen: {prefix!r} names no parameter of this policy (its modules: {tops})")
+    frozen = 0
+    for n, p in policy.named_parameters():
+        if any(n == prefix or n.startswith(prefix + ".") for prefix in prefixes):
+            p.requires_grad_(False)
+            frozen += 1
+    return frozen
+
+
 def _is_rlvla3_checkpoint(path: str) -> bool:
     """Our own layout: a checkpoint folder (model.safetensors + state.json), a run folder with
     checkpoints, or a bare model.safetensors file."""

@@ -37,7 +37,7 @@ from workers.algorithms.update import TrainState, UpdateResult, update
 from workers.base import WorkerBase
 from workers.learner import Fragment, Learner, Unit, build_batch
 from workers.metrics import EvalTally, MetricsSink, update_row
-from workers.model import build_policy
+from workers.model import build_policy, freeze_prefixes
 from workers.trainer_checkpoints import Checkpoints
 from workers.trainer_publish import Publishing
 from workers.trainer_rounds import Deferred, Rounds, join_group
@@ -102,6 +102,8 @@ class TrainerWorker(WorkerBase):
             self.rounds = Rounds(self.world, cfg.algo.batch_steps)
         policy = build_policy(cfg, device=self.device)
         policy.train()
+        if cfg.algo.frozen:  # before the optimizer and version 0: versions carry what trains
+            log.info("trainer_frozen", prefixes=cfg.algo.frozen, tensors=freeze_prefixes(policy, cfg.algo.frozen))
         if cfg.train.gradient_checkpointing:
             enable_gradient_checkpointing(policy)
         model = policy

@@ -46,18 +46,23 @@ EvaluateFn = Callable[[Any, torch.Tensor, dict], Any]  # (obs, actions, replay) 
 # directly: one dataclass, one default each, validated by ``rlvla3.config.validate``.
 
 
-def make_optimizer(params: Iterable[nn.Parameter], cfg: AlgoConfig) -> torch.optim.Optimizer:
+def make_optimizer(params: Iterable[nn.Parameter] | list[dict[str, Any]], cfg: AlgoConfig) -> torch.optim.Optimizer:
     """Adam with eps=1e-5, the usual PPO choice (CleanRL, OpenAI baselines), fused, over the
-    parameters that train. bf16 parameters (``model.dtype: bfloat16``) get :class:`MasterAdam`: fp32 master
-    weights and moments, the bf16 copy rewritten after each step."""
-    params = [p for p in params if p.requires_grad]
-    if any(p.dtype in (torch.bfloat16, torch.float16) for p in params):
+    parameters that train: ``params`` are parameters, or param groups with their own ``lr``
+    (``algo.value_lr``). bf16 parameters (``model.dtype: bfloat16``) get :class:`MasterAdam`: fp32
+    master weights and moments, the bf16 copy rewritten after each step."""
+    given = list(params)
+    if not given or not isinstance(given[0], dict):
+        given = [{"params": given}]
+    groups = [{**g, "params": [p for p in g["params"] if p.requires_grad]} for g in given]
+    groups = [g for g in groups if g["params"]]
+    if any(p.dtype in (torch.bfloat16, torch.float16) for g in groups for p in g["params"]):
         from workers.algorithms.precision import MasterAdam
 
-        return MasterAdam(params, lr=cfg.lr, eps=1e-5)
+        return MasterAdam(groups, lr=cfg.lr, eps=1e-5)
     # fused: one kernel per step for every parameter (CPU and CUDA, torch >= 2.4); a small policy's
     # update otherwise spends a fifth of its time in Adam's per-tensor Python loop.
-    return torch.optim.Adam(params, lr=cfg.lr, eps=1e-5, fused=True)
+    return torch.optim.Adam(groups, lr=cfg.lr, eps=1e-5, fused=True)
 
 
 # ---------------------------------------------------------------------------------------------

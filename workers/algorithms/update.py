@@ -84,9 +84,18 @@ class TrainState:
 
     @classmethod
     def build(cls, policy: nn.Module, algo: AlgoConfig, model: nn.Module | None = None) -> "TrainState":
-        optimizer = make_optimizer(policy.parameters(), algo)
         critic = [p for n, p in policy.named_parameters() if "value" in n.split(".")[0] and p.requires_grad]
-        critic_optimizer = make_optimizer(critic, algo) if critic else optimizer
+        value_lr = algo.value_lr or algo.lr
+        if critic and value_lr != algo.lr:  # two groups, each annealed from its own rate
+            ids = {id(p) for p in critic}
+            actor = [p for p in policy.parameters() if id(p) not in ids]
+            optimizer = make_optimizer([{"params": actor, "lr": algo.lr}, {"params": critic, "lr": value_lr}], algo)
+        else:
+            optimizer = make_optimizer(policy.parameters(), algo)
+        critic_optimizer = make_optimizer([{"params": critic, "lr": value_lr}], algo) if critic else optimizer
+        for opt in {id(o): o for o in (optimizer, critic_optimizer)}.values():
+            for group in opt.param_groups:
+                group["base_lr"] = group["lr"]
         return cls(policy, model if model is not None else policy, optimizer, critic_optimizer)
 
     @property
@@ -184,11 +193,11 @@ def update(state: TrainState, batch: TrainBatch, algo: AlgoConfig, critic_warmup
 
     # ---- 3. PPO (or GRPO through PPO, no critic), proximal log-probs recomputed -------------
     if algo.anneal_lr:
-        lr = algo.lr * max(0.0, 1.0 - progress)
+        frac = max(0.0, 1.0 - progress)
         for opt in {id(o): o for o in (state.optimizer, state.critic_optimizer)}.values():
             for group in opt.param_groups:
-                group["lr"] = lr
-        result.diagnostics["lr"] = lr
+                group["lr"] = group.get("base_lr", algo.lr) * frac  # a checkpoint from before value_lr has none
+        result.diagnostics["lr"] = algo.lr * frac
     if algo.name == "ppo" and critic_warmup:
         # Critic warm-up: advantages zeroed and only the value head stepped, so a shared trunk
         # cannot drag a warm-started policy around while the critic learns the returns.
