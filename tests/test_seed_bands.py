@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from rlvla3.harness.seed_bands import band_points, tenth_means
+from rlvla3.harness.seed_bands import band_points, chance_if_equal, tenth_means
 
 
 def test_tenth_means_weigh_each_point_and_leave_empty_tenths_none():
@@ -41,3 +41,19 @@ def test_band_points_judge_async_against_two_standard_errors_of_sync_after_the_f
     for c in gap[1:]:
         c[4] = None
     assert band_points(gap, inside)["points"][2] == {"tenth": 5, "within": None}
+
+
+def test_chance_if_equal_is_how_often_sync_passes_against_itself():
+    # five sync curves whose tenths move as one: the test is then one t-like comparison,
+    # P(|T_4| <= 0.82) ~ 0.54 for one async seed, P(|T_4| <= 1.91) ~ 0.87 for fifty
+    sync = [[0.0] * 10, [1.0] * 10, [2.0] * 10, [1.5] * 10, [0.5] * 10]
+    one, many = chance_if_equal(sync, 1), chance_if_equal(sync, 50)
+    assert 0.5 < one < 0.58 and 0.84 < many < 0.9  # more async seeds: a tighter mean, passes more often
+    assert chance_if_equal(sync, 1) == one  # seeded: the same report twice
+    assert band_points(sync, [[1.0] * 10])["chance_if_equal"] == one
+    # independent tenths pass all eight together far less often than tenths that move as one
+    rng_rows = [[float(v) for v in row] for row in
+                [[0, 1, 2, 0, 1, 2, 0, 1, 2, 0], [1, 2, 0, 1, 2, 0, 1, 2, 0, 1], [2, 0, 1, 2, 0, 1, 2, 0, 1, 2],
+                 [0, 2, 1, 0, 2, 1, 0, 2, 1, 0], [1, 0, 2, 1, 0, 2, 1, 0, 2, 1]]]
+    assert chance_if_equal(rng_rows, 1) < one
+    assert chance_if_equal(sync[:2], 1) is None and chance_if_equal(sync, 0) is None

@@ -173,7 +173,8 @@ def table(results: list[dict[str, Any]], envs: list[str], modes: list[str], seed
             continue
         lines += ["", f"{ENVS[env]}, async against sync's mean ± 2 SE over seeds, per tenth of the env steps "
                       f"(all within: {agree['all_within']}; final async/sync {agree['final_async_over_sync']}, "
-                      f"within 10%: {agree['final_within_10pct']}):", "",
+                      f"within 10%: {agree['final_within_10pct']}; an async that is sync passes this test "
+                      f"{agree['chance_if_equal']} of the time, `seed_bands.chance_if_equal`):", "",
                   "| tenth | sync mean | ± 2 SE | async mean | within |", "|---|---|---|---|---|"]
         lines += [f"| {p['tenth']} | {p.get('sync', '-')} | {p.get('sync_2se', '-')} | {p.get('async', '-')} | "
                   f"{p['within']} |" for p in agree["points"]]
