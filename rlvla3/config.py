@@ -212,21 +212,17 @@ class AlgoConfig:
     max_grad_norm: float = 1.0
     """Global L2 norm the gradients are clipped to before every optimizer step."""
     trust_region: str = "proximal"
-    """PPO: where the clip range is centred. ``proximal``: on the trainer's policy at the start of
-    the update (decoupled PPO, AReaL), with a capped behaviour -> proximal importance weight;
-    ``behaviour``: on the policy that acted (Sample Factory's APPO), so a policy that has already
-    moved away from stale samples' actor stops taking gradient from them. The same in sync."""
+    """PPO: the clip's centre, ``proximal`` (the update's start, decoupled PPO with a capped weight)
+    or ``behaviour`` (the actor, Sample Factory's APPO). The same in sync."""
     behav_weight_cap: float = 2.0
     """Cap (>= 1) on the detached behaviour -> proximal importance weight of decoupled PPO
     (0: uncapped)."""
     max_staleness: int = 4
     """Samples from policies more than this many versions old are dropped."""
     admission_lag: int | None = None
-    """Async: batches of rollout work the broker lets run ahead of the trainer (the capacity rule
-    with this in place of ``max_staleness``; None: ``max_staleness``). Simulators faster than the
-    trainer fill whatever is allowed, so their samples train this many versions stale; 1 already
-    overlaps one batch of rollouts with one update. Slow, long-tailed simulators want the full
-    ``max_staleness`` so stragglers do not hold the others back."""
+    """Async: batches of rollout work admitted ahead of the trainer (None: ``max_staleness``). Fast
+    simulators fill it, so their samples train this many versions stale; 1 overlaps one rollout
+    with one update. Long-tailed simulators want ``max_staleness``, so stragglers hold no one back."""
     publish_every: int = 1
     """Publish a weight version every this many updates."""
     grpo_reward: str = "success"
@@ -246,13 +242,9 @@ class AlgoConfig:
     anneal_lr: bool = False
     """Lower the learning rate linearly from ``lr`` to 0 over ``run.total_env_steps`` consumed."""
     value_lr: float = 0.0
-    """PPO: Adam learning rate of the critic (the parameters under a top-level module whose name
-    holds ``value``), 0: ``lr``. RLinf trains pi0.5's value head at 1e-4 beside an actor at 5e-6:
-    a new critic has far to go, a warm-started actor little. ``anneal_lr`` lowers both alike."""
+    """PPO: the critic's learning rate (modules named ``value*``; 0: ``lr``), annealed alike."""
     frozen: list = field(default_factory=list)
-    """Parameter-name prefixes RL never steps (``[vlm]``: pi0.5's VLM stays as the warm start left
-    it, RLinf's ``train_expert_only``); frozen on the trainer before version 0, so weight versions
-    carry the rest only. Each must name at least one parameter. SFT warm starts train everything."""
+    """Parameter-name prefixes RL never steps (``[vlm]``: RLinf's ``train_expert_only``)."""
     critic_warmup_updates: int = 0
     """PPO: the first this many updates train the value head only (advantages zeroed), so a
     warm-started policy is not pushed around by a critic that has not learnt anything yet."""

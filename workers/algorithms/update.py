@@ -81,6 +81,10 @@ class TrainState:
     model: nn.Module
     optimizer: torch.optim.Optimizer
     critic_optimizer: torch.optim.Optimizer
+    base_lrs: dict[int, list[float]] = field(default_factory=dict)
+    """Per optimizer (by ``id``), each param group's rate before annealing (``algo.value_lr``:
+    the critic's group has its own). Kept here, not in the groups: a checkpoint's optimizer
+    state then has the keys it always had."""
 
     @classmethod
     def build(cls, policy: nn.Module, algo: AlgoConfig, model: nn.Module | None = None) -> "TrainState":
@@ -93,10 +97,8 @@ class TrainState:
         else:
             optimizer = make_optimizer(policy.parameters(), algo)
         critic_optimizer = make_optimizer([{"params": critic, "lr": value_lr}], algo) if critic else optimizer
-        for opt in {id(o): o for o in (optimizer, critic_optimizer)}.values():
-            for group in opt.param_groups:
-                group["base_lr"] = group["lr"]
-        return cls(policy, model if model is not None else policy, optimizer, critic_optimizer)
+        base_lrs = {id(o): [g["lr"] for g in o.param_groups] for o in (optimizer, critic_optimizer)}
+        return cls(policy, model if model is not None else policy, optimizer, critic_optimizer, base_lrs)
 
     @property
     def distributed(self) -> bool:
@@ -195,8 +197,8 @@ def update(state: TrainState, batch: TrainBatch, algo: AlgoConfig, critic_warmup
     if algo.anneal_lr:
         frac = max(0.0, 1.0 - progress)
         for opt in {id(o): o for o in (state.optimizer, state.critic_optimizer)}.values():
-            for group in opt.param_groups:
-                group["lr"] = group.get("base_lr", algo.lr) * frac  # a checkpoint from before value_lr has none
+            for group, base in zip(opt.param_groups, state.base_lrs[id(opt)]):
+                group["lr"] = base * frac
         result.diagnostics["lr"] = algo.lr * frac
     if algo.name == "ppo" and critic_warmup:
         # Critic warm-up: advantages zeroed and only the value head stepped, so a shared trunk
