@@ -74,6 +74,15 @@ def test_cli_rejects_unknown_key_before_starting_anything(tmp_path: Path):
     assert r.returncode != 0 and "algo.lrr" in r.stderr
 
 
+def test_a_worker_that_fails_its_setup_ends_the_run_with_its_error(tmp_path: Path):
+    # algo.frozen names parameters, which only a built policy knows: the trainer refuses at setup
+    r = run_cli("run", "configs/synthetic.yaml", "--steps", "600", "--run-dir", str(tmp_path / "r"),
+                "--set", "algo.frozen=[nope]", "--set", "workers.simulators=1", timeout=120)
+    assert r.returncode != 0
+    assert last_json(r.stdout)["reason"].startswith("process_exited")
+    assert "trainer0.log" in r.stderr and "nope" in r.stderr and "names no parameter of this policy" in r.stderr, r.stderr[-2000:]
+
+
 @pytest.mark.slow
 def test_run_smoke_and_status(tmp_path: Path):
     run_dir = tmp_path / "run"

@@ -262,7 +262,8 @@ def run(ctx: click.Context, config: str | None, steps: int | None, overrides: tu
     except RunRefused as exc:
         raise click.ClickException(str(exc)) from None
     if controller.run().startswith("process_exited"):
-        raise click.ClickException(f"a process exited early; logs are in {controller.folder}")
+        why = controller.first_error()
+        raise click.ClickException(f"a process exited early; logs are in {controller.folder}" + (f"\n{why}" if why else ""))
     stopped_cleanly()  # summary and checkpoint written: leave without the interpreter's teardown
 
 

@@ -164,6 +164,15 @@ class RunController:
             record.write_summary(summary)
         return reason
 
+    def first_error(self) -> str:
+        """The first error a worker or the broker logged in this run's folder (``trainer0.log:
+        setup_failed ...``), so a run that ends early says why without a trip through its logs."""
+        for log_file in sorted(self.folder.glob("*.log")):
+            for line in log_file.read_text(errors="replace").splitlines():
+                if "[error" in line or '"level": "error"' in line:
+                    return f"{log_file.name}: {line.strip()[:600]}"
+        return ""
+
     def follow(self, job: LocalJob, record: RunRecord) -> str:
         """Poll STATUS until the step count is reached, a stop is asked or a process dies, each
         answer into the run's ``record``."""
