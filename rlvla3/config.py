@@ -242,7 +242,7 @@ class AlgoConfig:
     anneal_lr: bool = False
     """Lower the learning rate linearly from ``lr`` to 0 over ``run.total_env_steps`` consumed."""
     value_lr: float = 0.0
-    """PPO: the critic's learning rate (modules named ``value*``; 0: ``lr``), annealed alike."""
+    """PPO: the critic's learning rate (top modules whose name holds ``value``; 0: ``lr``)."""
     frozen: list = field(default_factory=list)
     """Parameter-name prefixes RL never steps (``[vlm]``: RLinf's ``train_expert_only``)."""
     critic_warmup_updates: int = 0

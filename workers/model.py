@@ -66,17 +66,16 @@ def freeze_prefixes(policy: torch.nn.Module, prefixes: list[str]) -> int:
     """Stop gradients to every parameter whose name starts with one of ``prefixes`` (a dotted
     module path, ``vlm`` or ``vlm.vision_tower``); returns how many tensors it froze. A prefix
     that names no parameter is a typo, and an error that lists the top-level modules."""
-    names = [n for n, _ in policy.named_parameters()]
-    for prefix in prefixes:
-        if not any(n == prefix or n.startswith(prefix + ".") for n in names):
-            tops = sorted({n.split(".", 1)[0] for n in names})
+    named = list(policy.named_parameters())
+    under = {prefix: [p for n, p in named if n == prefix or n.startswith(prefix + ".")] for prefix in prefixes}
+    for prefix, params in under.items():
+        if not params:
+            tops = sorted({n.split(".", 1)[0] for n, _ in named})
             raise ValueError(f"algo.frozen: {prefix!r} names no parameter of this policy (its modules: {tops})")
-    frozen = 0
-    for n, p in policy.named_parameters():
-        if any(n == prefix or n.startswith(prefix + ".") for prefix in prefixes):
-            p.requires_grad_(False)
-            frozen += 1
-    return frozen
+    frozen = {id(p): p for params in under.values() for p in params}
+    for p in frozen.values():
+        p.requires_grad_(False)
+    return len(frozen)
 
 
 def _is_rlvla3_checkpoint(path: str) -> bool:
