@@ -222,6 +222,7 @@ class BrokerStats:
                 "duplicates": self.traj_duplicates,
             },
             "episodes": self.episodes,
+            "successes": self.successes,
             "env_restarts": self.env_restarts,
             "max_loop_stall_ms": round(self.max_loop_stall_ms, 3),
             "loop_stall_ms_recent": round(self.recent_stall_ms(now), 3),

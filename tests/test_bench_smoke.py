@@ -115,6 +115,9 @@ def check_learning(r: dict[str, Any], out: Path) -> None:
     for mode in ("sync", "async"):
         rows = (folder / f"{mode}-seed0" / "metrics.jsonl").read_text().splitlines()
         assert any(json.loads(line)["env_steps"] > 0 for line in rows), mode
+        counts = [(row["episodes"], row["successes"]) for row in map(json.loads, rows) if row["env_steps"] > 0]
+        assert all(0 <= s <= e for e, s in counts), counts  # the broker's running counts, read by fig6
+        assert all(e0 <= e1 and s0 <= s1 for (e0, s0), (e1, s1) in zip(counts, counts[1:])), counts
     assert r["png"] and all(Path(p).stat().st_size > 0 for p in r["png"])
     assert json.loads((folder / "results.json").read_text()) == r
     fig6 = r["fig6"]  # one seed per mode: the per-seed figures, and no band yet

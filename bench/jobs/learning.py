@@ -26,8 +26,9 @@ it); ``--final-eval N`` scores the warm start and each job's last checkpoint on 
 Modes alternate per seed, one job at a time. A warm start or job that finished leaves
 ``learning_done.json`` in its folder, and a rerun reads it instead of running it again
 (``--fresh`` reruns), so a sweep resumes per seed and mode. ``fig6`` in the JSON holds the
-issue's targets per mode: mean sampled success over the last 10% of env steps against the first
-5% (the first progress line with a success when no line falls in that 5%), per seed and mean;
+issue's targets per mode: the sampled success of the episodes that ended in the last 10% of env
+steps against those that ended in the first 5% (the broker's running episode and success counts),
+per seed and mean;
 whether any seed ended below its start; the held-out deterministic rise; async against sync's mean
 +- 2 SE per tenth after the first 20% (``rlvla3/harness/seed_bands.py``); and the seconds async
 takes to first show sync's final sampled success over sync's whole run (target <= 0.7).
@@ -150,6 +151,8 @@ def curve_json(c: dict[str, np.ndarray], rows: list[dict[str, Any]], points: int
             "success": [round(float(c["success"][i]), 3) for i in keep],
             "steps_all": [int(x) for x in c["steps"]], "seconds_all": [round(float(x), 1) for x in c["seconds"]],
             "success_all": [round(float(x), 4) for x in c["success"]],
+            "counts_all": [[r["env_steps"], r.get("episodes", 0), r["successes"]] for r in rows
+                           if r.get("env_steps", 0) > 0 and r.get("successes") is not None],
             "eval": [[v, *evals[v]] for v in sorted(evals)]}  # [version, env steps, seconds, success, episodes]
 
 
@@ -189,10 +192,14 @@ def fig6_targets(curves: dict[str, list[dict[str, Any]]], warm: list[dict[str, A
     for mode, runs in curves.items():
         per_seed = []
         for cj in runs:
-            st, su = np.asarray(cj["steps_all"], float), np.asarray(cj["success_all"], float)
-            first = su[st <= 0.05 * steps] if (st <= 0.05 * steps).any() else su[:1]
-            last = su[st > 0.9 * steps]
-            row = {"seed": cj["seed"], "first_5pct": _mean(first), "last_10pct": _mean(last),
+            counts = cj.get("counts_all") or []
+            if counts:  # the episodes that ended in each window, from the broker's running counts
+                first, last = _ended_success(counts, 0, 0.05 * steps), _ended_success(counts, 0.9 * steps, None)
+            else:  # runs from before the counts: the progress lines' rolling 200-episode window
+                st, su = np.asarray(cj["steps_all"], float), np.asarray(cj["success_all"], float)
+                first = _mean(su[st <= 0.05 * steps] if (st <= 0.05 * steps).any() else su[:1])
+                last = _mean(su[st > 0.9 * steps])
+            row = {"seed": cj["seed"], "first_5pct": first, "last_10pct": last,
                    "held_out_start": start_eval.get(cj["seed"]), "held_out_end": cj.get("held_out_success"),
                    "seconds": float(cj["seconds_all"][-1]) if cj["seconds_all"] else None}
             row["ended_below_start"] = (None if row["first_5pct"] is None or row["last_10pct"] is None
@@ -212,6 +219,21 @@ def fig6_targets(curves: dict[str, list[dict[str, Any]]], warm: list[dict[str, A
         out["agreement"] = seed_bands.band_points(tenths["sync"], tenths["async"])
         out["wall_clock"] = _time_to_sync_final(curves, out["sync"]["last_10pct"])
     return out
+
+
+def _ended_success(counts: list[list[int]], lo: float, hi: float | None) -> float | None:
+    """Sampled success of the episodes that ended while the env-step count was in ``(lo, hi]``
+    (``hi`` None: to the end), from ``[env steps, episodes, successes]`` running counts. The
+    progress line's rolling window of 200 episodes reaches back ~20k env steps and shows nothing
+    before 100 episodes (~11k steps on Meta-World), so near the start it mixes in the first few
+    policy versions; these counts take the window's own episodes only."""
+    def at(x: float) -> tuple[int, int]:  # the counts at the last line at or before env step x
+        before = [c for c in counts if c[0] <= x]
+        return (before[-1][1], before[-1][2]) if before else (0, 0)
+
+    e0, s0 = at(lo)
+    e1, s1 = at(hi) if hi is not None else (counts[-1][1], counts[-1][2])
+    return round((s1 - s0) / (e1 - e0), 4) if e1 > e0 else None
 
 
 def _time_to_sync_final(curves: dict[str, list[dict[str, Any]]], target: float | None) -> dict[str, Any] | None:

@@ -45,6 +45,7 @@ def progress_row(fig: dict[str, Any], elapsed: float, before: dict[str, Any] | N
         "episodes": fig.get("episodes", 0),
         "return": fig.get("return_recent"),
         "success": fig.get("success_rate_recent") if fig.get("episodes", 0) >= SUCCESS_AFTER_EPISODES else None,
+        "successes": fig.get("successes"),
         "policy_version": fig.get("policy_version", -1),
         "staleness_p50": (st.get("p50", 1) - 1) if st.get("count") else None,
         "staleness_max": (st.get("max", 1) - 1) if st.get("count") else None,
