@@ -192,13 +192,8 @@ def fig6_targets(curves: dict[str, list[dict[str, Any]]], warm: list[dict[str, A
     for mode, runs in curves.items():
         per_seed = []
         for cj in runs:
-            counts = cj.get("counts_all") or []
-            if counts:  # the episodes that ended in each window, from the broker's running counts
-                first, last = _ended_success(counts, 0, 0.05 * steps), _ended_success(counts, 0.9 * steps, None)
-            else:  # runs from before the counts: the progress lines' rolling 200-episode window
-                st, su = np.asarray(cj["steps_all"], float), np.asarray(cj["success_all"], float)
-                first = _mean(su[st <= 0.05 * steps] if (st <= 0.05 * steps).any() else su[:1])
-                last = _mean(su[st > 0.9 * steps])
+            counts = cj["counts_all"]  # the episodes that ended in each window (broker's running counts)
+            first, last = _ended_success(counts, 0, 0.05 * steps), _ended_success(counts, 0.9 * steps, None)
             row = {"seed": cj["seed"], "first_5pct": first, "last_10pct": last,
                    "held_out_start": start_eval.get(cj["seed"]), "held_out_end": cj.get("held_out_success"),
                    "seconds": float(cj["seconds_all"][-1]) if cj["seconds_all"] else None}
@@ -231,6 +226,8 @@ def _ended_success(counts: list[list[int]], lo: float, hi: float | None) -> floa
         before = [c for c in counts if c[0] <= x]
         return (before[-1][1], before[-1][2]) if before else (0, 0)
 
+    if not counts:  # a run folder from before the broker reported its success count
+        return None
     e0, s0 = at(lo)
     e1, s1 = at(hi) if hi is not None else (counts[-1][1], counts[-1][2])
     return round((s1 - s0) / (e1 - e0), 4) if e1 > e0 else None
