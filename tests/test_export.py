@@ -123,6 +123,7 @@ def test_export_round_trip_gives_identical_actions(case, exports):
     assert summary["family"] == family and summary["checkpoint"].endswith("v00000007")
     loaded = load_release(str(exports.out(case_id)), family, spec, {"device": "cpu", "dtype": "float32"})
     obs = obs_for(spec)
+    policy.seed_eval(0), loaded.seed_eval(0)
     a, b = policy.act(obs, deterministic=True), loaded.act(obs, deterministic=True)
     assert torch.equal(a.actions, b.actions)
     assert torch.equal(a.value, b.value)  # the critic travels in the rlvla3 side file
@@ -162,8 +163,9 @@ def test_pi0_export_loads_in_upstream_transformers(exports):
     upstream = PI0ForConditionalGeneration.from_pretrained(str(exports.out("pi0-transformers"))).eval()
     obs = obs_for(spec, seed=4)
     with torch.no_grad():
-        raw = upstream.sample_actions(noise=torch.zeros(3, 4, policy.model_action_dim), **policy.model_inputs(policy.norm.state_in(obs)))
-    assert torch.equal(policy.act(obs, deterministic=True).actions, policy.norm.action_out(raw[..., : spec.action_dim]))
+        noise = torch.randn(3, 4, policy.model_action_dim)
+        raw = upstream.sample_actions(noise=noise, **policy.model_inputs(policy.norm.state_in(obs)))
+    assert torch.equal(policy.act(obs, deterministic=True, noise=noise).actions, policy.norm.action_out(raw[..., : spec.action_dim]))
 
 
 def test_export_refuses_what_the_format_cannot_hold(exports):

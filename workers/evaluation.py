@@ -111,6 +111,7 @@ def run_protocol(cfg: JobConfig, policy: torch.nn.Module, proto: Protocol, envs_
     """Every (task, start) of ``proto``, deterministic; the first ``video_episodes`` episodes of
     each task keep their frames (``cameras``: default all)."""
     policy.eval()
+    policy.seed_eval(cfg.run.seed)
     k = max(1, min(envs_per_task, len(proto.seeds)))
     n = proto.tasks * k
     env = make_env(cfg.env.name, num_envs=n, seed=cfg.run.seed, options=proto.options)

@@ -83,6 +83,10 @@ class Policy(nn.Module, ABC):
     def evaluate(self, obs: Observation, actions: torch.Tensor, replay: dict[str, torch.Tensor]) -> EvalOutput:
         """Differentiable log-probs, entropy and values of given actions."""
 
+    def seed_eval(self, seed: int) -> None:
+        """Restart the noise a deterministic ``act`` draws (the flow families' chain start), so
+        an evaluation repeats; families whose deterministic action is a mode draw none."""
+
     def update_statistics(self, obs: Observation) -> None:
         """Fold the raw observations of a trained batch into statistics the policy keeps (the
         trainer calls it after each update; families without statistics keep nothing)."""

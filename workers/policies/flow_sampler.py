@@ -222,9 +222,19 @@ class FlowPolicy(Policy):
     def _velocity_fn(self, ctx: dict[str, Any]) -> VelocityFn:
         """The velocity ``v(x_t, t)`` (pi0's time convention) given the context."""
 
+    _eval_noise: torch.Generator | None = None
+
+    def seed_eval(self, seed: int) -> None:
+        """Restart the stream the deterministic chain's starts are drawn from."""
+        self._eval_noise = torch.Generator().manual_seed(int(seed))
+
     def act(self, obs: Observation, deterministic: bool = False, noise: torch.Tensor | None = None) -> ActOutput:
-        """``noise`` ``[B, T, model_action_dim]`` is the chain's start (reproducible evaluation and
-        parity); by default Gaussian when sampling and zeros when ``deterministic``."""
+        """``noise`` ``[B, T, model_action_dim]`` is the chain's start (parity tests); by default a
+        prior draw. ``deterministic`` follows the ODE from a draw of its own seeded CPU stream
+        (:meth:`seed_eval`), as openpi's, LeRobot's and GR00T's inference start from the prior:
+        from ``x0 = 0``, a point the prior never draws, a policy trained by RL on the chain scored
+        half its success on the synthetic reach (docs/architecture.md, "Pixels to success"). A
+        fixed draw is no better: one draw scored 0.0 and another 0.55 on the same checkpoint."""
         with torch.no_grad():
             ctx = self._context(self.norm.state_in(obs))
             shape = (ctx["value"].shape[0], self.chunk_size, self.model_action_dim)
@@ -233,11 +243,16 @@ class FlowPolicy(Policy):
                     raise ValueError(f"{self.family}: initial noise of shape {tuple(noise.shape)}; expected {shape}")
                 x0 = noise.to(self.device, torch.float32)
             else:
-                x0 = torch.zeros(shape, device=self.device) if deterministic else torch.randn(shape, device=self.device)
+                x0 = self._eval_start(shape) if deterministic else torch.randn(shape, device=self.device)
             res = self.sampler.sample(self._velocity_fn(ctx), x0, deterministic)
         actions = self.norm.action_out(res.actions[..., : self.action_dim])
         return ActOutput(actions=actions.contiguous(), logprob=res.logprob,
                          value=ctx["value"], replay={"chain": res.chain, "stochastic": res.mask})
+
+    def _eval_start(self, shape: tuple[int, ...]) -> torch.Tensor:
+        if self._eval_noise is None:
+            self.seed_eval(0)
+        return torch.randn(shape, generator=self._eval_noise).to(self.device)
 
     def sample_time(self, batch: int) -> torch.Tensor:
         """Training times (1 = noise): openpi's and LeRobot's ``Beta(1.5, 1) * 0.999 + 0.001``."""
