@@ -123,7 +123,8 @@ def test_export_round_trip_gives_identical_actions(case, exports):
     assert summary["family"] == family and summary["checkpoint"].endswith("v00000007")
     loaded = load_release(str(exports.out(case_id)), family, spec, {"device": "cpu", "dtype": "float32"})
     obs = obs_for(spec)
-    policy.seed_eval(0), loaded.seed_eval(0)
+    for p in (policy, loaded):
+        p.seed_eval(0)  # the flow families' ODE starts: the same draws for both
     a, b = policy.act(obs, deterministic=True), loaded.act(obs, deterministic=True)
     assert torch.equal(a.actions, b.actions)
     assert torch.equal(a.value, b.value)  # the critic travels in the rlvla3 side file

@@ -77,7 +77,8 @@ class Policy(nn.Module, ABC):
 
     @abstractmethod
     def act(self, obs: Observation, deterministic: bool = False) -> ActOutput:
-        """Sample (or, deterministic, take the mode of) one action chunk per env."""
+        """Sample one action chunk per env; ``deterministic`` adds no exploration noise (the
+        mode, or the flow families' ODE from a seeded prior draw)."""
 
     @abstractmethod
     def evaluate(self, obs: Observation, actions: torch.Tensor, replay: dict[str, torch.Tensor]) -> EvalOutput:
