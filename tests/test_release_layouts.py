@@ -166,10 +166,11 @@ def test_transformers_pi0_written_by_upstream_save_pretrained_loads(tmp_path):
     assert policy.chunk_size == 4 and policy.opts.num_steps == 3
     obs = make_obs(2, seed=7)
     with torch.no_grad():
-        ref = upstream.sample_actions(noise=torch.zeros(2, 4, policy.model_action_dim), num_steps=3, **policy.model_inputs(obs))
+        noise = torch.randn(2, 4, policy.model_action_dim)
+        ref = upstream.sample_actions(noise=noise, num_steps=3, **policy.model_inputs(obs))
     # Same model, same Euler ODE: equal up to the last bit of the time grid (upstream steps by
     # 1 + k * (-1/K); bit-identical when K is a power of two, see the export test).
-    torch.testing.assert_close(act(policy, obs, True).actions, ref[..., : SPEC.action_dim], rtol=0, atol=1e-6)
+    torch.testing.assert_close(act(policy, obs, True, noise=noise).actions, ref[..., : SPEC.action_dim], rtol=0, atol=1e-6)
 
 
 def test_release_missing_weights_are_named(tmp_path):

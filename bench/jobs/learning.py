@@ -18,7 +18,7 @@ Pixels (a tiny OpenVLA-OFT on Meta-World from a 64x64 camera, proprio state and 
 Fig. 6 of the paper, with seeds:
 
     python bench/jobs/learning.py --config configs/metaworld_oft_rgb.yaml --seeds 0 1 2 --steps 120000 \
-        --timeout 1500 --sft-episodes 18 --sft-epochs 22 --final-eval 100 --out bench/out/fig6_oft [--blank-images]
+        --timeout 1500 --sft-episodes 18 --sft-epochs 24 --final-eval 100 --out bench/out/fig6_oft [--blank-images]
 
 ``--sft-episodes`` warm-starts once per seed with ``rlvla3 sft`` (not timed; both modes start from
 it); ``--final-eval N`` scores the warm start and each job's last checkpoint on N held-out starts
