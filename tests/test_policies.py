@@ -124,12 +124,12 @@ def test_deterministic_repeats_exactly(case):
     obs = make_obs(3, seed=3)
     a, b = act(policy, obs, True), act(policy, obs, True)
     assert torch.equal(a.actions, b.actions) and torch.equal(a.logprob, b.logprob) and torch.equal(a.value, b.value)
-    if hasattr(policy, "model_action_dim"):  # the ODE starts from the seeded prior, not from zero
+    drawn = flow_start(policy, 3, seed=0)  # what seed_eval(0) draws first
+    if drawn:  # the ODE starts from the seeded prior, not from zero
         with torch.inference_mode():
             nxt = policy.act(obs, True)  # the stream goes on: new starts
-            zero = policy.act(obs, True, noise=torch.zeros(3, policy.chunk_size, policy.model_action_dim))
-        drawn = torch.randn(3, policy.chunk_size, policy.model_action_dim, generator=torch.Generator().manual_seed(0))
-        assert torch.equal(act(policy, obs, True, noise=drawn).actions, a.actions)
+            zero = policy.act(obs, True, noise=torch.zeros_like(drawn["noise"]))
+        assert torch.equal(act(policy, obs, True, **drawn).actions, a.actions)
         assert not torch.allclose(nxt.actions, a.actions, atol=1e-4)
         assert not torch.allclose(zero.actions, a.actions, atol=1e-4)
 
