@@ -14,9 +14,12 @@ launchers start children from their main thread only (:func:`launcher_env` check
 Stop signals (:func:`on_stop_signals`) only set a flag, and wake the process's poll loop
 through a file descriptor it polls beside its sockets (:func:`stop_wakeup_fd`), so a stop does
 not wait for the poll's timeout; the loop then stops and cleans up. A process whose launcher is
-gone also arms a timer: after :data:`ORPHAN_GRACE_S` it runs the registered exit cleanups (a
-simulator unlinks its shared memory) and ``os._exit`` s, so a worker stuck in a torch op or a
-gloo collective still ends in time.
+gone is also forced out: :data:`ORPHAN_GRACE_S` after the signal a thread started beforehand runs
+the registered exit cleanups (a simulator unlinks its shared memory) and ``os._exit`` s, so a
+worker stuck in a torch op or a gloo collective still ends in time. The handler only writes a
+byte to that thread's pipe: a handler that took a lock or started a thread itself deadlocked
+when a second signal landed inside it (``pkill`` and the parent-death signal, a few
+microseconds apart, left ``rlvla3 run`` waiting on its own lock for good).
 
 A process that stopped cleanly (:func:`stopped_cleanly`: its loop returned after its own
 cleanup, files closed and checkpoint written), and an orphan, skip the interpreter's teardown:
@@ -49,8 +52,7 @@ WATCHDOG_INTERVAL_S = 0.25
 _PR_SET_PDEATHSIG = 1
 _launcher: int | None = None
 _cleanups: list[Callable[[], None]] = []
-_forced: threading.Timer | None = None
-_lock = threading.Lock()
+_forced_exit_pipe: int | None = None  # write end: a stop handler's request for the forced exit
 _clean_stop = False
 _teardown_skip_registered = False
 _wakeup: tuple[socket.socket, socket.socket] | None = None  # (read end, write end)
@@ -163,9 +165,11 @@ def on_stop_signals(stop: Callable[[], None]) -> None:
     def handler(signum: int, frame: object) -> None:
         stop()
         if orphaned():
-            force_exit_after(ORPHAN_GRACE_S)
+            _request_forced_exit()
 
     global _wakeup
+    if _launcher is not None:
+        _start_forced_exit_thread()
     if _wakeup is None:
         _wakeup = socket.socketpair()
         for end in _wakeup:
@@ -201,16 +205,34 @@ def add_exit_cleanup(fn: Callable[[], None]) -> None:
         _cleanups.append(fn)
 
 
-def force_exit_after(seconds: float) -> None:
-    """Arm (once) a timer that runs the exit cleanups and ends the process with ``os._exit``."""
-    global _forced
-    with _lock:
-        if _forced is not None:
-            return
-        _forced = threading.Timer(seconds, _force_exit)
-        _forced.daemon = True
-        _forced.name = "forced-exit"
-        _forced.start()
+def _start_forced_exit_thread() -> None:
+    """Start (once, outside any signal handler) the thread that carries out a forced exit: it
+    waits on a pipe that :func:`_request_forced_exit` writes to, then gives the process
+    :data:`ORPHAN_GRACE_S` to stop by itself."""
+    global _forced_exit_pipe
+    if _forced_exit_pipe is not None:
+        return
+    read_end, write_end = os.pipe()
+    os.set_blocking(write_end, False)
+    threading.Thread(target=_forced_exit_after_request, args=(read_end,), daemon=True, name="forced-exit").start()
+    _forced_exit_pipe = write_end
+
+
+def _request_forced_exit() -> None:
+    """Ask for the forced exit from a signal handler: one ``write``, no lock, no thread, so a
+    signal that lands while an earlier one is being handled cannot deadlock it."""
+    if _forced_exit_pipe is None:
+        return
+    try:
+        os.write(_forced_exit_pipe, b"x")
+    except OSError:  # the pipe is full: an earlier request is already waiting to be read
+        pass
+
+
+def _forced_exit_after_request(read_end: int) -> None:
+    os.read(read_end, 1)
+    time.sleep(ORPHAN_GRACE_S)  # the grace: the process may still stop cleanly meanwhile
+    _force_exit()
 
 
 def _force_exit() -> None:

@@ -22,7 +22,7 @@ import pytest
 
 from rlvla3.app.launch import request_status
 from rlvla3.harness.jobs import per_worker
-from rlvla3.lifetime import LAUNCHER_ENV, launcher_env
+from rlvla3.lifetime import LAUNCHER_ENV, ORPHAN_GRACE_S, launcher_env
 from rlvla3.shm import SHM_DIR, segments_of_run
 from rlvla3.status_client import wait_until
 from tests.machine_load import machine_alone, machine_folder, machine_load
@@ -260,6 +260,52 @@ def test_sigkill_bench_while_its_job_starts_leaves_nothing(tmp_path: Path):
         assert_all_gone(procs, run_id, run_dir)
     finally:
         kill_quietly(proc)
+
+
+STUCK_ORPHAN = """
+import signal, sys, time
+from rlvla3.lifetime import follow_launcher, on_stop_signals
+follow_launcher()
+on_stop_signals(lambda: None)  # stuck, as in a torch op: it never looks at the stop flag
+def second_signal(frame, event, arg):
+    # A second SIGTERM lands while the stop handler is inside a call its own calls made:
+    # raise_signal runs the handler again right there, as a signal arriving then would.
+    if event == "call":
+        f, depth = frame.f_back, 1
+        while f is not None and not (f.f_code.co_name == "handler" and f.f_code.co_filename.endswith("lifetime.py")):
+            f, depth = f.f_back, depth + 1
+        if f is not None and depth >= 2:
+            signal.raise_signal(signal.SIGTERM)
+sys.settrace(second_signal)
+print("ready", flush=True)
+while True:
+    time.sleep(0.05)
+"""
+
+
+def test_a_second_stop_signal_inside_the_handler_does_not_keep_an_orphan_alive(tmp_path: Path):
+    """`pkill -f` hit a bench script and its `rlvla3 run` together: the run's stop handler, already
+    orphaned, got the second SIGTERM while it armed the forced exit under a lock, and waited on
+    that lock for good, its workers long gone. Here the second signal is raised at every function
+    the handler's own calls enter, and the stuck orphan must still be forced out in time."""
+    log = tmp_path / "orphan.log"
+    shell = subprocess.Popen(["sh", "-c", f'{LAUNCHER_ENV}=$$ "{sys.executable}" -c "$0" >"{log}" 2>&1 & echo $!; wait',
+                              STUCK_ORPHAN], cwd=ROOT, stdout=subprocess.PIPE, text=True,
+                             env={k: v for k, v in os.environ.items() if k != LAUNCHER_ENV})
+    pid = int(shell.stdout.readline())
+    try:
+        wait_until(lambda: log.is_file() and "ready" in log.read_text(), 60, "the child following its launcher")
+        shell.kill()  # the launcher dies: the parent-death SIGTERM starts it all
+        shell.wait(10)
+        deadline = time.monotonic() + ORPHAN_GRACE_S + GONE_WITHIN_S
+        while time.monotonic() < deadline and (_stat(pid) or ("Z",))[0] != "Z":
+            time.sleep(0.05)  # polling /proc with a deadline
+        assert (_stat(pid) or ("Z",))[0] == "Z", f"the orphan is still running (threads: state, wchan {_threads(pid)})"
+        assert "forced_exit" in log.read_text(), log.read_text()[-2000:]
+    finally:
+        if (_stat(pid) or ("Z",))[0] != "Z":
+            os.kill(pid, signal.SIGKILL)
+        kill_quietly(shell)
 
 
 # ---------------------------------------------------------------------------------------------
