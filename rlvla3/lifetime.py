@@ -53,6 +53,7 @@ _PR_SET_PDEATHSIG = 1
 _launcher: int | None = None
 _cleanups: list[Callable[[], None]] = []
 _forced_exit_pipe: int | None = None  # write end: a stop handler's request for the forced exit
+_fork_hook_registered = False
 _clean_stop = False
 _teardown_skip_registered = False
 _wakeup: tuple[socket.socket, socket.socket] | None = None  # (read end, write end)
@@ -88,6 +89,7 @@ def follow_launcher() -> int | None:
         return None
     _launcher = int(value)
     skip_teardown_after_clean_stop()
+    _start_forced_exit_thread()
     if not _set_parent_death_signal(signal.SIGTERM):
         threading.Thread(target=_watch_parent, args=(_launcher,), daemon=True, name="launcher-watchdog").start()
     if os.getppid() != _launcher:  # it died before the signal was armed
@@ -138,7 +140,7 @@ def stopped_cleanly() -> None:
 def _skip_teardown() -> None:
     """A process that stopped cleanly, or an orphan, leaves without the interpreter's teardown:
     seconds on a loaded machine once torch or matplotlib is imported, tens of seconds while a
-    daemon thread still draws (for an orphan: seconds during which the forced-exit timer cannot
+    daemon thread still draws (for an orphan: seconds during which the forced-exit thread cannot
     run). Every other ``atexit`` handler has run by now."""
     if _clean_stop or orphaned():
         sys.stdout.flush()
@@ -168,8 +170,6 @@ def on_stop_signals(stop: Callable[[], None]) -> None:
             _request_forced_exit()
 
     global _wakeup
-    if _launcher is not None:
-        _start_forced_exit_thread()
     if _wakeup is None:
         _wakeup = socket.socketpair()
         for end in _wakeup:
@@ -206,16 +206,27 @@ def add_exit_cleanup(fn: Callable[[], None]) -> None:
 
 
 def _start_forced_exit_thread() -> None:
-    """Start (once, outside any signal handler) the thread that carries out a forced exit: it
-    waits on a pipe that :func:`_request_forced_exit` writes to, then gives the process
-    :data:`ORPHAN_GRACE_S` to stop by itself."""
-    global _forced_exit_pipe
+    """Start (once, from :func:`follow_launcher`, outside any signal handler) the thread that
+    carries out a forced exit: it waits on a pipe that :func:`_request_forced_exit` writes to,
+    then gives the process :data:`ORPHAN_GRACE_S` to stop by itself."""
+    global _forced_exit_pipe, _fork_hook_registered
     if _forced_exit_pipe is not None:
         return
     read_end, write_end = os.pipe()
     os.set_blocking(write_end, False)
     threading.Thread(target=_forced_exit_after_request, args=(read_end,), daemon=True, name="forced-exit").start()
     _forced_exit_pipe = write_end
+    if not _fork_hook_registered:
+        os.register_at_fork(after_in_child=_restart_forced_exit_thread)
+        _fork_hook_registered = True
+
+
+def _restart_forced_exit_thread() -> None:
+    """In a forked copy: the pipe is the parent's and its thread did not come along, so a
+    request from here would force the parent out. Start the copy's own."""
+    global _forced_exit_pipe
+    _forced_exit_pipe = None
+    _start_forced_exit_thread()
 
 
 def _request_forced_exit() -> None:

@@ -308,6 +308,52 @@ def test_a_second_stop_signal_inside_the_handler_does_not_keep_an_orphan_alive(t
         kill_quietly(shell)
 
 
+FORKED_COPY = """
+import os, time
+from rlvla3.lifetime import follow_launcher, on_stop_signals
+follow_launcher()
+on_stop_signals(lambda: None)  # stuck: only a forced exit ends it
+pid = os.fork()
+print("copy" if pid == 0 else f"parent {pid}", flush=True)
+while True:
+    time.sleep(0.05)
+"""
+
+
+def test_a_forked_copy_is_forced_out_on_its_own_and_leaves_its_parent_alone(tmp_path: Path):
+    """A copy made by fork() (no exec) keeps the stop handler but not the forced-exit thread, and
+    its parent is not its launcher, so it counts as orphaned: its SIGTERM must force out the copy,
+    not write to the parent's pipe and end the parent."""
+    log = tmp_path / "fork.log"
+    shell = subprocess.Popen(["sh", "-c", f'{LAUNCHER_ENV}=$$ "{sys.executable}" -c "$0" >"{log}" 2>&1 & wait',
+                              FORKED_COPY], cwd=ROOT, env={k: v for k, v in os.environ.items() if k != LAUNCHER_ENV})
+    parent = 0
+    copy = 0
+    try:
+        def pids() -> tuple[int, int] | None:
+            lines = log.read_text().split() if log.is_file() else []
+            if "copy" not in lines or "parent" not in lines:
+                return None
+            p = int(lines[lines.index("parent") + 1])  # the forked copy's pid, printed by its parent
+            return (_stat(p) or (0, 0))[1], p
+        parent, copy = wait_until(pids, 60, "the process and its forked copy")
+        os.kill(copy, signal.SIGTERM)
+        deadline = time.monotonic() + ORPHAN_GRACE_S + GONE_WITHIN_S
+        while time.monotonic() < deadline and (_stat(copy) or ("Z",))[0] != "Z":
+            time.sleep(0.05)  # polling /proc with a deadline
+        assert (_stat(copy) or ("Z",))[0] == "Z", f"the forked copy is still running\n{log.read_text()}"
+        assert "forced_exit" in log.read_text(), log.read_text()
+        calm = time.monotonic() + ORPHAN_GRACE_S + 1.0
+        while time.monotonic() < calm:  # a forced exit of the parent would come within its grace
+            assert (_stat(parent) or ("Z",))[0] != "Z", f"the copy's SIGTERM ended its parent\n{log.read_text()}"
+            time.sleep(0.05)
+    finally:
+        for pid in (copy, parent):
+            if pid and (_stat(pid) or ("Z",))[0] != "Z":
+                os.kill(pid, signal.SIGKILL)
+        kill_quietly(shell)
+
+
 # ---------------------------------------------------------------------------------------------
 # SIGTERM (preemption) and SIGHUP (a closed terminal)
 # ---------------------------------------------------------------------------------------------
