@@ -53,7 +53,6 @@ _PR_SET_PDEATHSIG = 1
 _launcher: int | None = None
 _cleanups: list[Callable[[], None]] = []
 _forced_exit_pipe: int | None = None  # write end: a stop handler's request for the forced exit
-_fork_hook_registered = False
 _clean_stop = False
 _teardown_skip_registered = False
 _wakeup: tuple[socket.socket, socket.socket] | None = None  # (read end, write end)
@@ -209,24 +208,25 @@ def _start_forced_exit_thread() -> None:
     """Start (once, from :func:`follow_launcher`, outside any signal handler) the thread that
     carries out a forced exit: it waits on a pipe that :func:`_request_forced_exit` writes to,
     then gives the process :data:`ORPHAN_GRACE_S` to stop by itself."""
-    global _forced_exit_pipe, _fork_hook_registered
+    global _forced_exit_pipe
     if _forced_exit_pipe is not None:
         return
     read_end, write_end = os.pipe()
     os.set_blocking(write_end, False)
     threading.Thread(target=_forced_exit_after_request, args=(read_end,), daemon=True, name="forced-exit").start()
     _forced_exit_pipe = write_end
-    if not _fork_hook_registered:
-        os.register_at_fork(after_in_child=_restart_forced_exit_thread)
-        _fork_hook_registered = True
 
 
 def _restart_forced_exit_thread() -> None:
     """In a forked copy: the pipe is the parent's and its thread did not come along, so a
-    request from here would force the parent out. Start the copy's own."""
+    request from here would force the parent out. Start the copy's own (none if it had none)."""
     global _forced_exit_pipe
-    _forced_exit_pipe = None
-    _start_forced_exit_thread()
+    if _forced_exit_pipe is not None:
+        _forced_exit_pipe = None
+        _start_forced_exit_thread()
+
+
+os.register_at_fork(after_in_child=_restart_forced_exit_thread)
 
 
 def _request_forced_exit() -> None:

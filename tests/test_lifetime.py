@@ -55,6 +55,19 @@ def _stat(pid: int) -> tuple[str, int, int] | None:
     return fields[0], int(fields[1]), int(fields[19])
 
 
+def _running(pid: int) -> bool:
+    """Still running (a zombie has ended; only its parent has not reaped it)."""
+    st = _stat(pid)
+    return st is not None and st[0] != "Z"
+
+
+def _ends_within(pid: int, seconds: float) -> bool:
+    deadline = time.monotonic() + seconds
+    while time.monotonic() < deadline and _running(pid):
+        time.sleep(0.05)  # polling /proc with a deadline
+    return not _running(pid)
+
+
 def _cmdline(pid: int) -> str:
     try:
         return Path(f"/proc/{pid}/cmdline").read_bytes().replace(b"\0", b" ").decode(errors="replace").strip()
@@ -262,6 +275,14 @@ def test_sigkill_bench_while_its_job_starts_leaves_nothing(tmp_path: Path):
         kill_quietly(proc)
 
 
+def launched_by_sh(code: str, log: Path) -> subprocess.Popen:
+    """``python -c code`` in the background of a ``sh`` that is its launcher (the child follows
+    it), output to ``log``; the shell prints the child's pid and waits."""
+    return subprocess.Popen(["sh", "-c", f'{LAUNCHER_ENV}=$$ "{sys.executable}" -c "$0" >"{log}" 2>&1 & echo $!; wait', code],
+                            cwd=ROOT, stdout=subprocess.PIPE, text=True,
+                            env={k: v for k, v in os.environ.items() if k != LAUNCHER_ENV})
+
+
 STUCK_ORPHAN = """
 import signal, sys, time
 from rlvla3.lifetime import follow_launcher, on_stop_signals
@@ -289,21 +310,17 @@ def test_a_second_stop_signal_inside_the_handler_does_not_keep_an_orphan_alive(t
     that lock for good, its workers long gone. Here the second signal is raised at every function
     the handler's own calls enter, and the stuck orphan must still be forced out in time."""
     log = tmp_path / "orphan.log"
-    shell = subprocess.Popen(["sh", "-c", f'{LAUNCHER_ENV}=$$ "{sys.executable}" -c "$0" >"{log}" 2>&1 & echo $!; wait',
-                              STUCK_ORPHAN], cwd=ROOT, stdout=subprocess.PIPE, text=True,
-                             env={k: v for k, v in os.environ.items() if k != LAUNCHER_ENV})
+    shell = launched_by_sh(STUCK_ORPHAN, log)
     pid = int(shell.stdout.readline())
     try:
         wait_until(lambda: log.is_file() and "ready" in log.read_text(), 60, "the child following its launcher")
         shell.kill()  # the launcher dies: the parent-death SIGTERM starts it all
         shell.wait(10)
-        deadline = time.monotonic() + ORPHAN_GRACE_S + GONE_WITHIN_S
-        while time.monotonic() < deadline and (_stat(pid) or ("Z",))[0] != "Z":
-            time.sleep(0.05)  # polling /proc with a deadline
-        assert (_stat(pid) or ("Z",))[0] == "Z", f"the orphan is still running (threads: state, wchan {_threads(pid)})"
+        assert _ends_within(pid, ORPHAN_GRACE_S + GONE_WITHIN_S), \
+            f"the orphan is still running (threads: state, wchan {_threads(pid)})"
         assert "forced_exit" in log.read_text(), log.read_text()[-2000:]
     finally:
-        if (_stat(pid) or ("Z",))[0] != "Z":
+        if _running(pid):
             os.kill(pid, signal.SIGKILL)
         kill_quietly(shell)
 
@@ -325,8 +342,7 @@ def test_a_forked_copy_is_forced_out_on_its_own_and_leaves_its_parent_alone(tmp_
     its parent is not its launcher, so it counts as orphaned: its SIGTERM must force out the copy,
     not write to the parent's pipe and end the parent."""
     log = tmp_path / "fork.log"
-    shell = subprocess.Popen(["sh", "-c", f'{LAUNCHER_ENV}=$$ "{sys.executable}" -c "$0" >"{log}" 2>&1 & wait',
-                              FORKED_COPY], cwd=ROOT, env={k: v for k, v in os.environ.items() if k != LAUNCHER_ENV})
+    shell = launched_by_sh(FORKED_COPY, log)
     parent = 0
     copy = 0
     try:
@@ -338,18 +354,15 @@ def test_a_forked_copy_is_forced_out_on_its_own_and_leaves_its_parent_alone(tmp_
             return (_stat(p) or (0, 0))[1], p
         parent, copy = wait_until(pids, 60, "the process and its forked copy")
         os.kill(copy, signal.SIGTERM)
-        deadline = time.monotonic() + ORPHAN_GRACE_S + GONE_WITHIN_S
-        while time.monotonic() < deadline and (_stat(copy) or ("Z",))[0] != "Z":
-            time.sleep(0.05)  # polling /proc with a deadline
-        assert (_stat(copy) or ("Z",))[0] == "Z", f"the forked copy is still running\n{log.read_text()}"
+        assert _ends_within(copy, ORPHAN_GRACE_S + GONE_WITHIN_S), f"the forked copy is still running\n{log.read_text()}"
         assert "forced_exit" in log.read_text(), log.read_text()
         calm = time.monotonic() + ORPHAN_GRACE_S + 1.0
         while time.monotonic() < calm:  # a forced exit of the parent would come within its grace
-            assert (_stat(parent) or ("Z",))[0] != "Z", f"the copy's SIGTERM ended its parent\n{log.read_text()}"
+            assert _running(parent), f"the copy's SIGTERM ended its parent\n{log.read_text()}"
             time.sleep(0.05)
     finally:
         for pid in (copy, parent):
-            if pid and (_stat(pid) or ("Z",))[0] != "Z":
+            if pid and _running(pid):
                 os.kill(pid, signal.SIGKILL)
         kill_quietly(shell)
 
@@ -465,8 +478,7 @@ def test_hand_started_worker_outlives_its_parent_and_its_broker(job_factory, tmp
         job.broker_proc.send_signal(signal.SIGKILL)
         job.broker_proc.wait(10)
         wait_until(lambda: "broker_silent_reconnecting" in log.read_text(), 60, "the worker noticing the broker gone")
-        st = _stat(pid)
-        assert st is not None and st[0] != "Z", f"the hand-started worker died with its broker\n{log.read_text()[-2000:]}"
+        assert _running(pid), f"the hand-started worker died with its broker\n{log.read_text()[-2000:]}"
         job.start_broker(job.endpoint, None)  # the same address: the worker re-joins
         job.wait(lambda f: (per_worker(f, "byhand").get("env_steps") or 0) > 0, 120,
                  "the hand-started simulator re-joined the restarted broker")
@@ -475,5 +487,5 @@ def test_hand_started_worker_outlives_its_parent_and_its_broker(job_factory, tmp
             os.kill(pid, signal.SIGTERM)
         except ProcessLookupError:
             pass
-        wait_until(lambda: (_stat(pid) or ("Z",))[0] == "Z", 30, "the hand-started worker stopping")
+        wait_until(lambda: not _running(pid), 30, "the hand-started worker stopping")
     assert "worker_stopped" in log.read_text(), job.logs()
