@@ -104,7 +104,10 @@ def test_fsdp2_matches_ddp_and_checkpoints_move_between_group_sizes(tmp_path):
         assert ddp["steps"] == fsdp["steps"] == 2
         assert ddp["sharded"] == 0 and fsdp["sharded"] > 0  # FSDP really sharded the parameters
         assert abs(ddp["loss"] - fsdp["loss"]) < 1e-5, (ddp["loss"], fsdp["loss"])
-        assert ddp["checksum"] == pytest.approx(fsdp["checksum"], rel=1e-9)
+        # DDP and FSDP reach the update through different float32 summation orders (FSDP sums
+        # the clipping norm shard by shard), so weights may differ by rounding (element-wise
+        # below); the checksum once differed by 1.3e-9 relative
+        assert ddp["checksum"] == pytest.approx(fsdp["checksum"], rel=1e-7)
         a, b = torch.load(tmp_path / f"ddp{r}.pt"), torch.load(tmp_path / f"fsdp{r}.pt")
         assert a.keys() == b.keys()
         for n in a:
