@@ -3,6 +3,7 @@ import live in ``tests/jobs.py`` (jobs) and ``tests/brokerscript.py`` (the broke
 
 from __future__ import annotations
 
+import os
 from pathlib import Path
 
 import pytest
@@ -13,6 +14,13 @@ from rlvla3.harness.jobs import Job, SMALL_JOB
 from tests import file_order
 from tests.jobs import start_job
 from tests.machine_load import machine_folder, machine_shared
+
+# One intra-op thread in this process and in every process it starts; set before any test module
+# imports torch (nothing above does). Two test files run at once on two cores, so a second
+# thread only oversubscribes them, and OpenMP's spinning threads burn the CPU the other file's
+# processes need: beside two busy processes a PPO update of the flow chain took 41 s instead of
+# 7. Workers already run with ``workers.torch_threads`` (1).
+os.environ.setdefault("OMP_NUM_THREADS", "1")
 
 
 @pytest.fixture(autouse=True)
