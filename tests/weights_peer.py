@@ -67,7 +67,6 @@ def main() -> None:
     ap.add_argument("--device", default="cpu")
     ap.add_argument("--cuda-ipc", action="store_true", help="read trainable tensors from the publisher's GPU buffer")
     args = ap.parse_args()
-    torch.set_num_threads(1)
     model = tiny_model(None).to(args.device).eval()
     rx = WeightReceiver(model, args.host or host_id(), bucket_mb=args.bucket_mb, cuda_ipc=args.cuda_ipc)
     ctx = zmq.Context()
