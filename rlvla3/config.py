@@ -212,8 +212,8 @@ class AlgoConfig:
     max_grad_norm: float = 1.0
     """Global L2 norm the gradients are clipped to before every optimizer step."""
     trust_region: str = "proximal"
-    """PPO: the clip's centre, ``proximal`` (the update's start, decoupled PPO with a capped weight),
-    ``behaviour`` (the actor, APPO) or ``midpoint`` (their log-space mean, weighted). Same in sync."""
+    """PPO: the clip's centre, ``proximal`` (the update's start, decoupled PPO with a capped weight)
+    or ``behaviour`` (the actor, Sample Factory's APPO). The same in sync."""
     behav_weight_cap: float = 2.0
     """Cap (>= 1) on the detached behaviour -> proximal importance weight of decoupled PPO
     (0: uncapped)."""

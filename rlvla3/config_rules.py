@@ -9,7 +9,7 @@ from rlvla3.scale_config import ConfigError, validate_scale
 
 MODES = ("sync", "async_rollout", "async")
 RATIO_LEVELS = ("unit", "chunk")
-TRUST_REGIONS = ("proximal", "behaviour", "midpoint")
+TRUST_REGIONS = ("proximal", "behaviour")
 
 RENAMED: dict[str, str] = {
     "algo.group_size": "env.group_size",

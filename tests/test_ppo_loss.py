@@ -121,36 +121,6 @@ def test_behaviour_trust_region_clips_around_the_actor():
     assert t["new_logprob"].grad[:, 0].tolist() == pytest.approx([-1.1 / 4, 0.0, 0.0, 0.0])
 
 
-def test_midpoint_trust_region_clips_around_the_log_mean_of_actor_and_trainer():
-    """trust_region="midpoint" on the hand example: centre c = sqrt(prox * behav),
-    w = min(c / behav, 2), r = new / c.
-
-    sample  A     c                 w                 r                 objective                    -w*obj
-    0       +1    0.5               1                 1.1               1.1                          -1.1
-    1       +2    sqrt(0.2)=0.4472  1.1180            1.6771 (clipped)  min(3.354, 2.4) = 2.4        -2.6833
-    2       -1    0.3               1                 4.0               -4 -> dual: -3               +3.0
-    3       -0.5  sqrt(0.05)=0.2236 2.2361 -> cap 2   2.0125            min(-1.006, -0.6) = -1.006   +2.0125
-    Samples 0 and 3 keep a gradient, -w * r * A / 4 each.
-    """
-    t = _hand_tensors()
-    cfg = AlgoConfig(**{**CFG.__dict__, "trust_region": "midpoint"})
-    loss, stats = ppo_loss(**t, cfg=cfg)
-    c1, c3 = math.sqrt(0.5 * 0.4), math.sqrt(0.5 * 0.1)
-    w1, r3 = c1 / 0.4, 0.45 / c3
-    assert stats["policy_loss"] == pytest.approx((-1.1 - w1 * 2.4 + 3.0 + 2 * r3 * 0.5) / 4)
-    assert stats["behav_weight_mean"] == pytest.approx((1 + w1 + 1 + 2) / 4)
-    assert stats["behav_weight_capped_frac"] == pytest.approx(0.25)
-    assert stats["clip_frac"] == pytest.approx(0.75)  # r of samples 1, 2 and 3 leave [0.8, 1.2]
-    loss.backward()
-    assert t["new_logprob"].grad[:, 0].tolist() == pytest.approx([-1.1 / 4, 0.0, 0.0, 2 * r3 * 0.5 / 4])
-    # Fresh samples (prox == behav): every centre gives plain PPO.
-    fresh = {**_hand_tensors(), "behav_logprob": _hand_tensors()["prox_logprob"]}
-    plain = AlgoConfig(**{**CFG.__dict__, "behav_weight_cap": 0.0})
-    losses = [float(ppo_loss(**fresh, cfg=AlgoConfig(**{**plain.__dict__, "trust_region": tr}))[0].detach())
-              for tr in ("proximal", "behaviour", "midpoint")]
-    assert losses == pytest.approx([losses[0]] * 3)
-
-
 def test_chunk_level_sums_units_before_the_ratio():
     cfg = AlgoConfig(**{**CFG.__dict__, "ratio_level": "chunk"})
     loss, stats = ppo_loss(**_hand_tensors(split_units=True), cfg=cfg)

@@ -18,9 +18,6 @@ When the samples are fresh (``prox == behav``), ``w = 1`` and this is exactly st
 ``trust_region="behaviour"`` is that standard PPO on stale samples too (Sample Factory's APPO):
 ``r = pi_new / pi_behav``, ``w = 1``, so a sample whose actor the policy has already left by more
 than the clip gives no gradient, and stale batches cannot keep pushing the same way.
-``trust_region="midpoint"`` centres the clip between the two, on the log-space mean
-``sqrt(pi_prox * pi_behav)``, with ``w = min(sqrt(pi_prox / pi_behav), cap)``: a proximal policy
-that lies between the actor and the trainer, as Hilton et al.'s EWMA proximal policy does.
 The proximal log-probs are *recomputed* with one forward pass of the policy before the first
 optimizer step (:func:`proximal_pass`), never interpolated between versions.
 
@@ -146,9 +143,6 @@ def ppo_loss(
     # ---- Behaviour -> proximal importance weight (detached, capped) ------------------------
     if cfg.trust_region == "behaviour":  # APPO: clip around the actor; no second correction
         centre, w_raw = behav, torch.ones_like(behav)
-    elif cfg.trust_region == "midpoint":  # halfway in log space: the weight corrects half the gap
-        centre = 0.5 * (prox + behav)
-        w_raw = torch.exp(centre - behav)
     else:
         centre, w_raw = prox, torch.exp(prox - behav)
     cap = cfg.behav_weight_cap or None
