@@ -327,6 +327,15 @@ def test_parity_table_gathers_kept_results_and_sets_the_sync_threshold_from_clea
                           "--here", f"hopper={tmp_path / 'parity' / 'parity.md'}"], capture_output=True, text=True,
                          timeout=120, env={**__import__("os").environ, **launcher_env()})
     assert bad.returncode != 0 and "episodic_return" in bad.stderr
+    # --gather runs nothing: a declared seed with no kept result is reported missing, not run.
+    r = subprocess.run([sys.executable, str(ROOT / "bench/jobs/gym_parity.py"), "--gather", "--envs", "hopper",
+                        "--seeds", "0", "1", "--steps", "4096", "--out", str(out)],
+                       capture_output=True, text=True, timeout=120, env={**__import__("os").environ, **launcher_env()})
+    assert r.returncode == 0, r.stderr[-3000:]
+    assert not (out / "hopper" / "sync" / "seed1").exists() and not (out / "hopper" / "async" / "seed1").exists()
+    result = json.loads(r.stdout.strip().splitlines()[-1])
+    assert result["final_return"]["Hopper-v4"]["async"]["per_seed"] == {"0": 2400.0}
+    assert "1: missing" in (out / "parity.md").read_text()
 
 
 def test_parity_runs_take_config_settings_for_every_run(tmp_path: Path) -> None:

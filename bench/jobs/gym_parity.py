@@ -13,8 +13,9 @@ the curve: raw episode return against env steps and against seconds (from the fi
 Every declared run is reported: a run that has not finished shows as missing in the table.
 Runs are resumable per seed: a finished run leaves ``result.json`` (its figures and curve) in its
 folder and is not run again (``--fresh`` reruns); it needs nothing else, so the result files of a
-table split over several machines can be gathered under one ``--out``. Runs go one after the
-other, never at the same time.
+table split over several machines can be gathered under one ``--out``. A declared run with no
+result is run, unless ``--gather``: then nothing runs, and it is reported missing (so five async
+seeds can be read against ten sync ones). Runs go one after the other, never at the same time.
 
 Output: ``parity.md`` (the table, the reference figures beside it, the commands), one PNG per env
 (curves per mode and seed, against env steps and against seconds), ``results.json``, and one JSON
@@ -38,7 +39,7 @@ import numpy as np
 
 from rlvla3.harness import seed_bands
 from rlvla3.harness.bench import OUT_DIR, emit_to, note, parse_bench_args, save_figure, subplots
-from rlvla3.harness.gym_runs import ENVS, MODES, final_return, run_one
+from rlvla3.harness.gym_runs import ENVS, MODES, final_return, kept_result, run_one
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -190,6 +191,8 @@ def main() -> None:
     ap.add_argument("--steps", type=int, default=1_000_000, help="env steps per run")
     ap.add_argument("--timeout", type=float, default=7200.0, help="seconds per run before it is stopped")
     ap.add_argument("--fresh", action="store_true", help="rerun runs that already left a result")
+    ap.add_argument("--gather", action="store_true",
+                    help="run nothing: report the results kept under --out, a declared run without one as missing")
     ap.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE",
                     help="a config setting for every run, as `rlvla3 run --set` (repeatable; e.g. algo.trust_region=behaviour)")
     ap.add_argument("--here", action="append", default=[], metavar="ENV=LOG",
@@ -200,6 +203,8 @@ def main() -> None:
     if args.quick or args.smoke:
         args.envs, args.seeds = ["hopper"], [0]
         args.steps = 4096 if args.smoke else 10_240
+    if args.gather and args.fresh:
+        raise SystemExit("--gather reads kept results and --fresh reruns them: choose one")
     out = Path(args.out).resolve()
     out.mkdir(parents=True, exist_ok=True)
     here = reference_here(args.here)
@@ -208,8 +213,13 @@ def main() -> None:
     for env in args.envs:
         for seed in args.seeds:
             for mode in args.modes:  # alternating modes, one run at a time
-                r = run_one(ROOT, env, mode, seed, args.steps, out / env / mode / f"seed{seed}", args.timeout, args.fresh,
-                           tuple(args.overrides))
+                folder = out / env / mode / f"seed{seed}"
+                if args.gather:
+                    if (r := kept_result(folder, args.steps)) is None:
+                        note(f"{ENVS[env]} {mode} seed={seed}: no result kept under {folder}")
+                        continue
+                else:
+                    r = run_one(ROOT, env, mode, seed, args.steps, folder, args.timeout, args.fresh, tuple(args.overrides))
                 note(f"{ENVS[env]} {mode} seed={seed}: final_return={r['final_return']} episodes={r['episodes']} "
                      f"steps/s={r['steps_per_s']} rc={r['rc']}")
                 results.append(r)

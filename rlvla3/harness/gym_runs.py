@@ -34,10 +34,8 @@ def run_one(root: Path, env: str, mode: str, seed: int, steps: int, folder: Path
     config, the same for every mode."""
     result_path = folder / "result.json"
     job = folder / "job"
-    if result_path.is_file() and not fresh:
-        done = json.loads(result_path.read_text())
-        if done.get("steps") == steps:  # figures read again from the run's own files where they are here
-            return {**done, **summarise(job, steps)} if (job / "trainer_metrics.jsonl").is_file() else done
+    if not fresh and (done := kept_result(folder, steps)) is not None:
+        return done
     args = ["run", f"configs/gym_{env}_ppo.yaml", "--steps", str(steps),
             "--run-dir", str(job), "--set", f"run.mode={mode}", "--set", f"run.seed={seed}"]
     for kv in overrides:
@@ -59,6 +57,19 @@ def run_one(root: Path, env: str, mode: str, seed: int, steps: int, folder: Path
     if rc == 0 and out["episodes"] > 0 and (out["env_steps"] or 0) >= steps:  # a run stopped early reruns
         result_path.write_text(json.dumps(out))
     return out
+
+
+def kept_result(folder: Path, steps: int) -> dict[str, Any] | None:
+    """The result a finished run of ``steps`` env steps left in ``folder``, or None. Its figures
+    are read again from the run's own files where they are here (results gathered from other
+    machines keep only ``result.json``)."""
+    result_path, job = folder / "result.json", folder / "job"
+    if not result_path.is_file():
+        return None
+    done = json.loads(result_path.read_text())
+    if done.get("steps") != steps:
+        return None
+    return {**done, **summarise(job, steps)} if (job / "trainer_metrics.jsonl").is_file() else done
 
 
 def summarise(job: Path, steps: int) -> dict[str, Any]:
