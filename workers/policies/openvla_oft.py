@@ -47,14 +47,6 @@ SIZES: dict[str, dict[str, Any]] = {
                     vocab_size=384),
         "vocab_pad": 64,
     },
-    # tiny's Llama and tower widths, the 64x64 camera read whole as 4x4 patches of 16 px.
-    "tiny64": {
-        "dino": dict(hidden_size=32, intermediate_size=64, num_hidden_layers=3, image_size=64, patch_size=16),
-        "siglip": dict(hidden_size=32, intermediate_size=64, num_hidden_layers=3, image_size=64, patch_size=16),
-        "llm": dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
-                    vocab_size=384),
-        "vocab_pad": 64,
-    },
     # ~0.5B: ViT-B-sized towers at 224 px, a 16-layer 1024-wide Llama with OpenVLA's vocabulary.
     "medium": {
         "dino": dict(hidden_size=768, intermediate_size=3072, num_hidden_layers=12, image_size=224, patch_size=14),
