@@ -162,6 +162,13 @@ def test_run_controller_refuses_before_it_starts_anything(tmp_path):
         RunController.prepare(RunOptions(resume=str(tmp_path)))
     with pytest.raises(RunRefused, match="batching.max_bach"):
         RunController.prepare(RunOptions(config="synthetic.yaml", overrides=("batching.max_bach=3",), run_dir=str(tmp_path / "r")))
+    # The model's options are its family's: a key or value it does not take is named here, not by
+    # each worker once started.
+    with pytest.raises(RunRefused, match=r"unknown option\(s\) \['hiden'\]"):
+        RunController.prepare(RunOptions(config="synthetic.yaml", overrides=("model.options.hiden=3",), run_dir=str(tmp_path / "r")))
+    with pytest.raises(RunRefused, match="readout 'mode' not in"):
+        RunController.prepare(RunOptions(config="synthetic_openvla_oft.yaml", overrides=("model.options.readout=mode",),
+                                         run_dir=str(tmp_path / "r")))
     assert not (tmp_path / "r").exists()
 
 

@@ -72,6 +72,22 @@ def require_simulator(cfg: JobConfig) -> None:
         raise RunRefused(f"env {cfg.env.name!r}: {exc}") from None
 
 
+def require_model_options(cfg: JobConfig) -> None:
+    """Fail before starting anything when ``model.options`` has a key or value its family does
+    not take (the workers would each refuse it only once they had started)."""
+    from workers.contract import parse_options
+    from workers.policies.base import options_class, policy_families
+
+    fam = cfg.model.family
+    cls = options_class(fam)
+    if fam not in policy_families():
+        raise RunRefused(f"model.family: {fam!r} is not a registered policy family: {policy_families()}")
+    try:
+        parse_options(cls, cfg.model.options, f"model.options for {fam!r}")
+    except ValueError as exc:
+        raise RunRefused(str(exc)) from None
+
+
 class RunController:
     """One ``rlvla3 run``: a prepared config and folder, then the job followed to its end."""
 
@@ -102,6 +118,7 @@ class RunController:
             stamp = datetime.now().strftime("%Y%m%d-%H%M%S")
             folder = Path(opts.run_dir) if opts.run_dir else Path(cfg.run.run_dir) / f"{cfg.run.name}-{stamp}"
         require_simulator(cfg)
+        require_model_options(cfg)
         if opts.record_dir:
             from workers.lerobot_dataset import require_pyarrow
 
