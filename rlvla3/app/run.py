@@ -79,8 +79,8 @@ def require_model_options(cfg: JobConfig) -> None:
     from workers.policies.base import options_class, policy_families
 
     fam = cfg.model.family
-    cls = options_class(fam)
-    if fam not in policy_families():
+    cls = options_class(fam)  # imports this family's module only
+    if cls is None and fam not in policy_families():
         raise RunRefused(f"model.family: {fam!r} is not a registered policy family: {policy_families()}")
     try:
         parse_options(cls, cfg.model.options, f"model.options for {fam!r}")
