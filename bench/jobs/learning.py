@@ -212,7 +212,7 @@ def fig6_targets(curves: dict[str, list[dict[str, Any]]], warm: list[dict[str, A
                      "held_out_rise": _mean(rises), "held_out_rise_met": bool(_mean(rises) >= 0.2) if rises else None}
     if "sync" in out and "async" in out:
         out["agreement"] = seed_bands.band_points(tenths["sync"], tenths["async"])
-        out["wall_clock"] = _time_to_sync_final(curves, out["sync"]["last_10pct"])
+        out["wall_clock"] = _time_to_sync_final(curves)
     return out
 
 
@@ -233,20 +233,25 @@ def _ended_success(counts: list[list[int]], lo: float, hi: float | None) -> floa
     return round((s1 - s0) / (e1 - e0), 4) if e1 > e0 else None
 
 
-def _time_to_sync_final(curves: dict[str, list[dict[str, Any]]], target: float | None) -> dict[str, Any] | None:
-    """Seconds async (mean over seeds) takes to first show sync's final sampled success, over sync's
-    mean run length; the target is <= 0.7. A seed that never reaches it fails the test."""
-    sync_s = [cj["seconds_all"][-1] for cj in curves["sync"] if cj["seconds_all"]]
-    if target is None or not sync_s:
+def _time_to_sync_final(curves: dict[str, list[dict[str, Any]]]) -> dict[str, Any] | None:
+    """Seconds until async's mean curve over seeds first shows sync's final sampled success, over
+    sync's mean run length; the target is <= 0.7. Both sides read the progress line's rolling
+    success (the curves the figure draws on the wall-clock axis): sync's final is the mean of its
+    seeds' last points, and async's mean counts only where every seed has a point. The rolling
+    window lags the ended-episode figure of the last 10% (``_ended_success``), so a rolling line
+    held against that figure seldom reaches it, sync's own included."""
+    lines = {m: [(np.asarray(cj["seconds_all"], float), np.asarray(cj["success_all"], float))
+                 for cj in curves[m] if cj["seconds_all"]] for m in ("sync", "async")}
+    if not lines["sync"] or not lines["async"]:
         return None
-    reach = []
-    for cj in curves["async"]:
-        hit = [t for t, y in zip(cj["seconds_all"], cj["success_all"]) if y >= target]
-        reach.append(hit[0] if hit else None)
-    if not reach:
-        return None
-    ratio = None if None in reach else round(float(np.mean(reach)) / float(np.mean(sync_s)), 3)
-    return {"sync_final": target, "sync_seconds": round(float(np.mean(sync_s)), 1), "async_seconds_to_it": reach,
+    target = float(np.mean([y[np.isfinite(y)][-1] for _, y in lines["sync"]]))
+    sync_s = float(np.mean([t[-1] for t, _ in lines["sync"]]))
+    grid = np.arange(0.0, min(t[-1] for t, _ in lines["async"]) + 1.0, 1.0)
+    mean = np.mean([np.interp(grid, t[np.isfinite(y)], y[np.isfinite(y)], left=np.nan) for t, y in lines["async"]], axis=0)
+    hits = grid[np.nan_to_num(mean, nan=-1.0) >= target]
+    reach = float(hits[0]) if len(hits) else None
+    ratio = None if reach is None else round(reach / sync_s, 3)
+    return {"sync_final": round(target, 4), "sync_seconds": round(sync_s, 1), "async_seconds_to_it": reach,
             "ratio": ratio, "met": ratio is not None and ratio <= 0.7}
 
 
