@@ -263,8 +263,7 @@ class OpenVLAOFTPolicy(Policy):
         return EvalOutput(logprob=lp, entropy=entropy, value=self.value_head(last))
 
     def action_bins(self, actions: torch.Tensor) -> torch.Tensor:
-        """Env actions ``[B, T, A]`` -> action-token index ``[B, T*A]``, as OpenVLA's ActionTokenizer
-        encodes a normalised action (``id = base - digitize(a, edges)``)."""
+        """Env actions ``[B, T, A]`` -> action-token index ``[B, T*A]`` (normalised, then ``_bins``)."""
         a = (actions.to(self.device).float() - self.norm.action_shift) / self.norm.action_scale
         return self._bins(a).reshape(len(a), -1)
 
