@@ -85,8 +85,8 @@ def test_metaworld_success_bonus_paid_once_per_episode():
     from workers.envs.metaworld import expert_action
 
     returns = {}
-    for bonus in (0.0, 1000.0):
-        env = make_env("metaworld", 1, options={"task": "reach-v3", "cameras": [], "success_bonus": bonus,
+    for bonus, dense in ((0.0, True), (1000.0, True), (1.0, False)):
+        env = make_env("metaworld", 1, options={"task": "reach-v3", "cameras": [], "success_bonus": bonus, "dense_reward": dense,
                                                 "terminate_on_success": False, "max_episode_steps": 120})
         try:
             env.reset([0], [3])
@@ -96,7 +96,9 @@ def test_metaworld_success_bonus_paid_once_per_episode():
                 total += float(res.reward[0])
                 successes += int(res.success[0])
             returns[bonus] = (total, successes)
+            if not dense:  # RLinf's sparse reward: the bonus on the first successful step, nothing else
+                assert total == 1.0
         finally:
             env.close()
-    assert returns[0.0][1] > 1 and returns[0.0][1] == returns[1000.0][1]  # the expert succeeds, for several steps
+    assert returns[0.0][1] > 1 and returns[0.0][1] == returns[1000.0][1] == returns[1.0][1]  # the expert succeeds, for several steps
     assert returns[1000.0][0] == pytest.approx(returns[0.0][0] + 1000.0, rel=1e-5)  # the bonus once, not per step

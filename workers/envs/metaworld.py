@@ -97,6 +97,11 @@ class MetaWorldOptions:
     bonus near ``10 * max_episode_steps`` outweighs lingering. PPO on the dense reward instead runs
     episodes to the time limit (``configs/metaworld_reach_ppo.yaml``); GRPO on
     ``algo.grpo_reward: success`` (the default config) needs none."""
+    dense_reward: bool = True
+    """False: Meta-World's shaped reward is dropped, so an episode's only reward is
+    ``success_bonus`` on its first successful step (RLinf's Meta-World reward, ``reward_coef`` x
+    success). PPO then estimates the chance of success instead of a return that hovering near
+    the goal can earn."""
     benchmark_seed: int = 0
     """Seed of the benchmark's goal list, so goal k is the same on every machine."""
     render_every: int = 1
@@ -283,7 +288,7 @@ class MetaWorldEnv(SimEnv):
         for k, i in enumerate(ids):
             raw, r, _, _, info = self._envs[i].step(actions[k])
             self._t[i] += 1
-            reward[k] = r
+            reward[k] = r if self.opts.dense_reward else 0.0
             success[k] = bool(info.get("success", 0.0))
             if success[k] and not self._succeeded[i]:
                 self._succeeded[i] = True
