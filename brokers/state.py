@@ -33,6 +33,7 @@ from brokers.trajectories import TrajectoryRouter
 from brokers.weights import WeightsAnnouncements
 from rlvla3 import protocol as P
 from rlvla3.config import JobConfig
+from rlvla3.weights.announce import publications_per_version
 
 log = structlog.get_logger()
 
@@ -245,8 +246,8 @@ class BrokerState:
         return out
 
     def _on_weights(self, w: Worker, msg: P.Message, now: float) -> list[Out]:
-        access.check_weights(w, msg["version"], max(self.weights.version, self.trainer_version),
-                             self.cfg.broker.max_version_step, msg.get("store"))
+        access.check_weights(w, msg["version"], msg.get("policy_version"), publications_per_version(self.cfg),
+                             max(self.weights.version, self.trainer_version), self.cfg.broker.max_version_step, msg.get("store"))
         spec = access.manifest_spec(msg.get("manifest"))
         if spec is not None and self.model_spec is not None and spec != self.model_spec:
             raise P.ProtocolError(P.E_FIELD, "WEIGHTS manifest does not match the model's tensors (names, dtypes, "

@@ -27,7 +27,9 @@ class WeightsAnnouncements:
 
     @property
     def version(self) -> int:
-        return self.latest.version
+        """The policy version the newest announcement acts as (-1: none yet). Its publication
+        number (``self.latest.version``) is the weight layer's own order."""
+        return self.latest.policy_version
 
     def on_weights(self, msg: P.Message) -> list[Out]:
         """A trainer announced ``version``: keep it and publish it, unless it is not newer.
@@ -37,7 +39,7 @@ class WeightsAnnouncements:
             log.info("weights_ignored_old", version=msg["version"], current=self.version)
             return []
         self._frames = P.encode(P.WEIGHTS, fields)
-        log.info("weights_published", version=self.version, tensors=len(fields["manifest"]["entries"]),
+        log.info("weights_published", version=self.version, publication=self.latest.version, tensors=len(fields["manifest"]["entries"]),
                  announcement_bytes=len(self._frames[0]))
         return [Out(None, P.WEIGHTS, {"version": self.version}, frames=self._frames)]
 

@@ -19,7 +19,7 @@ from typing import Any
 import yaml
 
 from rlvla3.config_rules import check_renamed, validate_job
-from rlvla3.scale_config import ConfigError, LoraConfig, PlacementConfig, TrainConfig
+from rlvla3.scale_config import ConfigError, LoraConfig, PlacementConfig, TrainConfig, WeightsConfig
 
 SCIENTIFIC = re.compile(r"[-+]?(\d+\.?\d*|\.\d+)[eE][-+]?\d+")
 """A number in exponent notation without a dot (``1e-4``), which YAML 1.1 reads as a string."""
@@ -274,31 +274,6 @@ class WorkersConfig:
     """How long a worker started before its broker keeps asking (back-off 1 s doubling to 32 s)
     before it exits with an error: a scheduler may start the broker minutes after the workers.
     Read from the worker's own ``--set workers.broker_wait_s=60`` (no job config before a broker)."""
-
-
-@dataclass
-class WeightsConfig:
-    shm: bool = True
-    """Generators on trainer rank 0's host read each version from its shared-memory weight
-    store; off: every generator fetches from the stream."""
-    stream_bind: str = "tcp://127.0.0.1:0"
-    """Where trainer rank 0 serves versions to generators on other hosts (``tcp://0.0.0.0:0``
-    across hosts); empty: no stream (then ``shm`` must be on)."""
-    advertise_host: str = ""
-    """Host name announced for a wildcard ``stream_bind`` (empty: this machine's host name)."""
-    bucket_mb: int = 128
-    """Bytes (MiB) per bucket on the stream: one FETCH, one reply frame (1-256)."""
-    copy_threads: int = 2
-    """Threads that copy and hash weights into the store (trainer) and out of it (generator)."""
-    cuda_ipc: bool = False
-    """CUDA only: trainer rank 0 also keeps its trainable slot on its GPU and announces a CUDA IPC
-    handle; generators on the same GPU copy device to device from it (``rlvla3.weights.cuda_ipc``;
-    one H200 job ran with it, and its byte test passed on an H200). No effect on CPU."""
-    delta: str = "none"
-    """``bf16``: after the first version, each trainable tensor is also published as a bf16
-    delta against the previous version; generators on other hosts holding that version read
-    the deltas over the stream (half the bytes of fp32 parameters, the same for bf16 ones) and
-    rebuild, others read whole (``none``: always whole). Not with ``cuda_ipc``."""
 
 
 @dataclass

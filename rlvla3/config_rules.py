@@ -107,6 +107,9 @@ def validate_job(cfg: Any) -> None:
         raise ConfigError("weights.delta and weights.cuda_ipc do not combine (the device slot holds the new tensors, not the rebuilt ones)")
     if not 1 <= cfg.weights.bucket_mb <= 256:
         raise ConfigError(f"weights.bucket_mb: {cfg.weights.bucket_mb} not in 1..256")
+    if cfg.weights.in_flight and (cfg.algo.publish_every != 1 or cfg.train.fsdp):
+        raise ConfigError("weights.in_flight publishes within every update: it needs algo.publish_every: 1, and "
+                          "not train.fsdp (rank 0 alone would have to gather the shards between two epochs)")
     if not cfg.weights.shm and not cfg.weights.stream_bind:
         raise ConfigError("weights.stream_bind: empty with weights.shm off leaves generators no way to fetch weights")
     if cfg.env.name == "gymnasium":

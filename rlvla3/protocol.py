@@ -183,7 +183,7 @@ SCHEMA: dict[str, tuple[dict[str, Any], dict[str, Any]]] = {  # type -> (require
     TRAJ_ACK: ({"traj_ids": F.List(_ID)}, {"dropped_stale": _STEPS, "stale_taken": _STEPS, "discarded": _STEPS,
                                            "trained": _STEPS, "unreadable": _STEPS, "duplicate": _STEPS}),
     WEIGHTS: ({"version": _VERSION}, {"published_at": F.Int(0, 2**63, nullable=True), "manifest": F.Free(),
-                                      "store": F.Free(), "stream": F.Free(), "ipc": F.Free()}),  # checked deep by rlvla3.weights
+                                      "store": F.Free(), "stream": F.Free(), "ipc": F.Free(), "policy_version": _VERSION}),  # checked deep by rlvla3.weights
     SNAPSHOT: ({}, {}),
     TRAIN: ({"phase": F.Str(16, ("begin", "end", "starved")), "version": _ID},
             {"steps": _STEPS, "ready_steps": _STEPS, "stats": _TRAIN_STATS}),

@@ -1,4 +1,5 @@
-"""Config sections for models at real size: LoRA, trainer precision/memory/sharding, placement.
+"""Config sections for models at real size: LoRA, trainer precision/memory/sharding, placement,
+and how weights travel to the generators.
 
 Kept apart from ``rlvla3.config`` (which holds the job's other sections and the loader) so each
 module stays small; ``rlvla3.config`` imports these into :class:`~rlvla3.config.JobConfig`.
@@ -168,3 +169,35 @@ def validate_scale(lora: LoraConfig, train: TrainConfig, placement: PlacementCon
         raise ConfigError("train.fsdp with placement.offload: always: moving sharded (DTensor) trainer state "
                           "off the device is not supported; use offload: never or auto")
     validate_placement(placement, generators, trainers)
+
+
+@dataclass
+class WeightsConfig:
+    shm: bool = True
+    """Generators on trainer rank 0's host read each version from its shared-memory weight
+    store; off: every generator fetches from the stream."""
+    stream_bind: str = "tcp://127.0.0.1:0"
+    """Where trainer rank 0 serves versions to generators on other hosts (``tcp://0.0.0.0:0``
+    across hosts); empty: no stream (then ``shm`` must be on)."""
+    advertise_host: str = ""
+    """Host name announced for a wildcard ``stream_bind`` (empty: this machine's host name)."""
+    bucket_mb: int = 128
+    """Bytes (MiB) per bucket on the stream: one FETCH, one reply frame (1-256)."""
+    copy_threads: int = 2
+    """Threads that copy and hash weights into the store (trainer) and out of it (generator)."""
+    cuda_ipc: bool = False
+    """CUDA only: trainer rank 0 also keeps its trainable slot on its GPU and announces a CUDA IPC
+    handle; generators on the same GPU copy device to device from it (``rlvla3.weights.cuda_ipc``;
+    one H200 job ran with it, and its byte test passed on an H200). No effect on CPU."""
+    delta: str = "none"
+    """``bf16``: after the first version, each trainable tensor is also published as a bf16
+    delta against the previous version; generators on other hosts holding that version read
+    the deltas over the stream (half the bytes of fp32 parameters, the same for bf16 ones) and
+    rebuild, others read whole (``none``: always whole). Not with ``cuda_ipc``."""
+    in_flight: bool = False
+    """Async: trainer rank 0 also publishes the weights after every epoch of an update but the
+    last (PipelineRL's in-flight weight updates), so simulators act on weights at most one epoch
+    behind the trainer instead of a whole update. Those weights act as the version the update
+    started from (``policy_version``; staleness counts whole versions), under publication
+    numbers of their own (``rlvla3.weights.announce.publications_per_version``). Sync mode
+    pauses the simulators during an update, so there it publishes nothing extra."""

@@ -52,6 +52,31 @@ def test_weights_only_from_rank_0_in_bounded_steps_and_with_the_same_model():
     assert s.state.weights.version == 15
 
 
+def test_in_flight_publications_stay_in_their_policy_versions_span():
+    """``weights.in_flight`` with 4 epochs: publication 4v + k acts as policy version v. The
+    broker's version (what admission, sync batches and restarted trainers read) is the policy
+    version; a publication outside its span, or one acting as an older version, is refused."""
+    s = Script("weights.in_flight=true", "algo.epochs=4", "broker.max_version_step=10")
+    s.trainer(T0)
+    assert of_type(s.send(T0, P.WEIGHTS, {**announcement(8), "policy_version": 2}), P.WEIGHTS)  # version 2 itself
+    assert s.state.weights.version == 2
+    assert of_type(s.send(T0, P.WEIGHTS, {**announcement(9), "policy_version": 2}), P.WEIGHTS)  # 1 epoch into v2's update
+    assert s.state.weights.version == 2 and s.state.weights.latest.version == 9
+    assert code(s.send(T0, P.WEIGHTS, {**announcement(2**50), "policy_version": 2})) == P.E_FIELD  # outside v2's span
+    assert code(s.send(T0, P.WEIGHTS, {**announcement(2**50), "policy_version": 2**48})) == P.E_VERSION  # too far ahead
+    assert code(s.send(T0, P.WEIGHTS, announcement(11))) == P.E_FIELD  # 11 is 3 epochs into v2, not v11
+    assert of_type(s.send(T0, P.WEIGHTS, {**announcement(12), "policy_version": 3}), P.WEIGHTS)
+    assert s.state.weights.version == 3
+
+
+def test_without_in_flight_a_publication_is_its_policy_version():
+    s = Script("workers.trainers=1")
+    s.trainer(T0)
+    assert code(s.send(T0, P.WEIGHTS, {**announcement(5), "policy_version": 4})) == P.E_FIELD
+    assert of_type(s.send(T0, P.WEIGHTS, {**announcement(5), "policy_version": 5}), P.WEIGHTS)
+    assert s.state.weights.version == 5
+
+
 def test_trainer_version_reports_move_in_bounded_steps_once_a_version_is_announced():
     s = Script("workers.trainers=2", "broker.max_version_step=10")
     s.trainer(T0)

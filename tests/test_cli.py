@@ -59,6 +59,9 @@ def test_config_errors_name_the_key():
     with pytest.raises(ConfigError, match="algo.admission_lag"):  # ahead of the filter: made only to be dropped
         load("synthetic.yaml", ["algo.admission_lag=5", "algo.max_staleness=4"])
     assert load("synthetic.yaml", ["algo.admission_lag=null"]).algo.admission_lag is None
+    with pytest.raises(ConfigError, match="weights.in_flight"):  # in-flight weights are published within every update
+        load("synthetic.yaml", ["weights.in_flight=true", "algo.publish_every=2"])
+    assert load("synthetic.yaml", ["weights.in_flight=true"]).weights.in_flight
 
 
 def test_removed_keys_name_their_replacement():

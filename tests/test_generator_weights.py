@@ -5,6 +5,7 @@ rank 0 with the production publisher (a shared-memory weight store per model) ov
 
 from __future__ import annotations
 
+import re
 import uuid
 
 import numpy as np
@@ -97,3 +98,21 @@ def test_generator_keeps_weights_when_a_version_fails_to_load(job_factory, zctx)
         trainer.close()
         for pub in publishers:
             pub.close()
+
+
+def test_in_flight_weights_are_served_between_versions_and_act_as_the_version_they_left(job_factory):
+    """``weights.in_flight`` in a real async job (4 epochs): trainer rank 0 also publishes between
+    epochs, as publication 4v + k acting as version v. The generator swaps such weights in (the
+    update's 0.4 s pad keeps the last of them newest for a while) and tags its results with v,
+    so the trainer takes every fragment they acted (none is 'ahead' of it) and keeps training."""
+    job = job_factory("weights.in_flight=true", "algo.epochs=4", "train.min_update_s=0.4")
+    job.wait(lambda f: f["trainer_version"] >= 5, 180, "five updates with weights published in flight")
+    job.stop()
+    lines = [dict(re.findall(r"(\w+)=(\S+)", line)) for line in (job.run_dir / "generator0.log").read_text().splitlines()
+             if "weights_swapped" in line]
+    swaps = [(int(d["version"]), int(d["publication"])) for d in lines]
+    assert swaps and all(version == publication // 4 for version, publication in swaps), swaps
+    assert any(publication % 4 for _, publication in swaps), swaps  # weights from inside an update were served
+    trainer_log = (job.run_dir / "trainer0.log").read_text()
+    assert "traj_unreadable" not in trainer_log and "update_failed" not in trainer_log
+    assert "message_rejected" not in (job.run_dir / "broker.log").read_text()

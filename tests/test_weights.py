@@ -385,7 +385,21 @@ def test_broker_rule_keeps_the_newest_announcement_and_never_bytes():
     assert len(msgpack.packb(rule.snapshot())) < 300
 
 
+def test_an_in_flight_publication_acts_as_an_older_policy_version_and_never_goes_back():
+    rule = LatestWeights()
+    assert parse_announcement(_ann(7)).acts_as == 7  # no policy_version: the publication's own number
+    assert rule.offer(P.decode(P.encode(P.WEIGHTS, _ann(8, policy_version=2))))["policy_version"] == 2
+    assert (rule.version, rule.policy_version) == (8, 2)
+    assert rule.offer(P.decode(P.encode(P.WEIGHTS, _ann(9, policy_version=2)))) is not None  # newer weights, same version
+    with pytest.raises(P.ProtocolError, match="older"):
+        rule.offer(P.decode(P.encode(P.WEIGHTS, _ann(10, policy_version=1))))
+    assert (rule.version, rule.policy_version) == (9, 2)
+
+
 @pytest.mark.parametrize("bad", [
+    {"policy_version": 2},  # acts as a version newer than its publication
+    {"policy_version": -1},
+    {"policy_version": "1"},
     {"manifest": None},
     {"manifest": {"version": 2, "entries": []}},  # for another version
     {"manifest": {"version": 1, "entries": [["w", "float32", [2, 2], 1, 4096, 15, 7, 1, True]]}},  # nbytes

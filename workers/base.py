@@ -47,11 +47,17 @@ class JobRunner:
     def stop(self) -> None:
         self._jobs.put(None)
 
+    def report(self, tag: Any, result: Any) -> None:
+        """From inside a running job (this runner's thread): hand the loop a result before the job
+        ends, e.g. weights the trainer published between two epochs."""
+        self.results.put((tag, result, None))
+        self._wake.send(b"", zmq.DONTWAIT)
+
     def join(self, timeout: float | None = None) -> None:
         self._thread.join(timeout)
 
     def _loop(self) -> None:
-        wake = self._ctx.socket(zmq.PUSH)
+        wake = self._wake = self._ctx.socket(zmq.PUSH)  # this thread's only (``report`` runs here too)
         wake.setsockopt(zmq.LINGER, 0)
         wake.connect(self._wake_addr)
         try:

@@ -199,8 +199,8 @@ class GeneratorWorker(WorkerBase):
         t0 = time.perf_counter()
         staged = self.receiver.swap()
         if staged is not None:
-            self.version = staged.version
-            log.info("weights_swapped", version=self.version, source=staged.source, mb=round(staged.nbytes / 1e6, 2),
+            self.version = staged.policy_version  # what results are tagged with (weights.in_flight: older than the publication)
+            log.info("weights_swapped", version=self.version, publication=staged.version, source=staged.source, mb=round(staged.nbytes / 1e6, 2),
                      fetch_ms=round(staged.fetch_ms, 2), swap_ms=round((time.perf_counter() - t0) * 1000, 3))
             self.weights_runner.submit(self.receiver.release, ("weights_released", None))
             self._fetch_next()

@@ -9,7 +9,7 @@ to the update thread, so heartbeats keep flowing during a long update:
     build_batch (workers.learner)  ->  update (workers.algorithms.update)  ->  UpdateResult
 
 Back on the socket thread: version += 1; rank 0 announces WEIGHTS every ``publish_every``
-updates and checkpoints every ``checkpoint_every`` versions, and at shutdown (SIGTERM included:
+updates (with ``weights.in_flight``, in async, also between the update's epochs) and checkpoints every ``checkpoint_every`` versions, and at shutdown (SIGTERM included:
 a preempted trainer leaves a checkpoint at its last version for ``rlvla3 run --resume``);
 metrics go to the broker, JSONL and TensorBoard (``workers.metrics``).
 
@@ -227,8 +227,14 @@ class TrainerWorker(WorkerBase):
         if self.offload is not None:  # colocated: trainer state back on the device for the update
             self.offload.onload()
         progress = counters.env_steps_consumed / max(1, self.cfg.run.total_env_steps)
+        between = None
+        if self.publishing.in_flight:
+            version = self.version  # the socket thread changes it only after this job
+
+            def between(epoch: int) -> None:
+                self.runner.report("in_flight", self.publishing.between_epochs(version, epoch))
         result = update(self.state, batch, algo, critic_warmup=warmup, pad_to=pad_to, min_s=self.cfg.train.min_update_s,
-                        progress=progress)
+                        progress=progress, after_epoch=between)
         announcement = None
         if result.trained and self.publishing.due(counters.updates):
             # Here, on the update thread, no optimizer step runs while the store copies the
@@ -242,6 +248,10 @@ class TrainerWorker(WorkerBase):
     # -- after an update (socket thread) ------------------------------------------------------
 
     def on_job_done(self, tag: Any, done: Trained | Deferred | None, error: BaseException | None) -> None:
+        if tag == "in_flight":  # weights published between two epochs; the update goes on
+            self.publishing.announcement = done
+            self.send(P.WEIGHTS, done)
+            return
         self.training = False
         if error is not None:
             log.error("update_failed", error=repr(error)[:1000])

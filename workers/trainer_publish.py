@@ -6,6 +6,10 @@ are), never the bytes.
 Version 0 (or the resumed version) is written right after set-up; later versions at the end of
 the update job, on the update thread, where no optimizer step runs, every ``publish_every``
 updates. With FSDP every rank gathers the whole tensors (a collective) and rank 0 writes them.
+
+``weights.in_flight`` (async): rank 0 also writes the weights between two epochs of an update,
+still on the update thread, as publication ``v * S + k`` acting as policy version ``v``
+(``publications_per_version``); version ``v`` itself is publication ``v * S``.
 """
 
 from __future__ import annotations
@@ -13,6 +17,7 @@ from __future__ import annotations
 from typing import Any
 
 from rlvla3.config import JobConfig
+from rlvla3.weights.announce import publications_per_version
 
 
 class Publishing:
@@ -22,6 +27,9 @@ class Publishing:
         self.publisher: Any = None  # rank 0's WeightPublisher
         self.announcement: dict[str, Any] | None = None
         """The last WEIGHTS fields sent (sent again to a restarted broker)."""
+        self.per_version = publications_per_version(cfg)
+        self.in_flight = cfg.weights.in_flight and cfg.run.mode == "async" and rank == 0
+        """Publish between epochs: only where simulators run during an update, and on rank 0."""
 
     def gathered(self, state: Any, everything: bool) -> list | None:
         """FSDP: the whole tensors rank 0 publishes (a collective, every rank calls it); None for
@@ -42,7 +50,7 @@ class Publishing:
             self.publisher = WeightPublisher(state.policy, run_id, shm=w.shm, stream_bind=w.stream_bind,
                                              advertise_host=w.advertise_host, host=host, copy_threads=w.copy_threads,
                                              tensors=first, cuda_ipc=w.cuda_ipc, delta=w.delta)
-            self.announcement = self.publisher.publish(version, first)
+            self.announcement = self.publisher.publish(version * self.per_version, first, version)
 
     def due(self, updates: int) -> bool:
         """The update that makes the ``updates + 1``-th is published (``algo.publish_every``)."""
@@ -54,7 +62,12 @@ class Publishing:
         gathered = self.gathered(state, everything=False)
         if self.publisher is None:
             return None
-        return self.publisher.publish(version, gathered)
+        return self.publisher.publish(version * self.per_version, gathered, version)
+
+    def between_epochs(self, version: int, epoch: int) -> dict[str, Any]:
+        """On the update thread, after ``epoch`` (0-based, not the last) of the update that
+        started at ``version``: write the weights as they are now; returns the announcement."""
+        return self.publisher.publish(version * self.per_version + epoch + 1, None, version)
 
     def close(self, finished: bool) -> None:
         """Generators keep what they copied; with an update still running the store is unlinked

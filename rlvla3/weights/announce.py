@@ -3,7 +3,10 @@ and the broker's one rule about it.
 
 Header fields of WEIGHTS (besides ``v`` and ``type``):
 
-    version       int    the policy version
+    version       int    the publication's number: the store, manifest and receivers' order
+    policy_version int   optional: the policy version the weights act as (default ``version``);
+                         weights published while an update runs (``weights.in_flight``) carry
+                         the version that update started from, under a newer ``version``
     manifest      map    :class:`rlvla3.weights.manifest.Manifest` on the wire
     store         map    {"host": host id, "seg": segment name, "size": bytes} of the trainer's
                          shared-memory store, or nil when same-host reads are off
@@ -48,11 +51,18 @@ class Announcement:
     stream: str | None
     published_at: int | None
     ipc: dict[str, Any] | None = None
+    policy_version: int | None = None
+    """The policy version these weights act as; None: ``version``."""
+
+    @property
+    def acts_as(self) -> int:
+        return self.version if self.policy_version is None else self.policy_version
 
     def fields(self) -> dict[str, Any]:
         """The WEIGHTS header fields that announce this version."""
         return {"version": self.version, "manifest": self.manifest.to_wire(), "store": self.store,
-                "stream": self.stream, "published_at": self.published_at, **({"ipc": self.ipc} if self.ipc else {})}
+                "stream": self.stream, "published_at": self.published_at, **({"ipc": self.ipc} if self.ipc else {}),
+                **({"policy_version": self.policy_version} if self.policy_version is not None else {})}
 
 
 def parse_announcement(header: dict[str, Any]) -> Announcement:
@@ -60,6 +70,9 @@ def parse_announcement(header: dict[str, Any]) -> Announcement:
     version = header.get("version")
     if not isinstance(version, int) or isinstance(version, bool) or version < 0:
         raise ManifestError(f"announcement version {version!r} is not a non-negative integer")
+    policy = header.get("policy_version")
+    if policy is not None and (not isinstance(policy, int) or isinstance(policy, bool) or not 0 <= policy <= version):
+        raise ManifestError(f"announcement policy_version {policy!r} is not an integer in [0, version {version}]")
     store, stream, at = header.get("store"), header.get("stream"), header.get("published_at")
     size = None
     if store is not None:
@@ -83,7 +96,15 @@ def parse_announcement(header: dict[str, Any]) -> Announcement:
         raise ManifestError(str(err)) from None
     if ipc is not None and store is None:
         raise ManifestError("announcement ipc needs the store (its seqlock guards the device copy)")
-    return Announcement(version, manifest, store, stream, at, ipc)
+    return Announcement(version, manifest, store, stream, at, ipc, policy)
+
+
+def publications_per_version(cfg: Any) -> int:
+    """How many publication numbers each policy version spans: publication ``v * S + k`` is
+    policy version ``v`` after ``k`` of its update's epochs (``weights.in_flight``: S is
+    ``algo.epochs``; otherwise 1, and publication and policy version are the same number).
+    The trainer numbers by it and the broker checks announcements against it."""
+    return max(1, int(cfg.algo.epochs)) if cfg.weights.in_flight else 1
 
 
 class LatestWeights:
@@ -93,6 +114,8 @@ class LatestWeights:
 
     def __init__(self) -> None:
         self.version = -1
+        self.policy_version = -1
+        """The policy version the newest announcement acts as (what versions elsewhere count)."""
         self._fields: dict[str, Any] | None = None
 
     def offer(self, msg: P.Message) -> dict[str, Any] | None:
@@ -106,7 +129,10 @@ class LatestWeights:
             raise P.ProtocolError(P.E_FIELD, str(err)) from None
         if ann.version <= self.version:
             return None
-        self.version = ann.version
+        if ann.acts_as < self.policy_version:
+            raise P.ProtocolError(P.E_FIELD, f"WEIGHTS version {ann.version} acts as policy version {ann.acts_as}, "
+                                             f"older than the {self.policy_version} already announced")
+        self.version, self.policy_version = ann.version, ann.acts_as
         self._fields = ann.fields()
         return self._fields
 

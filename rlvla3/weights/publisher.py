@@ -88,11 +88,13 @@ class WeightPublisher:
         log.info("weight_store_created", seg=self.store.name, mb=round(self.store.size / 1e6, 1),
                  trainable_mb=round(self.layout.trainable_bytes / 1e6, 1), stream=self.stream and self.stream.endpoint)
 
-    def publish(self, version: int, tensors: list[tuple[str, torch.Tensor, bool]] | None = None) -> dict[str, Any]:
+    def publish(self, version: int, tensors: list[tuple[str, torch.Tensor, bool]] | None = None,
+                policy_version: int | None = None) -> dict[str, Any]:
         """Write ``version`` into the store and return the WEIGHTS fields announcing it.
         Call it where no optimizer step runs at the same time (the copy reads the parameters).
         ``tensors``: the module's tensors gathered whole (an FSDP-sharded trainer,
-        ``distributed.gather_tensors``), every one the first time, the trainable ones after."""
+        ``distributed.gather_tensors``), every one the first time, the trainable ones after.
+        ``policy_version``: the policy version they act as, when not ``version`` (in flight)."""
         if version <= self.version:
             raise ValueError(f"version {version} is not newer than the last published ({self.version})")
         t0 = time.perf_counter()
@@ -111,9 +113,10 @@ class WeightPublisher:
         ipc = self.ipc.fields(slot, self.store.region_offset(slot)) if self.ipc is not None and self.shm else None
         manifest = Manifest(version, tuple(self._frozen + entries), self.version if deltas else None, deltas)
         ann = Announcement(version, manifest, store,
-                           self.stream.endpoint if self.stream else None, time.time_ns(), ipc)
+                           self.stream.endpoint if self.stream else None, time.time_ns(), ipc,
+                           None if policy_version == version else policy_version)
         self.version = version
-        log.info("weights_written", version=version, slot=slot, tensors=len(entries),
+        log.info("weights_written", version=version, policy_version=policy_version, slot=slot, tensors=len(entries),
                  ms=round(self.last_write_ms, 2))
         return ann.fields()
 

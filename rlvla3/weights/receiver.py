@@ -67,6 +67,9 @@ class Staged:
     fetch_ms: float
     published_at: int | None = None
     trainable: set[str] = field(default_factory=set)
+    policy_version: int = -1
+    """The policy version these weights act as (``Announcement.acts_as``): what a generator tags
+    its results with."""
 
 
 class WeightReceiver:
@@ -194,7 +197,7 @@ class WeightReceiver:
         if source == "stream" and len(rest) < len(entries):
             source = "delta"  # (some tensors read whole)
         return Staged(ann.version, tensors, source, moved, (time.perf_counter() - t0) * 1000,
-                      ann.published_at, {e.name for e in entries if e.trainable})
+                      ann.published_at, {e.name for e in entries if e.trainable}, ann.acts_as)
 
     def _fetch_delta(self, ann: Announcement, entries: list[Entry]) -> tuple[dict[str, torch.Tensor], int]:
         """Read the bf16 deltas of ``entries`` from the stream and rebuild them on the served

@@ -296,8 +296,10 @@ def ppo_update(
     batch: dict[str, Any],
     cfg: AlgoConfig,
     evaluate_fn: EvaluateFn | None = None,
+    after_epoch: Callable[[int], None] | None = None,
 ) -> dict[str, float]:
     """One PPO update on ``batch``; returns stats averaged over the optimizer steps.
+    ``after_epoch(e)`` runs after every epoch ``e`` but the last (``weights.in_flight``).
 
     ``policy`` may be a DDP wrapper that exposes ``evaluate`` (see ``distributed.wrap_ddp``);
     every rank must then run the same number of minibatches (equal local batch sizes).
@@ -334,7 +336,9 @@ def ppo_update(
     tensors = _to_device({k: v for k, v in batch.items() if k not in ("obs", "fresh")}, device)
     totals: dict[str, float] = {}
     steps = 0
-    for _epoch in range(cfg.epochs):
+    for epoch in range(cfg.epochs):
+        if epoch > 0 and after_epoch is not None:
+            after_epoch(epoch - 1)
         for idx in torch.tensor_split(torch.randperm(n), math.ceil(n / cfg.minibatch_size)):
             mbd = index_batch(tensors, idx.to(device))
             out = evaluate(batch["obs"].select(idx.numpy()), mbd["actions"], mbd["replay"])

@@ -19,7 +19,7 @@ from __future__ import annotations
 
 import time
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Callable
 
 import numpy as np
 import torch
@@ -152,12 +152,14 @@ class UpdateResult:
 
 
 def update(state: TrainState, batch: TrainBatch, algo: AlgoConfig, critic_warmup: bool = False,
-           pad_to: int | None = None, min_s: float = 0.0, progress: float = 0.0) -> UpdateResult:
+           pad_to: int | None = None, min_s: float = 0.0, progress: float = 0.0,
+           after_epoch: Callable[[int], None] | None = None) -> UpdateResult:
     """One update on ``batch``. ``pad_to`` (several ranks) is the longest batch of any rank;
     ``critic_warmup`` (PPO) steps the value head only; an update that trained lasts at least
     ``min_s`` seconds (``train.min_update_s``: the rest is slept, a benchmark's stand-in for a
     large model's update); ``progress`` is the share of the run's env steps consumed before this
-    update (``algo.anneal_lr`` lowers the learning rate by it)."""
+    update (``algo.anneal_lr`` lowers the learning rate by it); ``after_epoch(e)`` runs between
+    the policy's epochs (``weights.in_flight``), not in a critic warm-up."""
     t0 = time.perf_counter()
     done = batch.finished
     result = UpdateResult(
@@ -207,7 +209,7 @@ def update(state: TrainState, batch: TrainBatch, algo: AlgoConfig, critic_warmup
         result.diagnostics.update(ppo_update(state.model, state.critic_optimizer, samples, algo))
         result.critic_warmup = True
     else:
-        result.diagnostics.update(ppo_update(state.model, state.optimizer, samples, algo))
+        result.diagnostics.update(ppo_update(state.model, state.optimizer, samples, algo, after_epoch=after_epoch))
     # The statistics the policy keeps (observation normalisation) move only after the update,
     # so the update itself scores actions with the statistics the behaviour policy used.
     state.policy.update_statistics(batch.samples["obs"].select(np.flatnonzero(batch.keep)))
