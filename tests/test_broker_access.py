@@ -67,6 +67,9 @@ def test_in_flight_publications_stay_in_their_policy_versions_span():
     assert code(s.send(T0, P.WEIGHTS, announcement(11))) == P.E_FIELD  # 11 is 3 epochs into v2, not v11
     assert of_type(s.send(T0, P.WEIGHTS, {**announcement(12), "policy_version": 3}), P.WEIGHTS)
     assert s.state.weights.version == 3
+    for v in range(13, 2000, 10):  # far past max_version_step in publications, in steps of 10 versions
+        assert of_type(s.send(T0, P.WEIGHTS, {**announcement(4 * v + 3), "policy_version": v}), P.WEIGHTS)
+    assert s.state.weights.version == 1993 and s.state.weights.latest.version == 7975
 
 
 def test_without_in_flight_a_publication_is_its_policy_version():

@@ -21,14 +21,16 @@ from rlvla3.weights.announce import publications_per_version
 
 
 class Publishing:
-    def __init__(self, cfg: JobConfig, rank: int) -> None:
+    def __init__(self, cfg: JobConfig, rank: int, job: JobConfig) -> None:
+        """``cfg``: this trainer's config (its own ``--set`` included: where its store and stream
+        are); ``job``: the broker's, which numbers publications as the broker checks them."""
         self.cfg = cfg
         self.rank = rank
         self.publisher: Any = None  # rank 0's WeightPublisher
         self.announcement: dict[str, Any] | None = None
         """The last WEIGHTS fields sent (sent again to a restarted broker)."""
-        self.per_version = publications_per_version(cfg)
-        self.in_flight = cfg.weights.in_flight and cfg.run.mode == "async" and rank == 0
+        self.per_version = publications_per_version(job)
+        self.in_flight = job.weights.in_flight and job.run.mode == "async" and rank == 0
         """Publish between epochs: only where simulators run during an update, and on rank 0."""
 
     def gathered(self, state: Any, everything: bool) -> list | None:
