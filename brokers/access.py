@@ -79,7 +79,7 @@ def check_version_step(version: int, newest: int | None, max_step: int, what: st
                                            f"{max_step} past the newest known ({newest})")
 
 
-def check_weights(w: Worker, version: int, policy: Any, per_version: int, newest: int | None, max_step: int,
+def check_weights(w: Worker, version: int, policy: int | None, per_version: int, newest: int | None, max_step: int,
                   store: Any) -> None:
     """WEIGHTS comes from trainer rank 0, in a sane version step, and a weight store it names
     must be rank 0's own segment (``WeightStore``: ``rlvla3_<run>_<pid>_w<k>``): generators map
@@ -88,8 +88,8 @@ def check_weights(w: Worker, version: int, policy: Any, per_version: int, newest
     the step rule on the policy version bounds the publication number too."""
     if w.rank != 0:
         raise P.ProtocolError(P.E_ROLE, f"WEIGHTS comes from trainer rank 0, not rank {w.rank}")
-    policy = version if policy is None else policy
-    if not isinstance(policy, int) or isinstance(policy, bool) or version // per_version != policy:
+    policy = version if policy is None else policy  # an integer: the wire checked its type
+    if version // per_version != policy:
         raise P.ProtocolError(P.E_FIELD, f"WEIGHTS publication {version} is not in policy version {policy!r}'s span "
                                          f"of {per_version} (weights.in_flight)")
     check_version_step(policy, newest, max_step, "WEIGHTS")
