@@ -110,6 +110,9 @@ class WorkerBase:
         self.runners: list[JobRunner] = []
         self.attach = ShmAttachments()
         self.cfg: JobConfig | None = None
+        """The job's config as this worker runs it: the broker's, with this worker's own ``--set``."""
+        self.job: JobConfig | None = None
+        """The broker's job config alone: what the broker checks this worker's messages against."""
         self.welcome: dict[str, Any] = {}
         self.hb_s = P.HEARTBEAT_INTERVAL_S
         self.liveness = P.HEARTBEAT_LIVENESS
@@ -221,9 +224,9 @@ class WorkerBase:
         if before and (before.get("host"), before.get("pid")) != (msg.get("host"), msg.get("pid")):
             # another broker process on the same address: it knows nothing of this worker's past
             log.warning("broker_restarted", broker=self.broker_url, old_pid=before.get("pid"), new_pid=msg.get("pid"))
-        data = apply_overrides(dict(msg["config"]), list(self.overrides)) if self.overrides else dict(msg["config"])
         try:
-            self.cfg = from_dict(data)
+            self.job = from_dict(dict(msg["config"]))
+            self.cfg = from_dict(apply_overrides(dict(msg["config"]), list(self.overrides))) if self.overrides else self.job
         except ConfigError as exc:
             raise SystemExit(f"{self.role}: bad config override: {exc}") from None
         self.hb_s = float(msg.get("heartbeat_s", P.HEARTBEAT_INTERVAL_S))

@@ -32,7 +32,6 @@ import structlog
 import torch
 
 from rlvla3 import protocol as P
-from rlvla3.config import from_dict
 from workers.algorithms.memory import enable_gradient_checkpointing, make_offload
 from workers.algorithms.update import TrainState, UpdateResult, update
 from workers.base import WorkerBase
@@ -134,7 +133,7 @@ class TrainerWorker(WorkerBase):
         pl = cfg.placement
         self.offload = None if cfg.train.fsdp else make_offload(pl.mode, pl.offload, policy, [self.state.optimizer, self.state.critic_optimizer], policy.device)
         log.info("trainer_placement", mode=pl.mode, offload=pl.offload, offloading=self.offload is not None, fsdp=cfg.train.fsdp)
-        self.publishing = Publishing(cfg, self.rank, from_dict(dict(self.welcome["config"])))
+        self.publishing = Publishing(cfg, self.rank, self.job)
         self.publishing.open(self.state, str(self.welcome.get("run_id", "run")), self.host, self.version)  # version 0 (or the resumed one)
         self.runner = self.new_runner("update")
         if self.run_dir is not None:
