@@ -118,12 +118,16 @@ def plot(env: str, results: list[dict[str, Any]], here: list[dict[str, Any]], pa
     for k, r in enumerate(here):  # CleanRL's script on this machine: a point per episode, so smoothed more
         axes[0].plot(r["curve"]["steps"], smooth(r["curve"]["returns"], 50), color="black", alpha=0.5, lw=0.8,
                      label="CleanRL here" if k == 0 else None)
+    counts = {m: sum(1 for r in results if r["mode"] == m and r["curve"]["steps"]) for m in colours}
+    labelled = set()
     for r in results:
         c = r["curve"]
         if not c["steps"]:
             continue
+        first = r["mode"] not in labelled  # one legend entry a mode: fifteen seeds a mode stay readable
+        labelled.add(r["mode"])
         kw = dict(color=colours.get(r["mode"], "grey"), alpha=0.8, lw=1,
-                  label=f"{r['mode']} seed {r['seed']}")
+                  label=f"{r['mode']} ({counts.get(r['mode'], 0)} seeds)" if first else None)
         axes[0].plot(c["steps"], smooth(c["returns"]), **kw)
         axes[1].plot(c["seconds"], smooth(c["returns"]), **kw)
     if env in REFERENCE:
