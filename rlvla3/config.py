@@ -207,6 +207,10 @@ class AlgoConfig:
     loss wins (0 disables: plain MSE)."""
     vf_coef: float = 0.5
     """PPO: value loss weight (GRPO has no value term)."""
+    target_kl: float = 0.0
+    """Stop an update's epochs after the first whose mean approx KL from the behaviour policy (the
+    actor's) exceeds this; 0: every epoch. In sync that is CleanRL's ``target_kl`` read per epoch;
+    in async it also counts how far the policy had moved before the update began."""
     ent_coef: float = 0.0
     """Entropy bonus weight (subtracted from the loss)."""
     max_grad_norm: float = 1.0

@@ -139,6 +139,8 @@ def validate_algo(cfg: Any) -> None:
         raise ConfigError(f"algo.behav_weight_cap must be >= 1 (or 0: uncapped), got {a.behav_weight_cap}")
     if a.value_clip_eps < 0 or a.max_grad_norm <= 0 or a.reward_clip < 0:
         raise ConfigError("algo.value_clip_eps and algo.reward_clip must be >= 0 and algo.max_grad_norm > 0")
+    if a.target_kl < 0:
+        raise ConfigError(f"algo.target_kl must be >= 0 (0: off), got {a.target_kl}")
     if a.value_lr < 0:
         raise ConfigError(f"algo.value_lr must be >= 0 (0: algo.lr), got {a.value_lr}")
     if not isinstance(a.frozen, list) or not all(isinstance(x, str) and x for x in a.frozen):

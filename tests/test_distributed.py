@@ -83,6 +83,10 @@ def _trainer(rank: int, world_size: int, port: int, out_dir: str) -> None:
         }
         cfg = AlgoConfig(epochs=2, minibatch_size=8, lr=1e-2)
         stats = ppo_update(ddp, make_optimizer(ddp.parameters(), cfg), batch, cfg)
+        # A KL stop reads the ranks' mean, so both ranks leave after the same epoch (a rank
+        # stopping alone would leave the other's all-reduce waiting).
+        stop = AlgoConfig(epochs=4, minibatch_size=8, lr=1e-2, target_kl=1e-9)
+        stopped = ppo_update(ddp, make_optimizer(ddp.parameters(), stop), batch, stop)
         after = assert_replicas_identical(ddp)
 
         # A replica that drifted is detected, and a broadcast repairs it.
@@ -105,6 +109,7 @@ def _trainer(rank: int, world_size: int, port: int, out_dir: str) -> None:
             repaired=repaired,
             drift_detected=drift_detected,
             optimizer_steps=stats["optimizer_steps"],
+            stopped_steps=stopped["optimizer_steps"],
         )
         with open(f"{out_dir}/rank{rank}.json", "w") as f:
             json.dump(result, f)
@@ -123,3 +128,4 @@ def test_two_cpu_ranks_identical_after_ddp_update(tmp_path):
     assert r0["drift_detected"] and r1["drift_detected"]  # every rank learns of the drift
     assert r0["repaired"] == r1["repaired"] == r0["after"]
     assert r0["optimizer_steps"] == r1["optimizer_steps"] == 8
+    assert r0["stopped_steps"] == r1["stopped_steps"] == 4  # one epoch of 4 minibatches, on both

@@ -270,6 +270,20 @@ def test_ppo_update_runs_epochs_and_moves_the_policy_toward_the_advantage():
     assert float(policy.mean.bias.detach().view(2, 2)[:, 0].mean()) > bias_before
 
 
+def test_target_kl_stops_the_epochs_once_the_policy_has_moved_that_far():
+    """CleanRL's ``target_kl``, read per epoch: an epoch whose mean approx KL passes the target is
+    the update's last; a target the update never reaches leaves every epoch."""
+    runs = {}
+    for target in (1e-9, 10.0):
+        torch.manual_seed(0)
+        policy = TinyPolicy()
+        cfg = AlgoConfig(epochs=5, minibatch_size=16, lr=1e-2, target_kl=target)
+        runs[target] = ppo_update(policy, make_optimizer(policy.parameters(), cfg), make_batch(policy, 64), cfg)
+    assert runs[1e-9]["epochs_run"] == 1 and runs[1e-9]["optimizer_steps"] == 4
+    assert runs[1e-9]["approx_kl"] > 1e-9
+    assert runs[10.0]["epochs_run"] == 5 and runs[10.0]["optimizer_steps"] == 5 * 4
+
+
 def test_first_step_ratio_is_one_with_recomputed_proximal():
     torch.manual_seed(1)
     policy = TinyPolicy()
@@ -281,7 +295,8 @@ def test_first_step_ratio_is_one_with_recomputed_proximal():
 
 
 def test_config_rejects_bad_values():
-    for bad in ({"ratio_level": "token"}, {"dual_clip": 0.9}, {"behav_weight_cap": 0.5}, {"trust_region": "actor"}):
+    for bad in ({"ratio_level": "token"}, {"dual_clip": 0.9}, {"behav_weight_cap": 0.5}, {"trust_region": "actor"},
+                {"target_kl": -0.01}):
         with pytest.raises(ConfigError, match=f"algo.{next(iter(bad))}"):
             from_dict({"algo": bad})
 

@@ -97,7 +97,7 @@ def _unit_and_sample_masks(
 # ---------------------------------------------------------------------------------------------
 
 _STAT_NAMES = ("loss", "policy_loss", "value_loss", "entropy", "clip_frac", "dual_clip_frac", "approx_kl",
-               "ratio_mean", "behav_weight_mean", "behav_weight_capped_frac")
+               "approx_kl_behav", "ratio_mean", "behav_weight_mean", "behav_weight_capped_frac")
 """What :func:`ppo_loss` reports per minibatch, in the order it computes them."""
 
 
@@ -194,12 +194,14 @@ def ppo_loss(
     # ---- Diagnostics: one stacked masked mean, one read-out --------------------------------
     with torch.no_grad():
         ratio_d = r.detach()
+        log_rb = (new - behav).clamp(max=20.0)
         rows = [
             ((ratio_d - 1.0).abs() > cfg.clip_eps).to(dtype),  # clip_frac
             dual_active.to(dtype),  # dual_clip_frac
             # k3 estimator of KL(centre || new), the centre being prox or behav (trust_region):
             # unbiased, always >= 0 (Schulman's blog note).
             (ratio_d - 1.0) - log_r.detach(),  # approx_kl
+            torch.expm1(log_rb) - log_rb,  # approx_kl_behav: KL(behav || new), what algo.target_kl reads
             ratio_d,  # ratio_mean
             w.detach(),  # behav_weight_mean
             (w_raw > cap).to(dtype) if cap is not None else torch.zeros_like(ratio_d),  # behav_weight_capped_frac
@@ -335,10 +337,11 @@ def ppo_update(
     # not average zero (async batches overshoot batch_steps by part of a fragment).
     tensors = _to_device({k: v for k, v in batch.items() if k not in ("obs", "fresh")}, device)
     totals: dict[str, float] = {}
-    steps = 0
+    steps = epochs_run = 0
     for epoch in range(cfg.epochs):
         if epoch > 0 and after_epoch is not None:
             after_epoch(epoch - 1)
+        epoch_kl, epoch_steps = 0.0, 0
         for idx in torch.tensor_split(torch.randperm(n), math.ceil(n / cfg.minibatch_size)):
             mbd = index_batch(tensors, idx.to(device))
             out = evaluate(batch["obs"].select(idx.numpy()), mbd["actions"], mbd["replay"])
@@ -361,14 +364,29 @@ def ppo_update(
             for k, v in stats.items():
                 totals[k] = totals.get(k, 0.0) + v
             steps += 1
+            epoch_kl, epoch_steps = epoch_kl + stats["approx_kl_behav"], epoch_steps + 1
+        epochs_run += 1
+        if cfg.target_kl and _mean_over_ranks(epoch_kl / epoch_steps, device) > cfg.target_kl:
+            break  # the policy has moved far enough from its actor for one update
 
     # ---- Phase 4: diagnostics over the whole batch ------------------------------------------
     result = {k: v / steps for k, v in totals.items()}
     result["optimizer_steps"] = float(steps)
+    result["epochs_run"] = float(epochs_run)
     if batch.get("returns") is not None and batch.get("values") is not None:
         result["explained_variance"] = explained_variance(batch["values"][sample_valid], batch["returns"][sample_valid])
     result.update(logprob_gap(batch["behav_logprob"], batch["prox_logprob"], batch.get("mask"), batch.get("fresh")))
     return result
+
+
+def _mean_over_ranks(x: float, device: torch.device) -> float:
+    """``x`` averaged over the trainer ranks, so every rank stops its epochs at the same one
+    (a rank that stopped alone would leave the others' all-reduce waiting)."""
+    if not (torch.distributed.is_available() and torch.distributed.is_initialized()):
+        return x
+    t = torch.tensor([x], dtype=torch.float64, device=device)
+    torch.distributed.all_reduce(t)
+    return float(t) / torch.distributed.get_world_size()
 
 
 def logprob_gap(behav: torch.Tensor, prox: torch.Tensor, mask: torch.Tensor | None,
