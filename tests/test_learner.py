@@ -118,6 +118,25 @@ def test_ppo_batch_masks_stale_samples_and_update_reports_typed_result():
     assert not stale.trained and stale.figures()["skipped"] is True and stale.samples == 0
 
 
+def test_a_critic_warmup_runs_every_epoch_whatever_the_kl_target():
+    """``algo.target_kl`` reads the KL from the actor. In a critic warm-up the policy stands still,
+    so that KL is the staleness alone and must not cut the critic's epochs short."""
+    cfg = _cfg("algo.name=ppo", "algo.epochs=3", "algo.target_kl=1e-9")
+    policy = build_policy(cfg).train()
+    learner = Learner(cfg)
+    learner.add(_fragment(policy, 6, 1, env=0, ret=1.0))
+    batch = build_batch(learner.take(cfg.algo.batch_steps), 1, cfg)
+    with torch.no_grad():  # the trainer has moved on since the actor acted: a staleness gap
+        for p in policy.parameters():
+            p.add_(0.05 * torch.randn_like(p))
+    state = TrainState.build(policy, cfg.algo)
+    warm = update(state, batch, cfg.algo, critic_warmup=True)
+    assert warm.critic_warmup and warm.diagnostics["approx_kl_behav"] > 1e-9
+    assert warm.diagnostics["epochs_run"] == 3
+    stepped = update(state, batch, cfg.algo)
+    assert stepped.diagnostics["epochs_run"] == 1
+
+
 def test_frozen_prefixes_stay_put_and_the_critic_steps_at_its_own_rate():
     """``algo.frozen`` (as the trainer applies it before version 0) and ``algo.value_lr``: the
     frozen tower never moves, the actor and the value head each step and anneal from their own rate."""

@@ -18,7 +18,7 @@ learner with :func:`workers.algorithms.staleness.filter_stale`).
 from __future__ import annotations
 
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any, Callable
 
 import numpy as np
@@ -206,7 +206,9 @@ def update(state: TrainState, batch: TrainBatch, algo: AlgoConfig, critic_warmup
         # Critic warm-up: advantages zeroed and only the value head stepped, so a shared trunk
         # cannot drag a warm-started policy around while the critic learns the returns.
         samples["advantages"] = torch.zeros_like(samples["advantages"])
-        result.diagnostics.update(ppo_update(state.model, state.critic_optimizer, samples, algo))
+        # The policy stands still, so its KL from the actor (algo.target_kl) is the staleness alone.
+        warmup = replace(algo, target_kl=0.0)
+        result.diagnostics.update(ppo_update(state.model, state.critic_optimizer, samples, warmup))
         result.critic_warmup = True
     else:
         result.diagnostics.update(ppo_update(state.model, state.optimizer, samples, algo, after_epoch=after_epoch))
