@@ -83,3 +83,58 @@ def test_gpus_this_machine_does_not_show_are_refused_before_anything_starts() ->
     assert re.search(r"--gpus asks for devices \[62, 63\], but this machine shows (no CUDA device|CUDA devices \[0[\d, ]*\])",
                      proc.stderr), proc.stderr
     assert "worker_ready" not in proc.stderr and "broker_unreachable" not in proc.stderr  # no worker was started
+
+
+def _one_error_line(proc: subprocess.Popen, timeout: float) -> str:
+    """The worker's exit code must be 1, its stderr free of tracebacks: the last line is its error."""
+    _, err = proc.communicate(timeout=timeout)
+    text = err.decode()
+    assert proc.returncode == 1 and "Traceback" not in text, text
+    return text.strip().splitlines()[-1]
+
+
+def test_a_worker_override_naming_no_setting_is_refused_and_the_job_goes_on(tmp_path: Path) -> None:
+    url = f"tcp://127.0.0.1:{_free_port()}"
+    broker = _rlvla3("broker", "--config", "configs/synthetic.yaml", "--bind", url, "--pub",
+                     f"tcp://127.0.0.1:{_free_port()}", log=tmp_path / "broker.log")
+    try:
+        worker = subprocess.Popen([sys.executable, "-m", "rlvla3", "--log-level", "warning", "worker", "--role",
+                                   "generator", "--broker", url, "--set", "workers.broker_wait_s=60",
+                                   "--set", "algo.no_such_setting=3"], cwd=ROOT, stdout=subprocess.DEVNULL,
+                                  stderr=subprocess.PIPE, env={**os.environ, **launcher_env()})
+        line = _one_error_line(worker, 120)
+        assert line.startswith("generator: bad config override:") and "no_such_setting" in line, line
+        assert broker.poll() is None, (tmp_path / "broker.log").read_text()
+    finally:
+        broker.terminate()
+        broker.wait(30)
+
+
+def test_a_job_config_this_worker_cannot_load_is_named_as_the_brokers(tmp_path: Path) -> None:
+    """A broker of another rlvla3 version sends a section this one does not know: the worker says
+    the broker's config is what failed, not an override it was never given."""
+    import zmq
+
+    from rlvla3 import protocol as P
+
+    ctx = zmq.Context()
+    router = ctx.socket(zmq.ROUTER)
+    port = router.bind_to_random_port("tcp://127.0.0.1")
+    worker = subprocess.Popen([sys.executable, "-m", "rlvla3", "--log-level", "warning", "worker", "--role",
+                               "generator", "--broker", f"tcp://127.0.0.1:{port}", "--set", "workers.broker_wait_s=60"],
+                              cwd=ROOT, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE,
+                              env={**os.environ, **launcher_env()})
+    try:
+        assert router.poll(90_000), "no READY from the worker"
+        identity, *frames = router.recv_multipart()
+        assert P.decode(frames).type == P.READY
+        router.send_multipart([identity, *P.encode(P.READY, {
+            "role": "broker", "host": "elsewhere", "pid": 1, "worker_id": 1, "run_id": "other-version",
+            "config": {"telemetry": {"every_s": 5}}, "heartbeat_s": 1.0, "liveness": 3, "version": 0})])
+        line = _one_error_line(worker, 120)
+        assert line.startswith("generator: the broker's job config does not load here:") and "telemetry" in line, line
+    finally:
+        if worker.poll() is None:
+            worker.kill()
+        router.close(0)
+        ctx.term()

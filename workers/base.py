@@ -226,6 +226,9 @@ class WorkerBase:
             log.warning("broker_restarted", broker=self.broker_url, old_pid=before.get("pid"), new_pid=msg.get("pid"))
         try:
             self.job = from_dict(dict(msg["config"]))
+        except (ConfigError, KeyError, TypeError, ValueError) as exc:  # another rlvla3 version, say
+            raise SystemExit(f"{self.role}: the broker's job config does not load here: {exc}") from None
+        try:
             self.cfg = from_dict(apply_overrides(dict(msg["config"]), list(self.overrides))) if self.overrides else self.job
         except ConfigError as exc:
             raise SystemExit(f"{self.role}: bad config override: {exc}") from None
