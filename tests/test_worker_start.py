@@ -85,6 +85,14 @@ def test_gpus_this_machine_does_not_show_are_refused_before_anything_starts() ->
     assert "worker_ready" not in proc.stderr and "broker_unreachable" not in proc.stderr  # no worker was started
 
 
+def _generator(url: str, *sets: str) -> subprocess.Popen:
+    """A generator that logs only warnings, its stderr kept for :func:`_one_error_line`."""
+    args = [a for s in ("workers.broker_wait_s=60", *sets) for a in ("--set", s)]
+    return subprocess.Popen([sys.executable, "-m", "rlvla3", "--log-level", "warning", "worker", "--role", "generator",
+                             "--broker", url, *args], cwd=ROOT, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE,
+                            env={**os.environ, **launcher_env()})
+
+
 def _one_error_line(proc: subprocess.Popen, timeout: float) -> str:
     """The worker's exit code must be 1, its stderr free of tracebacks: the last line is its error."""
     _, err = proc.communicate(timeout=timeout)
@@ -98,11 +106,7 @@ def test_a_worker_override_naming_no_setting_is_refused_and_the_job_goes_on(tmp_
     broker = _rlvla3("broker", "--config", "configs/synthetic.yaml", "--bind", url, "--pub",
                      f"tcp://127.0.0.1:{_free_port()}", log=tmp_path / "broker.log")
     try:
-        worker = subprocess.Popen([sys.executable, "-m", "rlvla3", "--log-level", "warning", "worker", "--role",
-                                   "generator", "--broker", url, "--set", "workers.broker_wait_s=60",
-                                   "--set", "algo.no_such_setting=3"], cwd=ROOT, stdout=subprocess.DEVNULL,
-                                  stderr=subprocess.PIPE, env={**os.environ, **launcher_env()})
-        line = _one_error_line(worker, 120)
+        line = _one_error_line(_generator(url, "algo.no_such_setting=3"), 120)
         assert line.startswith("generator: bad config override:") and "no_such_setting" in line, line
         assert broker.poll() is None, (tmp_path / "broker.log").read_text()
     finally:
@@ -120,10 +124,7 @@ def test_a_job_config_this_worker_cannot_load_is_named_as_the_brokers(tmp_path: 
     ctx = zmq.Context()
     router = ctx.socket(zmq.ROUTER)
     port = router.bind_to_random_port("tcp://127.0.0.1")
-    worker = subprocess.Popen([sys.executable, "-m", "rlvla3", "--log-level", "warning", "worker", "--role",
-                               "generator", "--broker", f"tcp://127.0.0.1:{port}", "--set", "workers.broker_wait_s=60"],
-                              cwd=ROOT, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE,
-                              env={**os.environ, **launcher_env()})
+    worker = _generator(f"tcp://127.0.0.1:{port}")
     try:
         assert router.poll(90_000), "no READY from the worker"
         identity, *frames = router.recv_multipart()

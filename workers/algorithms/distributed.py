@@ -274,3 +274,14 @@ def agree_to_update(taken: int, available: int, stopping: bool, batch_steps: int
     if sum(int(g[1]) for g in gathered) < batch_steps or min(shares) == 0:
         return Agreement("wait", shares)
     return Agreement("update", shares)
+
+
+def mean_over_ranks(x: float, device: torch.device) -> float:
+    """``x`` averaged over the trainer ranks (itself with one process), so a decision every rank
+    takes from it is the same on all: ``algo.target_kl``'s stop, where a rank that stopped alone
+    would leave the others' next all-reduce waiting."""
+    if not dist.is_initialized():
+        return x
+    t = torch.tensor([x], dtype=torch.float64, device=device)
+    dist.all_reduce(t)
+    return float(t) / dist.get_world_size()

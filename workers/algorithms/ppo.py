@@ -38,6 +38,7 @@ from torch import nn
 
 from rlvla3.config import AlgoConfig
 from rlvla3.observation import Observation
+from workers.algorithms.distributed import mean_over_ranks
 
 
 EvaluateFn = Callable[[Any, torch.Tensor, dict], Any]  # (obs, actions, replay) -> EvalOutput
@@ -366,7 +367,7 @@ def ppo_update(
             steps += 1
             epoch_kl, epoch_steps = epoch_kl + stats["approx_kl_behav"], epoch_steps + 1
         epochs_run += 1
-        if cfg.target_kl and _mean_over_ranks(epoch_kl / epoch_steps, device) > cfg.target_kl:
+        if cfg.target_kl and mean_over_ranks(epoch_kl / epoch_steps, device) > cfg.target_kl:
             break  # the policy has moved far enough from its actor for one update
 
     # ---- Phase 4: diagnostics over the whole batch ------------------------------------------
@@ -377,16 +378,6 @@ def ppo_update(
         result["explained_variance"] = explained_variance(batch["values"][sample_valid], batch["returns"][sample_valid])
     result.update(logprob_gap(batch["behav_logprob"], batch["prox_logprob"], batch.get("mask"), batch.get("fresh")))
     return result
-
-
-def _mean_over_ranks(x: float, device: torch.device) -> float:
-    """``x`` averaged over the trainer ranks, so every rank stops its epochs at the same one
-    (a rank that stopped alone would leave the others' all-reduce waiting)."""
-    if not (torch.distributed.is_available() and torch.distributed.is_initialized()):
-        return x
-    t = torch.tensor([x], dtype=torch.float64, device=device)
-    torch.distributed.all_reduce(t)
-    return float(t) / torch.distributed.get_world_size()
 
 
 def logprob_gap(behav: torch.Tensor, prox: torch.Tensor, mask: torch.Tensor | None,
