@@ -339,11 +339,12 @@ def ppo_update(
     tensors = _to_device({k: v for k, v in batch.items() if k not in ("obs", "fresh")}, device)
     totals: dict[str, float] = {}
     steps = epochs_run = 0
+    minibatches = math.ceil(n / cfg.minibatch_size)
     for epoch in range(cfg.epochs):
         if epoch > 0 and after_epoch is not None:
             after_epoch(epoch - 1)
-        epoch_kl, epoch_steps = 0.0, 0
-        for idx in torch.tensor_split(torch.randperm(n), math.ceil(n / cfg.minibatch_size)):
+        epoch_kl = 0.0
+        for idx in torch.tensor_split(torch.randperm(n), minibatches):
             mbd = index_batch(tensors, idx.to(device))
             out = evaluate(batch["obs"].select(idx.numpy()), mbd["actions"], mbd["replay"])
             loss, stats = ppo_loss(
@@ -365,9 +366,9 @@ def ppo_update(
             for k, v in stats.items():
                 totals[k] = totals.get(k, 0.0) + v
             steps += 1
-            epoch_kl, epoch_steps = epoch_kl + stats["approx_kl_behav"], epoch_steps + 1
+            epoch_kl += stats["approx_kl_behav"]
         epochs_run += 1
-        if cfg.target_kl and mean_over_ranks(epoch_kl / epoch_steps, device) > cfg.target_kl:
+        if cfg.target_kl and mean_over_ranks(epoch_kl / minibatches, device) > cfg.target_kl:
             break  # the policy has moved far enough from its actor for one update
 
     # ---- Phase 4: diagnostics over the whole batch ------------------------------------------
