@@ -221,6 +221,12 @@ class AlgoConfig:
     behav_weight_cap: float = 2.0
     """Cap (>= 1) on the detached behaviour -> proximal importance weight of decoupled PPO
     (0: uncapped)."""
+    adv_norm: str = "batch"
+    """PPO: how advantages are standardised before the update. ``batch``: mean and std over the
+    batch as it was acted (CleanRL). ``proximal``: each sample weighted by its behaviour ->
+    proximal likelihood ratio (capped as above), so the mean is the one under the policy the
+    update starts from. The same in sync; with stale samples ``batch`` leaves a positive mean
+    advantage under that policy, which ten epochs on one batch spend narrowing the Gaussian."""
     max_staleness: int = 4
     """Samples from policies more than this many versions old are dropped."""
     admission_lag: int | None = None

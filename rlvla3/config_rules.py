@@ -10,6 +10,7 @@ from rlvla3.scale_config import ConfigError, validate_scale
 MODES = ("sync", "async_rollout", "async")
 RATIO_LEVELS = ("unit", "chunk")
 TRUST_REGIONS = ("proximal", "behaviour")
+ADV_NORMS = ("batch", "proximal")
 
 RENAMED: dict[str, str] = {
     "algo.group_size": "env.group_size",
@@ -132,6 +133,8 @@ def validate_algo(cfg: Any) -> None:
         raise ConfigError(f"algo.ratio_level: {a.ratio_level!r} not in {RATIO_LEVELS}")
     if a.trust_region not in TRUST_REGIONS:
         raise ConfigError(f"algo.trust_region: {a.trust_region!r} not in {TRUST_REGIONS}")
+    if a.adv_norm not in ADV_NORMS:
+        raise ConfigError(f"algo.adv_norm: {a.adv_norm!r} not in {ADV_NORMS}")
     if a.dual_clip != 0 and a.dual_clip <= 1.0:
         raise ConfigError(f"algo.dual_clip must be > 1 (or 0: off), got {a.dual_clip}")
     if a.behav_weight_cap != 0 and a.behav_weight_cap < 1.0:

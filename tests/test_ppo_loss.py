@@ -284,6 +284,36 @@ def test_target_kl_stops_the_epochs_once_the_policy_has_moved_that_far():
     assert runs[10.0]["epochs_run"] == 5 and runs[10.0]["optimizer_steps"] == 5 * 4
 
 
+def _update_log_std(adv_norm: str, seed: int, moved_on: float) -> float:
+    """log-std after one 10-epoch update on a batch acted before the policy's mean moved on by
+    ``moved_on`` toward the advantage (the first action component): a stale batch."""
+    torch.manual_seed(seed)
+    policy = TinyPolicy()
+    batch = make_batch(policy, 512, seed=seed)
+    with torch.no_grad():
+        policy.mean.bias.view(2, 2)[:, 0] += moved_on
+    cfg = AlgoConfig(epochs=10, minibatch_size=64, lr=3e-3, adv_norm=adv_norm, dual_clip=0, max_grad_norm=0.5)
+    ppo_update(policy, make_optimizer(policy.parameters(), cfg), batch, cfg)
+    return float(policy.log_std.detach().sum())
+
+
+def test_proximal_adv_norm_keeps_a_stale_batch_from_narrowing_the_gaussian():
+    """A policy that already moved toward the advantage has a positive mean advantage on the batch
+    it acted before; centred as acted (``batch``), every sample then asks for a higher
+    likelihood, and ten epochs grant it by narrowing the Gaussian onto the batch. Centred under
+    the proximal policy the width stays (log-std sum starts at -1.0)."""
+    for seed in range(3):
+        narrowed = _update_log_std("batch", seed, moved_on=0.3)
+        kept = _update_log_std("proximal", seed, moved_on=0.3)
+        assert narrowed < -1.05 and kept > -1.02 and kept - narrowed > 0.08, (seed, narrowed, kept)
+
+
+def test_proximal_adv_norm_is_batch_norm_on_fresh_samples():
+    """Fresh samples weigh 1 each: the two standardisations give the same update (sync)."""
+    assert _update_log_std("proximal", 0, moved_on=0.0) == pytest.approx(_update_log_std("batch", 0, moved_on=0.0),
+                                                                        abs=1e-6)
+
+
 def test_first_step_ratio_is_one_with_recomputed_proximal():
     torch.manual_seed(1)
     policy = TinyPolicy()
@@ -296,7 +326,7 @@ def test_first_step_ratio_is_one_with_recomputed_proximal():
 
 def test_config_rejects_bad_values():
     for bad in ({"ratio_level": "token"}, {"dual_clip": 0.9}, {"behav_weight_cap": 0.5}, {"trust_region": "actor"},
-                {"target_kl": -0.01}):
+                {"target_kl": -0.01}, {"adv_norm": "group"}):
         with pytest.raises(ConfigError, match=f"algo.{next(iter(bad))}"):
             from_dict({"algo": bad})
 

@@ -306,8 +306,9 @@ def ppo_update(
 
     ``policy`` may be a DDP wrapper that exposes ``evaluate`` (see ``distributed.wrap_ddp``);
     every rank must then run the same number of minibatches (equal local batch sizes).
-    Advantages are standardized over the valid samples of the batch, except for GRPO, whose
-    advantages are already standardized within groups.
+    Advantages are standardized over the valid samples of the batch (``algo.adv_norm``: as acted,
+    or weighted into the proximal policy's batch), except for GRPO, whose advantages are already
+    standardized within groups.
     """
     evaluate = evaluate_fn or policy.evaluate
     device = next(policy.parameters()).device
@@ -328,7 +329,14 @@ def ppo_update(
         sample_valid = m if m.dim() == 1 else m.any(dim=-1)
     if cfg.name != "grpo" and int(sample_valid.sum()) > 1:
         valid = advantages[sample_valid]
-        advantages = (advantages - valid.mean()) / (valid.std(unbiased=False) + 1e-8)
+        weight = _proximal_weights(batch, cfg)[sample_valid] if cfg.adv_norm == "proximal" else None
+        if weight is None:
+            mean, std = valid.mean(), valid.std(unbiased=False)
+        else:
+            weight = weight / weight.sum()
+            mean = (weight * valid).sum()
+            std = (weight * (valid - mean) ** 2).sum().sqrt()
+        advantages = (advantages - mean) / (std + 1e-8)
     batch = {**batch, "advantages": advantages}
 
     # ---- Phase 3: epochs x minibatches of clipped updates -----------------------------------
@@ -379,6 +387,22 @@ def ppo_update(
         result["explained_variance"] = explained_variance(batch["values"][sample_valid], batch["returns"][sample_valid])
     result.update(logprob_gap(batch["behav_logprob"], batch["prox_logprob"], batch.get("mask"), batch.get("fresh")))
     return result
+
+
+def _proximal_weights(batch: dict[str, Any], cfg: AlgoConfig) -> torch.Tensor:
+    """``[N]`` each sample's behaviour -> proximal likelihood ratio (its decision's units summed
+    in log space), capped as the loss caps its weight: what reweights the batch as acted into a
+    batch of the policy the update starts from. All ones under ``trust_region: behaviour``,
+    whose loss has no such weight."""
+    behav = batch["behav_logprob"].float()
+    behav = behav.reshape(len(behav), -1)
+    if cfg.trust_region == "behaviour":
+        return torch.ones(len(behav), device=behav.device)
+    prox = batch["prox_logprob"].float().reshape(len(behav), -1).to(behav.device)
+    unit, _ = _unit_and_sample_masks(batch.get("mask"), behav.shape, behav.device)
+    log_w = torch.where(unit, prox - behav, torch.zeros_like(behav)).sum(-1).clamp(max=20.0)
+    w = torch.exp(log_w)
+    return w.clamp(max=cfg.behav_weight_cap) if cfg.behav_weight_cap else w
 
 
 def logprob_gap(behav: torch.Tensor, prox: torch.Tensor, mask: torch.Tensor | None,
