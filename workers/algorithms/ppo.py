@@ -329,7 +329,8 @@ def ppo_update(
         sample_valid = m if m.dim() == 1 else m.any(dim=-1)
     if cfg.name != "grpo" and int(sample_valid.sum()) > 1:
         valid = advantages[sample_valid]
-        weight = _proximal_weights(batch, cfg)[sample_valid] if cfg.adv_norm == "proximal" else None
+        weight = (_proximal_weights(batch, cfg).to(advantages.device)[sample_valid]
+                  if cfg.adv_norm == "proximal" else None)
         if weight is None:
             mean, std = valid.mean(), valid.std(unbiased=False)
         else:
