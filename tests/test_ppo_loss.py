@@ -305,7 +305,7 @@ def test_proximal_adv_norm_keeps_a_stale_batch_from_narrowing_the_gaussian():
     for seed in range(3):
         narrowed = _update_log_std("batch", seed, moved_on=0.3)
         kept = _update_log_std("proximal", seed, moved_on=0.3)
-        assert narrowed < -1.05 and kept > -1.02 and kept - narrowed > 0.08, (seed, narrowed, kept)
+        assert narrowed < -1.05 and kept > -1.03 and kept - narrowed > 0.07, (seed, narrowed, kept)
 
 
 def test_proximal_adv_norm_is_batch_norm_on_fresh_samples():
