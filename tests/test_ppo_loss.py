@@ -314,6 +314,18 @@ def test_proximal_adv_norm_is_batch_norm_on_fresh_samples():
                                                                         abs=1e-6)
 
 
+def test_proximal_adv_norm_survives_ratios_that_underflow():
+    """Long decisions sum many units' log-ratios: weights of e^-200 each must still standardise
+    (in log space), not divide zero by zero."""
+    torch.manual_seed(0)
+    policy = TinyPolicy()
+    batch = make_batch(policy, 64)
+    batch["prox_logprob"] = batch["behav_logprob"] - 100.0  # two units: e^-200 a sample
+    cfg = AlgoConfig(epochs=1, minibatch_size=32, adv_norm="proximal")
+    stats = ppo_update(policy, make_optimizer(policy.parameters(), cfg), batch, cfg)
+    assert math.isfinite(stats["loss"]) and all(torch.isfinite(p).all() for p in policy.parameters())
+
+
 def test_first_step_ratio_is_one_with_recomputed_proximal():
     torch.manual_seed(1)
     policy = TinyPolicy()

@@ -329,14 +329,12 @@ def ppo_update(
         sample_valid = m if m.dim() == 1 else m.any(dim=-1)
     if cfg.name != "grpo" and int(sample_valid.sum()) > 1:
         valid = advantages[sample_valid]
-        weight = (_proximal_weights(batch, cfg).to(advantages.device)[sample_valid]
-                  if cfg.adv_norm == "proximal" else None)
-        if weight is None:
-            mean, std = valid.mean(), valid.std(unbiased=False)
-        else:
-            weight = weight / weight.sum()
+        if cfg.adv_norm == "proximal":  # normalised in log space: long decisions' ratios underflow
+            weight = torch.softmax(_proximal_log_weights(batch, cfg).to(advantages.device)[sample_valid], 0)
             mean = (weight * valid).sum()
             std = (weight * (valid - mean) ** 2).sum().sqrt()
+        else:
+            mean, std = valid.mean(), valid.std(unbiased=False)
         advantages = (advantages - mean) / (std + 1e-8)
     batch = {**batch, "advantages": advantages}
 
@@ -390,20 +388,19 @@ def ppo_update(
     return result
 
 
-def _proximal_weights(batch: dict[str, Any], cfg: AlgoConfig) -> torch.Tensor:
-    """``[N]`` each sample's behaviour -> proximal likelihood ratio (its decision's units summed
-    in log space), capped as the loss caps its weight: what reweights the batch as acted into a
-    batch of the policy the update starts from. All ones under ``trust_region: behaviour``,
+def _proximal_log_weights(batch: dict[str, Any], cfg: AlgoConfig) -> torch.Tensor:
+    """``[N]`` the log of each sample's behaviour -> proximal likelihood ratio (its decision's
+    units summed), capped as the loss caps its weight: what reweights the batch as acted into a
+    batch of the policy the update starts from. All zeros under ``trust_region: behaviour``,
     whose loss has no such weight."""
     behav = batch["behav_logprob"].float()
     behav = behav.reshape(len(behav), -1)
     if cfg.trust_region == "behaviour":
-        return torch.ones(len(behav), device=behav.device)
+        return torch.zeros(len(behav), device=behav.device)
     prox = batch["prox_logprob"].float().reshape(len(behav), -1).to(behav.device)
     unit, _ = _unit_and_sample_masks(batch.get("mask"), behav.shape, behav.device)
-    log_w = torch.where(unit, prox - behav, torch.zeros_like(behav)).sum(-1).clamp(max=20.0)
-    w = torch.exp(log_w)
-    return w.clamp(max=cfg.behav_weight_cap) if cfg.behav_weight_cap else w
+    log_w = torch.where(unit, prox - behav, torch.zeros_like(behav)).sum(-1)
+    return log_w.clamp(max=math.log(cfg.behav_weight_cap) if cfg.behav_weight_cap else 20.0)
 
 
 def logprob_gap(behav: torch.Tensor, prox: torch.Tensor, mask: torch.Tensor | None,
