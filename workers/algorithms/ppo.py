@@ -142,12 +142,10 @@ def ppo_loss(
     adv = advantages.detach().to(new.dtype)[:, None].expand_as(new)
 
     # ---- Behaviour -> proximal importance weight (detached, capped) ------------------------
-    if cfg.trust_region == "behaviour":  # APPO: clip around the actor; no second correction
-        centre, w_raw = behav, torch.ones_like(behav)
-    else:
-        centre, w_raw = prox, torch.exp(prox - behav)
-    cap = cfg.behav_weight_cap or None
-    w = w_raw if cap is None else w_raw.clamp(max=cap)
+    proximal = cfg.trust_region != "behaviour"  # behaviour: APPO, the clip around the actor
+    centre = prox if proximal else behav
+    log_w = _behaviour_log_weight(prox - behav, cfg)
+    w = torch.exp(log_w)
 
     # ---- Centre -> current ratio, clipped surrogate, dual clip -----------------------------
     # Clamp the log-ratio so exp() stays finite; beyond e^20 the sample is clipped anyway.
@@ -205,7 +203,7 @@ def ppo_loss(
             torch.expm1(log_rb) - log_rb,  # approx_kl_behav: KL(behav || new), what algo.target_kl reads
             ratio_d,  # ratio_mean
             w.detach(),  # behav_weight_mean
-            (w_raw > cap).to(dtype) if cap is not None else torch.zeros_like(ratio_d),  # behav_weight_capped_frac
+            ((prox - behav > log_w) & proximal).to(dtype),  # behav_weight_capped_frac
         ]
         means = _masked_mean(torch.stack(rows), pg_mask, dim=(1, 2))
         scalars = torch.stack([loss.detach().to(dtype), policy_loss.detach(), value_loss.detach().to(dtype),
@@ -388,19 +386,24 @@ def ppo_update(
     return result
 
 
+def _behaviour_log_weight(log_ratio: torch.Tensor, cfg: AlgoConfig) -> torch.Tensor:
+    """Decoupled PPO's behaviour -> proximal weight, in log space: ``log pi_prox - log pi_behav``
+    capped at ``log(behav_weight_cap)`` (0: uncapped), or 0 (a weight of 1) under
+    ``trust_region: behaviour``, which clips around the actor and needs no second correction.
+    The loss weighs each ratio unit by it; ``adv_norm: proximal`` weighs each decision."""
+    if cfg.trust_region == "behaviour":
+        return torch.zeros_like(log_ratio)
+    return log_ratio.clamp(max=math.log(cfg.behav_weight_cap)) if cfg.behav_weight_cap else log_ratio
+
+
 def _proximal_log_weights(batch: dict[str, Any], cfg: AlgoConfig) -> torch.Tensor:
-    """``[N]`` the log of each sample's behaviour -> proximal likelihood ratio (its decision's
-    units summed), capped as the loss caps its weight: what reweights the batch as acted into a
-    batch of the policy the update starts from. All zeros under ``trust_region: behaviour``,
-    whose loss has no such weight."""
+    """``[N]`` each decision's log behaviour -> proximal weight (its units' log-ratios summed):
+    what reweights the batch as acted into a batch of the policy the update starts from."""
     behav = batch["behav_logprob"].float()
     behav = behav.reshape(len(behav), -1)
-    if cfg.trust_region == "behaviour":
-        return torch.zeros(len(behav), device=behav.device)
     prox = batch["prox_logprob"].float().reshape(len(behav), -1).to(behav.device)
     unit, _ = _unit_and_sample_masks(batch.get("mask"), behav.shape, behav.device)
-    log_w = torch.where(unit, prox - behav, torch.zeros_like(behav)).sum(-1)
-    return log_w.clamp(max=math.log(cfg.behav_weight_cap) if cfg.behav_weight_cap else 20.0)
+    return _behaviour_log_weight(torch.where(unit, prox - behav, torch.zeros_like(behav)).sum(-1), cfg)
 
 
 def logprob_gap(behav: torch.Tensor, prox: torch.Tensor, mask: torch.Tensor | None,
