@@ -1,5 +1,5 @@
 """The alternating modes' pause: in ``sync`` and ``async_rollout`` rollouts and training take
-turns; in ``async`` they overlap and nothing here pauses. No I/O, no clock.
+turns; in ``async`` they overlap, and only a late start (below) pauses. No I/O, no clock.
 
 Rollouts pause once a batch of finished training steps waits for the trainer, and stay paused
 while it updates; they resume when the update is over (its weights are announced before the
@@ -7,6 +7,12 @@ trainer reports the end) and less than a batch waits. The account is of steps, n
 steps that arrive during an update count toward the next batch, so a trainer that already holds
 the next batch when it finishes keeps the rollouts paused and trains again. (Counting from zero
 at every new version would let such steps slip past the count, and the modes drift into overlap.)
+
+Late start (``async`` with ``weights.in_flight`` and ``weights.collect_after_epochs`` K): while an
+update runs, rollouts wait until it has published its weights after K of its epochs. When the
+simulators outrun the trainer they otherwise collect the next batch at the update's start, with
+the weights it started from, so every sample trains a whole version stale; started late, they
+act with weights K epochs into the update. The wait always ends: an update's end lifts it.
 """
 
 from __future__ import annotations
@@ -20,26 +26,53 @@ class Alternation:
     and has not reported its end. Paused iff ``waiting >= batch_steps`` or ``updating``.
     """
 
-    def __init__(self, batch_steps: int, enabled: bool) -> None:
+    def __init__(self, batch_steps: int, enabled: bool, late_epochs: int = 0, per_version: int = 1) -> None:
         self.batch_steps = int(batch_steps)
         self.enabled = enabled
         self.waiting = 0
         self.updating = False
+        # Late start (async): publication ``v * per_version + k`` is version v after k epochs.
+        self.late_epochs = 0 if enabled else int(late_epochs)
+        self.per_version = max(1, int(per_version))
+        self.update_from = 0  # the version the running update started from
+        self.published = -1  # the newest publication number
+        self.late_waits = 0  # updates during which rollouts waited for their epochs
+        self._late_counted = False
 
     @property
     def paused(self) -> bool:
-        return self.enabled and (self.updating or self.waiting >= self.batch_steps)
+        if self.enabled:
+            return self.updating or self.waiting >= self.batch_steps
+        return self.late_pause
+
+    @property
+    def late_pause(self) -> bool:
+        """The running update has not yet published its weights after ``late_epochs`` epochs."""
+        epochs_done = self.published - self.update_from * self.per_version
+        return self.late_epochs > 0 and self.updating and epochs_done < self.late_epochs
 
     def on_trajectory(self, steps: int) -> None:
         """A simulator sent ``steps`` training steps."""
         self.waiting += int(steps)
 
-    def on_begin(self, taken: int | None) -> None:
-        """A trainer began an update with ``taken`` steps (several ranks report after the update,
-        each its own share)."""
+    def on_begin(self, taken: int | None, version: int = 0) -> None:
+        """A trainer began an update from ``version`` with ``taken`` steps (several ranks report
+        after the update, each its own share)."""
         self.updating = True
+        self.update_from = int(version)
+        self._late_counted = False
         if taken:
             self._drop(taken)
+
+    def on_published(self, publication: int) -> None:
+        """Weights were announced under ``publication`` (``rlvla3.weights.announce``)."""
+        self.published = max(self.published, int(publication))
+
+    def on_held(self) -> None:
+        """Queued rollouts waited on the pause: counted once per update for a late start."""
+        if self.late_pause and not self._late_counted:
+            self.late_waits += 1
+            self._late_counted = True
 
     def on_end(self) -> None:
         """A trainer finished an update (its weights, when due, were announced just before)."""
@@ -64,4 +97,6 @@ class Alternation:
         self.waiting = max(0, self.waiting - int(steps))
 
     def figures(self) -> dict[str, int | bool]:
+        if self.late_epochs:
+            return {"updating": self.updating, "late_epochs": self.late_epochs, "late_waits": self.late_waits}
         return {"waiting": self.waiting, "updating": self.updating}

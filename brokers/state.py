@@ -64,9 +64,11 @@ class BrokerState:
         self.model_spec: tuple | None = None  # the tensors of the first accepted manifest
         self.reject_log = access.RejectLog(cfg.broker.reject_log_per_s)
         self.peer_rates = PeerRates(cfg.broker.max_peer_msgs_per_s)  # taken by the shell, per message read
-        # Pacing: the alternating modes pause rollouts while a batch waits or a trainer updates.
+        # Pacing: the alternating modes pause rollouts while a batch waits or a trainer updates;
+        # async, with a late start, while an update's first epochs run.
         self.trainer_version = 0
-        self.pacing = Alternation(cfg.algo.batch_steps, enabled=self.mode != "async")
+        self.pacing = Alternation(cfg.algo.batch_steps, enabled=self.mode != "async",
+                                  late_epochs=cfg.weights.collect_after_epochs, per_version=publications_per_version(cfg))
         self._last_hb = self._last_tick = now
         self.status_cache = StatusCache()
 
@@ -253,8 +255,10 @@ class BrokerState:
             raise P.ProtocolError(P.E_FIELD, "WEIGHTS manifest does not match the model's tensors (names, dtypes, "
                                              "shapes) announced by earlier versions")
         out = self.weights.on_weights(msg)
-        if out and spec is not None:
-            self.model_spec = spec
+        if out:
+            self.pacing.on_published(self.weights.latest.version)
+            if spec is not None:
+                self.model_spec = spec
         return out
 
     def _on_train(self, w: Worker, msg: P.Message, now: float) -> list[Out]:
@@ -269,7 +273,7 @@ class BrokerState:
         taken = steps if msg["phase"] == "begin" and isinstance(steps, int) and not isinstance(steps, bool) else None
         self.admission.on_train(self.trainer_version, taken)
         if msg["phase"] == "begin":
-            self.pacing.on_begin(taken)
+            self.pacing.on_begin(taken, msg["version"])
         else:
             self.pacing.on_end()
         stats = msg.get("stats")
@@ -350,7 +354,10 @@ class BrokerState:
 
     def _dispatch(self, now: float) -> list[Out]:
         queue = self.dispatcher.queue
-        if not len(queue) or self.training_pause:
+        if not len(queue):
+            return []
+        if self.training_pause:
+            self.pacing.on_held()
             return []
         force = False
         if self.mode == "sync":

@@ -111,6 +111,12 @@ def validate_job(cfg: Any) -> None:
     if cfg.weights.in_flight and (cfg.algo.publish_every != 1 or cfg.train.fsdp):
         raise ConfigError("weights.in_flight publishes within every update: it needs algo.publish_every: 1, and "
                           "not train.fsdp (rank 0 alone would have to gather the shards between two epochs)")
+    if cfg.weights.collect_after_epochs:
+        k = cfg.weights.collect_after_epochs
+        if not cfg.weights.in_flight or not 0 < k < cfg.algo.epochs or cfg.workers.trainers > 1:
+            raise ConfigError(f"weights.collect_after_epochs: {k} waits for weights published between an update's epochs: "
+                              f"it needs weights.in_flight, 0 < it < algo.epochs ({cfg.algo.epochs}) and one trainer "
+                              f"(workers.trainers: {cfg.workers.trainers})")
     if not cfg.weights.shm and not cfg.weights.stream_bind:
         raise ConfigError("weights.stream_bind: empty with weights.shm off leaves generators no way to fetch weights")
     if cfg.env.name == "gymnasium":

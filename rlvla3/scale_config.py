@@ -201,3 +201,12 @@ class WeightsConfig:
     started from (``policy_version``; staleness counts whole versions), under publication
     numbers of their own (``rlvla3.weights.announce.publications_per_version``). Sync mode
     pauses the simulators during an update, so there it publishes nothing extra."""
+    collect_after_epochs: int = 0
+    """Async with ``in_flight``: while an update runs, rollouts wait until it has published its
+    weights after this many of its epochs (0: they never wait). Simulators that outrun the
+    trainer otherwise collect the next batch at the update's start, with the weights it started
+    from, so each sample trains a whole version stale; started late, they act with weights this
+    far into the update. Set it so the rest of the update is time enough to collect a batch, or
+    the trainer waits for it (a critic warm-up or a ``target_kl`` stop publishes nothing between
+    epochs: the rollouts then wait for the update's end). One trainer rank: the broker hears of
+    a multi-rank update only after it."""

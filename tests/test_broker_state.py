@@ -4,10 +4,12 @@ the sync barrier, the async_rollout pause, admission, and re-queueing when a wor
 from __future__ import annotations
 
 import numpy as np
+import pytest
 
 from brokers.outgoing import Out
 from rlvla3 import protocol as P
-from tests.brokerscript import HOST, Script, of_type, served
+from rlvla3.config import ConfigError
+from tests.brokerscript import HOST, Script, announcement, of_type, served
 
 SIM, SIM2, GEN, GEN2, TRAINER = b"sim", b"sim2", b"gen", b"gen2", b"trainer"
 
@@ -118,6 +120,45 @@ def test_async_mode_never_pauses():
     s.simulator(SIM)
     s.traj(SIM, 1, steps=80)
     assert not s.state.training_pause
+
+
+def test_a_late_start_holds_rollouts_until_the_update_publishes_its_kth_epoch():
+    """``weights.collect_after_epochs: 3`` of 4 epochs: while the update from version 2 runs,
+    rollouts wait for publication 4 * 2 + 3; an update's end lifts the wait, and so does a
+    trainer that leaves mid-update. Between updates nothing waits."""
+    s = Script("run.mode=async", "weights.in_flight=true", "algo.epochs=4", "weights.collect_after_epochs=3",
+               "algo.batch_steps=8", "batching.max_batch=2", "broker.max_version_step=10")
+    s.simulator(SIM)
+    s.generator(GEN, credits=8)
+    s.trainer(TRAINER)
+    s.send(TRAINER, P.WEIGHTS, {**announcement(8), "policy_version": 2})
+    s.obs(SIM, 0)
+    assert len(of_type(s.tick(), P.BATCH)) == 1  # no update runs: rollouts go on
+    s.send(TRAINER, P.TRAIN, {"phase": "begin", "version": 2, "steps": 8})
+    s.obs(SIM, 1)
+    assert s.state.training_pause and of_type(s.tick(1.0), P.BATCH) == []
+    assert s.state.wait_s(s.now) == s.state.hb_s  # the loop does not spin on the held queue
+    for k in (1, 2):
+        s.send(TRAINER, P.WEIGHTS, {**announcement(8 + k), "policy_version": 2})
+        assert s.state.training_pause and of_type(s.tick(1.0), P.BATCH) == [], k
+    s.send(TRAINER, P.WEIGHTS, {**announcement(11), "policy_version": 2})  # 3 epochs into the update
+    assert not s.state.training_pause and len(of_type(s.tick(), P.BATCH)) == 1
+    s.send(TRAINER, P.WEIGHTS, {**announcement(12), "policy_version": 3})
+    s.send(TRAINER, P.TRAIN, {"phase": "end", "version": 3})
+    assert not s.state.training_pause
+    s.send(TRAINER, P.TRAIN, {"phase": "begin", "version": 3, "steps": 8})  # the next update: wait again
+    assert s.state.training_pause
+    assert s.state.status(s.now)["pacing"] == {"updating": True, "late_epochs": 3, "late_waits": 1}
+    s.send(TRAINER, P.DISCONNECT)
+    assert not s.state.training_pause
+
+
+def test_a_late_start_needs_weights_in_flight_and_one_trainer():
+    for overrides in (["weights.collect_after_epochs=3"], ["weights.in_flight=true", "weights.collect_after_epochs=4"],
+                      ["weights.in_flight=true", "weights.collect_after_epochs=-1"],
+                      ["weights.in_flight=true", "weights.collect_after_epochs=2", "workers.trainers=2"]):
+        with pytest.raises(ConfigError, match="collect_after_epochs"):
+            Script("run.mode=async", "algo.epochs=4", *overrides)
 
 
 def test_admission_holds_work_until_the_trainer_takes_a_batch():
