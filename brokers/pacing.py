@@ -19,11 +19,13 @@ from __future__ import annotations
 
 
 class Alternation:
-    """Rollout / training turns of the alternating modes.
+    """Rollout / training turns of the alternating modes, and async's late start.
 
     ``waiting``: training steps received from simulators and not yet taken into an update nor
     given up (evaluation steps never count). ``updating``: a trainer said it began an update
-    and has not reported its end. Paused iff ``waiting >= batch_steps`` or ``updating``.
+    and has not reported its end. Alternating: paused iff ``waiting >= batch_steps`` or
+    ``updating``. Async: paused iff ``updating`` and the update has published fewer than
+    ``late_epochs`` epochs (never, when that is 0).
     """
 
     def __init__(self, batch_steps: int, enabled: bool, late_epochs: int = 0, per_version: int = 1) -> None:
@@ -37,6 +39,7 @@ class Alternation:
         self.update_from = 0  # the version the running update started from
         self.published = -1  # the newest publication number
         self.late_waits = 0  # updates during which rollouts waited for their epochs
+        self.late_whole = 0  # updates whose wait lasted to their end (no K-th epoch was published)
         self._late_counted = False
 
     @property
@@ -55,7 +58,7 @@ class Alternation:
         """A simulator sent ``steps`` training steps."""
         self.waiting += int(steps)
 
-    def on_begin(self, taken: int | None, version: int = 0) -> None:
+    def on_begin(self, taken: int | None, version: int) -> None:
         """A trainer began an update from ``version`` with ``taken`` steps (several ranks report
         after the update, each its own share)."""
         self.updating = True
@@ -65,7 +68,11 @@ class Alternation:
             self._drop(taken)
 
     def on_published(self, publication: int) -> None:
-        """Weights were announced under ``publication`` (``rlvla3.weights.announce``)."""
+        """Weights were announced under ``publication`` (``rlvla3.weights.announce``). The
+        update's own end (``(v + 1) * per_version``) lifts a late start's wait too; if it is what
+        lifts it, no K-th epoch came (a critic warm-up, a ``target_kl`` stop, a trainer run with
+        fewer epochs) and the rollouts waited for the whole update."""
+        self.late_whole += self.late_pause and publication >= (self.update_from + 1) * self.per_version
         self.published = max(self.published, int(publication))
 
     def on_held(self) -> None:
@@ -76,6 +83,7 @@ class Alternation:
 
     def on_end(self) -> None:
         """A trainer finished an update (its weights, when due, were announced just before)."""
+        self.late_whole += self.late_pause  # an update that published nothing at all
         self.updating = False
 
     def on_given_up(self, steps: int) -> None:
@@ -97,6 +105,7 @@ class Alternation:
         self.waiting = max(0, self.waiting - int(steps))
 
     def figures(self) -> dict[str, int | bool]:
+        out: dict[str, int | bool] = {"waiting": self.waiting, "updating": self.updating}
         if self.late_epochs:
-            return {"updating": self.updating, "late_epochs": self.late_epochs, "late_waits": self.late_waits}
-        return {"waiting": self.waiting, "updating": self.updating}
+            out.update(late_epochs=self.late_epochs, late_waits=self.late_waits, late_whole=self.late_whole)
+        return out

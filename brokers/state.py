@@ -9,7 +9,8 @@ the messages to send come out. ``brokers.broker`` is the socket shell around it.
 Sections, one module each: the worker registry (``registry``), dispatch and batching
 (``dispatch``), trajectories and the fate of their steps (``trajectories``, ``ledger``),
 admission (``admission``), what each simulator holds here (``holdings``), the latest weight
-announcement (``weights``: versions, never bytes), the alternating modes' turns (``pacing``),
+announcement (``weights``: versions, never bytes), the alternating modes' turns and async's
+late start (``pacing``),
 the STATUS figures (``status``). The sync barrier is here.
 """
 
@@ -69,6 +70,7 @@ class BrokerState:
         self.trainer_version = 0
         self.pacing = Alternation(cfg.algo.batch_steps, enabled=self.mode != "async",
                                   late_epochs=cfg.weights.collect_after_epochs, per_version=publications_per_version(cfg))
+        self._warned_late_whole = False
         self._last_hb = self._last_tick = now
         self.status_cache = StatusCache()
 
@@ -276,6 +278,11 @@ class BrokerState:
             self.pacing.on_begin(taken, msg["version"])
         else:
             self.pacing.on_end()
+            if self.pacing.late_whole and not self._warned_late_whole:  # once: it may recur every update
+                self._warned_late_whole = True
+                log.warning("late_start_held_whole_update", version=msg["version"], late_epochs=self.pacing.late_epochs,
+                            hint="no weights were published K epochs into the update (a critic warm-up, algo.target_kl, "
+                                 "or a trainer with fewer algo.epochs): rollouts waited for its end")
         stats = msg.get("stats")
         if isinstance(stats, dict):
             self.stats.trainer = stats
@@ -322,7 +329,7 @@ class BrokerState:
 
     @property
     def training_pause(self) -> bool:
-        """The alternating modes hold rollouts back (``brokers.pacing``)."""
+        """The alternating modes hold rollouts back, or async's late start does (``brokers.pacing``)."""
         return self.pacing.paused
 
     # =========================================================================================

@@ -113,6 +113,8 @@ def validate_job(cfg: Any) -> None:
                           "not train.fsdp (rank 0 alone would have to gather the shards between two epochs)")
     if cfg.weights.collect_after_epochs:
         k = cfg.weights.collect_after_epochs
+        # Like weights.in_flight, it is kept and ignored in the alternating modes (they hold rollouts
+        # for the whole update), so one config runs in every mode.
         if not cfg.weights.in_flight or not 0 < k < cfg.algo.epochs or cfg.workers.trainers > 1:
             raise ConfigError(f"weights.collect_after_epochs: {k} waits for weights published between an update's epochs: "
                               f"it needs weights.in_flight, 0 < it < algo.epochs ({cfg.algo.epochs}) and one trainer "

@@ -209,4 +209,5 @@ class WeightsConfig:
     far into the update. Set it so the rest of the update is time enough to collect a batch, or
     the trainer waits for it (a critic warm-up or a ``target_kl`` stop publishes nothing between
     epochs: the rollouts then wait for the update's end). One trainer rank: the broker hears of
-    a multi-rank update only after it."""
+    a multi-rank update only after it. Ignored outside async, as ``in_flight`` is: the
+    alternating modes hold rollouts for the whole update."""

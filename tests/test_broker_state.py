@@ -124,33 +124,60 @@ def test_async_mode_never_pauses():
 
 def test_a_late_start_holds_rollouts_until_the_update_publishes_its_kth_epoch():
     """``weights.collect_after_epochs: 3`` of 4 epochs: while the update from version 2 runs,
-    rollouts wait for publication 4 * 2 + 3; an update's end lifts the wait, and so does a
-    trainer that leaves mid-update. Between updates nothing waits."""
+    rollouts wait for publication 4 * 2 + 3. An update that publishes nothing between its epochs
+    (a critic warm-up, a KL stop) holds them until its own weights come, and the broker counts
+    it; a trainer that leaves mid-update lifts the wait. Between updates nothing waits."""
     s = Script("run.mode=async", "weights.in_flight=true", "algo.epochs=4", "weights.collect_after_epochs=3",
                "algo.batch_steps=8", "batching.max_batch=2", "broker.max_version_step=10")
     s.simulator(SIM)
     s.generator(GEN, credits=8)
     s.trainer(TRAINER)
-    s.send(TRAINER, P.WEIGHTS, {**announcement(8), "policy_version": 2})
+
+    def served(dt: float = 0.0) -> int:
+        """Batches dispatched now, each answered at once so its slot may ask again."""
+        batches = of_type(s.tick(dt), P.BATCH)
+        for b in batches:
+            s.result(b)
+        return len(batches)
+
+    def publish(publication: int, policy: int) -> None:
+        s.send(TRAINER, P.WEIGHTS, {**announcement(publication), "policy_version": policy})
+
+    publish(8, 2)
     s.obs(SIM, 0)
-    assert len(of_type(s.tick(), P.BATCH)) == 1  # no update runs: rollouts go on
+    assert served() == 1  # no update runs: rollouts go on
     s.send(TRAINER, P.TRAIN, {"phase": "begin", "version": 2, "steps": 8})
-    s.obs(SIM, 1)
-    assert s.state.training_pause and of_type(s.tick(1.0), P.BATCH) == []
+    s.obs(SIM, 0)
+    assert s.state.training_pause and served(0.1) == 0
     assert s.state.wait_s(s.now) == s.state.hb_s  # the loop does not spin on the held queue
     for k in (1, 2):
-        s.send(TRAINER, P.WEIGHTS, {**announcement(8 + k), "policy_version": 2})
-        assert s.state.training_pause and of_type(s.tick(1.0), P.BATCH) == [], k
-    s.send(TRAINER, P.WEIGHTS, {**announcement(11), "policy_version": 2})  # 3 epochs into the update
-    assert not s.state.training_pause and len(of_type(s.tick(), P.BATCH)) == 1
-    s.send(TRAINER, P.WEIGHTS, {**announcement(12), "policy_version": 3})
+        publish(8 + k, 2)
+        assert s.state.training_pause and served(0.1) == 0, k
+    publish(11, 2)  # 3 epochs into the update
+    assert not s.state.training_pause and served() == 1
+    publish(12, 3)
     s.send(TRAINER, P.TRAIN, {"phase": "end", "version": 3})
-    assert not s.state.training_pause
+    s.obs(SIM, 0)
+    assert not s.state.training_pause and served() == 1
     s.send(TRAINER, P.TRAIN, {"phase": "begin", "version": 3, "steps": 8})  # the next update: wait again
-    assert s.state.training_pause
-    assert s.state.status(s.now)["pacing"] == {"updating": True, "late_epochs": 3, "late_waits": 1}
+    s.obs(SIM, 0)
+    assert s.state.training_pause and served(0.1) == 0
+    publish(16, 4)  # no in-flight publication: the update's own weights end the wait
+    assert not s.state.training_pause and served() == 1
+    s.send(TRAINER, P.TRAIN, {"phase": "end", "version": 4})
+    s.send(TRAINER, P.TRAIN, {"phase": "begin", "version": 4, "steps": 8})
+    s.obs(SIM, 1)
+    assert s.state.training_pause and served(0.1) == 0
+    assert s.state.status(s.now)["pacing"] == {"waiting": 0, "updating": True, "late_epochs": 3, "late_waits": 3,
+                                                "late_whole": 1}
     s.send(TRAINER, P.DISCONNECT)
-    assert not s.state.training_pause
+    assert not s.state.training_pause and served() == 1
+
+
+def test_a_late_start_is_kept_and_ignored_in_the_alternating_modes():
+    """One config runs in every mode: sync holds rollouts for the whole update anyway."""
+    s = Script("run.mode=sync", "weights.in_flight=true", "algo.epochs=4", "weights.collect_after_epochs=3")
+    assert s.state.pacing.late_epochs == 0 and "late_epochs" not in s.state.status(s.now)["pacing"]
 
 
 def test_a_late_start_needs_weights_in_flight_and_one_trainer():

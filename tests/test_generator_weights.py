@@ -116,3 +116,19 @@ def test_in_flight_weights_are_served_between_versions_and_act_as_the_version_th
     trainer_log = (job.run_dir / "trainer0.log").read_text()
     assert "traj_unreadable" not in trainer_log and "update_failed" not in trainer_log
     assert "message_rejected" not in (job.run_dir / "broker.log").read_text()
+
+
+def test_a_late_start_waits_for_an_updates_epochs_and_training_goes_on(job_factory):
+    """``weights.collect_after_epochs: 3`` of 4 in a real async job: rollouts wait while each
+    update runs its first 3 epochs (the broker counts the updates they waited in), the real
+    trainer's TRAIN begin and in-flight publications (4v + k) lift the wait, and the job keeps
+    training. The generator acts with weights from inside the updates."""
+    job = job_factory("weights.in_flight=true", "algo.epochs=4", "weights.collect_after_epochs=3")
+    fig = job.wait(lambda f: f["trainer_version"] >= 6 and (f["pacing"] or {}).get("late_waits", 0) >= 3, 180,
+                   "six updates, rollouts held in three of them")
+    job.stop()
+    assert fig["pacing"]["late_epochs"] == 3 and fig["pacing"]["late_whole"] == 0, fig["pacing"]
+    swaps = [int(p) for p in re.findall(r"weights_swapped .*?publication=(\d+)", (job.run_dir / "generator0.log").read_text())]
+    assert any(p % 4 == 3 for p in swaps), swaps
+    assert "update_failed" not in (job.run_dir / "trainer0.log").read_text()
+    assert "message_rejected" not in (job.run_dir / "broker.log").read_text()
