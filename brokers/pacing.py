@@ -41,6 +41,7 @@ class Alternation:
         self.late_waits = 0  # updates during which rollouts waited for their epochs
         self.late_whole = 0  # updates whose wait lasted to their end (no K-th epoch was published)
         self._late_counted = False
+        self._whole_told = False
 
     @property
     def paused(self) -> bool:
@@ -75,16 +76,22 @@ class Alternation:
         self.late_whole += self.late_pause and publication >= (self.update_from + 1) * self.per_version
         self.published = max(self.published, int(publication))
 
-    def on_held(self) -> None:
-        """Queued rollouts waited on the pause: counted once per update for a late start."""
+    def holds(self) -> bool:
+        """Whether queued rollouts wait now (``paused``); a late start's waits are counted once
+        per update."""
         if self.late_pause and not self._late_counted:
             self.late_waits += 1
             self._late_counted = True
+        return self.paused
 
-    def on_end(self) -> None:
-        """A trainer finished an update (its weights, when due, were announced just before)."""
+    def on_end(self) -> bool:
+        """A trainer finished an update (its weights, when due, were announced just before).
+        True once: at the end of the first update a late start held to its end."""
         self.late_whole += self.late_pause  # an update that published nothing at all
         self.updating = False
+        first = self.late_whole > 0 and not self._whole_told
+        self._whole_told = self._whole_told or first
+        return first
 
     def on_given_up(self, steps: int) -> None:
         """Steps that will never be taken: discarded, unreadable, lost with a trainer."""

@@ -70,7 +70,6 @@ class BrokerState:
         self.trainer_version = 0
         self.pacing = Alternation(cfg.algo.batch_steps, enabled=self.mode != "async",
                                   late_epochs=cfg.weights.collect_after_epochs, per_version=publications_per_version(cfg))
-        self._warned_late_whole = False
         self._last_hb = self._last_tick = now
         self.status_cache = StatusCache()
 
@@ -277,9 +276,7 @@ class BrokerState:
         if msg["phase"] == "begin":
             self.pacing.on_begin(taken, msg["version"])
         else:
-            self.pacing.on_end()
-            if self.pacing.late_whole and not self._warned_late_whole:  # once: it may recur every update
-                self._warned_late_whole = True
+            if self.pacing.on_end():  # the first update a late start held to its end (it may recur)
                 log.warning("late_start_held_whole_update", version=msg["version"], late_epochs=self.pacing.late_epochs,
                             hint="no weights were published K epochs into the update (a critic warm-up, algo.target_kl, "
                                  "or a trainer with fewer algo.epochs): rollouts waited for its end")
@@ -361,10 +358,7 @@ class BrokerState:
 
     def _dispatch(self, now: float) -> list[Out]:
         queue = self.dispatcher.queue
-        if not len(queue):
-            return []
-        if self.training_pause:
-            self.pacing.on_held()
+        if not len(queue) or self.pacing.holds():
             return []
         force = False
         if self.mode == "sync":
