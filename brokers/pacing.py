@@ -28,7 +28,7 @@ class Alternation:
     ``late_epochs`` epochs (never, when that is 0).
     """
 
-    def __init__(self, batch_steps: int, enabled: bool, late_epochs: int = 0, per_version: int = 1) -> None:
+    def __init__(self, batch_steps: int, enabled: bool, late_epochs: int, per_version: int) -> None:
         self.batch_steps = int(batch_steps)
         self.enabled = enabled
         self.waiting = 0
