@@ -79,10 +79,13 @@ class Alternation:
     def holds(self) -> bool:
         """Whether queued rollouts wait now (``paused``); a late start's waits are counted once
         per update."""
-        if self.late_pause and not self._late_counted:
+        if self.enabled:
+            return self.paused
+        late = self.late_pause  # once per broker loop pass: one reading
+        if late and not self._late_counted:
             self.late_waits += 1
             self._late_counted = True
-        return self.paused
+        return late
 
     def on_end(self) -> bool:
         """A trainer finished an update (its weights, when due, were announced just before).
