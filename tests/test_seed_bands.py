@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from rlvla3.harness.seed_bands import band_points, chance_if_equal, tenth_means
+from rlvla3.harness.seed_bands import band_points, chance_if_equal, final_ratio, tenth_means
 
 
 def test_tenth_means_weigh_each_point_and_leave_empty_tenths_none():
@@ -57,3 +57,22 @@ def test_chance_if_equal_is_how_often_sync_passes_against_itself():
                  [0, 2, 1, 0, 2, 1, 0, 2, 1, 0], [1, 0, 2, 1, 0, 2, 1, 0, 2, 1]]]
     assert chance_if_equal(rng_rows, 1) < one
     assert chance_if_equal(sync[:2], 1) is None and chance_if_equal(sync, 0) is None
+
+
+def test_final_ratio_says_what_seed_noise_lets_one_ratio_mean():
+    # sync finals 1 and 3 (mean 2), async 2, 2, 2: the ratio is 1. Redrawn, sync's mean is 1, 2 or 3
+    # (1/4, 1/2, 1/4), so async / sync is 2, 1 or 2/3: the 95% interval runs from 2/3 to 2.
+    got = final_ratio([1.0, 3.0], [2.0, 2.0, 2.0], tolerance=0.10)
+    assert got["ratio"] == 1.0 and got["within"] is True
+    assert got["interval_95"] == [0.667, 2.0]
+    # an async that is sync: three draws from {1, 3} land within 10% of two draws' mean only when
+    # all five are 1 or all are 3: 2 * (1/4 * 1/8) = 1/16
+    assert 0.05 < got["chance_within_if_equal"] < 0.075
+    assert final_ratio([1.0, 3.0], [2.0, 2.0, 2.0], tolerance=0.10) == got  # seeded: the same report twice
+    # one sync value: no noise, and the tolerance alone decides
+    steady = final_ratio([2.0] * 4, [1.7, 1.7], tolerance=0.10)
+    assert steady == {"ratio": 0.85, "within": False, "interval_95": [0.85, 0.85], "chance_within_if_equal": 1.0}
+    assert final_ratio([2.0] * 4, [1.7, 1.7], tolerance=0.20)["within"] is True
+    # too few seeds, or a sync mean a ratio cannot be taken of
+    assert final_ratio([1.0], [1.0, 1.0], 0.1) is None and final_ratio([1.0, 1.0], [1.0], 0.1) is None
+    assert final_ratio([-1.0, 1.0], [1.0, 1.0], 0.1) is None

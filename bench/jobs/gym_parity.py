@@ -22,7 +22,9 @@ Output: ``parity.md`` (the table, the reference figures beside it, the commands)
 object last: ``final_return[env][mode]`` = ``{"per_seed": {seed: mean of the last 10% of
 episodes}, "mean": ...}``, ``steps_per_s[env][mode]`` (mean over seeds of the run's env steps
 per second, from the first env step), ``agreement[env]``: async's mean return over seeds per
-tenth of the env steps against sync's mean +- 2 standard errors, and the final means' ratio, and
+tenth of the env steps against sync's mean +- 2 standard errors, and the final means' ratio with
+its 95% interval over seeds and how often an async that is sync lands within 10%
+(``seed_bands.final_ratio``), and
 ``sync_target[env]``: sync's mean against the lower of CleanRL's published mean minus one std and,
 given ``--here ENV=LOG`` (CleanRL's unmodified script run on this machine, one log per seed; its
 code stays outside the project), those runs' mean minus one std.
@@ -47,6 +49,8 @@ REFERENCE = {  # CleanRL's benchmark table, ppo_continuous_action.py, 1M steps, 
     "hopper": (2382.86, 271.74),
     "halfcheetah": (1442.64, 46.03),
 }
+FINAL_TOLERANCE = 0.10
+"""Item 4: async's final mean within this share of sync's."""
 EPISODE_LINE = re.compile(r"^global_step=(\d+), episodic_return=\[?\s*([-+0-9.eE]+)", re.M)
 """An episode in the output of CleanRL's ppo_continuous_action.py (``--here``)."""
 
@@ -101,10 +105,11 @@ def agreement(results: list[dict[str, Any]], steps: int) -> dict[str, Any] | Non
     if min(len(v) for v in by_mode.values()) < 2:
         return None
     bands = seed_bands.band_points(by_mode["sync"], by_mode["async"])
-    finals = {m: mean_or_none([r["final_return"] for r in results if r["mode"] == m]) for m in MODES}
-    ratio = finals["async"] / finals["sync"] if finals["sync"] and finals["async"] is not None else None
-    return {**bands, "final_async_over_sync": None if ratio is None else round(ratio, 3),
-            "final_within_10pct": None if ratio is None else bool(abs(ratio - 1) <= 0.10)}
+    finals = {m: [r["final_return"] for r in results if r["mode"] == m and r["final_return"] is not None]
+              for m in MODES}
+    final = seed_bands.final_ratio(finals["sync"], finals["async"], FINAL_TOLERANCE) or {}
+    return {**bands, "final_async_over_sync": final.get("ratio"), "final_within_10pct": final.get("within"),
+            "final_ratio_95": final.get("interval_95"), "final_chance_if_equal": final.get("chance_within_if_equal")}
 
 
 def mean_or_none(xs: list[float | None]) -> float | None:
@@ -178,7 +183,9 @@ def table(results: list[dict[str, Any]], envs: list[str], modes: list[str], seed
             continue
         lines += ["", f"{ENVS[env]}, async against sync's mean ± 2 SE over seeds, per tenth of the env steps "
                       f"(all within: {agree['all_within']}; final async/sync {agree['final_async_over_sync']}, "
-                      f"within 10%: {agree['final_within_10pct']}; an async that is sync passes this test "
+                      f"within 10%: {agree['final_within_10pct']}, 95% over seeds {agree['final_ratio_95']}, "
+                      f"within 10% {agree['final_chance_if_equal']} of the time when async is sync, "
+                      f"`seed_bands.final_ratio`; an async that is sync passes the band test "
                       f"{agree['chance_if_equal']} of the time, `seed_bands.chance_if_equal`):", "",
                   "| tenth | sync mean | ± 2 SE | async mean | within |", "|---|---|---|---|---|"]
         lines += [f"| {p['tenth']} | {p.get('sync', '-')} | {p.get('sync_2se', '-')} | {p.get('async', '-')} | "

@@ -3,7 +3,8 @@
 A curve is cut into tenths of the env-step axis; each run gives one mean per tenth. Async agrees
 with sync where its mean over seeds lies inside sync's mean +- 2 standard errors over seeds, at
 every tenth after the first 20% (``bench/jobs/gym_parity.py`` on returns, ``bench/jobs/learning.py``
-on success).
+on success). The final means are judged apart (``final_ratio``), with what seed noise lets one
+ratio mean.
 """
 
 from __future__ import annotations
@@ -71,6 +72,28 @@ def chance_if_equal(sync: list[list[float | None]], async_seeds: int, draws: int
     a = rng.multivariate_normal(mean, cov, size=(draws, async_seeds), method="eigh").mean(axis=1)
     band = 2 * s.std(axis=1, ddof=1) / np.sqrt(n)
     return _short(float(np.mean(np.all(np.abs(a - s.mean(axis=1)) <= band, axis=1))))
+
+
+def final_ratio(sync: Sequence[float], asyn: Sequence[float], tolerance: float,
+                draws: int = 10_000) -> dict[str, Any] | None:
+    """Async's final mean over sync's, judged ``within`` when it is inside ``1 +- tolerance``, and
+    what seed noise lets that mean: ``interval_95``, a bootstrap over seeds (each mode's finals
+    drawn again with replacement, as many as it has), and ``chance_within_if_equal``, how often an
+    async that *is* sync passes (both modes drawn from sync's finals). On bimodal finals
+    (HalfCheetah's two gaits) one ratio moves a lot with a few seeds; these say how much. Seeded;
+    ``None`` with fewer than 2 seeds a mode or a sync mean that is not positive."""
+    s, a = np.asarray(sync, float), np.asarray(asyn, float)
+    if len(s) < 2 or len(a) < 2 or s.mean() <= 0:
+        return None
+    ratio = float(a.mean() / s.mean())
+    rng = np.random.default_rng(0)
+    s_means = rng.choice(s, size=(draws, len(s))).mean(axis=1)
+    with np.errstate(divide="ignore", invalid="ignore"):  # a redrawn sync mean of 0: that draw never passes
+        boot = rng.choice(a, size=(draws, len(a))).mean(axis=1) / s_means
+        same = rng.choice(s, size=(draws, len(a))).mean(axis=1) / s_means
+    return {"ratio": round(ratio, 3), "within": bool(abs(ratio - 1) <= tolerance),
+            "interval_95": [round(float(q), 3) for q in np.percentile(boot, [2.5, 97.5])],
+            "chance_within_if_equal": _short(float(np.mean(np.abs(same - 1) <= tolerance)))}
 
 
 def _short(x: float) -> float:
