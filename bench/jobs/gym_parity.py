@@ -183,8 +183,9 @@ def table(results: list[dict[str, Any]], envs: list[str], modes: list[str], seed
             continue
         lines += ["", f"{ENVS[env]}, async against sync's mean ± 2 SE over seeds, per tenth of the env steps "
                       f"(all within: {agree['all_within']}; final async/sync {agree['final_async_over_sync']}, "
-                      f"within 10%: {agree['final_within_10pct']}, 95% over seeds {agree['final_ratio_95']}, "
-                      f"within 10% {agree['final_chance_if_equal']} of the time when async is sync, "
+                      f"within {FINAL_TOLERANCE:.0%}: {agree['final_within_10pct']}, 95% over seeds "
+                      f"{agree['final_ratio_95']}, within {FINAL_TOLERANCE:.0%} {agree['final_chance_if_equal']} of the "
+                      f"time when async is sync, "
                       f"`seed_bands.final_ratio`; an async that is sync passes the band test "
                       f"{agree['chance_if_equal']} of the time, `seed_bands.chance_if_equal`):", "",
                   "| tenth | sync mean | ± 2 SE | async mean | within |", "|---|---|---|---|---|"]
