@@ -87,13 +87,12 @@ def expert_for(cfg: JobConfig) -> ExpertFn:
 # ---------------------------------------------------------------------------------------------
 
 
-def collect_demos(cfg: JobConfig, episodes: int, seed: int = 12345, num_envs: int = 4,
-                  only_successful: bool = True) -> dict[str, np.ndarray]:
+def collect_demos(cfg: JobConfig, episodes: int, seed: int = 12345, num_envs: int = 4) -> dict[str, np.ndarray]:
     """Roll the scripted expert in ``num_envs`` in-process envs for ``episodes`` episodes.
 
     One decision = the observation at a chunk's start and the next ``chunk_size`` expert
     actions (an episode ending mid-chunk repeats its last action to fill the chunk). Episodes
-    the expert failed are left out unless ``only_successful`` is False.
+    the expert failed are left out: the warm start clones success only.
     """
     expert = expert_for(cfg)
     T = cfg.model.chunk_size
@@ -134,11 +133,11 @@ def collect_demos(cfg: JobConfig, episodes: int, seed: int = 12345, num_envs: in
                 cur_ids = still
             for i in live:
                 open_eps[i].append((starts[i], chunk[i]))
-            # finished episodes: keep (successful) ones, restart the env while episodes remain
+            # finished episodes: keep the successful ones, restart the env while episodes remain
             restart = []
             for i, success in done.items():
                 successes += int(success)
-                if success or not only_successful:
+                if success:
                     kept += 1
                     for row_obs, acts in open_eps[i]:
                         kept_obs.append(row_obs)

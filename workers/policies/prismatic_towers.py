@@ -60,9 +60,6 @@ class FusedTowers(nn.Module):
     def width(self) -> int:
         return self.dino.config.hidden_size + self.siglip.config.hidden_size
 
-    def num_patches(self) -> int:
-        return (self.image_size // self.dino.config.patch_size) ** 2
-
     def _dino(self, px: torch.Tensor) -> torch.Tensor:
         h = self.dino.embeddings(px)
         for layer in self.dino.encoder.layer[:-1]:
