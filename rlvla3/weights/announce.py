@@ -28,8 +28,6 @@ from typing import Any
 from rlvla3 import protocol as P
 from rlvla3.weights.manifest import SLOTS, Manifest, ManifestError
 
-MAX_ANNOUNCEMENT_BYTES = P.MAX_HEADER_BYTES
-
 
 def parse_ipc(ipc: Any) -> dict[str, Any] | None:
     """Validate an announcement's ``ipc`` field (None when absent); raises ValueError."""
@@ -110,13 +108,13 @@ def publications_per_version(cfg: Any) -> int:
 class LatestWeights:
     """The broker's weight rule: keep the newest announcement, accept only increasing versions,
     never hold tensor bytes. Pure logic (no sockets): the broker calls :meth:`offer` on WEIGHTS
-    from a trainer and publishes what it returns; SNAPSHOT answers with :meth:`snapshot`."""
+    from a trainer and publishes what it returns, and answers SNAPSHOT with the same frames
+    (``brokers/weights.py``)."""
 
     def __init__(self) -> None:
         self.version = -1
         self.policy_version = -1
         """The policy version the newest announcement acts as (what versions elsewhere count)."""
-        self._fields: dict[str, Any] | None = None
 
     def offer(self, msg: P.Message) -> dict[str, Any] | None:
         """The fields to publish on PUB, or None when the version is not newer. A bad
@@ -133,9 +131,4 @@ class LatestWeights:
             raise P.ProtocolError(P.E_FIELD, f"WEIGHTS version {ann.version} acts as policy version {ann.acts_as}, "
                                              f"older than the {self.policy_version} already announced")
         self.version, self.policy_version = ann.version, ann.acts_as
-        self._fields = ann.fields()
-        return self._fields
-
-    def snapshot(self) -> dict[str, Any]:
-        """The WEIGHTS fields answering SNAPSHOT: the newest announcement, or version -1."""
-        return self._fields if self._fields is not None else {"version": -1}
+        return ann.fields()
