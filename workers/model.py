@@ -10,6 +10,7 @@ from rlvla3.config import JobConfig
 from workers.contract import EnvSpec
 from workers.envs.base import env_spec
 from workers.policies.base import Policy, make_policy, options_class
+from workers.policies.vla_common import resolve_dtype
 from workers.release.layouts import load_release
 
 
@@ -18,12 +19,6 @@ def resolve_device(cfg: JobConfig, device: str | None) -> torch.device:
     if name.startswith("cuda") and not torch.cuda.is_available():
         raise SystemExit(f"device {name!r} asked for, but CUDA is not available on this machine")
     return torch.device(name)
-
-
-def resolve_dtype(cfg: JobConfig, device: torch.device) -> torch.dtype:
-    if cfg.model.dtype == "auto":
-        return torch.bfloat16 if device.type == "cuda" else torch.float32
-    return torch.bfloat16 if cfg.model.dtype == "bfloat16" else torch.float32
 
 
 def job_spec(cfg: JobConfig) -> EnvSpec:
@@ -36,7 +31,7 @@ def build_policy(cfg: JobConfig, spec: EnvSpec | None = None, device: str | None
     spec = spec or job_spec(cfg)
     opts_cls = options_class(cfg.model.family)
     dev = resolve_device(cfg, device)
-    dtype = resolve_dtype(cfg, dev)
+    dtype = resolve_dtype(cfg.model.dtype, dev)
     options = dict(cfg.model.options)
     fam = cfg.model.family
     if opts_cls is not None:
