@@ -240,14 +240,17 @@ def test_an_epoch_splits_into_near_equal_minibatches():
     policy = TinyPolicy()
     cfg = AlgoConfig(epochs=2, minibatch_size=16, lr=1e-3)
     sizes: list[int] = []
+    evaluate = policy.evaluate
 
-    def evaluate(obs, actions, replay):
+    def counted(obs, actions, replay):  # the test's own policy, its calls counted
         sizes.append(len(actions))
-        return policy.evaluate(obs, actions, replay)
+        return evaluate(obs, actions, replay)
+
+    policy.evaluate = counted
 
     batch = make_batch(policy, 69)
     batch["prox_logprob"] = batch["behav_logprob"].clone()  # only the clipped epochs call evaluate
-    stats = ppo_update(policy, make_optimizer(policy.parameters(), cfg), batch, cfg, evaluate_fn=evaluate)
+    stats = ppo_update(policy, make_optimizer(policy.parameters(), cfg), batch, cfg)
 
     assert stats["optimizer_steps"] == 2 * 5
     assert sorted(set(sizes)) == [13, 14] and sum(sizes) == 2 * 69

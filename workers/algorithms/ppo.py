@@ -41,7 +41,6 @@ from rlvla3.observation import Observation
 from workers.algorithms.distributed import mean_over_ranks
 
 
-EvaluateFn = Callable[[Any, torch.Tensor, dict], Any]  # (obs, actions, replay) -> EvalOutput
 
 # The settings (clip_eps, dual_clip, behav_weight_cap, epochs, ...) are ``AlgoConfig``'s, read
 # directly: one dataclass, one default each, validated by ``rlvla3.config.validate``.
@@ -264,7 +263,7 @@ def _to_device(x: Any, device: torch.device) -> Any:
 
 @torch.no_grad()
 def proximal_pass(
-    policy: nn.Module, batch: dict[str, Any], chunk: int = 256, evaluate_fn: EvaluateFn | None = None
+    policy: nn.Module, batch: dict[str, Any], chunk: int = 256
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """``[N, L]`` log-probs of the batch's actions and ``[N]`` values under the current weights,
     ``chunk`` samples a pass.
@@ -272,14 +271,13 @@ def proximal_pass(
     Call before the first optimizer step of the update. The policy's train/eval mode is left as
     it is: evaluate in the same mode the loss will, or the ratio starts away from 1.
     """
-    evaluate = evaluate_fn or policy.evaluate
     device = next(policy.parameters()).device
     n = _batch_len(batch)
     logprobs, values = [], []
     for start in range(0, n, chunk):
         idx = torch.arange(start, min(start + chunk, n))
         mb = index_batch({k: batch[k] for k in ("obs", "actions", "replay")}, idx)
-        out = evaluate(mb["obs"], _to_device(mb["actions"], device), _to_device(mb["replay"], device))
+        out = policy.evaluate(mb["obs"], _to_device(mb["actions"], device), _to_device(mb["replay"], device))
         logprobs.append(out.logprob.detach().float())
         values.append(out.value.detach().float().reshape(-1))
     at = batch["behav_logprob"].device
@@ -296,7 +294,6 @@ def ppo_update(
     optimizer: torch.optim.Optimizer,
     batch: dict[str, Any],
     cfg: AlgoConfig,
-    evaluate_fn: EvaluateFn | None = None,
     after_epoch: Callable[[int], None] | None = None,
 ) -> dict[str, float]:
     """One PPO update on ``batch``; returns stats averaged over the optimizer steps.
@@ -308,7 +305,6 @@ def ppo_update(
     or weighted into the proximal policy's batch), except for GRPO, whose advantages are already
     standardized within groups.
     """
-    evaluate = evaluate_fn or policy.evaluate
     device = next(policy.parameters()).device
     params = [p for group in optimizer.param_groups for p in group["params"]]
     n = _batch_len(batch)
@@ -317,7 +313,7 @@ def ppo_update(
 
     # ---- Phase 1: proximal log-probs, recomputed before any weight changes ------------------
     if batch.get("prox_logprob") is None:
-        batch = {**batch, "prox_logprob": proximal_pass(policy, batch, cfg.minibatch_size, evaluate)[0]}
+        batch = {**batch, "prox_logprob": proximal_pass(policy, batch, cfg.minibatch_size)[0]}
 
     # ---- Phase 2: advantage normalization over the valid samples of the whole batch -------
     advantages = batch["advantages"].float()
@@ -351,7 +347,7 @@ def ppo_update(
         epoch_kl = 0.0
         for idx in torch.tensor_split(torch.randperm(n), minibatches):
             mbd = index_batch(tensors, idx.to(device))
-            out = evaluate(batch["obs"].select(idx.numpy()), mbd["actions"], mbd["replay"])
+            out = policy.evaluate(batch["obs"].select(idx.numpy()), mbd["actions"], mbd["replay"])
             loss, stats = ppo_loss(
                 out.logprob,
                 mbd["prox_logprob"],
