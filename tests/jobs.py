@@ -3,6 +3,7 @@ a fresh run folder, commands run two at a time, hand-played generators that misb
 
 from __future__ import annotations
 
+import json
 import os
 import subprocess
 import tempfile
@@ -12,6 +13,15 @@ from typing import Any
 
 from rlvla3.harness import jobs
 from rlvla3.harness.peer import Peer
+
+CI_CUT_S = 4.0
+"""The partition tests' cut: twice the broker's liveness window (``rlvla3.harness.faults.LIVENESS``:
+2 s), long enough to be a real partition, with room to detect it before the heal on a loaded machine."""
+
+
+def last_json(stdout: str) -> Any:
+    """The JSON object on the last line of a command's stdout (``rlvla3 run``'s summary, a bench's result)."""
+    return json.loads(stdout.strip().splitlines()[-1])
 
 
 def start_job(cfg: Any, tmp_path: Path, started: list[jobs.Job], workers: bool = True) -> jobs.Job:

@@ -21,8 +21,9 @@ import pytest
 from brokers.adaptive import AdaptiveBatching, Bounds
 from rlvla3 import protocol as P
 from rlvla3.app.launch import request_tune
-from rlvla3.harness.jobs import last_json, run_cli
+from rlvla3.harness.jobs import run_cli
 from tests.brokerscript import Script
+from tests.jobs import last_json
 
 TRACES = Path(__file__).parent / "traces"
 DT = 0.1

@@ -14,9 +14,10 @@ import pytest
 
 from rlvla3.config import ConfigError, load
 from rlvla3.config_rules import RENAMED
-from rlvla3.harness.jobs import last_json, run_cli
+from rlvla3.harness.jobs import run_cli
 from rlvla3.lifetime import launcher_env
 from rlvla3.scale_config import parse_gpus
+from tests.jobs import last_json
 
 
 def test_every_shipped_config_loads():

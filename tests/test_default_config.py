@@ -14,7 +14,8 @@ from click.testing import CliRunner
 
 from rlvla3.app.cli import main
 from rlvla3.config import DEFAULT_CONFIG, load
-from rlvla3.harness.jobs import last_json, run_cli
+from rlvla3.harness.jobs import run_cli
+from tests.jobs import last_json
 
 ROOT = Path(__file__).resolve().parents[1]
 

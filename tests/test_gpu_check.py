@@ -18,7 +18,8 @@ from pathlib import Path
 
 import pytest
 
-from rlvla3.harness.jobs import last_json, run_command
+from rlvla3.harness.jobs import run_command
+from tests.jobs import last_json
 
 ROOT = Path(__file__).resolve().parents[1]
 STAGES = ("install", "models", "update", "job_sync", "job_async", "job_gr00t")

@@ -270,7 +270,8 @@ def test_release_act_bench_times_the_folder_beside_a_reference_command(tmp_path)
     print theirs) and our act(); its JSON holds both sides per round and the ratio of medians."""
     import sys
 
-    from rlvla3.harness.jobs import last_json, run_command
+    from rlvla3.harness.jobs import run_command
+    from tests.jobs import last_json
 
     _, folder, tok, _ = tiny_reference(tmp_path)
     ref = f"{sys.executable} -c \"import json, sys; print(json.dumps({{b: 2.0 for b in sys.argv[1].split(',')}}))\""

@@ -18,8 +18,9 @@ from pathlib import Path
 
 import pytest
 
-from rlvla3.harness.faults import CI_CUT_S, FAULTS, REJOIN_BOUND_S, run_fault, start_job
+from rlvla3.harness.faults import FAULTS, REJOIN_BOUND_S, run_fault, start_job
 from rlvla3.harness.netns import unavailable
+from tests.jobs import CI_CUT_S
 
 REASON = unavailable()
 pytestmark = [pytest.mark.multihost, pytest.mark.timeout(900),

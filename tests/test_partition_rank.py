@@ -8,8 +8,9 @@ from pathlib import Path
 
 import pytest
 
-from rlvla3.harness.faults import CI_CUT_S, RANK_FAULTS, run_fault, start_job
+from rlvla3.harness.faults import RANK_FAULTS, run_fault, start_job
 from rlvla3.harness.netns import unavailable
+from tests.jobs import CI_CUT_S
 
 REASON = unavailable()
 pytestmark = [pytest.mark.multihost, pytest.mark.timeout(900),

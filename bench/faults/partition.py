@@ -27,7 +27,7 @@ import tempfile
 from pathlib import Path
 
 from rlvla3.harness.bench import emit_to, note, parse_bench_args
-from rlvla3.harness.faults import FAULTS, LIVENESS, RANK_FAULTS, REJOIN_BOUND_S, run_fault, start_job
+from rlvla3.harness.faults import FAULTS, LIVENESS, RANK_FAULTS, RATE_WINDOW_S, REJOIN_BOUND_S, run_fault, start_job
 from rlvla3.harness.netns import unavailable
 
 def table(rows: list[dict]) -> str:
@@ -64,7 +64,7 @@ def main() -> None:
             for fault in faults:
                 lasts = down_s if fault == "broker_restart" else cut_s
                 note(f"{fault}: {lasts:.0f} s")
-                rows.append(run_fault(job, fault, lasts, rate_window_s=1.0 if args.smoke else 3.0).row())
+                rows.append(run_fault(job, fault, lasts, rate_window_s=1.0 if args.smoke else RATE_WINDOW_S).row())
                 lost_allowed[fault] = job.lost_allowed
         finally:
             job.close()

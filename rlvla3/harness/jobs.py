@@ -44,11 +44,6 @@ def start_cli(*args: str, **popen: Any) -> subprocess.Popen:
     return subprocess.Popen([sys.executable, "-m", "rlvla3", *args], env={**os.environ, **launcher_env()}, **popen)
 
 
-def last_json(stdout: str) -> Any:
-    """The JSON object on the last line of a command's stdout (``rlvla3 run``'s summary, a bench's result)."""
-    return json.loads(stdout.strip().splitlines()[-1])
-
-
 def json_lines(path: Path) -> list[dict[str, Any]]:
     """The JSON objects of a file written a line at a time (``metrics.jsonl``, a JSON log); other
     lines, the one being written included, are skipped."""
