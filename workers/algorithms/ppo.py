@@ -41,7 +41,6 @@ from rlvla3.observation import Observation
 from workers.algorithms.distributed import mean_over_ranks
 
 
-
 # The settings (clip_eps, dual_clip, behav_weight_cap, epochs, ...) are ``AlgoConfig``'s, read
 # directly: one dataclass, one default each, validated by ``rlvla3.config.validate``.
 
