@@ -142,8 +142,9 @@ def _until_a_copy_is_known(one_try: Callable[[], tuple[dict, dict | None]], trai
     assert "traj_duplicate" in trainer_log.read_text()
 
 
-TWO_RANKS = ("workers.trainers=2", f"broker.heartbeat_s={HEARTBEAT_S}", "broker.liveness=20")
-TWO_RANKS_SILENT_S = HEARTBEAT_S * 20
+TWO_RANKS_BEATS = 20
+TWO_RANKS = ("workers.trainers=2", f"broker.heartbeat_s={HEARTBEAT_S}", f"broker.liveness={TWO_RANKS_BEATS}")
+TWO_RANKS_SILENT_S = HEARTBEAT_S * TWO_RANKS_BEATS
 """Silence is noticed after 10 s: one rank stays stopped through the whole restart and still reads
 what the old broker sent it before it finds the broker silent and reopens its socket. The wait for
 fragments at the stopped rank is half of that, not of the one-rank test's 5 s: with half the
