@@ -219,15 +219,15 @@ def test_pi0_loads_a_plain_transformers_release(tmp_path):
     assert act(loaded, make_obs(2), True).actions.shape == (2, 3, SPEC.action_dim)
 
 
-@pytest.mark.parametrize("steps,start", [("all", "drawn"), ("one", "drawn"), ("all", "scored")])
-def test_ppo_moves_a_flow_chain_toward_positive_advantages(steps, start):
+@pytest.mark.parametrize("steps", ["all", "one"])
+def test_ppo_moves_a_flow_chain_toward_positive_advantages(steps):
     """PPO through the Flow-SDE chain's log-prob: samples whose first action dimension is larger
     get positive advantages, and the deterministic (ODE) action, from the seeded prior, follows them up."""
     from rlvla3.config import AlgoConfig
     from workers.algorithms.ppo import make_optimizer, ppo_update
 
     torch.manual_seed(0)
-    policy = build("pi05", "pi05_tiny.yaml", {"stochastic_steps": steps, "start": start})
+    policy = build("pi05", "pi05_tiny.yaml", {"stochastic_steps": steps})
     policy.train()
     cfg = AlgoConfig(epochs=2, minibatch_size=32, lr=3e-4, vf_coef=0.0)
     opt = make_optimizer(policy.parameters(), cfg)
@@ -240,36 +240,7 @@ def test_ppo_moves_a_flow_chain_toward_positive_advantages(steps, start):
                  "advantages": score - score.mean(), "values": out.value, "returns": None}
         ppo_update(policy, opt, batch, cfg)
     end = float(act(policy, obs, deterministic=True).actions[..., 0].mean())
-    # measured: +0.19 ("all"), +0.096 ("one"), +0.13 (scored start); the ODE from x0 = 0, twice that
-    assert end > start + 0.05, (start, end)
-
-
-def test_ppo_narrows_a_scored_start_when_samples_near_the_centre_win():
-    """Under a scored start the prior draw's spread has a density and a learned scale, so PPO can
-    narrow the action distribution itself. Measured: -25% spread in 6 updates (scored), -4% (drawn,
-    whose draw no log-prob sees)."""
-    from rlvla3.config import AlgoConfig
-    from workers.algorithms.ppo import make_optimizer, ppo_update
-
-    torch.manual_seed(0)
-    policy = build("pi05", "pi05_tiny.yaml", {"start": "scored"})
-    policy.train()
-    cfg = AlgoConfig(epochs=2, minibatch_size=32, lr=3e-4, vf_coef=0.0)
-    opt = make_optimizer(policy.parameters(), cfg)
-    obs = make_obs(64, seed=5)
-
-    def spread() -> float:
-        return float(torch.stack([act(policy, obs).actions for _ in range(16)]).std(0).mean())
-
-    before = spread()
-    for _ in range(6):
-        out = act(policy, obs)
-        score = -(out.actions - out.actions.mean(0, keepdim=True)).abs().mean((1, 2))
-        batch = {"obs": obs, "actions": out.actions, "replay": out.replay, "behav_logprob": out.logprob,
-                 "advantages": score - score.mean(), "values": out.value, "returns": None}
-        ppo_update(policy, opt, batch, cfg)
-    assert spread() < 0.9 * before
-    assert float(policy.sampler.start_head.bias.mean()) < 0  # the learned scale fell below the draw's
+    assert end > start + 0.05, (start, end)  # measured: +0.19 ("all"), +0.096 ("one"); from x0 = 0, twice that
 
 
 def test_openvla_oft_expected_readout_reads_the_mean_of_the_bins():

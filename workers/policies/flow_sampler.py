@@ -14,19 +14,6 @@ made stochastic:
 * ``noise`` - Flow-Noise: ODE mean plus a learned, bounded std from a noise head that reads the
   action expert's features.
 
-Where the chain starts (``start``): ``drawn`` starts from a prior draw ``x_0 ~ N(0, I)``, as
-openpi and RLinf do; no log-prob sees that draw. A narrow cloned policy turns most of it into
-the action's spread (a tiny pi0.5 cloned on 18 demos: action std 0.30 from the draw, 0.34 with
-Flow-SDE at 0.5), so the outcomes PPO compares differ mostly by noise it cannot credit.
-``scored`` starts the sampled chain at ``x_0 = 0`` and widens the first transition by the
-draw's share, ``std^2 + c^2`` with ``c = d mean / d x_0`` for the ideal velocity at ``t = 1``
-(``v(x, 1) = x - E[a]``, slope 1, which is what flow matching regresses there): the first step's
-distribution is the drawn chain's, and now every bit of the spread has a density. That std is
-then scaled by ``exp(start_gain * start_head(features))``, a zero-initialised head on the expert's features
-at ``(0, t = 1)``, so PPO can narrow (or widen) the spread per observation, as a Gaussian
-policy's log-std does; the same warm start's ODE scores 0.31 from a full draw and 0.55 from zero.
-Deterministic chains start from a draw, times that scale under ``scored``.
-
 The log-prob of a chain is the sum of the Gaussian log-densities of its stochastic transitions.
 ``act`` returns the whole chain and the mask of stochastic steps as replay, so ``score`` recomputes
 exactly the same densities with gradients: every transition is conditioned on the stored ``x_k``.
@@ -47,8 +34,6 @@ from rlvla3.observation import Observation
 from workers.policies.base import ActOutput, EvalOutput, Policy
 
 MODES = ("ode", "sde", "noise")
-STARTS = ("drawn", "scored")
-START_LOG_SCALE = (-3.0, 0.7)  # a scored start's learned spread: 0.05x to 2x the prior draw's
 
 # v(x_t [B,T,D], t [B]) -> (velocity [B,T,D], features [B,T,H] or None for the noise head)
 VelocityFn = Callable[[torch.Tensor, torch.Tensor], tuple[torch.Tensor, torch.Tensor | None]]
@@ -62,18 +47,10 @@ class SamplerConfig:
     stochastic_steps: str = "all"
     noise_std_min: float = 0.08
     noise_std_max: float = 0.16
-    start: str = "drawn"
-    start_gain: float = 30.0
 
     def __post_init__(self) -> None:
         if self.mode not in MODES:
             raise ValueError(f"sampler mode {self.mode!r} not in {MODES}")
-        if self.start not in STARTS:
-            raise ValueError(f"sampler start {self.start!r} not in {STARTS}")
-        if self.start == "scored" and self.mode == "ode":
-            raise ValueError("start: scored needs a stochastic sampler (sde or noise), not ode")
-        if self.start_gain <= 0:
-            raise ValueError(f"start_gain must be > 0, got {self.start_gain}")
         if self.stochastic_steps not in ("all", "one"):
             raise ValueError(f"stochastic_steps {self.stochastic_steps!r} not in ('all', 'one')")
         if self.num_steps < 1:
@@ -106,16 +83,6 @@ class FlowSampler(nn.Module):
         self.cfg = cfg
         self.score_dims = score_dims
         self.noise_head = nn.Linear(feature_dim, action_dim) if cfg.mode == "noise" else None
-        self.start_head = nn.Linear(feature_dim, action_dim) if cfg.start == "scored" else None
-        if self.start_head is not None:  # scale 1: the warm start's own spread
-            nn.init.zeros_(self.start_head.weight)
-            nn.init.zeros_(self.start_head.bias)
-
-    def start_scale(self, feat: torch.Tensor) -> torch.Tensor:
-        """A scored start's learned spread, relative to the prior draw's (float32, [B, T, D])."""
-        assert self.start_head is not None and feat is not None, "a scored start needs expert features"
-        log_scale = self.cfg.start_gain * self.start_head(feat.to(self.start_head.weight.dtype)).float()
-        return torch.exp(log_scale.clamp(*START_LOG_SCALE))
 
     def times(self, device: torch.device) -> torch.Tensor:
         k = self.cfg.num_steps
@@ -137,18 +104,13 @@ class FlowSampler(nn.Module):
             sigma = self.sde_sigma(t)
             mean = x + dt * (v + sigma**2 / (2 * t) * (x + (1.0 - t) * v))
             std = torch.full_like(x, sigma * math.sqrt(-dt))
-            slope = 1.0 + dt * (1.0 + sigma**2 / (2 * t))  # d mean / d x at t = 1, where dv/dx = 1
         elif self.cfg.mode == "noise":
             assert self.noise_head is not None and feat is not None, "noise mode needs expert features"
             lo, hi = self.cfg.noise_std_min, self.cfg.noise_std_max
             std = lo + (hi - lo) * torch.sigmoid(self.noise_head(feat.to(self.noise_head.weight.dtype)).float())
             mean = ode
-            slope = 1.0 + dt
         else:
             mean, std = ode, torch.ones_like(x)
-            return ode, mean, std
-        if self.cfg.start == "scored" and t == 1.0:  # the prior draw's spread, carried by this step
-            std = self.start_scale(feat) * torch.sqrt(std**2 + slope**2)
         return ode, mean, std
 
     def _score_step(self, x_next: torch.Tensor, mean: torch.Tensor, std: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -164,31 +126,17 @@ class FlowSampler(nn.Module):
         if self.cfg.stochastic_steps == "all":
             return torch.ones(batch, k, dtype=torch.bool, device=device)
         pick = torch.randint(0, k, (batch,), device=device)
-        mask = torch.arange(k, device=device)[None] == pick[:, None]
-        if self.cfg.start == "scored":
-            mask[:, 0] = True  # the start's spread lives in the first step
-        return mask
+        return torch.arange(k, device=device)[None] == pick[:, None]
 
     def sample(self, velocity: VelocityFn, x0: torch.Tensor, deterministic: bool) -> ChainResult:
-        """Denoise ``x0`` (noise, [B, T, D]); deterministic follows the ODE and scores nothing.
-        A ``scored`` start replaces the scored dims of ``x0`` by zero in a sampled chain, and
-        scales them by the learned spread in a deterministic one."""
+        """Denoise ``x0`` (noise, [B, T, D]); deterministic follows the ODE and scores nothing."""
         b = x0.shape[0]
         mask = self._step_mask(b, x0.device, deterministic)
         x = x0.float()
-        d = self.score_dims
-        if self.cfg.start == "scored":
-            zero = x.clone()
-            zero[..., :d] = 0.0
-            if deterministic:
-                _, feat = velocity(zero, torch.ones(b, device=x0.device))
-                x = x.clone()
-                x[..., :d] = x[..., :d] * self.start_scale(feat)[..., :d]
-            else:
-                x = zero
         chain = [x]
         lp = torch.zeros(b, x0.shape[1], device=x0.device)
         ent = torch.zeros_like(lp)
+        d = self.score_dims
         for k, t in enumerate(self.times(x0.device).tolist()):
             v, feat = velocity(x, torch.full((b,), t, device=x0.device))
             ode, mean, std = self.transition(x, v, feat, t)
@@ -241,13 +189,6 @@ class FlowOptions:
     """Flow-Noise lower bound on the learned std."""
     noise_std_max: float = 0.16
     """Flow-Noise upper bound on the learned std."""
-    start: str = "drawn"
-    """A sampled chain starts from a prior draw (``drawn``) or at zero with the draw's spread
-    scored in its first step (``scored``)."""
-    start_gain: float = 30.0
-    """A scored start's log-scale is ``start_gain x`` its head's output: Adam steps each weight by
-    about the learning rate, so the gain is the head's rate over the policy's (1: the spread
-    barely moved in 120k steps; 100: it swung without a trend)."""
 
     def sampler_config(self) -> SamplerConfig:
         return SamplerConfig(
@@ -257,8 +198,6 @@ class FlowOptions:
             stochastic_steps=self.stochastic_steps,
             noise_std_min=self.noise_std_min,
             noise_std_max=self.noise_std_max,
-            start=self.start,
-            start_gain=self.start_gain,
         )
 
 
@@ -324,7 +263,7 @@ class FlowPolicy(Policy):
         """Flow matching on expert chunks ``[B, T, A]`` (env space): the normalised, zero-padded
         chunk noised to ``x_t = t * noise + (1 - t) * actions`` at times from :meth:`sample_time`,
         the velocity regressed onto ``noise - actions`` (mean squared error over the env's action
-        dims, as LeRobot's loss). The critic and the noise and start heads get no gradient."""
+        dims, as LeRobot's loss). The critic and the noise head get no gradient."""
         ctx = self._context(self.norm.state_in(obs))
         target = self.norm.action_in(actions.to(self.device).float())
         b, d = target.shape[0], self.action_dim
