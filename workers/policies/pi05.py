@@ -46,10 +46,7 @@ from workers.policies.vla_common import (
 
 # pi0's backbone and expert dimensions; "tiny" is pi0's tiny_release, whose head layout LeRobot's
 # pi0.5 config (the family's export format) can describe.
-# "tiny64" reads a 64x64 camera whole as 4x4 patches of 16 px (tiny resizes it to 32 px): the
-# pixel recipe's resolution check, the same sequence length and widths.
-SIZES = {**PI0_SIZES, "tiny": PI0_SIZES["tiny_release"],
-         "tiny64": {**PI0_SIZES["tiny_release"], "image_size": 64, "patch_size": 16}}
+SIZES = {**PI0_SIZES, "tiny": PI0_SIZES["tiny_release"]}
 
 
 @dataclass
