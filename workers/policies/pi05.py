@@ -46,15 +46,7 @@ from workers.policies.vla_common import (
 
 # pi0's backbone and expert dimensions; "tiny" is pi0's tiny_release, whose head layout LeRobot's
 # pi0.5 config (the family's export format) can describe.
-# "tiny2x" doubles tiny's widths (vision 64, VLM 128, expert 64; 4 vision heads of 16): the pixel
-# recipe's capacity probe.
-SIZES = {**PI0_SIZES, "tiny": PI0_SIZES["tiny_release"],
-         "tiny2x": {**PI0_SIZES["tiny_release"],
-                    "vision": dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4),
-                    "text": dict(hidden_size=128, intermediate_size=256, num_hidden_layers=2, num_attention_heads=8,
-                                 num_key_value_heads=1, head_dim=16, vocab_size=128),
-                    "expert": dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=8,
-                                   num_key_value_heads=1, head_dim=16)}}
+SIZES = {**PI0_SIZES, "tiny": PI0_SIZES["tiny_release"]}
 
 
 @dataclass
