@@ -102,11 +102,6 @@ class MetaWorldOptions:
     ``success_bonus`` on its first successful step (RLinf's Meta-World reward, ``reward_coef`` x
     success). PPO then estimates the chance of success instead of a return that hovering near
     the goal can earn."""
-    approach_shaping: float = 0.0
-    """Reward per metre the hand comes closer to the task's first object (0: none): potential-based
-    shaping (Ng, Harada & Russell 1999), the potential minus the hand-object distance. It sums to
-    the episode's net approach, so hovering earns nothing and moving away costs what coming back
-    pays; on a success-only reward it is the one signal a start the policy never solves gets."""
     benchmark_seed: int = 0
     """Seed of the benchmark's goal list, so goal k is the same on every machine."""
     render_every: int = 1
@@ -164,11 +159,6 @@ class _FastRenderer:
 
     def close(self) -> None:
         self._renderer.close()
-
-
-def _hand_to_object(raw: np.ndarray) -> float:
-    """Distance from the hand (raw[0:3]) to the first object (raw[4:7]) of a Meta-World observation."""
-    return float(np.linalg.norm(np.asarray(raw[0:3]) - np.asarray(raw[4:7])))
 
 
 def camera_is_upside_down(model: Any, data: Any, camera: str) -> bool:
@@ -296,11 +286,9 @@ class MetaWorldEnv(SimEnv):
         reward = np.zeros(n, np.float32)
         success = np.zeros(n, bool)
         for k, i in enumerate(ids):
-            before = _hand_to_object(self._raw[i])
             raw, r, _, _, info = self._envs[i].step(actions[k])
             self._t[i] += 1
             reward[k] = r if self.opts.dense_reward else 0.0
-            reward[k] += self.opts.approach_shaping * (before - _hand_to_object(raw))
             success[k] = bool(info.get("success", 0.0))
             if success[k] and not self._succeeded[i]:
                 self._succeeded[i] = True
