@@ -150,6 +150,9 @@ class EnvConfig:
     """Held-out initial states per evaluation round per worker (0: one per eval env)."""
     options: dict = field(default_factory=dict)
     """The adapter's own options, validated by the adapter."""
+    plugins: list = field(default_factory=list)
+    """Python modules to import before the env is looked up, in every process that builds it or
+    reads its spec: adapters registered with ``@register_env`` outside ``workers.envs``."""
 
 
 @dataclass

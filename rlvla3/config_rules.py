@@ -76,6 +76,8 @@ def validate_job(cfg: Any) -> None:
         raise ConfigError(f"the training envs of a simulator (env.num_envs minus the eval slots' envs: "
                           f"{n_training}) must be a multiple of env.group_size ({cfg.env.group_size}) "
                           f"with env.group_mode=parallel")
+    if not isinstance(cfg.env.plugins, list) or not all(isinstance(m, str) and m for m in cfg.env.plugins):
+        raise ConfigError(f"env.plugins must be a list of module names, got {cfg.env.plugins!r}")
     if cfg.env.parallel not in ("thread", "process"):
         raise ConfigError(f"env.parallel: {cfg.env.parallel!r} not in ('thread', 'process')")
     if cfg.batching.assignment not in ("dynamic", "sticky"):

@@ -1,6 +1,6 @@
 """SubprocEnv: slots step in child processes; a crashing or hanging env is rebuilt on its own.
 
-The faulty adapters are registered here and imported by the child via ``modules=[__name__]``.
+The faulty adapters are registered here and imported by the child via ``plugins=[__name__]`` (``env.plugins``).
 """
 
 from __future__ import annotations
@@ -89,7 +89,7 @@ def _step_n(env: SubprocEnv, n: int) -> list[StepResult]:
 
 
 def test_steps_and_reset_in_child() -> None:
-    env = SubprocEnv("test_faulty", num_envs=2, modules=[MOD])
+    env = SubprocEnv("test_faulty", num_envs=2, plugins=[MOD])
     try:
         assert env.spec.state_dim == 2 and env.pid != os.getpid()
         obs = env.reset([0, 1], [7, 8])
@@ -113,7 +113,7 @@ def test_steps_and_reset_in_child() -> None:
 
 @pytest.mark.parametrize("fault", ["crash_at", "segv_at"])
 def test_crash_restarts_child_and_truncates(fault: str) -> None:
-    env = SubprocEnv("test_faulty", num_envs=2, options={fault: 2}, modules=[MOD])
+    env = SubprocEnv("test_faulty", num_envs=2, options={fault: 2}, plugins=[MOD])
     try:
         env.reset([0, 1], [1, 2])
         pid = env.pid
@@ -130,7 +130,7 @@ def test_crash_restarts_child_and_truncates(fault: str) -> None:
 
 
 def test_partial_step_reports_other_envs_when_next_stepped() -> None:
-    env = SubprocEnv("test_faulty", num_envs=3, options={"crash_at": 1}, modules=[MOD])
+    env = SubprocEnv("test_faulty", num_envs=3, options={"crash_at": 1}, plugins=[MOD])
     try:
         env.reset([0, 1, 2])
         res = env.step([0], np.zeros((1, 1), np.float32))
@@ -145,8 +145,8 @@ def test_partial_step_reports_other_envs_when_next_stepped() -> None:
 
 
 def test_hanging_slot_is_restarted_while_other_slot_keeps_stepping() -> None:
-    good = SubprocEnv("test_faulty", num_envs=1, modules=[MOD])
-    bad = SubprocEnv("test_faulty", num_envs=1, options={"hang_at": 1}, step_timeout_s=2.0, modules=[MOD])
+    good = SubprocEnv("test_faulty", num_envs=1, plugins=[MOD])
+    bad = SubprocEnv("test_faulty", num_envs=1, options={"hang_at": 1}, step_timeout_s=2.0, plugins=[MOD])
     try:
         good.reset([0])
         bad.reset([0])
@@ -176,7 +176,7 @@ def test_hanging_slot_is_restarted_while_other_slot_keeps_stepping() -> None:
 
 def test_build_failure_raises_with_child_traceback() -> None:
     with pytest.raises(EnvCrashed, match="build failed on purpose"):
-        SubprocEnv("test_faulty", num_envs=1, options={"fail_build": True}, modules=[MOD])
+        SubprocEnv("test_faulty", num_envs=1, options={"fail_build": True}, plugins=[MOD])
 
 
 def test_child_exits_when_parent_dies(tmp_path) -> None:
@@ -196,7 +196,7 @@ def test_child_exits_when_parent_dies(tmp_path) -> None:
 
 
 def _make_env_and_report_pid(q) -> None:  # runs in a spawned "parent"
-    env = SubprocEnv("test_faulty", num_envs=1, modules=[MOD])
+    env = SubprocEnv("test_faulty", num_envs=1, plugins=[MOD])
     q.put(env.pid)
     threading.Event().wait()
 
@@ -225,7 +225,7 @@ import numpy as np
 from rlvla3.shm import ShmPool, observation_block
 from workers.envs.subproc import SubprocEnv
 
-env = SubprocEnv("test_faulty", num_envs=2, modules=["tests.test_subproc_env"])
+env = SubprocEnv("test_faulty", num_envs=2, plugins=["tests.test_subproc_env"])
 pool = ShmPool(f"tracker{os.getpid()}", 1 << 16)
 block = observation_block(pool, env.spec.cameras, env.spec.state_dim, 2)
 env.reset([0, 1], [1, 2], into=block)
@@ -252,3 +252,45 @@ def test_a_spawned_child_attaching_its_parents_memory_leaves_the_shared_tracker_
     name = proc.stdout.split()[-1]
     assert not Path("/dev/shm", name).exists()
     assert "Traceback" not in proc.stderr and "KeyError" not in proc.stderr, proc.stderr[-3000:]
+
+
+PLUGIN_JOB = """
+run: {name: plugin, mode: async, total_env_steps: 300, progress_every_s: 1.0}
+env: {name: test_faulty, plugins: [tests.test_subproc_env], num_envs: 4, slots: 2, fragment_len: 8}
+model: {family: mlp, chunk_size: 1, options: {hidden: 16}}
+algo: {name: ppo, batch_steps: 64, epochs: 1, minibatch_size: 32}
+workers: {simulators: 1, generators: 1, trainers: 1}
+"""
+
+
+@pytest.mark.parametrize("parallel", ["process", "thread"])
+def test_a_run_steps_an_adapter_that_env_plugins_registers(tmp_path, parallel: str) -> None:
+    """``env.plugins`` is imported wherever the env is built or its spec read: the launcher's
+    check, the simulator (and each slot's child), the trainer and the generator."""
+    import json
+    from pathlib import Path
+
+    from rlvla3.harness.jobs import run_cli
+
+    cfg = tmp_path / "job.yaml"
+    cfg.write_text(PLUGIN_JOB)
+    root = Path(__file__).resolve().parent.parent
+    r = run_cli("run", str(cfg), "--run-dir", str(tmp_path / "run"), "--set", f"env.parallel={parallel}", cwd=root, timeout=180)
+    assert r.returncode == 0, r.stderr[-3000:]
+    summary = json.loads(r.stdout.strip().splitlines()[-1])
+    assert summary["env_steps"] >= 300 and summary["policy_version"] >= 1 and summary["successes"] > 0, summary
+
+
+def test_a_run_whose_env_no_plugin_registers_is_refused_before_it_starts(tmp_path) -> None:
+    from pathlib import Path
+
+    from rlvla3.harness.jobs import run_cli
+
+    cfg = tmp_path / "job.yaml"
+    cfg.write_text(PLUGIN_JOB.replace("plugins: [tests.test_subproc_env], ", ""))
+    root = Path(__file__).resolve().parent.parent
+    r = run_cli("run", str(cfg), "--run-dir", str(tmp_path / "run"), cwd=root, timeout=60)
+    assert r.returncode != 0 and "unknown env 'test_faulty'" in r.stderr and "env.plugins" in r.stderr, r.stderr[-2000:]
+    assert not (tmp_path / "run").exists()  # nothing started
+    r = run_cli("run", str(cfg), "--set", "env.plugins=[tests.no_such_plugin]", cwd=root, timeout=60)
+    assert r.returncode != 0 and "No module named 'tests.no_such_plugin'" in r.stderr, r.stderr[-2000:]

@@ -114,7 +114,7 @@ def run_protocol(cfg: JobConfig, policy: torch.nn.Module, proto: Protocol, envs_
     policy.seed_eval(cfg.run.seed)
     k = max(1, min(envs_per_task, len(proto.seeds)))
     n = proto.tasks * k
-    env = make_env(cfg.env.name, num_envs=n, seed=cfg.run.seed, options=proto.options)
+    env = make_env(cfg.env.name, num_envs=n, seed=cfg.run.seed, options=proto.options, plugins=cfg.env.plugins)
     cams = list(cameras or env.spec.cameras)
     if video_episodes and not cams:
         env.close()

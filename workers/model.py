@@ -22,7 +22,7 @@ def resolve_device(cfg: JobConfig, device: str | None) -> torch.device:
 
 
 def job_spec(cfg: JobConfig) -> EnvSpec:
-    return env_spec(cfg.env.name, cfg.env.options)
+    return env_spec(cfg.env.name, cfg.env.options, cfg.env.plugins)
 
 
 def build_policy(cfg: JobConfig, spec: EnvSpec | None = None, device: str | None = None) -> Policy:

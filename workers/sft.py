@@ -96,7 +96,7 @@ def collect_demos(cfg: JobConfig, episodes: int, seed: int = 12345, num_envs: in
     """
     expert = expert_for(cfg)
     T = cfg.model.chunk_size
-    env = make_env(cfg.env.name, num_envs=num_envs, seed=seed, options=cfg.env.options)
+    env = make_env(cfg.env.name, num_envs=num_envs, seed=seed, options=cfg.env.options, plugins=cfg.env.plugins)
     kept_obs: list[Observation] = []  # one row per decision
     rows: dict[str, list] = {"actions": [], "episode": []}
     started, kept, successes = 0, 0, 0

@@ -88,5 +88,6 @@ def slot_adapter(env: Any, k: int, seed: int) -> EnvAdapter:
     its own child process (``parallel: process``) or in the caller's process, rebuilt on an
     exception (its envs end truncated, ``info["restarted"]``, as a crashed child reports)."""
     if env.parallel == "process":
-        return SubprocEnv(env.name, num_envs=k, seed=seed, options=env.options, step_timeout_s=env.step_timeout_s)
-    return GuardedEnv(env.name, num_envs=k, seed=seed, options=env.options)
+        return SubprocEnv(env.name, num_envs=k, seed=seed, options=env.options, step_timeout_s=env.step_timeout_s,
+                          plugins=env.plugins)
+    return GuardedEnv(env.name, num_envs=k, seed=seed, options=env.options, plugins=env.plugins)

@@ -63,12 +63,12 @@ def load_config(config: str | None, overrides: tuple[str, ...], gpus: tuple[str,
 def require_simulator(cfg: JobConfig) -> None:
     """Fail before starting anything when the job's simulator is not installed here: an env
     adapter module may define ``require_installed()``, which raises ModuleNotFoundError with
-    install instructions (Meta-World's does)."""
+    install instructions (Meta-World's does); an env no adapter registers (``env.plugins``) fails too."""
     from workers.envs.base import require_simulator as check
 
     try:
-        check(cfg.env.name)
-    except ModuleNotFoundError as exc:
+        check(cfg.env.name, cfg.env.plugins)
+    except (ModuleNotFoundError, ValueError) as exc:
         raise RunRefused(f"env {cfg.env.name!r}: {exc}") from None
 
 

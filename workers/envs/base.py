@@ -14,12 +14,14 @@ one copy into the block). Without ``into`` the call returns a new batch of the e
 the order named (evaluation, demos, tests).
 
 Adapters register themselves with ``@register_env("name")`` and are built from the job config
-by :func:`make_env`. An adapter's own options arrive as a dict (``env.options`` in YAML) and are
+by :func:`make_env`; one outside this package registers when ``env.plugins`` names its module. An adapter's own options arrive as a dict (``env.options`` in YAML) and are
 validated into that adapter's options dataclass, so a mistyped key names itself.
 """
 
 from __future__ import annotations
 
+import os
+import sys
 from abc import ABC, abstractmethod
 from dataclasses import dataclass, field
 from typing import Any, Callable, Sequence
@@ -150,21 +152,27 @@ def register_env(name: str, options: type | None = None) -> Callable[[EnvFactory
     return deco
 
 
-def _import_builtin_adapters() -> None:
+def _import_adapters(plugins: Sequence[str] = ()) -> None:
     # Importing the modules registers them; heavy simulator imports stay inside the adapters,
-    # so these imports succeed whether or not a simulator is installed.
+    # so these imports succeed whether or not a simulator is installed. ``plugins``
+    # (``env.plugins``) register adapters that live outside this package.
     import importlib
 
     for mod in ("synthetic", "metaworld", "libero", "maniskill", "robocasa", "gymnasium"):
         importlib.import_module(f"workers.envs.{mod}")
+    if plugins and "" not in sys.path and os.getcwd() not in sys.path:
+        sys.path.append(os.getcwd())  # as in the workers, which run as `python -m rlvla3`
+    for mod in plugins:
+        importlib.import_module(mod)
 
 
-def require_simulator(name: str) -> None:
+def require_simulator(name: str, plugins: Sequence[str] = ()) -> None:
     """Raise ModuleNotFoundError, with install instructions, when env ``name``'s simulator is not
-    installed here: an adapter module may define ``require_installed()`` (Meta-World's does). A
-    name that is not a built-in adapter passes; building the env will judge."""
+    installed here: an adapter module may define ``require_installed()`` (Meta-World's does); and
+    ValueError when no adapter registers as ``name`` once ``plugins`` are imported."""
     import importlib
 
+    _registered(name, plugins)
     module = f"workers.envs.{name}"
     try:
         check = getattr(importlib.import_module(module), "require_installed", None)
@@ -176,20 +184,25 @@ def require_simulator(name: str) -> None:
         check()
 
 
-def make_env(name: str, num_envs: int, seed: int = 0, options: dict[str, Any] | None = None) -> EnvAdapter:
+def make_env(name: str, num_envs: int, seed: int = 0, options: dict[str, Any] | None = None,
+             plugins: Sequence[str] = ()) -> EnvAdapter:
     """Build the adapter registered as ``name`` with ``num_envs`` envs."""
-    _import_builtin_adapters()
-    if name not in _ENVS:
-        raise ValueError(f"unknown env {name!r}; registered: {sorted(_ENVS)}")
-    factory, opt_cls = _ENVS[name]
+    factory, opt_cls = _registered(name, plugins)
     opts = parse_options(opt_cls, options, f"env.options for {name!r}")
     return factory(num_envs=num_envs, seed=seed, options=opts)
 
 
-def env_spec(name: str, options: dict[str, Any] | None = None) -> EnvSpec:
+def _registered(name: str, plugins: Sequence[str]) -> tuple[EnvFactory, type | None]:
+    _import_adapters(plugins)
+    if name not in _ENVS:
+        raise ValueError(f"unknown env {name!r}; registered: {sorted(_ENVS)} (an adapter outside "
+                         f"workers.envs registers itself when env.plugins names its module)")
+    return _ENVS[name]
+
+
+def env_spec(name: str, options: dict[str, Any] | None = None, plugins: Sequence[str] = ()) -> EnvSpec:
     """The spec of an env without building a simulator (adapters may override ``spec_for``)."""
-    _import_builtin_adapters()
-    factory, opt_cls = _ENVS[name]
+    factory, opt_cls = _registered(name, plugins)
     opts = parse_options(opt_cls, options, f"env.options for {name!r}")
     spec_for = getattr(factory, "spec_for", None)
     if spec_for is not None:

@@ -19,7 +19,6 @@ on :meth:`SubprocEnv.close`, on garbage collection and at interpreter exit.
 
 from __future__ import annotations
 
-import importlib
 import multiprocessing as mp
 import os
 import threading
@@ -60,12 +59,10 @@ def _watch_parent() -> None:
 
 
 def _child_main(conn: Connection, name: str, num_envs: int, seed: int, options: dict[str, Any] | None,
-                modules: Sequence[str]) -> None:
+                plugins: Sequence[str]) -> None:
     threading.Thread(target=_watch_parent, daemon=True, name="parent-watchdog").start()
     try:
-        for mod in modules:  # out-of-tree adapters register themselves on import
-            importlib.import_module(mod)
-        env = make_env(name, num_envs=num_envs, seed=seed, options=options)
+        env = make_env(name, num_envs=num_envs, seed=seed, options=options, plugins=plugins)
         conn.send(("ok", env.spec))
     except BaseException:  # noqa: BLE001 - everything goes back to the parent
         conn.send(("err", traceback.format_exc()))
@@ -110,11 +107,11 @@ class _Child:
     """One child process and its pipe; kill() is always safe."""
 
     def __init__(self, ctx: Any, name: str, num_envs: int, seed: int, options: dict[str, Any] | None,
-                 modules: Sequence[str]) -> None:
+                 plugins: Sequence[str]) -> None:
         self.conn, child_conn = ctx.Pipe(duplex=True)
         self.proc = ctx.Process(
             target=_child_main,
-            args=(child_conn, name, num_envs, seed, options, tuple(modules)),
+            args=(child_conn, name, num_envs, seed, options, tuple(plugins)),
             daemon=True,  # multiprocessing kills daemons at interpreter exit
             name=f"env-{name}",
         )
@@ -167,8 +164,8 @@ class SubprocEnv(EnvAdapter):
     """A registered adapter, built and stepped in a child process that is rebuilt on faults.
 
     ``step_async``/``step_wait`` let one thread drive several slots' children at once.
-    ``modules`` are imported in the child before building, for adapters registered outside
-    ``workers.envs`` (tests, plug-ins).
+    ``plugins`` (``env.plugins``) are imported in the child before building: adapters registered
+    outside ``workers.envs``.
     """
 
     def __init__(
@@ -182,7 +179,7 @@ class SubprocEnv(EnvAdapter):
         reset_timeout_s: float | None = None,
         start_timeout_s: float = 300.0,
         max_consecutive_restarts: int = 3,
-        modules: Sequence[str] = (),
+        plugins: Sequence[str] = (),
     ) -> None:
         self.name = name
         self.num_envs = num_envs
@@ -192,7 +189,7 @@ class SubprocEnv(EnvAdapter):
         self.reset_timeout_s = float(reset_timeout_s if reset_timeout_s is not None else max(60.0, 4 * step_timeout_s))
         self.start_timeout_s = float(start_timeout_s)
         self.max_consecutive_restarts = max_consecutive_restarts
-        self.modules = tuple(modules)
+        self.plugins = tuple(plugins)
         self.restarts = 0
         """How many times the child was rebuilt after a fault."""
         self._ctx = mp.get_context("spawn")
@@ -213,7 +210,7 @@ class SubprocEnv(EnvAdapter):
     def _start(self, seed: int) -> EnvSpec:
         if self._finalizer is not None:
             self._finalizer.detach()  # the previous child is already dead
-        child = _Child(self._ctx, self.name, self.num_envs, seed, self.options, self.modules)
+        child = _Child(self._ctx, self.name, self.num_envs, seed, self.options, self.plugins)
         self._child = child
         self._finalizer = weakref.finalize(self, _kill_quietly, child)
         try:
@@ -400,10 +397,12 @@ class GuardedEnv(EnvAdapter):
     CUDA context): an exception rebuilds the adapter and reports every env truncated.
     """
 
-    def __init__(self, name: str, num_envs: int, seed: int = 0, options: dict[str, Any] | None = None) -> None:
+    def __init__(self, name: str, num_envs: int, seed: int = 0, options: dict[str, Any] | None = None,
+                 plugins: Sequence[str] = ()) -> None:
         self.name, self.num_envs, self.seed, self.options = name, num_envs, seed, dict(options or {})
+        self.plugins = tuple(plugins)
         self.restarts = 0
-        self._env = make_env(name, num_envs=num_envs, seed=seed, options=self.options)
+        self._env = make_env(name, num_envs=num_envs, seed=seed, options=self.options, plugins=self.plugins)
         self.spec = self._env.spec
 
     def _rebuild(self, exc: BaseException) -> Observation:
@@ -414,7 +413,7 @@ class GuardedEnv(EnvAdapter):
         except Exception:  # noqa: BLE001 - the old env is broken anyway
             pass
         self._env = make_env(self.name, num_envs=self.num_envs, seed=self.seed + _RESEED_STRIDE * self.restarts,
-                             options=self.options)
+                             options=self.options, plugins=self.plugins)
         return self._env.reset(list(range(self.num_envs)), None)
 
     def reset(self, ids: Sequence[int], seeds: Sequence[int | None] | None = None,
