@@ -254,3 +254,21 @@ def test_a_cuda_batch_is_one_copy_into_pinned_memory_then_one_transfer(pool):
         np.testing.assert_array_equal(on_gpu.images["front"].cpu().numpy(), obs.images["front"])
     finally:
         att.close()
+
+
+def test_a_simulator_that_names_another_host_id_sends_its_observations_inline(job_factory, monkeypatch):
+    """``RLVLA3_HOST_ID`` replaces the host id a worker announces (containers that share /dev/shm
+    under different hostnames name one id). A simulator naming another id is elsewhere to the
+    broker: its observations travel inline, while the job's own simulator's travel as shm."""
+    from rlvla3.harness.jobs import per_worker
+
+    job = job_factory()
+    monkeypatch.setenv("RLVLA3_HOST_ID", "another-host")
+    job.start_worker("simulator", "sim-away")
+    monkeypatch.delenv("RLVLA3_HOST_ID")
+    fig = job.wait(lambda f: per_worker(f, "sim-away").get("frames", {}).get("inline", 0) > 0
+                   and per_worker(f, "simulator0").get("frames", {}).get("shm", 0) > 0, 120,
+                   "both simulators' observations to reach the broker")
+    away, home = per_worker(fig, "sim-away"), per_worker(fig, "simulator0")
+    assert away["host"] == "another-host" and home["host"] == host_id(), (away["host"], home["host"])
+    assert away["frames"]["shm"] == 0 and home["frames"]["inline"] == 0, (away["frames"], home["frames"])
