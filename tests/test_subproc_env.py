@@ -294,3 +294,7 @@ def test_a_run_whose_env_no_plugin_registers_is_refused_before_it_starts(tmp_pat
     assert not (tmp_path / "run").exists()  # nothing started
     r = run_cli("run", str(cfg), "--set", "env.plugins=[tests.no_such_plugin]", cwd=root, timeout=60)
     assert r.returncode != 0 and "No module named 'tests.no_such_plugin'" in r.stderr, r.stderr[-2000:]
+    (tmp_path / "broken_plugin.py").write_text("raise RuntimeError('broken on purpose')\n")
+    r = run_cli("run", str(cfg), "--set", "env.plugins=[broken_plugin]", cwd=tmp_path, timeout=60)  # found in the job's directory
+    assert r.returncode != 0 and "importing 'broken_plugin' failed: RuntimeError('broken on purpose')" in r.stderr, r.stderr[-2000:]
+    assert "Traceback" not in r.stderr, r.stderr[-2000:]

@@ -68,7 +68,7 @@ def require_simulator(cfg: JobConfig) -> None:
 
     try:
         check(cfg.env.name, cfg.env.plugins)
-    except (ModuleNotFoundError, ValueError) as exc:
+    except (ImportError, ValueError) as exc:
         raise RunRefused(f"env {cfg.env.name!r}: {exc}") from None
 
 

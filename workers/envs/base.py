@@ -14,8 +14,9 @@ one copy into the block). Without ``into`` the call returns a new batch of the e
 the order named (evaluation, demos, tests).
 
 Adapters register themselves with ``@register_env("name")`` and are built from the job config
-by :func:`make_env`; one outside this package registers when ``env.plugins`` names its module. An adapter's own options arrive as a dict (``env.options`` in YAML) and are
-validated into that adapter's options dataclass, so a mistyped key names itself.
+by :func:`make_env`; one outside this package registers when ``env.plugins`` names its module.
+An adapter's own options arrive as a dict (``env.options`` in YAML) and are validated into that
+adapter's options dataclass, so a mistyped key names itself.
 """
 
 from __future__ import annotations
@@ -163,13 +164,17 @@ def _import_adapters(plugins: Sequence[str] = ()) -> None:
     if plugins and "" not in sys.path and os.getcwd() not in sys.path:
         sys.path.append(os.getcwd())  # as in the workers, which run as `python -m rlvla3`
     for mod in plugins:
-        importlib.import_module(mod)
+        try:
+            importlib.import_module(mod)
+        except Exception as exc:  # a plug-in's own failure, named as the config's
+            raise ImportError(f"env.plugins: importing {mod!r} failed: {exc!r}") from exc
 
 
 def require_simulator(name: str, plugins: Sequence[str] = ()) -> None:
     """Raise ModuleNotFoundError, with install instructions, when env ``name``'s simulator is not
-    installed here: an adapter module may define ``require_installed()`` (Meta-World's does); and
-    ValueError when no adapter registers as ``name`` once ``plugins`` are imported."""
+    installed here: an adapter module may define ``require_installed()`` (Meta-World's does);
+    ImportError when a plug-in fails to import, and ValueError when no adapter registers as
+    ``name`` once ``plugins`` are imported."""
     import importlib
 
     _registered(name, plugins)
