@@ -5,22 +5,26 @@ The faulty adapters are registered here and imported by the child via ``plugins=
 
 from __future__ import annotations
 
+import json
 import os
 import signal
 import threading
 import time
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Sequence
 
 import numpy as np
 import pytest
 
+from rlvla3.harness.jobs import run_cli
 from rlvla3.observation import Observation
 from rlvla3.shm import POISON, ShmPool, observation_block
 from workers.envs.base import EnvSpec, SimEnv, StepResult, register_env
 from workers.envs.subproc import EnvCrashed, GuardedEnv, SubprocEnv
 
 MOD = __name__
+ROOT = Path(__file__).resolve().parent.parent
 
 
 @dataclass
@@ -244,10 +248,8 @@ def test_a_spawned_child_attaching_its_parents_memory_leaves_the_shared_tracker_
     then made the tracker print a KeyError traceback for each segment."""
     import subprocess
     import sys
-    from pathlib import Path
 
-    root = Path(__file__).resolve().parent.parent
-    proc = subprocess.run([sys.executable, "-c", SHARED_TRACKER], cwd=root, capture_output=True, text=True, timeout=120)
+    proc = subprocess.run([sys.executable, "-c", SHARED_TRACKER], cwd=ROOT, capture_output=True, text=True, timeout=120)
     assert proc.returncode == 0, proc.stderr[-3000:]
     name = proc.stdout.split()[-1]
     assert not Path("/dev/shm", name).exists()
@@ -263,38 +265,31 @@ workers: {simulators: 1, generators: 1, trainers: 1}
 """
 
 
+def _plugin_job(tmp_path: Path, plugins: bool = True) -> str:
+    cfg = tmp_path / "job.yaml"
+    cfg.write_text(PLUGIN_JOB if plugins else PLUGIN_JOB.replace("plugins: [tests.test_subproc_env], ", ""))
+    return str(cfg)
+
+
 @pytest.mark.parametrize("parallel", ["process", "thread"])
 def test_a_run_steps_an_adapter_that_env_plugins_registers(tmp_path, parallel: str) -> None:
     """``env.plugins`` is imported wherever the env is built or its spec read: the launcher's
     check, the simulator (and each slot's child), the trainer and the generator."""
-    import json
-    from pathlib import Path
-
-    from rlvla3.harness.jobs import run_cli
-
-    cfg = tmp_path / "job.yaml"
-    cfg.write_text(PLUGIN_JOB)
-    root = Path(__file__).resolve().parent.parent
-    r = run_cli("run", str(cfg), "--run-dir", str(tmp_path / "run"), "--set", f"env.parallel={parallel}", cwd=root, timeout=180)
+    r = run_cli("run", _plugin_job(tmp_path), "--run-dir", str(tmp_path / "run"), "--set", f"env.parallel={parallel}",
+                cwd=ROOT, timeout=180)
     assert r.returncode == 0, r.stderr[-3000:]
     summary = json.loads(r.stdout.strip().splitlines()[-1])
     assert summary["env_steps"] >= 300 and summary["policy_version"] >= 1 and summary["successes"] > 0, summary
 
 
 def test_a_run_whose_env_no_plugin_registers_is_refused_before_it_starts(tmp_path) -> None:
-    from pathlib import Path
-
-    from rlvla3.harness.jobs import run_cli
-
-    cfg = tmp_path / "job.yaml"
-    cfg.write_text(PLUGIN_JOB.replace("plugins: [tests.test_subproc_env], ", ""))
-    root = Path(__file__).resolve().parent.parent
-    r = run_cli("run", str(cfg), "--run-dir", str(tmp_path / "run"), cwd=root, timeout=60)
+    cfg = _plugin_job(tmp_path, plugins=False)
+    r = run_cli("run", cfg, "--run-dir", str(tmp_path / "run"), cwd=ROOT, timeout=60)
     assert r.returncode != 0 and "unknown env 'test_faulty'" in r.stderr and "env.plugins" in r.stderr, r.stderr[-2000:]
     assert not (tmp_path / "run").exists()  # nothing started
-    r = run_cli("run", str(cfg), "--set", "env.plugins=[tests.no_such_plugin]", cwd=root, timeout=60)
+    r = run_cli("run", cfg, "--set", "env.plugins=[tests.no_such_plugin]", cwd=ROOT, timeout=60)
     assert r.returncode != 0 and "No module named 'tests.no_such_plugin'" in r.stderr, r.stderr[-2000:]
     (tmp_path / "broken_plugin.py").write_text("raise RuntimeError('broken on purpose')\n")
-    r = run_cli("run", str(cfg), "--set", "env.plugins=[broken_plugin]", cwd=tmp_path, timeout=60)  # found in the job's directory
+    r = run_cli("run", cfg, "--set", "env.plugins=[broken_plugin]", cwd=tmp_path, timeout=60)  # found in the job's directory
     assert r.returncode != 0 and "importing 'broken_plugin' failed: RuntimeError('broken on purpose')" in r.stderr, r.stderr[-2000:]
     assert "Traceback" not in r.stderr, r.stderr[-2000:]
