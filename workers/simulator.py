@@ -295,11 +295,16 @@ class SimulatorWorker(WorkerBase):
             if done or cut_all:
                 last = (outcome.terminal_obs.select([reset_row[i]]) if done and outcome.terminal_obs is not None
                         else outcome.next_obs.select([i]))
-                header, tensors = tr.fragment(last, bool(outcome.success[i]))
+                try:
+                    header, tensors = tr.fragment(last, bool(outcome.success[i]))
+                except ValueError as err:  # a generator changed its tensors' shapes inside one fragment
+                    log.error("fragment_unstackable", slot=slot.index, env=tr.env, error=str(err)[:300])
+                    header = None
                 tr.records = []
-                if slot.eval:
+                if header is not None and slot.eval:
                     header.update({"eval": True, "eval_version": slot.eval_version, "eval_round": self.eval_round_size})
-                self._ship(slot, header, tensors)
+                if header is not None:
+                    self._ship(slot, header, tensors)
             if done and not slot.eval:
                 tr.begin_episode(outcome.next_obs.instruction[i], self._seed_for(tr.env, tr.episode + 1))
         slot.flip()  # the back block, written by the chunk, is what the next OBS sends

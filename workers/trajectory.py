@@ -81,7 +81,10 @@ class EnvTrajectory:
         tensors["actions"] = np.stack([r.actions for r in recs]).astype(np.float32)
         tensors["logprob"] = np.stack([r.logprob for r in recs]).astype(np.float32)
         tensors["value"] = np.asarray([r.value for r in recs], np.float32)
-        tensors.update(with_prefix(REPLAY, {k: np.stack([r.replay[k] for r in recs]) for k in recs[0].replay}))
+        # Replay keys every record has: a generator batch that mixed evaluation and training envs
+        # returned both acts' keys (zeros in the other's rows), so a record may carry extra ones.
+        keys = sorted(set.intersection(*(set(r.replay) for r in recs)))
+        tensors.update(with_prefix(REPLAY, {k: np.stack([r.replay[k] for r in recs]) for k in keys}))
         tensors["reward"] = np.asarray([r.reward for r in recs], np.float32)
         tensors["step_reward"] = np.stack([r.step_reward for r in recs]).astype(np.float32)
         tensors["steps"] = np.asarray([r.steps for r in recs], np.int32)
