@@ -118,6 +118,22 @@ def test_ppo_batch_masks_stale_samples_and_update_reports_typed_result():
     assert not stale.trained and stale.figures()["skipped"] is True and stale.samples == 0
 
 
+def test_a_batch_trains_on_the_replay_keys_every_fragment_has():
+    """A generator batch that mixed evaluation and training envs answers with both acts' replay
+    keys (zeros in the other's rows), so one fragment may carry a key the next lacks."""
+    cfg = _cfg()
+    policy = build_policy(cfg).train()
+    plain, mixed = _fragment(policy, 3, 0, env=0), _fragment(policy, 2, 0, env=1)
+    mixed.arrays["replay/eval_bins"] = np.zeros((2, 4), np.int64)
+    learner = Learner(cfg)
+    learner.add(mixed)
+    learner.add(plain)
+    batch = build_batch(learner.take(cfg.algo.batch_steps), 0, cfg)
+    assert set(batch.samples["replay"]) == {k.split("/", 1)[1] for k in plain.arrays if k.startswith("replay/")}
+    assert set(batch.bootstrap["replay"]) == set(batch.samples["replay"])
+    assert update(TrainState.build(policy, cfg.algo), batch, cfg.algo).trained
+
+
 def test_a_critic_warmup_runs_every_epoch_whatever_the_kl_target():
     """``algo.target_kl`` reads the KL from the actor. In a critic warm-up the policy stands still,
     so that KL is the staleness alone and must not cut the critic's epochs short."""

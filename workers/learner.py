@@ -359,10 +359,13 @@ def build_batch(units: list[Unit], version: int, cfg: JobConfig) -> TrainBatch:
     keep, _dropped = filter_stale(versions, version, cfg.algo.max_staleness)
     observations = [fragment_observation(f.arrays, f.header.get("instruction", "")) for f in frags]
     replay = [names.under_prefix(names.REPLAY, f.arrays) for f in frags]
+    # The keys every fragment has: a generator batch that mixed evaluation and training envs
+    # answered with both acts' replay keys, so some fragments carry extra ones.
+    keys = sorted(set.intersection(*(set(r) for r in replay)))
     samples = {
         "obs": Observation.concat([o.select(slice(0, -1)) for o in observations]),
         "actions": torch.as_tensor(np.concatenate([f.arrays["actions"] for f in frags])),
-        "replay": {k: torch.as_tensor(np.concatenate([r[k] for r in replay])) for k in replay[0]},
+        "replay": {k: torch.as_tensor(np.concatenate([r[k] for r in replay])) for k in keys},
         "behav_logprob": torch.as_tensor(np.concatenate([f.arrays["logprob"] for f in frags])),
         "values": torch.as_tensor(np.concatenate([f.arrays["value"] for f in frags])),
     }
@@ -371,7 +374,7 @@ def build_batch(units: list[Unit], version: int, cfg: JobConfig) -> TrainBatch:
         bootstrap = {
             "obs": Observation.concat([o.select(slice(-1, None)) for o in observations]),
             "actions": torch.as_tensor(np.stack([f.arrays["actions"][-1] for f in frags])),
-            "replay": {k: torch.as_tensor(np.stack([r[k][-1] for r in replay])) for k in replay[0]},
+            "replay": {k: torch.as_tensor(np.stack([r[k][-1] for r in replay])) for k in keys},
         }
     return TrainBatch(
         samples=samples,
