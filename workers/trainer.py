@@ -37,6 +37,7 @@ from workers.algorithms.update import TrainState, UpdateResult, update
 from workers.base import WorkerBase
 from workers.learner import Fragment, Learner, Unit, build_batch
 from workers.metrics import EvalTally, MetricsSink, update_row
+from workers.fragment_schema import FragmentSchema
 from workers.model import build_policy, freeze_prefixes
 from workers.trainer_checkpoints import Checkpoints
 from workers.trainer_publish import Publishing
@@ -102,6 +103,7 @@ class TrainerWorker(WorkerBase):
             self.rounds = Rounds(self.world, cfg.algo.batch_steps)
         policy = build_policy(cfg, device=self.device)
         policy.train()
+        self.schema = FragmentSchema(policy)
         if cfg.algo.frozen:  # before the optimizer and version 0: versions carry what trains
             log.info("trainer_frozen", prefixes=cfg.algo.frozen, tensors=freeze_prefixes(policy, cfg.algo.frozen))
         if cfg.train.gradient_checkpointing:
@@ -172,6 +174,8 @@ class TrainerWorker(WorkerBase):
             # At most the version the update in progress makes (another rank may publish it first).
             if frag.newest_version > self.version + int(self.training):
                 raise ValueError(f"behaviour version {frag.newest_version} is ahead of the trainer's {self.version}")
+            if not msg.get("eval"):  # trained on: it must stack with the rest of a batch
+                self.schema.check(frag.arrays)
         except (KeyError, ValueError) as err:
             log.warning("traj_unreadable", gid=gid, error=str(err))
             self.learner.count_unreadable(int(msg.get("steps", 0)), bool(msg.get("eval")))

@@ -1,0 +1,52 @@
+"""What a trainer accepts as a training fragment: the shapes its own policy acts in.
+
+Fragments arrive from simulators over the network. One whose tensors do not stack with the rest
+of a batch would fail the update's concatenation and, with it, the trainer. So each training
+fragment is checked on arrival against the shapes the trainer's policy gives one sampled act
+(actions, log-probs, every replay tensor) and the env's observation spec. A fragment that
+differs is unreadable: counted, acknowledged, never trained on. Replay keys beyond the policy's
+are allowed: a generator batch that mixed evaluation and training envs sends both acts' keys.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import numpy as np
+import torch
+
+from rlvla3.names import FRAGMENT_OBS, REPLAY, tensor_name
+from rlvla3.observation import Observation
+
+PER_STEP = ("value", "reward", "steps", "terminated", "truncated", "version")
+"""One scalar per decision step."""
+
+
+class FragmentSchema:
+    """Trailing shapes per tensor name: per decision (N rows) and per observation (N + 1 rows)."""
+
+    def __init__(self, policy: Any) -> None:
+        spec = policy.spec
+        obs = Observation({c: np.zeros((1, h, w, 3), np.uint8) for c, (h, w) in spec.cameras.items()},
+                          np.zeros((1, spec.state_dim), np.float32), [""])
+        device = next(policy.parameters()).device
+        with torch.random.fork_rng(devices=[device] if device.type == "cuda" else []), torch.no_grad():
+            out = policy.act(obs)  # a draw of its own: the trainer's random stream is left as it was
+        self.per_step: dict[str, tuple[int, ...]] = {name: () for name in PER_STEP}
+        self.per_step["actions"] = tuple(out.actions.shape[1:])
+        self.per_step["logprob"] = tuple(out.logprob.shape[1:])
+        self.per_step.update({tensor_name(REPLAY, k): tuple(v.shape[1:]) for k, v in out.replay.items()})
+        self.per_obs = {name: tuple(v.shape[1:]) for name, v in obs.to_tensors(FRAGMENT_OBS).items()}
+
+    def check(self, arrays: dict[str, np.ndarray]) -> None:
+        """Raise ValueError naming the first tensor that is missing or of the wrong shape."""
+        if "reward" not in arrays or np.ndim(arrays["reward"]) != 1:
+            raise ValueError("fragment without a 1-D reward")
+        n = len(arrays["reward"])
+        for rows, want in ((n, self.per_step), (n + 1, self.per_obs)):
+            for name, trailing in want.items():
+                got = arrays.get(name)
+                if got is None:
+                    raise ValueError(f"fragment without {name!r}")
+                if tuple(got.shape) != (rows, *trailing):
+                    raise ValueError(f"fragment {name!r} of shape {tuple(got.shape)}; this policy's is {(rows, *trailing)}")
