@@ -13,9 +13,6 @@ made stochastic:
   Noise goes into ``all`` steps or ``one`` random step per sample.
 * ``noise`` - Flow-Noise: ODE mean plus a learned, bounded std from a noise head that reads the
   action expert's features.
-* ``gaussian`` - a Gaussian policy whose mean is the ODE from ``x_0 = 0`` and whose std is a
-  learned parameter per action dim: every bit of the sampled spread is scored, and the chain is
-  only the mean's network (CleanRL's continuous PPO head on top of the flow).
 * ``fpo`` - Flow Policy Optimization (McAllister et al. 2025; per-sample ratios as FPO++, Yi et
   al. 2026): the ODE from a prior draw, so the whole spread is the flow's own, scored by the
   flow-matching loss instead of a density. Each sampled chunk gets ``fpo_samples`` draws of
@@ -41,7 +38,7 @@ from torch import nn
 from rlvla3.observation import Observation
 from workers.policies.base import ActOutput, EvalOutput, Policy
 
-MODES = ("ode", "sde", "noise", "fpo", "gaussian")
+MODES = ("ode", "sde", "noise", "fpo")
 
 # v(x_t [B,T,D], t [B]) -> (velocity [B,T,D], features [B,T,H] or None for the noise head)
 VelocityFn = Callable[[torch.Tensor, torch.Tensor], tuple[torch.Tensor, torch.Tensor | None]]
@@ -56,7 +53,6 @@ class SamplerConfig:
     noise_std_min: float = 0.08
     noise_std_max: float = 0.16
     fpo_samples: int = 4
-    gaussian_std: float = 0.3
 
     def __post_init__(self) -> None:
         if self.mode not in MODES:
@@ -67,8 +63,6 @@ class SamplerConfig:
             raise ValueError("num_steps must be >= 1")
         if self.fpo_samples < 1:
             raise ValueError("fpo_samples must be >= 1")
-        if self.gaussian_std <= 0:
-            raise ValueError("gaussian_std must be > 0")
 
 
 @dataclass
@@ -97,8 +91,6 @@ class FlowSampler(nn.Module):
         self.cfg = cfg
         self.score_dims = score_dims
         self.noise_head = nn.Linear(feature_dim, action_dim) if cfg.mode == "noise" else None
-        self.log_std = (nn.Parameter(torch.full((score_dims,), math.log(cfg.gaussian_std)))
-                        if cfg.mode == "gaussian" else None)
 
     def times(self, device: torch.device) -> torch.Tensor:
         k = self.cfg.num_steps
@@ -137,7 +129,7 @@ class FlowSampler(nn.Module):
 
     def _step_mask(self, batch: int, device: torch.device, deterministic: bool) -> torch.Tensor:
         k = self.cfg.num_steps
-        if deterministic or self.cfg.mode in ("ode", "fpo", "gaussian"):
+        if deterministic or self.cfg.mode in ("ode", "fpo"):
             return torch.zeros(batch, k, dtype=torch.bool, device=device)
         if self.cfg.stochastic_steps == "all":
             return torch.ones(batch, k, dtype=torch.bool, device=device)
@@ -166,13 +158,6 @@ class FlowSampler(nn.Module):
             ent = ent + mask[:, k, None] * sent
             x = nxt
             chain.append(x)
-        if self.log_std is not None and not deterministic:  # gaussian: the scored spread around the ODE
-            std = self.log_std.float().exp().expand_as(x[..., :d])
-            x = x.clone()
-            x[..., :d] = x[..., :d] + std * torch.randn_like(std)
-            lp = gaussian_logpdf(x[..., :d], chain[-1][..., :d], std).sum(-1)
-            ent = gaussian_entropy(std).sum(-1)
-            chain[-1] = x
         chain_t = torch.stack(chain, dim=1)
         return ChainResult(chain_t[:, -1], chain_t, mask, lp, ent)
 
@@ -180,13 +165,6 @@ class FlowSampler(nn.Module):
         """Differentiable log-prob and entropy ``[B, T]`` of a stored chain (replay from ``sample``)."""
         b, _, tlen, _ = chain.shape
         chain = chain.float()
-        if self.log_std is not None:  # gaussian: the ODE's mean from the stored start, with gradients
-            x, d = chain[:, 0], self.score_dims
-            for t in self.times(chain.device).tolist():
-                v, _ = velocity(x, torch.full((b,), t, device=chain.device))
-                x = x - v.float() / self.cfg.num_steps
-            std = self.log_std.float().exp().expand_as(x[..., :d])
-            return gaussian_logpdf(chain[:, -1, ..., :d], x[..., :d], std).sum(-1), gaussian_entropy(std).sum(-1)
         lp = torch.zeros(b, tlen, device=chain.device)
         ent = torch.zeros_like(lp)
         if self.cfg.mode in ("ode", "fpo") or not bool(mask.any()):
@@ -208,9 +186,8 @@ class FlowOptions:
     """Sampler fields shared by the flow-matching families' option dataclasses."""
 
     sampler: str = "sde"
-    """``ode`` (no log-probs), ``sde`` (Flow-SDE), ``noise`` (Flow-Noise, learned std), ``fpo``
-    (the ODE from a draw, scored by the flow-matching loss) or ``gaussian`` (the ODE from zero
-    plus a learned std)."""
+    """``ode`` (no log-probs), ``sde`` (Flow-SDE), ``noise`` (Flow-Noise, learned std) or ``fpo``
+    (the ODE from a draw, scored by the flow-matching loss)."""
     num_steps: int = 4
     """Denoising steps K."""
     noise_level: float = 0.5
@@ -223,8 +200,6 @@ class FlowOptions:
     """Flow-Noise upper bound on the learned std."""
     fpo_samples: int = 4
     """FPO: (time, noise) draws that score each sampled chunk."""
-    gaussian_std: float = 0.3
-    """``gaussian``: the learned std's start (normalised action units)."""
 
     def sampler_config(self) -> SamplerConfig:
         return SamplerConfig(
@@ -235,7 +210,6 @@ class FlowOptions:
             noise_std_min=self.noise_std_min,
             noise_std_max=self.noise_std_max,
             fpo_samples=self.fpo_samples,
-            gaussian_std=self.gaussian_std,
         )
 
 
@@ -281,7 +255,7 @@ class FlowPolicy(Policy):
                     raise ValueError(f"{self.family}: initial noise of shape {tuple(noise.shape)}; expected {shape}")
                 x0 = noise.to(self.device, torch.float32)
             else:
-                x0 = self._eval_start(shape) if deterministic else self._sample_start(shape)
+                x0 = self._eval_start(shape) if deterministic else torch.randn(shape, device=self.device)
             velocity = self._velocity_fn(ctx)
             res = self.sampler.sample(velocity, x0, deterministic)
             replay = {"chain": res.chain, "stochastic": res.mask}
@@ -306,12 +280,6 @@ class FlowPolicy(Policy):
             v, _ = velocity(t[:, None, None] * eps + (1 - t[:, None, None]) * chunk, t)
             scores.append(-((v.float() - (eps - chunk))[..., :d] ** 2).mean(dim=(-2, -1)))
         return torch.stack(scores, dim=1)
-
-    def _sample_start(self, shape: tuple[int, ...]) -> torch.Tensor:
-        """A sampled chain's start: a prior draw, or zero for ``gaussian`` (its mean's chain)."""
-        if self.sampler.cfg.mode == "gaussian":
-            return torch.zeros(shape, device=self.device)
-        return torch.randn(shape, device=self.device)
 
     def _eval_start(self, shape: tuple[int, ...]) -> torch.Tensor:
         if self._eval_noise is None:

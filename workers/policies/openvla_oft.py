@@ -22,7 +22,6 @@ prompt token's state, just before the action block (RLinf's choice).
 
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass
 from typing import Any
 
@@ -34,7 +33,6 @@ from torch import nn
 from rlvla3.observation import Observation
 from workers.contract import EnvSpec
 from workers.policies.base import ActOutput, EvalOutput, Policy, register_policy
-from workers.policies.flow_sampler import gaussian_entropy, gaussian_logpdf
 from workers.policies.prismatic_towers import DINO_MEAN, DINO_STD, SIGLIP_MEAN, SIGLIP_STD, FusedTowers, normalise, resize_images
 from workers.policies.stats_norm import StatsNorm
 from workers.policies.vla_common import VLAOptions, ValueHead, char_tokenizer, pick_cameras, place, seeded_init, size_preset, state_tensor
@@ -67,7 +65,6 @@ SIZES: dict[str, dict[str, Any]] = {
 }
 ACTION_HEADS = ("tokens", "l1")
 READOUTS = ("argmax", "expected")
-SAMPLINGS = ("bins", "gaussian")
 
 
 @dataclass
@@ -95,22 +92,12 @@ class OpenVLAOFTOptions(VLAOptions):
     most likely bin can then be a standstill the samples never make: a pixel checkpoint after GRPO
     scored 0.05 by argmax and 0.92 by the expected action on 100 held-out starts
     (docs/architecture.md, "Pixels to success"). Sampling, log-probs and training are the same either way."""
-    sampling: str = "bins"
-    """What RL samples and scores: ``bins`` (an action token per dimension) or ``gaussian`` (a
-    Gaussian around the expected readout, std a learned parameter per dimension starting at
-    ``gaussian_std``): the same network with a continuous head like the flow families'."""
-    gaussian_std: float = 0.3
-    """``gaussian``: the std's start, in normalised action units."""
 
     def __post_init__(self) -> None:
         if self.action_head not in ACTION_HEADS:
             raise ValueError(f"openvla_oft: action_head {self.action_head!r} not in {ACTION_HEADS}")
         if self.readout not in READOUTS:
             raise ValueError(f"openvla_oft: readout {self.readout!r} not in {READOUTS}")
-        if self.sampling not in SAMPLINGS:
-            raise ValueError(f"openvla_oft: sampling {self.sampling!r} not in {SAMPLINGS}")
-        if self.gaussian_std <= 0:
-            raise ValueError("openvla_oft: gaussian_std must be > 0")
 
 
 class L1RegressionHead(nn.Module):
@@ -163,8 +150,6 @@ class OpenVLAOFTPolicy(Policy):
                                  if opts.proprio else None)
             self.l1_head = L1RegressionHead(hidden * self.action_dim, hidden, self.action_dim) if opts.action_head == "l1" else None
             self.value_head = ValueHead(hidden)
-            self.log_std = (nn.Parameter(torch.full((self.action_dim,), math.log(opts.gaussian_std)))
-                            if opts.sampling == "gaussian" else None)
         edges = np.linspace(-1.0, 1.0, opts.n_bins)
         self.register_buffer("bin_edges", torch.tensor(edges, dtype=torch.float32), persistent=False)
         self.register_buffer("bin_centers", torch.tensor((edges[:-1] + edges[1:]) / 2, dtype=torch.float32), persistent=False)
@@ -256,12 +241,6 @@ class OpenVLAOFTPolicy(Policy):
                 return ActOutput(actions=self.norm.action_out(actions), logprob=torch.zeros(b, self.n_action_tokens, device=h.device),
                                  value=value)
             logits = self._logits(h)
-            if self.log_std is not None and not deterministic:
-                mean, _ = self._expected(logits)
-                std = self.log_std.float().exp().expand_as(mean)
-                act = mean + std * torch.randn_like(mean)
-                lp = gaussian_logpdf(act, mean, std).reshape(len(act), -1)
-                return ActOutput(actions=self.norm.action_out(act), logprob=lp, value=value, replay={"gaussian_action": act})
             if deterministic and self.opts.readout == "expected":
                 actions, tok = self._expected(logits)
             else:
@@ -274,11 +253,6 @@ class OpenVLAOFTPolicy(Policy):
         if self.l1_head is not None:
             raise ValueError("openvla_oft: the L1-regression head has no action distribution; RL needs action_head: tokens")
         h, last = self._hidden(self.norm.state_in(obs))
-        if "gaussian_action" in replay:
-            mean, _ = self._expected(self._logits(h))
-            std = self.log_std.float().exp().expand_as(mean)
-            lp = gaussian_logpdf(replay["gaussian_action"].to(self.device).float().clone(), mean, std).reshape(len(mean), -1)
-            return EvalOutput(logprob=lp, entropy=gaussian_entropy(std).reshape(len(mean), -1), value=self.value_head(last))
         logp = self._logits(h).log_softmax(-1)
         if "action_bins" in replay:
             tok = replay["action_bins"].to(self.device).long().clone()  # clone: may come from inference_mode

@@ -20,9 +20,8 @@ from torch import nn
 RLVLA3_FILE = "rlvla3.json"
 RL_HEADS_FILE = "rlvla3_rl_heads.safetensors"
 TOKENIZER_FILE = "tokenizer.json"
-RL_HEADS = ("value_head.", "sampler.noise_head.", "sampler.log_std", "log_std")
-"""Parameters RL adds to the VLA families (the critic, Flow-Noise's head, a Gaussian head's std); no
-release has them, so they start fresh on load."""
+RL_HEADS = ("value_head.", "sampler.noise_head.")
+"""Parameters RL adds to every VLA family; no release has them, so they start fresh on load."""
 NORM = "norm."
 """The normalisation buffers (``StatsNorm``): set from the release's statistics files."""
 
