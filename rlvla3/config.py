@@ -202,10 +202,6 @@ class AlgoConfig:
     """Half-width of the trust region on the proximal -> current ratio: r in [1-eps, 1+eps]."""
     dual_clip: float = 3.0
     """Dual-clip bound c > 1: for A < 0 the objective is bounded below by c*A (0 disables)."""
-    negative_trust: str = "clip"
-    """How the trust region holds samples with A < 0: ``clip`` (PPO's clip, then the dual clip) or
-    ``spo`` (Simple Policy Optimization's penalty ``r*A - |A| (r - 1)^2 / (2 eps)``, whose optimum is
-    r = 1 - eps: a ratio pushed past it is pulled back, not left; FPO++'s asymmetric trust region)."""
     ratio_level: str = "unit"
     """``unit``: one clipped ratio per token/action with the advantage broadcast; ``chunk``: sum
     the log-probs of a decision first and clip one ratio per decision."""

@@ -10,7 +10,6 @@ from rlvla3.scale_config import ConfigError, validate_scale
 MODES = ("sync", "async_rollout", "async")
 RATIO_LEVELS = ("unit", "chunk")
 TRUST_REGIONS = ("proximal", "behaviour")
-NEGATIVE_TRUSTS = ("clip", "spo")
 ADV_NORMS = ("batch", "proximal")
 
 RENAMED: dict[str, str] = {
@@ -144,8 +143,6 @@ def validate_algo(cfg: Any) -> None:
         raise ConfigError(f"algo.ratio_level: {a.ratio_level!r} not in {RATIO_LEVELS}")
     if a.trust_region not in TRUST_REGIONS:
         raise ConfigError(f"algo.trust_region: {a.trust_region!r} not in {TRUST_REGIONS}")
-    if a.negative_trust not in NEGATIVE_TRUSTS:
-        raise ConfigError(f"algo.negative_trust: {a.negative_trust!r} not in {NEGATIVE_TRUSTS}")
     if a.adv_norm not in ADV_NORMS:
         raise ConfigError(f"algo.adv_norm: {a.adv_norm!r} not in {ADV_NORMS}")
     if a.dual_clip != 0 and a.dual_clip <= 1.0:

@@ -121,25 +121,6 @@ def test_behaviour_trust_region_clips_around_the_actor():
     assert t["new_logprob"].grad[:, 0].tolist() == pytest.approx([-1.1 / 4, 0.0, 0.0, 0.0])
 
 
-def test_spo_pulls_negative_advantage_ratios_back_to_one_minus_eps():
-    """negative_trust="spo" on the hand example: samples with A < 0 get r*A - |A| (r-1)^2 / (2 eps).
-
-    sample  A     w   r     objective                                  -w*obj    d(-w*obj)/d log r = -w*r*(A - |A|/eps*(r-1))
-    2       -1    1   4.0   -4 - 1/0.4 * 9 = -26.5                     +26.5     -4*(-1 - 5*3) = 64
-    3       -0.5  2   0.9   -0.45 - 0.5/0.4 * 0.01 = -0.4625           +0.925    -2*0.9*(-0.5 + 2.5*0.1) = 0.45
-    Samples 0 and 1 as in PPO: -1.1 and -3.0. policy_loss = 23.325 / 4.
-    A ratio gone far past 1 - eps is pulled back hard (PPO's clip would leave it); one inside
-    still falls, at half PPO's pull (PPO: 0.9).
-    """
-    t = _hand_tensors()
-    cfg = AlgoConfig(**{**CFG.__dict__, "negative_trust": "spo"})
-    loss, stats = ppo_loss(**t, cfg=cfg)
-    assert stats["policy_loss"] == pytest.approx(23.325 / 4)
-    assert stats["dual_clip_frac"] == 0.0
-    loss.backward()
-    assert t["new_logprob"].grad[:, 0].tolist() == pytest.approx([-1.1 / 4, 0.0, 64 / 4, 0.45 / 4])
-
-
 def test_chunk_level_sums_units_before_the_ratio():
     cfg = AlgoConfig(**{**CFG.__dict__, "ratio_level": "chunk"})
     loss, stats = ppo_loss(**_hand_tensors(split_units=True), cfg=cfg)
@@ -360,7 +341,7 @@ def test_first_step_ratio_is_one_with_recomputed_proximal():
 
 def test_config_rejects_bad_values():
     for bad in ({"ratio_level": "token"}, {"dual_clip": 0.9}, {"behav_weight_cap": 0.5}, {"trust_region": "actor"},
-                {"target_kl": -0.01}, {"adv_norm": "group"}, {"negative_trust": "dual"}):
+                {"target_kl": -0.01}, {"adv_norm": "group"}):
         with pytest.raises(ConfigError, match=f"algo.{next(iter(bad))}"):
             from_dict({"algo": bad})
 

@@ -13,7 +13,6 @@ lets stale data pull the policy as far as the staleness already moved it. Decoup
 
     surrogate = w * min(r * A, clip(r, 1 - eps, 1 + eps) * A)
     dual clip (Ye et al. 2020), only where A < 0:  max(surrogate term, c * A)
-    or, with ``negative_trust="spo"``, where A < 0:  r * A - |A| (r - 1)^2 / (2 eps)
 
 When the samples are fresh (``prox == behav``), ``w = 1`` and this is exactly standard PPO.
 ``trust_region="behaviour"`` is that standard PPO on stale samples too (Sample Factory's APPO):
@@ -154,10 +153,7 @@ def ppo_loss(
     surr_clipped = r.clamp(1.0 - cfg.clip_eps, 1.0 + cfg.clip_eps) * adv
     objective = torch.minimum(surr_unclipped, surr_clipped)
     dual_active = torch.zeros_like(pg_mask)
-    if cfg.negative_trust == "spo":  # pulls r back towards 1 - eps where A < 0 (FPO++'s ASPO)
-        spo = r * adv - adv.abs() / (2 * cfg.clip_eps) * (r - 1.0) ** 2
-        objective = torch.where(adv < 0, spo, objective)
-    elif cfg.dual_clip:
+    if cfg.dual_clip:
         lower = cfg.dual_clip * adv
         dual_active = (adv < 0) & (objective < lower)
         objective = torch.where(adv < 0, torch.maximum(objective, lower), objective)

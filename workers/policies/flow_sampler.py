@@ -13,11 +13,6 @@ made stochastic:
   Noise goes into ``all`` steps or ``one`` random step per sample.
 * ``noise`` - Flow-Noise: ODE mean plus a learned, bounded std from a noise head that reads the
   action expert's features.
-* ``fpo`` - Flow Policy Optimization (McAllister et al. 2025; per-sample ratios as FPO++, Yi et
-  al. 2026): the ODE from a prior draw, so the whole spread is the flow's own, scored by the
-  flow-matching loss instead of a density. Each sampled chunk gets ``fpo_samples`` draws of
-  (time, noise); its "log-prob" per draw is minus that draw's flow-matching loss, so PPO's ratio
-  ``exp(loss_old - loss_new)`` rises where the policy now denoises towards the chunk.
 
 The log-prob of a chain is the sum of the Gaussian log-densities of its stochastic transitions.
 ``act`` returns the whole chain and the mask of stochastic steps as replay, so ``score`` recomputes
@@ -38,7 +33,7 @@ from torch import nn
 from rlvla3.observation import Observation
 from workers.policies.base import ActOutput, EvalOutput, Policy
 
-MODES = ("ode", "sde", "noise", "fpo")
+MODES = ("ode", "sde", "noise")
 
 # v(x_t [B,T,D], t [B]) -> (velocity [B,T,D], features [B,T,H] or None for the noise head)
 VelocityFn = Callable[[torch.Tensor, torch.Tensor], tuple[torch.Tensor, torch.Tensor | None]]
@@ -52,7 +47,6 @@ class SamplerConfig:
     stochastic_steps: str = "all"
     noise_std_min: float = 0.08
     noise_std_max: float = 0.16
-    fpo_samples: int = 4
 
     def __post_init__(self) -> None:
         if self.mode not in MODES:
@@ -61,8 +55,6 @@ class SamplerConfig:
             raise ValueError(f"stochastic_steps {self.stochastic_steps!r} not in ('all', 'one')")
         if self.num_steps < 1:
             raise ValueError("num_steps must be >= 1")
-        if self.fpo_samples < 1:
-            raise ValueError("fpo_samples must be >= 1")
 
 
 @dataclass
@@ -129,7 +121,7 @@ class FlowSampler(nn.Module):
 
     def _step_mask(self, batch: int, device: torch.device, deterministic: bool) -> torch.Tensor:
         k = self.cfg.num_steps
-        if deterministic or self.cfg.mode in ("ode", "fpo"):
+        if deterministic or self.cfg.mode == "ode":
             return torch.zeros(batch, k, dtype=torch.bool, device=device)
         if self.cfg.stochastic_steps == "all":
             return torch.ones(batch, k, dtype=torch.bool, device=device)
@@ -167,7 +159,7 @@ class FlowSampler(nn.Module):
         chain = chain.float()
         lp = torch.zeros(b, tlen, device=chain.device)
         ent = torch.zeros_like(lp)
-        if self.cfg.mode in ("ode", "fpo") or not bool(mask.any()):
+        if self.cfg.mode == "ode" or not bool(mask.any()):
             return lp, ent
         for k, t in enumerate(self.times(chain.device).tolist()):
             if not bool(mask[:, k].any()):
@@ -186,8 +178,7 @@ class FlowOptions:
     """Sampler fields shared by the flow-matching families' option dataclasses."""
 
     sampler: str = "sde"
-    """``ode`` (no log-probs), ``sde`` (Flow-SDE), ``noise`` (Flow-Noise, learned std) or ``fpo``
-    (the ODE from a draw, scored by the flow-matching loss)."""
+    """``ode`` (no log-probs), ``sde`` (Flow-SDE) or ``noise`` (Flow-Noise, learned std)."""
     num_steps: int = 4
     """Denoising steps K."""
     noise_level: float = 0.5
@@ -198,8 +189,6 @@ class FlowOptions:
     """Flow-Noise lower bound on the learned std."""
     noise_std_max: float = 0.16
     """Flow-Noise upper bound on the learned std."""
-    fpo_samples: int = 4
-    """FPO: (time, noise) draws that score each sampled chunk."""
 
     def sampler_config(self) -> SamplerConfig:
         return SamplerConfig(
@@ -209,7 +198,6 @@ class FlowOptions:
             stochastic_steps=self.stochastic_steps,
             noise_std_min=self.noise_std_min,
             noise_std_max=self.noise_std_max,
-            fpo_samples=self.fpo_samples,
         )
 
 
@@ -256,30 +244,10 @@ class FlowPolicy(Policy):
                 x0 = noise.to(self.device, torch.float32)
             else:
                 x0 = self._eval_start(shape) if deterministic else torch.randn(shape, device=self.device)
-            velocity = self._velocity_fn(ctx)
-            res = self.sampler.sample(velocity, x0, deterministic)
-            replay = {"chain": res.chain, "stochastic": res.mask}
-            logprob = res.logprob
-            if self.sampler.cfg.mode == "fpo" and not deterministic:
-                b, n = shape[0], self.sampler.cfg.fpo_samples
-                replay["fpo_time"] = self.sample_time(b * n).view(b, n).to(self.device)
-                replay["fpo_noise"] = torch.randn((b, n, *shape[1:]), device=self.device)
-                logprob = self._fpo_score(velocity, res.actions, replay["fpo_time"], replay["fpo_noise"])
+            res = self.sampler.sample(self._velocity_fn(ctx), x0, deterministic)
         actions = self.norm.action_out(res.actions[..., : self.action_dim])
-        return ActOutput(actions=actions.contiguous(), logprob=logprob, value=ctx["value"], replay=replay)
-
-    def _fpo_score(self, velocity: VelocityFn, chunk: torch.Tensor, time: torch.Tensor,
-                   noise: torch.Tensor) -> torch.Tensor:
-        """Minus the flow-matching loss of ``chunk`` ``[B, T, D]`` (model space) at each stored
-        draw: ``time`` ``[B, N]``, ``noise`` ``[B, N, T, D]`` -> ``[B, N]``. The loss is
-        :meth:`sft_loss`'s, per draw (mean over the chunk's steps and the env's action dims)."""
-        chunk, d = chunk.float(), self.action_dim
-        scores = []
-        for i in range(time.shape[1]):
-            t, eps = time[:, i].float(), noise[:, i].float()
-            v, _ = velocity(t[:, None, None] * eps + (1 - t[:, None, None]) * chunk, t)
-            scores.append(-((v.float() - (eps - chunk))[..., :d] ** 2).mean(dim=(-2, -1)))
-        return torch.stack(scores, dim=1)
+        return ActOutput(actions=actions.contiguous(), logprob=res.logprob,
+                         value=ctx["value"], replay={"chain": res.chain, "stochastic": res.mask})
 
     def _eval_start(self, shape: tuple[int, ...]) -> torch.Tensor:
         if self._eval_noise is None:
@@ -309,9 +277,5 @@ class FlowPolicy(Policy):
     def evaluate(self, obs: Observation, actions: torch.Tensor, replay: dict[str, torch.Tensor]) -> EvalOutput:
         ctx = self._context(self.norm.state_in(obs))
         chain = replay["chain"].to(self.device).clone()  # clone: may come from inference_mode
-        if "fpo_time" in replay:
-            time, noise = (replay[k].to(self.device).clone() for k in ("fpo_time", "fpo_noise"))
-            lp = self._fpo_score(self._velocity_fn(ctx), chain[:, -1], time, noise)
-            return EvalOutput(logprob=lp, entropy=torch.zeros_like(lp), value=ctx["value"])
         lp, ent = self.sampler.score(self._velocity_fn(ctx), chain, replay["stochastic"].to(self.device))
         return EvalOutput(logprob=lp, entropy=ent, value=ctx["value"])
