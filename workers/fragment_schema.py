@@ -28,7 +28,7 @@ class FragmentSchema:
     def __init__(self, policy: Any) -> None:
         spec = policy.spec
         obs = Observation({c: np.zeros((1, h, w, 3), np.uint8) for c, (h, w) in spec.cameras.items()},
-                          np.zeros((1, spec.state_dim), np.float32), [""])
+                          np.zeros((1, spec.state_dim), np.float32), ["check the shapes"])
         device = next(policy.parameters()).device
         with torch.random.fork_rng(devices=[device] if device.type == "cuda" else []), torch.no_grad():
             out = policy.act(obs)  # a draw of its own: the trainer's random stream is left as it was

@@ -35,9 +35,9 @@ from rlvla3 import protocol as P
 from workers.algorithms.memory import enable_gradient_checkpointing, make_offload
 from workers.algorithms.update import TrainState, UpdateResult, update
 from workers.base import WorkerBase
+from workers.fragment_schema import FragmentSchema
 from workers.learner import Fragment, Learner, Unit, build_batch
 from workers.metrics import EvalTally, MetricsSink, update_row
-from workers.fragment_schema import FragmentSchema
 from workers.model import build_policy, freeze_prefixes
 from workers.trainer_checkpoints import Checkpoints
 from workers.trainer_publish import Publishing
