@@ -45,10 +45,8 @@ from workers.policies.vla_common import (
 )
 
 # pi0's backbone and expert dimensions; "tiny" is pi0's tiny_release, whose head layout LeRobot's
-# pi0.5 config (the family's export format) can describe. "tiny_pi0" is pi0's tiny: the same widths
-# with 2 heads of 16-32 dims (tiny_release's SigLIP has 16 heads of 2 dims); LeRobot's config
-# cannot describe it, so it trains and acts here but does not export.
-SIZES = {**PI0_SIZES, "tiny": PI0_SIZES["tiny_release"], "tiny_pi0": PI0_SIZES["tiny"]}
+# pi0.5 config (the family's export format) can describe.
+SIZES = {**PI0_SIZES, "tiny": PI0_SIZES["tiny_release"]}
 
 
 @dataclass
