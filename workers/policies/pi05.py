@@ -46,7 +46,7 @@ from workers.policies.vla_common import (
 
 # pi0's backbone and expert dimensions; "tiny" is pi0's tiny_release, whose head layout LeRobot's
 # pi0.5 config (the family's export format) can describe.
-SIZES = {**PI0_SIZES, "tiny": PI0_SIZES["tiny_release"], "tiny_pi0": PI0_SIZES["tiny"]}  # tiny_pi0: a probe
+SIZES = {**PI0_SIZES, "tiny": PI0_SIZES["tiny_release"]}
 
 
 @dataclass
