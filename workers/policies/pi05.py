@@ -57,9 +57,6 @@ class Pi05Options(VLAOptions, FlowOptions):
     """Prompt tokens kept; the prompt carries the discretised state, hence longer than pi0's."""
     state_bins: int = 256
     """Bins per state dimension in the text prefix."""
-    state_input: str = "prompt"
-    """``prompt`` (pi0.5's digitised state text) or ``token`` (a probe: pi0's continuous state
-    token beside the action tokens, and no state in the prompt)."""
 
 
 class _Cond:
@@ -170,7 +167,6 @@ class Pi05Policy(FlowPolicy):
             self.action_out_proj = nn.Linear(width, self.model_action_dim)
             self.value_head = ValueHead(vcfg.text_config.hidden_size)
             self.sampler = FlowSampler(opts.sampler_config(), width, self.model_action_dim, spec.action_dim)
-            self.state_proj = nn.Linear(self.state_dim, width) if opts.state_input == "token" else None
         freeze(self.expert.embed_tokens.parameters())
         self.tokenizer = tokenizer or char_tokenizer()
         place(self, opts)
@@ -192,12 +188,8 @@ class Pi05Policy(FlowPolicy):
         b, ncam = pixels.shape[:2]
         img = self.vlm.get_image_features(pixel_values=pixels.flatten(0, 1)).pooler_output
         img = img.reshape(b, ncam * img.shape[1], -1)
-        state = state_tensor(obs.state, self.state_dim)
-        if self.state_proj is not None:
-            prompts = [f"Task: {clean_task(s)};\nAction: " for s in obs.instruction]
-        else:
-            state_txt = discretize_state(state, self.opts.state_bins)
-            prompts = [f"Task: {clean_task(s)}, State: {st};\nAction: " for s, st in zip(obs.instruction, state_txt)]
+        state_txt = discretize_state(state_tensor(obs.state, self.state_dim), self.opts.state_bins)
+        prompts = [f"Task: {clean_task(s)}, State: {st};\nAction: " for s, st in zip(obs.instruction, state_txt)]
         ids, tmask = encode_text(self.tokenizer, prompts, self.opts.max_text_len)
         ids, tmask = ids.to(dev), tmask.to(dev)
         embeds = torch.cat([img, self.vlm.get_input_embeddings()(ids).to(img.dtype)], dim=1)
@@ -205,15 +197,13 @@ class Pi05Policy(FlowPolicy):
         out = self.vlm(inputs_embeds=embeds, attention_mask=mask, position_ids=mask.cumsum(-1) - 1,
                        token_type_ids=torch.zeros_like(mask), use_cache=True)
         value = self.value_head(masked_mean(out.last_hidden_state, mask))
-        return {"cache": out.cache, "mask": mask, "prefix_len": out.cache.get_seq_length(), "value": value, "state": state}
+        return {"cache": out.cache, "mask": mask, "prefix_len": out.cache.get_seq_length(), "value": value}
 
     def _velocity_fn(self, ctx: dict[str, Any]):
         from transformers.masking_utils import create_causal_mask
 
         def velocity(x: torch.Tensor, t: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
             h = self.action_in_proj(x.to(self._dtype))
-            if self.state_proj is not None:
-                h = torch.cat([self.state_proj(ctx["state"].to(h.dtype))[:, None], h], dim=1)
             b, n = h.shape[:2]
             temb = sinusoid(t, h.shape[-1]).to(h.dtype)
             self._cond.value = F.silu(self.time_mlp_out(F.silu(self.time_mlp_in(temb))))
@@ -228,8 +218,6 @@ class Pi05Policy(FlowPolicy):
             finally:
                 self._cond.value = None
                 cache.crop(ctx["prefix_len"] - cache.get_seq_length())
-            if self.state_proj is not None:
-                out = out[:, 1:]
             return self.action_out_proj(out).float(), out
 
         return velocity
