@@ -301,9 +301,9 @@ class SimulatorWorker(WorkerBase):
                     log.error("fragment_unstackable", slot=slot.index, env=tr.env, error=str(err)[:300])
                     header = None
                 tr.records = []
-                if header is not None and slot.eval:
-                    header.update({"eval": True, "eval_version": slot.eval_version, "eval_round": self.eval_round_size})
                 if header is not None:
+                    if slot.eval:
+                        header.update({"eval": True, "eval_version": slot.eval_version, "eval_round": self.eval_round_size})
                     self._ship(slot, header, tensors)
             if done and not slot.eval:
                 tr.begin_episode(outcome.next_obs.instruction[i], self._seed_for(tr.env, tr.episode + 1))
