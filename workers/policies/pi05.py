@@ -57,8 +57,6 @@ class Pi05Options(VLAOptions, FlowOptions):
     """Prompt tokens kept; the prompt carries the discretised state, hence longer than pi0's."""
     state_bins: int = 256
     """Bins per state dimension in the text prefix."""
-    gate_bias: float = 0.0
-    """Initial gate of the expert's residual branches (the bias of each adaptive norm's gate third)."""
 
 
 class _Cond:
@@ -74,14 +72,13 @@ class AdaRMSNorm(nn.Module):
     ``forward`` (the expert's final norm, whose gate nothing reads) returns the input only.
     """
 
-    def __init__(self, hidden: int, cond_dim: int, cond: _Cond, eps: float = 1e-6, gate_bias: float = 0.0) -> None:
+    def __init__(self, hidden: int, cond_dim: int, cond: _Cond, eps: float = 1e-6) -> None:
         super().__init__()
         self.eps = eps
         self.cond = cond
         self.dense = nn.Linear(cond_dim, 3 * hidden)
         nn.init.normal_(self.dense.weight, std=0.02)
         nn.init.zeros_(self.dense.bias)
-        nn.init.constant_(self.dense.bias[2 * hidden:], gate_bias)
 
     def modulate(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         c = self.cond.value
@@ -98,12 +95,12 @@ class GatedExpertLayer(nn.Module):
     """A Gemma decoder layer whose two residual branches are scaled by their adaptive norm's gate
     (``x + gate * f(norm(x))``); attention and MLP are the transformers layer's own modules."""
 
-    def __init__(self, layer: nn.Module, width: int, cond: _Cond, eps: float, gate_bias: float = 0.0) -> None:
+    def __init__(self, layer: nn.Module, width: int, cond: _Cond, eps: float) -> None:
         super().__init__()
         self.self_attn = layer.self_attn
         self.mlp = layer.mlp
-        self.input_layernorm = AdaRMSNorm(width, width, cond, eps, gate_bias)
-        self.post_attention_layernorm = AdaRMSNorm(width, width, cond, eps, gate_bias)
+        self.input_layernorm = AdaRMSNorm(width, width, cond, eps)
+        self.post_attention_layernorm = AdaRMSNorm(width, width, cond, eps)
 
     def forward(self, hidden_states: torch.Tensor, attention_mask: Any = None, position_ids: Any = None,
                 cache: Any = None, use_cache: bool | None = False, position_embeddings: Any = None, **kwargs: Any) -> torch.Tensor:
@@ -162,7 +159,7 @@ class Pi05Policy(FlowPolicy):
             self.vlm = AutoModel.from_config(vcfg)
             self.expert = AutoModel.from_config(ecfg)
             eps = ecfg.rms_norm_eps
-            self.expert.layers = nn.ModuleList(GatedExpertLayer(layer, width, self._cond, eps, opts.gate_bias) for layer in self.expert.layers)
+            self.expert.layers = nn.ModuleList(GatedExpertLayer(layer, width, self._cond, eps) for layer in self.expert.layers)
             self.expert.norm = AdaRMSNorm(width, width, self._cond, eps)
             self.action_in_proj = nn.Linear(self.model_action_dim, width)
             self.time_mlp_in = nn.Linear(width, width)
