@@ -129,7 +129,7 @@ def _cartpole_batch(cfg, policy):
             term = bool(res.terminated[0]) or (ending == "terminated" and t == 2)
             tr.add(StepRecord(obs=obs, actions=out.actions[0].numpy(), logprob=out.logprob[0].numpy(),
                               value=float(out.value[0]), replay={}, version=0, reward=float(res.reward[0]),
-                              step_reward=res.reward.copy(), steps=1, terminated=term,
+                              steps=1, terminated=term,
                               truncated=bool(res.truncated[0]) and not term))
             obs = res.obs
         assert tr.records[-1].truncated == (ending == "truncated")

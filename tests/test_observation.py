@@ -195,7 +195,7 @@ def test_fragment_observations_round_trip():
     tr.begin_episode("task", seed=1)
     for o in obs[:3]:
         tr.add(StepRecord(obs=o, actions=np.zeros((2, 3), np.float32), logprob=np.zeros(2, np.float32), value=0.0,
-                          replay={"noise": np.ones(5, np.float32)}, version=1, step_reward=np.zeros(2, np.float32)))
+                          replay={"noise": np.ones(5, np.float32)}, version=1))
     header, tensors = tr.fragment(obs[3], success=False)
     assert names.under_prefix(names.REPLAY, tensors)["noise"].shape == (3, 5)
     got = fragment_observation(tensors, header["instruction"])

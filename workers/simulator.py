@@ -288,7 +288,7 @@ class SimulatorWorker(WorkerBase):
             tr.add(StepRecord(
                 obs=slot.obs.select([i]), actions=out["actions"][i], logprob=out["logprob"][i],
                 value=float(out["value"][i]), replay={k: v[i] for k, v in replay.items()}, version=slot.version,
-                reward=float(outcome.step_reward[i].sum()), step_reward=outcome.step_reward[i], steps=int(outcome.steps[i]),
+                reward=float(outcome.step_reward[i].sum()), steps=int(outcome.steps[i]),
                 terminated=bool(outcome.terminated[i]), truncated=bool(outcome.truncated[i]),
             ))
             done = i in reset_row

@@ -11,7 +11,7 @@ where the fragment was cut or truncated.
 Fragment tensors (N decision steps), named with ``rlvla3.protocol``'s helpers:
     obs/images/<cam> [N+1, H, W, 3] uint8   obs/state [N+1, D] float32   (an Observation)
     actions [N, T, A]   logprob [N, L]   value [N]   replay/<k> [N, ...]
-    reward [N]   step_reward [N, T]   steps [N] int32 (env steps executed)
+    reward [N]   steps [N] int32 (env steps executed)
     terminated [N] bool   truncated [N] bool   version [N] int64
 Header: instruction, env (global env index), episode (episode counter), seed, done,
 episode_return / episode_success (when done).
@@ -37,7 +37,6 @@ class StepRecord:
     replay: dict[str, np.ndarray]
     version: int
     reward: float = 0.0
-    step_reward: np.ndarray | None = None
     steps: int = 0
     terminated: bool = False
     truncated: bool = False
@@ -86,7 +85,6 @@ class EnvTrajectory:
         keys = sorted(set.intersection(*(set(r.replay) for r in recs)))
         tensors.update(with_prefix(REPLAY, {k: np.stack([r.replay[k] for r in recs]) for k in keys}))
         tensors["reward"] = np.asarray([r.reward for r in recs], np.float32)
-        tensors["step_reward"] = np.stack([r.step_reward for r in recs]).astype(np.float32)
         tensors["steps"] = np.asarray([r.steps for r in recs], np.int32)
         tensors["terminated"] = np.asarray([r.terminated for r in recs], bool)
         tensors["truncated"] = np.asarray([r.truncated for r in recs], bool)

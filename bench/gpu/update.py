@@ -91,7 +91,7 @@ def fragments(obs: Observation, acts: dict[str, np.ndarray], algo: str, length: 
             traj.add(StepRecord(obs=obs.select(slice(i, i + 1)), actions=acts["actions"][i], logprob=acts["logprob"][i],
                                 value=float(acts["value"][i]),
                                 replay={k[len("replay/"):]: v[i] for k, v in acts.items() if k.startswith("replay/")},
-                                version=0, reward=float(rng.normal()), step_reward=np.zeros(chunk, np.float32),
+                                version=0, reward=float(rng.normal()),
                                 steps=chunk, terminated=last))
         header, tensors = traj.fragment(obs.select(slice(hi, hi + 1)), success=bool(rng.integers(2)))
         out.append(Fragment(header, tensors))
