@@ -109,17 +109,22 @@ def warm_start(config: str, seed: int, out: Path, overrides: list[str], episodes
     return json.loads((out / "sft.json").read_text())
 
 
+def job_config(config: str, overrides: list[str]) -> Any:
+    """The config a job runs, read as the jobs (cwd: ROOT) read it, overrides applied."""
+    from rlvla3.config import load
+
+    return load(ROOT / config if (ROOT / config).is_file() else config, overrides)
+
+
 def final_eval(config: str, checkpoint: Path, overrides: list[str], episodes: int) -> float:
     """Deterministic success of a checkpoint (a run folder or an ``rlvla3 sft`` folder) on the
     first ``episodes`` held-out starts of the eval slots."""
     import torch
 
-    from rlvla3.config import load
     from workers.model import build_policy
     from workers.sft import evaluate_policy
 
-    path = ROOT / config if (ROOT / config).is_file() else config  # as the jobs (cwd: ROOT) read it
-    cfg = load(path, [*overrides, f"model.checkpoint={checkpoint}"])
+    cfg = job_config(config, [*overrides, f"model.checkpoint={checkpoint}"])
     torch.set_num_threads(max(1, cfg.workers.torch_threads))
     return evaluate_policy(cfg, build_policy(cfg, device="cpu"), episodes, seed=EVAL_SEED)["success"]
 
@@ -388,7 +393,8 @@ def main() -> None:
             return None
         return round(float(np.median(vals)), 1)
 
-    pngs = [str(p) for p in plot(curves, args.target, out, Path(args.config).stem, curves_json)]
+    family = job_config(args.config, overrides).model.family  # the title names the family the jobs ran
+    pngs = [str(p) for p in plot(curves, args.target, out, f"{Path(args.config).stem}, {family}", curves_json)]
     result = {
         "target_success": args.target, "seeds": seeds, "steps": steps,
         "sync_steps_to_target": median("sync", 0), "async_steps_to_target": median("async", 0),
