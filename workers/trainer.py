@@ -174,8 +174,7 @@ class TrainerWorker(WorkerBase):
             # At most the version the update in progress makes (another rank may publish it first).
             if frag.newest_version > self.version + int(self.training):
                 raise ValueError(f"behaviour version {frag.newest_version} is ahead of the trainer's {self.version}")
-            if not msg.get("eval"):  # trained on: it must stack with the rest of a batch
-                self.schema.check(frag.arrays)
+            observations = self.schema.check(frag.arrays, bool(msg.get("eval")))  # training ones must stack
         except (KeyError, ValueError) as err:
             log.warning("traj_unreadable", gid=gid, error=str(err))
             self.learner.count_unreadable(int(msg.get("steps", 0)), bool(msg.get("eval")))
@@ -183,7 +182,7 @@ class TrainerWorker(WorkerBase):
         if msg.get("eval"):  # evaluation episodes are measured, never trained on
             self.learner.count_eval(bool(msg.get("done")))
             if self.metrics is not None:
-                self.metrics.put_eval_fragment(msg.header, frag.arrays)
+                self.metrics.put_eval_fragment(msg.header, observations)
             if msg.get("done"):
                 version = msg.get("eval_version")
                 self.evals.add(int(version) if isinstance(version, int) else frag.newest_version, bool(msg.get("episode_success")))
