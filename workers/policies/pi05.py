@@ -59,8 +59,6 @@ class Pi05Options(VLAOptions, FlowOptions):
     """Bins per state dimension in the text prefix."""
     time_input: str = "adarms"
     """PROBE: ``mlp`` fuses time with the action tokens as pi0 does (no adaptive norms)."""
-    critic: str = "vlm"
-    """PROBE: ``expert`` reads the value off the expert at a state token (pi0's critic)."""
 
 
 class _Cond:
@@ -170,11 +168,7 @@ class Pi05Policy(FlowPolicy):
             self.time_mlp_in = nn.Linear(2 * width if opts.time_input == "mlp" else width, width)
             self.time_mlp_out = nn.Linear(width, width)
             self.action_out_proj = nn.Linear(width, self.model_action_dim)
-            if opts.critic == "expert":
-                self.value_in_proj = nn.Linear(spec.state_dim, width)
-                self.value_head = ValueHead(width)
-            else:
-                self.value_head = ValueHead(vcfg.text_config.hidden_size)
+            self.value_head = ValueHead(vcfg.text_config.hidden_size)
             self.sampler = FlowSampler(opts.sampler_config(), width, self.model_action_dim, spec.action_dim)
         freeze(self.expert.embed_tokens.parameters())
         self.tokenizer = tokenizer or char_tokenizer()
@@ -205,25 +199,14 @@ class Pi05Policy(FlowPolicy):
         mask = torch.cat([torch.ones(b, img.shape[1], dtype=torch.long, device=dev), tmask], dim=1)
         out = self.vlm(inputs_embeds=embeds, attention_mask=mask, position_ids=mask.cumsum(-1) - 1,
                        token_type_ids=torch.zeros_like(mask), use_cache=True)
-        ctx = {"cache": out.cache, "mask": mask, "prefix_len": out.cache.get_seq_length()}
-        if self.opts.critic == "expert":
-            tok = self.value_in_proj(state_tensor(obs.state, self.state_dim).to(dev, dt))[:, None]
-            ctx["value"] = self.value_head(self._expert_pass(ctx, tok, torch.ones(b, device=dev))[:, 0])
-        else:
-            ctx["value"] = self.value_head(masked_mean(out.last_hidden_state, mask))
-        return ctx
+        value = self.value_head(masked_mean(out.last_hidden_state, mask))
+        return {"cache": out.cache, "mask": mask, "prefix_len": out.cache.get_seq_length(), "value": value}
 
     def _velocity_fn(self, ctx: dict[str, Any]):
-        def velocity(x: torch.Tensor, t: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-            out = self._expert_pass(ctx, self.action_in_proj(x.to(self._dtype)), t)
-            return self.action_out_proj(out).float(), out
-
-        return velocity
-
-    def _expert_pass(self, ctx: dict[str, Any], h: torch.Tensor, t: torch.Tensor) -> torch.Tensor:
         from transformers.masking_utils import create_causal_mask
 
-        if True:
+        def velocity(x: torch.Tensor, t: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+            h = self.action_in_proj(x.to(self._dtype))
             b, n = h.shape[:2]
             temb = sinusoid(t, h.shape[-1]).to(h.dtype)
             if self.opts.time_input == "mlp":
@@ -241,7 +224,9 @@ class Pi05Policy(FlowPolicy):
             finally:
                 self._cond.value = None
                 cache.crop(ctx["prefix_len"] - cache.get_seq_length())
-            return out
+            return self.action_out_proj(out).float(), out
+
+        return velocity
 
 
 @register_policy("pi05", config=Pi05Options)
