@@ -46,7 +46,7 @@ from workers.policies.vla_common import (
 
 # pi0's backbone and expert dimensions; "tiny" is pi0's tiny_release, whose head layout LeRobot's
 # pi0.5 config (the family's export format) can describe.
-SIZES = {**PI0_SIZES, "tiny": PI0_SIZES["tiny_release"], "tiny_pi0": PI0_SIZES["tiny"]}  # PROBE: tiny_pi0
+SIZES = {**PI0_SIZES, "tiny": PI0_SIZES["tiny_release"]}
 
 
 @dataclass
@@ -57,8 +57,6 @@ class Pi05Options(VLAOptions, FlowOptions):
     """Prompt tokens kept; the prompt carries the discretised state, hence longer than pi0's."""
     state_bins: int = 256
     """Bins per state dimension in the text prefix."""
-    time_input: str = "adarms"
-    """PROBE: ``mlp`` fuses time with the action tokens as pi0 does (no adaptive norms)."""
 
 
 class _Cond:
@@ -161,11 +159,10 @@ class Pi05Policy(FlowPolicy):
             self.vlm = AutoModel.from_config(vcfg)
             self.expert = AutoModel.from_config(ecfg)
             eps = ecfg.rms_norm_eps
-            if opts.time_input == "adarms":
-                self.expert.layers = nn.ModuleList(GatedExpertLayer(layer, width, self._cond, eps) for layer in self.expert.layers)
-                self.expert.norm = AdaRMSNorm(width, width, self._cond, eps)
+            self.expert.layers = nn.ModuleList(GatedExpertLayer(layer, width, self._cond, eps) for layer in self.expert.layers)
+            self.expert.norm = AdaRMSNorm(width, width, self._cond, eps)
             self.action_in_proj = nn.Linear(self.model_action_dim, width)
-            self.time_mlp_in = nn.Linear(2 * width if opts.time_input == "mlp" else width, width)
+            self.time_mlp_in = nn.Linear(width, width)
             self.time_mlp_out = nn.Linear(width, width)
             self.action_out_proj = nn.Linear(width, self.model_action_dim)
             self.value_head = ValueHead(vcfg.text_config.hidden_size)
@@ -209,10 +206,7 @@ class Pi05Policy(FlowPolicy):
             h = self.action_in_proj(x.to(self._dtype))
             b, n = h.shape[:2]
             temb = sinusoid(t, h.shape[-1]).to(h.dtype)
-            if self.opts.time_input == "mlp":
-                h = self.time_mlp_out(F.silu(self.time_mlp_in(torch.cat([h, temb[:, None].expand_as(h)], -1))))
-            else:
-                self._cond.value = F.silu(self.time_mlp_out(F.silu(self.time_mlp_in(temb))))
+            self._cond.value = F.silu(self.time_mlp_out(F.silu(self.time_mlp_in(temb))))
             cache, pmask = ctx["cache"], ctx["mask"]
             full = torch.cat([pmask, torch.ones(b, n, dtype=pmask.dtype, device=pmask.device)], dim=1)
             blocks = torch.cat([torch.zeros(ctx["prefix_len"], dtype=torch.long), torch.ones(n, dtype=torch.long)])
