@@ -39,8 +39,9 @@ class FragmentSchema:
         self.per_step["actions"] = tuple(out.actions.shape[1:])
         self.per_step["logprob"] = tuple(out.logprob.shape[1:])
         self.per_step.update({tensor_name(REPLAY, k): tuple(v.shape[1:]) for k, v in out.replay.items()})
-        self.per_obs = {name: tuple(v.shape[1:]) for name, v in obs.to_tensors(FRAGMENT_OBS).items()}
-        self.obs_dtypes = {name: v.dtype for name, v in obs.to_tensors(FRAGMENT_OBS).items()}  # uint8 frames, float32 state
+        sample = obs.to_tensors(FRAGMENT_OBS)
+        self.per_obs = {name: tuple(v.shape[1:]) for name, v in sample.items()}
+        self.obs_dtypes = {name: v.dtype for name, v in sample.items()}  # uint8 frames, float32 state
 
     def check(self, arrays: dict[str, np.ndarray], evaluation: bool) -> dict[str, np.ndarray]:
         """Raise ValueError naming the first tensor that is missing or of the wrong shape or type;

@@ -169,17 +169,18 @@ class TrainerWorker(WorkerBase):
         if self.learner.resent(msg.header):
             log.warning("traj_duplicate", gid=gid, traj_id=msg["traj_id"], writer=msg["writer"])
             return
+        evaluation = bool(msg.get("eval"))
         try:
             frag = Fragment(msg.header, {name: self.attach.materialize(t, copy=True) for name, t in msg.tensors.items()})
             # At most the version the update in progress makes (another rank may publish it first).
             if frag.newest_version > self.version + int(self.training):
                 raise ValueError(f"behaviour version {frag.newest_version} is ahead of the trainer's {self.version}")
-            observations = self.schema.check(frag.arrays, bool(msg.get("eval")))  # training ones must stack
+            observations = self.schema.check(frag.arrays, evaluation)  # training ones must stack
         except (KeyError, ValueError) as err:
             log.warning("traj_unreadable", gid=gid, error=str(err))
-            self.learner.count_unreadable(int(msg.get("steps", 0)), bool(msg.get("eval")))
+            self.learner.count_unreadable(int(msg.get("steps", 0)), evaluation)
             return
-        if msg.get("eval"):  # evaluation episodes are measured, never trained on
+        if evaluation:  # evaluation episodes are measured, never trained on
             self.learner.count_eval(bool(msg.get("done")))
             if self.metrics is not None:
                 self.metrics.put_eval_fragment(msg.header, observations)
