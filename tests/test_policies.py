@@ -31,6 +31,7 @@ CASES = [
     ("pi0-noise", "pi0", "pi0_tiny.yaml", {"sampler": "noise"}),
     ("pi0-sde-one", "pi0", "pi0_tiny.yaml", {"stochastic_steps": "one"}),
     ("pi05", "pi05", "pi05_tiny.yaml", {}),
+    ("pi05-critic-expert", "pi05", "pi05_tiny.yaml", {"critic": "expert"}),
     ("gr00t_n15", "gr00t_n15", "gr00t_n15_tiny.yaml", {}),
     ("gr00t_n15-noise", "gr00t_n15", "gr00t_n15_tiny.yaml", {"sampler": "noise"}),
 ]
@@ -277,3 +278,30 @@ def test_openvla_oft_expected_readout_reads_the_mean_of_the_bins():
 def test_openvla_oft_refuses_an_unknown_readout():
     with pytest.raises(ValueError, match="readout 'mode' not in"):
         build("openvla_oft", "openvla_oft_tiny.yaml", {"readout": "mode"})
+
+
+def test_pi05_refuses_an_unknown_critic():
+    with pytest.raises(ValueError, match="critic 'prefix' not in"):
+        build("pi05", "pi05_tiny.yaml", {"critic": "prefix"})
+
+
+def test_pi05_expert_critic_is_an_rl_head_outside_the_release(tmp_path):
+    """``critic: expert`` adds a state projection that no pi0.5 release has: the LeRobot files leave it
+    out, rlvla3's heads file carries it, and a plain release (no heads file) starts it fresh."""
+    from safetensors.torch import load_file
+
+    policy = build("pi05", "pi05_tiny.yaml", {"critic": "expert"})
+    with torch.no_grad():  # as training would leave it: not the seeded initialisation a load draws
+        policy.value_in_proj.weight.mul_(3.0)
+    ck = tmp_path / "ck"
+    save_release(policy, str(ck))
+    assert not any("value_in_proj" in k for k in load_file(ck / "model.safetensors"))
+    assert {"value_in_proj.weight", "value_in_proj.bias"} <= set(load_file(ck / "rlvla3_rl_heads.safetensors"))
+    obs = make_obs(2, seed=7)
+    full = load_release(str(ck), "pi05", SPEC, dict(device="cpu", dtype="float32"))
+    assert torch.equal(act(full, obs, True).value, act(policy, obs, True).value)
+    os.remove(ck / "rlvla3_rl_heads.safetensors")
+    plain = load_release(str(ck), "pi05", SPEC, dict(device="cpu", dtype="float32"))
+    assert plain.opts.critic == "expert"
+    assert torch.equal(act(plain, obs, True).actions, act(policy, obs, True).actions)
+    assert not torch.allclose(act(plain, obs, True).value, act(policy, obs, True).value)

@@ -29,6 +29,7 @@ from workers.policies.vla_common import (
     char_tokenizer,
     encode_text,
     freeze,
+    freeze_query_path,
     pick_cameras,
     place,
     preprocess_images,
@@ -115,12 +116,8 @@ class Pi0Policy(FlowPolicy):
     def _freeze_unread(self) -> None:
         """The expert's token table and the VLM's last-layer query/output path never feed pi0's
         actions or value (only that layer's keys/values do); frozen, not silently gradient-less."""
-        vlm_lm = self.pi0.model.vlm.language_model
-        last = vlm_lm.layers[-1]
         freeze(self.pi0.model.dit.embed_tokens.parameters())
-        freeze(vlm_lm.norm.parameters())
-        for mod in (last.self_attn.q_proj, last.self_attn.o_proj, last.post_attention_layernorm, last.mlp):
-            freeze(mod.parameters())
+        freeze_query_path(self.pi0.model.vlm.language_model)
 
     # -- observation -> prefix ------------------------------------------------------------------
 

@@ -5,7 +5,9 @@
 * time conditions the action expert through adaptive RMSNorm: every expert norm reads a scale, a
   shift and a gate off the time MLP's output, and the gates scale both residual branches of
   every expert layer (openpi's ``Gemma`` with ``adarms``), instead of time joining the action tokens;
-* the critic reads the VLM output (masked mean over the prefix), as in piRL for pi0.5.
+* the critic reads the VLM output (masked mean over the prefix), as in piRL for pi0.5, or with
+  ``critic: expert`` the expert's output at one projected state token that sees the prefix and
+  itself (pi0's critic, conditioned at t = 1): on Meta-World from pixels it doubled PPO's gains.
 
 Each expert layer attends to its VLM layer's cached keys/values (joint attention, pi0's layout):
 the prefix is bidirectional, the action tokens see the prefix and each other.
@@ -34,6 +36,7 @@ from workers.policies.vla_common import (
     discretize_state,
     encode_text,
     freeze,
+    freeze_query_path,
     masked_mean,
     pick_cameras,
     place,
@@ -47,6 +50,7 @@ from workers.policies.vla_common import (
 # pi0's backbone and expert dimensions; "tiny" is pi0's tiny_release, whose head layout LeRobot's
 # pi0.5 config (the family's export format) can describe.
 SIZES = {**PI0_SIZES, "tiny": PI0_SIZES["tiny_release"]}
+CRITICS = ("vlm", "expert")
 
 
 @dataclass
@@ -57,6 +61,12 @@ class Pi05Options(VLAOptions, FlowOptions):
     """Prompt tokens kept; the prompt carries the discretised state, hence longer than pi0's."""
     state_bins: int = 256
     """Bins per state dimension in the text prefix."""
+    critic: str = "vlm"
+    """Where the value is read: ``vlm`` (mean of the VLM's prefix output) or ``expert`` (a state token)."""
+
+    def __post_init__(self) -> None:
+        if self.critic not in CRITICS:
+            raise ValueError(f"pi05: critic {self.critic!r} not in {CRITICS}")
 
 
 class _Cond:
@@ -165,9 +175,15 @@ class Pi05Policy(FlowPolicy):
             self.time_mlp_in = nn.Linear(width, width)
             self.time_mlp_out = nn.Linear(width, width)
             self.action_out_proj = nn.Linear(width, self.model_action_dim)
-            self.value_head = ValueHead(vcfg.text_config.hidden_size)
+            if opts.critic == "expert":  # an RL head: no release has it (workers.release.common.RL_HEADS)
+                self.value_in_proj = nn.Linear(spec.state_dim, width)
+                self.value_head = ValueHead(width)
+            else:
+                self.value_head = ValueHead(vcfg.text_config.hidden_size)
             self.sampler = FlowSampler(opts.sampler_config(), width, self.model_action_dim, spec.action_dim)
         freeze(self.expert.embed_tokens.parameters())
+        if opts.critic == "expert":  # nothing reads the VLM's output then
+            freeze_query_path(self.vlm.language_model)
         self.tokenizer = tokenizer or char_tokenizer()
         place(self, opts)
         self.eval()
@@ -196,31 +212,40 @@ class Pi05Policy(FlowPolicy):
         mask = torch.cat([torch.ones(b, img.shape[1], dtype=torch.long, device=dev), tmask], dim=1)
         out = self.vlm(inputs_embeds=embeds, attention_mask=mask, position_ids=mask.cumsum(-1) - 1,
                        token_type_ids=torch.zeros_like(mask), use_cache=True)
-        value = self.value_head(masked_mean(out.last_hidden_state, mask))
-        return {"cache": out.cache, "mask": mask, "prefix_len": out.cache.get_seq_length(), "value": value}
+        ctx = {"cache": out.cache, "mask": mask, "prefix_len": out.cache.get_seq_length()}
+        if self.opts.critic == "expert":
+            tok = self.value_in_proj(state_tensor(obs.state, self.state_dim).to(dev, dt))[:, None]
+            ctx["value"] = self.value_head(self._expert_pass(ctx, tok, torch.ones(b, device=dev))[:, 0])
+        else:
+            ctx["value"] = self.value_head(masked_mean(out.last_hidden_state, mask))
+        return ctx
 
     def _velocity_fn(self, ctx: dict[str, Any]):
-        from transformers.masking_utils import create_causal_mask
-
         def velocity(x: torch.Tensor, t: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-            h = self.action_in_proj(x.to(self._dtype))
-            b, n = h.shape[:2]
-            temb = sinusoid(t, h.shape[-1]).to(h.dtype)
-            self._cond.value = F.silu(self.time_mlp_out(F.silu(self.time_mlp_in(temb))))
-            cache, pmask = ctx["cache"], ctx["mask"]
-            full = torch.cat([pmask, torch.ones(b, n, dtype=pmask.dtype, device=pmask.device)], dim=1)
-            blocks = torch.cat([torch.zeros(ctx["prefix_len"], dtype=torch.long), torch.ones(n, dtype=torch.long)])
-            attn = create_causal_mask(config=self.expert.config, inputs_embeds=h, attention_mask=full, cache=cache,
-                                      block_sequence_ids=blocks[None].repeat(b, 1).to(h.device))
-            try:
-                out = self.expert(inputs_embeds=h, attention_mask=attn, position_ids=(full.cumsum(-1) - 1)[:, -n:],
-                                  cache=cache).last_hidden_state
-            finally:
-                self._cond.value = None
-                cache.crop(ctx["prefix_len"] - cache.get_seq_length())
+            out = self._expert_pass(ctx, self.action_in_proj(x.to(self._dtype)), t)
             return self.action_out_proj(out).float(), out
 
         return velocity
+
+    def _expert_pass(self, ctx: dict[str, Any], h: torch.Tensor, t: torch.Tensor) -> torch.Tensor:
+        """The expert over tokens ``h`` at time ``t``: they see the cached prefix and each other; the
+        cache is cropped back after, so passes never see one another."""
+        from transformers.masking_utils import create_causal_mask
+
+        b, n = h.shape[:2]
+        temb = sinusoid(t, h.shape[-1]).to(h.dtype)
+        self._cond.value = F.silu(self.time_mlp_out(F.silu(self.time_mlp_in(temb))))
+        cache, pmask = ctx["cache"], ctx["mask"]
+        full = torch.cat([pmask, torch.ones(b, n, dtype=pmask.dtype, device=pmask.device)], dim=1)
+        blocks = torch.cat([torch.zeros(ctx["prefix_len"], dtype=torch.long), torch.ones(n, dtype=torch.long)])
+        attn = create_causal_mask(config=self.expert.config, inputs_embeds=h, attention_mask=full, cache=cache,
+                                  block_sequence_ids=blocks[None].repeat(b, 1).to(h.device))
+        try:
+            return self.expert(inputs_embeds=h, attention_mask=attn, position_ids=(full.cumsum(-1) - 1)[:, -n:],
+                               cache=cache).last_hidden_state
+        finally:
+            self._cond.value = None
+            cache.crop(ctx["prefix_len"] - cache.get_seq_length())
 
 
 @register_policy("pi05", config=Pi05Options)

@@ -193,6 +193,15 @@ def freeze(params: Iterable[nn.Parameter]) -> None:
         p.requires_grad_(False)
 
 
+def freeze_query_path(language_model: nn.Module) -> None:
+    """The last layer's query/output path and the final norm of a language model whose output
+    nothing reads: the action expert's joint attention reads only that layer's keys and values."""
+    last = language_model.layers[-1]
+    freeze(language_model.norm.parameters())
+    for mod in (last.self_attn.q_proj, last.self_attn.o_proj, last.post_attention_layernorm, last.mlp):
+        freeze(mod.parameters())
+
+
 # ---------------------------------------------------------------------------------------------
 # Options every family shares
 # ---------------------------------------------------------------------------------------------

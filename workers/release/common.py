@@ -20,7 +20,7 @@ from torch import nn
 RLVLA3_FILE = "rlvla3.json"
 RL_HEADS_FILE = "rlvla3_rl_heads.safetensors"
 TOKENIZER_FILE = "tokenizer.json"
-RL_HEADS = ("value_head.", "sampler.noise_head.")
+RL_HEADS = ("value_head.", "value_in_proj.", "sampler.noise_head.")
 """Parameters RL adds to every VLA family; no release has them, so they start fresh on load."""
 NORM = "norm."
 """The normalisation buffers (``StatsNorm``): set from the release's statistics files."""

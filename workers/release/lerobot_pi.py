@@ -24,6 +24,9 @@ from typing import Any
 import torch
 
 from workers.release.common import (
+    NORM,
+    RL_HEADS,
+    export_state,
     inverted,
     load_tokenizer,
     options_for,
@@ -305,8 +308,7 @@ def load(local_dir: str, family: str, spec: Any, overrides: dict[str, Any]) -> A
     _check_shapes(policy, sd, names, family, local_dir)
     mapped = {names[k]: sd[k].to(policy.device) for k in names}
     mapped.update(heads)
-    fresh = ("value_head.", "sampler.noise_head.", "norm.") + OURS_NOT_EXPORTED.get(family, ())
-    strict_load(policy, mapped, family, fresh)
+    strict_load(policy, mapped, family, RL_HEADS + (NORM,) + OURS_NOT_EXPORTED.get(family, ()))
     state, action = read_stats(local_dir)
     policy.norm.set(state=state, action=action)
     return policy
@@ -316,13 +318,11 @@ def save(policy: Any, out_dir: str) -> None:
     """Write ``policy`` as LeRobot saves its policy, plus tokenizer and rlvla3 side files."""
     from safetensors.torch import save_file
 
-    from workers.release.common import export_state
-
     family = policy.family
     arch = policy.arch
     paligemma, expert = arch_variants(arch)
     os.makedirs(out_dir, exist_ok=True)
-    ours = export_state(policy, skip=("value_head.", "sampler.noise_head.", "norm.") + OURS_NOT_EXPORTED.get(family, ()))
+    ours = export_state(policy, skip=RL_HEADS + (NORM,) + OURS_NOT_EXPORTED.get(family, ()))
     back = inverted([r for r in RULES[family] if not r[0].startswith("time_mlp") or family == "pi05"])
     names = rename(ours, back)
     released = {"model." + names[k]: v for k, v in ours.items()}
