@@ -7,7 +7,8 @@
   every expert layer (openpi's ``Gemma`` with ``adarms``), instead of time joining the action tokens;
 * the critic reads the VLM output (masked mean over the prefix), as in piRL for pi0.5, or with
   ``critic: expert`` the expert's output at one projected state token that sees the prefix and
-  itself (pi0's critic, conditioned at t = 1): on Meta-World from pixels it doubled PPO's gains.
+  itself (pi0's critic, conditioned at t = 1): on Meta-World from pixels a small lift over the
+  VLM's (docs/architecture.md, "Pixels to success").
 
 Each expert layer attends to its VLM layer's cached keys/values (joint attention, pi0's layout):
 the prefix is bidirectional, the action tokens see the prefix and each other.
@@ -178,12 +179,11 @@ class Pi05Policy(FlowPolicy):
             if opts.critic == "expert":  # an RL head: no release has it (workers.release.common.RL_HEADS)
                 self.value_in_proj = nn.Linear(spec.state_dim, width)
                 self.value_head = ValueHead(width)
+                freeze_query_path(self.vlm.language_model)  # nothing reads the VLM's output then
             else:
                 self.value_head = ValueHead(vcfg.text_config.hidden_size)
             self.sampler = FlowSampler(opts.sampler_config(), width, self.model_action_dim, spec.action_dim)
         freeze(self.expert.embed_tokens.parameters())
-        if opts.critic == "expert":  # nothing reads the VLM's output then
-            freeze_query_path(self.vlm.language_model)
         self.tokenizer = tokenizer or char_tokenizer()
         place(self, opts)
         self.eval()

@@ -105,7 +105,15 @@ def _check_shapes(policy: Any, sd: dict[str, torch.Tensor], names: dict[str, str
     if bad:
         raise ValueError(f"{family}: {local_dir!r} read as LeRobot's {family} layout (lerobot/{'pi0' if family == 'pi0' else 'pi05_base'}): "
                          f"{len(bad)} tensor(s) do not match the model built from its config.json: {'; '.join(bad[:10])}")
+
+
 OURS_NOT_EXPORTED = {"pi05": ("expert.embed_tokens.",)}
+
+
+def _not_in_release(family: str) -> tuple[str, ...]:
+    """Our parameters a LeRobot folder does not hold: the RL heads, the normalisation buffers and
+    the family's own (``OURS_NOT_EXPORTED``); a save skips them and a load starts them fresh."""
+    return RL_HEADS + (NORM,) + OURS_NOT_EXPORTED.get(family, ())
 
 
 def is_lerobot_pi(local_dir: str) -> bool:
@@ -308,7 +316,7 @@ def load(local_dir: str, family: str, spec: Any, overrides: dict[str, Any]) -> A
     _check_shapes(policy, sd, names, family, local_dir)
     mapped = {names[k]: sd[k].to(policy.device) for k in names}
     mapped.update(heads)
-    strict_load(policy, mapped, family, RL_HEADS + (NORM,) + OURS_NOT_EXPORTED.get(family, ()))
+    strict_load(policy, mapped, family, _not_in_release(family))
     state, action = read_stats(local_dir)
     policy.norm.set(state=state, action=action)
     return policy
@@ -322,7 +330,7 @@ def save(policy: Any, out_dir: str) -> None:
     arch = policy.arch
     paligemma, expert = arch_variants(arch)
     os.makedirs(out_dir, exist_ok=True)
-    ours = export_state(policy, skip=RL_HEADS + (NORM,) + OURS_NOT_EXPORTED.get(family, ()))
+    ours = export_state(policy, skip=_not_in_release(family))
     back = inverted([r for r in RULES[family] if not r[0].startswith("time_mlp") or family == "pi05"])
     names = rename(ours, back)
     released = {"model." + names[k]: v for k, v in ours.items()}
