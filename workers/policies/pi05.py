@@ -51,9 +51,6 @@ from workers.policies.vla_common import (
 # pi0's backbone and expert dimensions; "tiny" is pi0's tiny_release, whose head layout LeRobot's
 # pi0.5 config (the family's export format) can describe.
 SIZES = {**PI0_SIZES, "tiny": PI0_SIZES["tiny_release"]}
-# A probe: tiny_release with SigLIP's 16 heads 16 dims wide (tiny's are 2 dims wide).
-SIZES["tiny_vit16"] = {**SIZES["tiny"], "vision": dict(hidden_size=256, intermediate_size=512, num_hidden_layers=2,
-                                                      num_attention_heads=16)}
 CRITICS = ("vlm", "expert")
 STATE_INPUTS = ("prompt", "token")
 
