@@ -390,10 +390,13 @@ def validate(cfg: JobConfig) -> None:
 
 
 def apply_overrides(data: dict[str, Any], overrides: list[str] | tuple[str, ...]) -> dict[str, Any]:
-    """Apply ``a.b.c=value`` strings (value parsed as YAML) to a nested dict."""
+    """Apply ``a.b.c=value`` (value parsed as YAML) and ``~a.b.c`` (Hydra's: drop a key, default applies)."""
     for item in overrides:
+        if item.startswith("~"):
+            _remove(data, item[1:])
+            continue
         if "=" not in item:
-            raise ConfigError(f"override {item!r} is not key=value")
+            raise ConfigError(f"override {item!r} is not key=value or ~key")
         key, raw = item.split("=", 1)
         parts = key.strip().split(".")
         try:
@@ -408,6 +411,15 @@ def apply_overrides(data: dict[str, Any], overrides: list[str] | tuple[str, ...]
             node = nxt
         node[parts[-1]] = value
     return data
+
+
+def _remove(data: dict[str, Any], key: str) -> None:
+    node: Any = data
+    for p in (path := key.split("."))[:-1]:
+        node = node.get(p) if isinstance(node, dict) else None
+    if "=" in key or not isinstance(node, dict) or path[-1] not in node:
+        raise ConfigError(f"override ~{key}: {'~key takes no value' if '=' in key else 'not set, nothing to remove'}")
+    del node[path[-1]]
 
 
 DEFAULT_CONFIG = "metaworld_default.yaml"

@@ -12,6 +12,7 @@ from pathlib import Path
 
 import pytest
 
+from rlvla3.app.run import RunRefused, require_model_options
 from rlvla3.config import ConfigError, load
 from rlvla3.config_rules import RENAMED
 from rlvla3.harness.jobs import run_cli
@@ -63,6 +64,21 @@ def test_config_errors_name_the_key():
     with pytest.raises(ConfigError, match="weights.in_flight"):  # in-flight weights are published within every update
         load("synthetic.yaml", ["weights.in_flight=true", "algo.publish_every=2"])
     assert load("synthetic.yaml", ["weights.in_flight=true"]).weights.in_flight
+
+
+def test_a_tilde_override_removes_a_key_so_its_default_applies():
+    # pi0 under the pi0.5 recipe: the file's pi0.5-only option goes, the rest of model.options stays.
+    cfg = load("metaworld_pi05_rgb.yaml", ["model.family=pi0", "~model.options.critic"])
+    assert cfg.model.family == "pi0" and cfg.model.options == {"size": "tiny", "sampler": "sde", "num_steps": 4,
+                                                                "noise_level": 0.5}
+    require_model_options(cfg)  # the check `rlvla3 run` makes before it starts anything
+    with pytest.raises(RunRefused, match=r"unknown option\(s\) \['critic'\]"):  # without the removal
+        require_model_options(load("metaworld_pi05_rgb.yaml", ["model.family=pi0"]))
+    assert load("synthetic.yaml", ["~algo.lr"]).algo.lr == load("synthetic.yaml", ["~algo"]).algo.lr
+    for bad, says in (("~algo.lrr", "not set"), ("~model.options.size.x", "not set"), ("~algo.lr=1", "no value"),
+                      ("algo.lr", "key=value or ~key")):
+        with pytest.raises(ConfigError, match=says):
+            load("synthetic.yaml", [bad])
 
 
 def test_removed_keys_name_their_replacement():
