@@ -74,7 +74,9 @@ def check_transfer(r: dict[str, Any], out: Path) -> None:
 def check_ablation(r: dict[str, Any], out: Path) -> None:
     assert r["sim"] == "synthetic"
     for mode in ("sync", "async_rollout", "async"):
-        assert r[f"{mode}_sps"] > 0 and r[f"{mode}_detail"]["updates"] >= 0, mode
+        # a window holds at least one update and some env steps, however short --smoke's is
+        assert r[f"{mode}_sps"] > 0 and r[f"{mode}_detail"]["updates"] >= 1, mode
+        assert r[f"{mode}_detail"]["window_s"] >= r["window_s"], (mode, r[f"{mode}_detail"])
         # the trainers of the jobs ran with train.min_update_s = the measured train cost
         assert r[f"{mode}_detail"]["update_s"] >= r["train_cost_s"] * 0.999, (mode, r[f"{mode}_detail"])
     assert set(r["stages_sps"]) == {"simulators", "generator", "trainer"}

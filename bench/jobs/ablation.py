@@ -76,14 +76,21 @@ def job_config(args: argparse.Namespace, mode: str = "async", train_cost_s: floa
 
 def measure_mode(mode: str, job: Any, args: argparse.Namespace) -> dict[str, Any]:
     """Wait until the trainer made its first update (every process up, the loop has turned
-    once), then count env steps over ``args.window`` seconds."""
+    once), then count env steps over ``args.window`` seconds. A window shorter than one sync
+    round (``--smoke``'s, or any on a loaded machine) can fall inside an update, where a sync job
+    steps no env: it then runs on until it holds an update and some env steps."""
     job.wait(lambda f: f.get("trainer_version", 0) >= 1, args.warmup_s, f"{mode}: a first update")
     load0 = load_avg()[0]
     window = job.rate(args.window)
-    fig = window["last"]
+    first, fig, t0 = window["first"], window["last"], time.monotonic() - window["window_s"]
+    if fig["trainer_version"] == first["trainer_version"] or window["count"] == 0:
+        fig = job.wait(lambda f: f["trainer_version"] > first["trainer_version"] and f["env_steps"] > first["env_steps"],
+                       args.warmup_s, f"{mode}: an update and env steps inside the window")
+    seconds = time.monotonic() - t0
     trainer = fig.get("trainer") or {}
     return {
-        "sps": round(window["rate"], 2), "updates": fig["trainer_version"] - window["first"]["trainer_version"],
+        "sps": round((fig["env_steps"] - first["env_steps"]) / seconds, 2), "window_s": round(seconds, 2),
+        "updates": fig["trainer_version"] - first["trainer_version"],
         "versions": fig["policy_version"], "batch_p50": fig["batch_size"].get("p50"),
         "queue_wait_p50_us": fig["queue_wait_us"].get("p50"), "generate_p50_us": fig["generate_us"].get("p50"),
         "update_s": trainer.get("update_s"), "compute_s": trainer.get("compute_s"),
