@@ -363,7 +363,7 @@ def main() -> None:
                 if args.final_eval:
                     fig["held_out_success"] = final_eval(args.config, sft_dir, overrides, args.final_eval)
                 _keep(sft_dir, fig)
-            warm.append({"seed": seed, **fig})
+            warm.append({"seed": seed, **fig, "out": str(sft_dir)})  # the folder the jobs load (it may be a copy)
             print(f"warm start seed={seed}: {json.dumps(warm[-1])}", file=sys.stderr)
             job_overrides.append(f"model.checkpoint={sft_dir}")
         for mode in args.modes:
