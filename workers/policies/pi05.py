@@ -70,9 +70,6 @@ class Pi05Options(VLAOptions, FlowOptions):
     before the action tokens, and no state in the prompt)."""
 
     time_input: str = "adarms"
-    init: str = "torch"
-    """PROBE: ``hf`` initialises as transformers' ``PI05PreTrainedModel._init_weights`` (linear layers
-    normal(0, 0.02), zero bias; the adaptive norms' dense layers zero)."""
     """PROBE: ``mlp`` fuses time with the action tokens as pi0 does (no adaptive norms)."""
 
     def __post_init__(self) -> None:
@@ -197,15 +194,6 @@ class Pi05Policy(FlowPolicy):
                 self.value_head = ValueHead(vcfg.text_config.hidden_size)
             self.state_proj = nn.Linear(spec.state_dim, width) if opts.state_input == "token" else None
             self.sampler = FlowSampler(opts.sampler_config(), width, self.model_action_dim, spec.action_dim)
-            if opts.init == "hf":
-                for m in (self.action_in_proj, self.time_mlp_in, self.time_mlp_out, self.action_out_proj,
-                          getattr(self, "value_in_proj", None), self.state_proj):
-                    if m is not None:
-                        nn.init.normal_(m.weight, std=ecfg.initializer_range)
-                        nn.init.zeros_(m.bias)
-                for m in self.expert.modules():
-                    if isinstance(m, AdaRMSNorm):
-                        nn.init.zeros_(m.dense.weight)
         freeze(self.expert.embed_tokens.parameters())
         self.tokenizer = tokenizer or char_tokenizer()
         place(self, opts)
