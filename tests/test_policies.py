@@ -32,7 +32,6 @@ CASES = [
     ("pi0-sde-one", "pi0", "pi0_tiny.yaml", {"stochastic_steps": "one"}),
     ("pi05", "pi05", "pi05_tiny.yaml", {}),
     ("pi05-critic-expert", "pi05", "pi05_tiny.yaml", {"critic": "expert"}),
-    ("pi05-state-token", "pi05", "pi05_tiny.yaml", {"critic": "expert", "state_input": "token"}),
     ("gr00t_n15", "gr00t_n15", "gr00t_n15_tiny.yaml", {}),
     ("gr00t_n15-noise", "gr00t_n15", "gr00t_n15_tiny.yaml", {"sampler": "noise"}),
 ]

@@ -50,9 +50,8 @@ from workers.policies.vla_common import (
 
 # pi0's backbone and expert dimensions; "tiny" is pi0's tiny_release, whose head layout LeRobot's
 # pi0.5 config (the family's export format) can describe.
-SIZES = {**PI0_SIZES, "tiny": PI0_SIZES["tiny_release"], "tiny_pi0": PI0_SIZES["tiny"]}  # PROBE: tiny_pi0
+SIZES = {**PI0_SIZES, "tiny": PI0_SIZES["tiny_release"]}
 CRITICS = ("vlm", "expert")
-STATE_INPUTS = ("prompt", "token")
 
 
 @dataclass
@@ -65,21 +64,10 @@ class Pi05Options(VLAOptions, FlowOptions):
     """Bins per state dimension in the text prefix."""
     critic: str = "vlm"
     """Where the value is read: ``vlm`` (mean of the VLM's prefix output) or ``expert`` (a state token)."""
-    state_input: str = "prompt"
-    """``prompt`` (pi0.5's digitised state text) or ``token`` (a probe: pi0's continuous state token
-    before the action tokens, and no state in the prompt)."""
-
-    time_input: str = "adarms"
-    prompt: str = "pi05"
-    """PROBE: ``pi0`` writes pi0's prompt (the instruction and a newline) and puts the state token in
-    the prefix's attention block (it sees the prefix and itself, not the actions), as PI0Model does."""
-    """PROBE: ``mlp`` fuses time with the action tokens as pi0 does (no adaptive norms)."""
 
     def __post_init__(self) -> None:
         if self.critic not in CRITICS:
             raise ValueError(f"pi05: critic {self.critic!r} not in {CRITICS}")
-        if self.state_input not in STATE_INPUTS:
-            raise ValueError(f"pi05: state_input {self.state_input!r} not in {STATE_INPUTS}")
 
 
 class _Cond:
@@ -182,11 +170,10 @@ class Pi05Policy(FlowPolicy):
             self.vlm = AutoModel.from_config(vcfg)
             self.expert = AutoModel.from_config(ecfg)
             eps = ecfg.rms_norm_eps
-            if opts.time_input == "adarms":
-                self.expert.layers = nn.ModuleList(GatedExpertLayer(layer, width, self._cond, eps) for layer in self.expert.layers)
-                self.expert.norm = AdaRMSNorm(width, width, self._cond, eps)
+            self.expert.layers = nn.ModuleList(GatedExpertLayer(layer, width, self._cond, eps) for layer in self.expert.layers)
+            self.expert.norm = AdaRMSNorm(width, width, self._cond, eps)
             self.action_in_proj = nn.Linear(self.model_action_dim, width)
-            self.time_mlp_in = nn.Linear(2 * width if opts.time_input == "mlp" else width, width)
+            self.time_mlp_in = nn.Linear(width, width)
             self.time_mlp_out = nn.Linear(width, width)
             self.action_out_proj = nn.Linear(width, self.model_action_dim)
             if opts.critic == "expert":  # an RL head: no release has it (workers.release.common.RL_HEADS)
@@ -195,7 +182,6 @@ class Pi05Policy(FlowPolicy):
                 freeze_query_path(self.vlm.language_model)  # nothing reads the VLM's output then
             else:
                 self.value_head = ValueHead(vcfg.text_config.hidden_size)
-            self.state_proj = nn.Linear(spec.state_dim, width) if opts.state_input == "token" else None
             self.sampler = FlowSampler(opts.sampler_config(), width, self.model_action_dim, spec.action_dim)
         freeze(self.expert.embed_tokens.parameters())
         self.tokenizer = tokenizer or char_tokenizer()
@@ -218,21 +204,15 @@ class Pi05Policy(FlowPolicy):
         b, ncam = pixels.shape[:2]
         img = self.vlm.get_image_features(pixel_values=pixels.flatten(0, 1)).pooler_output
         img = img.reshape(b, ncam * img.shape[1], -1)
-        state = state_tensor(obs.state, self.state_dim).to(dev)
-        if self.opts.prompt == "pi0":
-            prompts = [f"{s}\n" for s in obs.instruction]
-        elif self.state_proj is not None:
-            prompts = [f"Task: {clean_task(s)};\nAction: " for s in obs.instruction]
-        else:
-            state_txt = discretize_state(state, self.opts.state_bins)
-            prompts = [f"Task: {clean_task(s)}, State: {st};\nAction: " for s, st in zip(obs.instruction, state_txt)]
+        state_txt = discretize_state(state_tensor(obs.state, self.state_dim), self.opts.state_bins)
+        prompts = [f"Task: {clean_task(s)}, State: {st};\nAction: " for s, st in zip(obs.instruction, state_txt)]
         ids, tmask = encode_text(self.tokenizer, prompts, self.opts.max_text_len)
         ids, tmask = ids.to(dev), tmask.to(dev)
         embeds = torch.cat([img, self.vlm.get_input_embeddings()(ids).to(img.dtype)], dim=1)
         mask = torch.cat([torch.ones(b, img.shape[1], dtype=torch.long, device=dev), tmask], dim=1)
         out = self.vlm(inputs_embeds=embeds, attention_mask=mask, position_ids=mask.cumsum(-1) - 1,
                        token_type_ids=torch.zeros_like(mask), use_cache=True)
-        ctx = {"cache": out.cache, "mask": mask, "prefix_len": out.cache.get_seq_length(), "state": state}
+        ctx = {"cache": out.cache, "mask": mask, "prefix_len": out.cache.get_seq_length()}
         if self.opts.critic == "expert":
             tok = self.value_in_proj(state_tensor(obs.state, self.state_dim).to(dev, dt))[:, None]
             ctx["value"] = self.value_head(self._expert_pass(ctx, tok, torch.ones(b, device=dev))[:, 0])
@@ -242,31 +222,22 @@ class Pi05Policy(FlowPolicy):
 
     def _velocity_fn(self, ctx: dict[str, Any]):
         def velocity(x: torch.Tensor, t: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-            h = self.action_in_proj(x.to(self._dtype))
-            if self.opts.time_input == "mlp":
-                temb = sinusoid(t, h.shape[-1]).to(h.dtype)
-                h = self.time_mlp_out(F.silu(self.time_mlp_in(torch.cat([h, temb[:, None].expand_as(h)], -1))))
-            if self.state_proj is not None:
-                h = torch.cat([self.state_proj(ctx["state"].to(h.dtype))[:, None], h], dim=1)
-            out = self._expert_pass(ctx, h, t, 1 if self.opts.prompt == "pi0" and self.state_proj is not None else 0)
-            if self.state_proj is not None:
-                out = out[:, 1:]
+            out = self._expert_pass(ctx, self.action_in_proj(x.to(self._dtype)), t)
             return self.action_out_proj(out).float(), out
 
         return velocity
 
-    def _expert_pass(self, ctx: dict[str, Any], h: torch.Tensor, t: torch.Tensor, in_prefix: int = 0) -> torch.Tensor:
+    def _expert_pass(self, ctx: dict[str, Any], h: torch.Tensor, t: torch.Tensor) -> torch.Tensor:
         """The expert over tokens ``h`` at time ``t``: they see the cached prefix and each other; the
         cache is cropped back after, so passes never see one another."""
         from transformers.masking_utils import create_causal_mask
 
         b, n = h.shape[:2]
         temb = sinusoid(t, h.shape[-1]).to(h.dtype)
-        if self.opts.time_input == "adarms":
-            self._cond.value = F.silu(self.time_mlp_out(F.silu(self.time_mlp_in(temb))))
+        self._cond.value = F.silu(self.time_mlp_out(F.silu(self.time_mlp_in(temb))))
         cache, pmask = ctx["cache"], ctx["mask"]
         full = torch.cat([pmask, torch.ones(b, n, dtype=pmask.dtype, device=pmask.device)], dim=1)
-        blocks = torch.cat([torch.zeros(ctx["prefix_len"] + in_prefix, dtype=torch.long), torch.ones(n - in_prefix, dtype=torch.long)])
+        blocks = torch.cat([torch.zeros(ctx["prefix_len"], dtype=torch.long), torch.ones(n, dtype=torch.long)])
         attn = create_causal_mask(config=self.expert.config, inputs_embeds=h, attention_mask=full, cache=cache,
                                   block_sequence_ids=blocks[None].repeat(b, 1).to(h.device))
         try:
