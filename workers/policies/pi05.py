@@ -63,8 +63,6 @@ class Pi05Options(VLAOptions, FlowOptions):
     state_bins: int = 256
     """Bins per state dimension in the text prefix."""
     critic: str = "vlm"
-    proj_init_std: float = 0.0
-    """PROBE: > 0 draws the action-side projections from normal(0, std), zero bias (transformers' init)."""
     """Where the value is read: ``vlm`` (mean of the VLM's prefix output) or ``expert`` (a state token)."""
 
     def __post_init__(self) -> None:
@@ -185,12 +183,6 @@ class Pi05Policy(FlowPolicy):
             else:
                 self.value_head = ValueHead(vcfg.text_config.hidden_size)
             self.sampler = FlowSampler(opts.sampler_config(), width, self.model_action_dim, spec.action_dim)
-            if opts.proj_init_std > 0:
-                for m in (self.action_in_proj, self.time_mlp_in, self.time_mlp_out, self.action_out_proj,
-                          getattr(self, "value_in_proj", None)):
-                    if m is not None:
-                        nn.init.normal_(m.weight, std=opts.proj_init_std)
-                        nn.init.zeros_(m.bias)
         freeze(self.expert.embed_tokens.parameters())
         self.tokenizer = tokenizer or char_tokenizer()
         place(self, opts)
