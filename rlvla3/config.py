@@ -392,34 +392,26 @@ def validate(cfg: JobConfig) -> None:
 def apply_overrides(data: dict[str, Any], overrides: list[str] | tuple[str, ...]) -> dict[str, Any]:
     """Apply ``a.b.c=value`` (value parsed as YAML) and ``~a.b.c`` (Hydra's: drop a key, default applies)."""
     for item in overrides:
-        if item.startswith("~"):
-            _remove(data, item[1:])
+        remove = item.startswith("~")
+        key, sep, raw = item.removeprefix("~").partition("=")
+        if remove == bool(sep):
+            raise ConfigError(f"override {item!r}: expected key=value or ~key (~key takes no value)")
+        *path, last = key.strip().split(".")
+        node = data
+        for p in path:  # a removal walks without making sections
+            node = node.get(p, {}) if remove else node.setdefault(p, {})
+            if not isinstance(node, dict):
+                raise ConfigError(f"override {key}: {p} is not a section" + (", so not set" if remove else ""))
+        if remove:
+            if last not in node:
+                raise ConfigError(f"override ~{key}: not set, nothing to remove")
+            del node[last]
             continue
-        if "=" not in item:
-            raise ConfigError(f"override {item!r} is not key=value or ~key")
-        key, raw = item.split("=", 1)
-        parts = key.strip().split(".")
         try:
-            value = yaml.safe_load(raw)
+            node[last] = yaml.safe_load(raw)
         except yaml.YAMLError as exc:
             raise ConfigError(f"override {key}: cannot parse {raw!r}: {exc}") from None
-        node = data
-        for p in parts[:-1]:
-            nxt = node.setdefault(p, {})
-            if not isinstance(nxt, dict):
-                raise ConfigError(f"override {key}: {p} is not a section")
-            node = nxt
-        node[parts[-1]] = value
     return data
-
-
-def _remove(data: dict[str, Any], key: str) -> None:
-    node: Any = data
-    for p in (path := key.split("."))[:-1]:
-        node = node.get(p) if isinstance(node, dict) else None
-    if "=" in key or not isinstance(node, dict) or path[-1] not in node:
-        raise ConfigError(f"override ~{key}: {'~key takes no value' if '=' in key else 'not set, nothing to remove'}")
-    del node[path[-1]]
 
 
 DEFAULT_CONFIG = "metaworld_default.yaml"

@@ -82,11 +82,12 @@ def measure_mode(mode: str, job: Any, args: argparse.Namespace) -> dict[str, Any
     job.wait(lambda f: f.get("trainer_version", 0) >= 1, args.warmup_s, f"{mode}: a first update")
     load0 = load_avg()[0]
     window = job.rate(args.window)
-    first, fig, t0 = window["first"], window["last"], time.monotonic() - window["window_s"]
+    first, fig, seconds = window["first"], window["last"], window["window_s"]
     if fig["trainer_version"] == first["trainer_version"] or window["count"] == 0:
+        t = time.monotonic()
         fig = job.wait(lambda f: f["trainer_version"] > first["trainer_version"] and f["env_steps"] > first["env_steps"],
                        args.warmup_s, f"{mode}: an update and env steps inside the window")
-    seconds = time.monotonic() - t0
+        seconds += time.monotonic() - t
     trainer = fig.get("trainer") or {}
     return {
         "sps": round((fig["env_steps"] - first["env_steps"]) / seconds, 2), "window_s": round(seconds, 2),

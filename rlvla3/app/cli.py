@@ -21,6 +21,9 @@ from rlvla3.config import ConfigError, JobConfig
 from rlvla3.devices import check_gpus
 from rlvla3.lifetime import on_stop_signals, stopped_cleanly
 
+SET_HELP = "Override a config key: --set batching.max_batch=16; --set ~KEY removes one, so its default applies."
+"""The help of every command's --set that applies overrides to the job config."""
+
 
 @click.group()
 @click.option("--log-json", is_flag=True, help="One JSON object per log line (default: key=value).")
@@ -53,7 +56,7 @@ def _require_simulator(cfg: JobConfig) -> None:
 @click.option("--config", "config", default=None, help="Job config YAML (default: the embedded one).")
 @click.option("--bind", default=None, help="ROUTER address, e.g. tcp://*:5555 (default: broker.bind).")
 @click.option("--pub", default=None, help="PUB address for weights, e.g. tcp://*:5556 (default: broker.pub).")
-@click.option("--set", "overrides", multiple=True, help="Override a config key: --set batching.max_batch=16; --set ~KEY removes one, so its default applies.")
+@click.option("--set", "overrides", multiple=True, help=SET_HELP)
 @click.option("--info-file", default=None, help="Write the bound endpoints here as JSON once listening.")
 @click.option("--keys", "keys_dir", default=None, envvar="RLVLA3_KEYS",
               help="CURVE key folder from `rlvla3 keys` (default: broker.keys_dir): only allowlisted clients join.")
@@ -234,7 +237,7 @@ def keys(keys_dir: str, clients: tuple[str, ...]) -> None:
 @main.command()
 @click.argument("config", required=False)
 @click.option("--steps", type=int, default=None, help="Stop after this many env steps (default: run.total_env_steps).")
-@click.option("--set", "overrides", multiple=True, help="Override a config key: --set batching.max_batch=16; --set ~KEY removes one, so its default applies.")
+@click.option("--set", "overrides", multiple=True, help=SET_HELP)
 @click.option("--run-dir", default=None, help="Run folder (default: <run.run_dir>/<run.name>-<time>).")
 @click.option("--bind", default="tcp://127.0.0.1:0", show_default=True, help="Broker ROUTER address (port 0: any free).")
 @click.option("--pub", default="tcp://127.0.0.1:0", show_default=True, help="Broker PUB address.")
