@@ -234,14 +234,14 @@ def test_ppo_moves_a_flow_chain_toward_positive_advantages(steps):
     opt = make_optimizer(policy.parameters(), cfg)
     obs = make_obs(64, seed=5)
     start = float(act(policy, obs, deterministic=True).actions[..., 0].mean())
-    for _ in range(6):
+    for _ in range(10):
         out = act(policy, obs)
         score = out.actions[..., 0].mean(1)
         batch = {"obs": obs, "actions": out.actions, "replay": out.replay, "behav_logprob": out.logprob,
                  "advantages": score - score.mean(), "values": out.value, "returns": None}
         ppo_update(policy, opt, batch, cfg)
     end = float(act(policy, obs, deterministic=True).actions[..., 0].mean())
-    assert end > start + 0.05, (start, end)  # measured: +0.19 ("all"), +0.096 ("one"); from x0 = 0, twice that
+    assert end > start + 0.05, (start, end)  # measured: +0.30 ("all"), +0.095 ("one")
 
 
 def test_openvla_oft_expected_readout_reads_the_mean_of_the_bins():
