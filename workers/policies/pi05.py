@@ -52,11 +52,19 @@ from workers.policies.vla_common import (
 # pi0.5 config (the family's export format) can describe.
 SIZES = {**PI0_SIZES, "tiny": PI0_SIZES["tiny_release"]}
 CRITICS = ("vlm", "expert")
-PROJ_INIT_STD = 0.02
-"""transformers' ``initializer_range``: the action-side projections start from normal(0, 0.02), zero
-bias, as its PI05 model inits them. torch's default (uniform, +-1/sqrt(fan_in)) gave warm starts
-whose PPO gained +0.14 on Meta-World from pixels; this one, +0.38 sync and +0.41 async over three
-seeds (docs/architecture.md, "Pixels to success")."""
+INIT_STD = 0.02
+"""transformers' ``initializer_range``, with which its PI05 model inits every linear layer."""
+
+
+def init_as_transformers(*layers: nn.Linear) -> None:
+    """Weights from normal(0, 0.02), zero bias, as transformers inits pi0.5, for the layers this
+    module adds (adaRMS dense layers, action-side projections). torch's default (uniform,
+    +-1/sqrt(fan_in)) for the projections gave warm starts whose PPO gained +0.14 on Meta-World
+    from pixels; this init, +0.38 sync and +0.41 async over three seeds (docs/architecture.md,
+    "Pixels to success")."""
+    for layer in layers:
+        nn.init.normal_(layer.weight, std=INIT_STD)
+        nn.init.zeros_(layer.bias)
 
 
 @dataclass
@@ -93,8 +101,7 @@ class AdaRMSNorm(nn.Module):
         self.eps = eps
         self.cond = cond
         self.dense = nn.Linear(cond_dim, 3 * hidden)
-        nn.init.normal_(self.dense.weight, std=0.02)
-        nn.init.zeros_(self.dense.bias)
+        init_as_transformers(self.dense)
 
     def modulate(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         c = self.cond.value
@@ -188,11 +195,8 @@ class Pi05Policy(FlowPolicy):
             else:
                 self.value_head = ValueHead(vcfg.text_config.hidden_size)
             self.sampler = FlowSampler(opts.sampler_config(), width, self.model_action_dim, spec.action_dim)
-            for proj in (self.action_in_proj, self.time_mlp_in, self.time_mlp_out, self.action_out_proj,
-                         getattr(self, "value_in_proj", None)):
-                if proj is not None:
-                    nn.init.normal_(proj.weight, std=PROJ_INIT_STD)
-                    nn.init.zeros_(proj.bias)
+            init_as_transformers(self.action_in_proj, self.time_mlp_in, self.time_mlp_out, self.action_out_proj,
+                                 *([self.value_in_proj] if opts.critic == "expert" else []))
         freeze(self.expert.embed_tokens.parameters())
         self.tokenizer = tokenizer or char_tokenizer()
         place(self, opts)
